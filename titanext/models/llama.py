@@ -1,0 +1,198 @@
+"""A Llama-3-style decoder: RMSNorm, RoPE with explicit position ids, GQA attention through
+one swappable attention function, and a SwiGLU feed-forward.
+
+It is built for the titanext flow: construct on the meta device, parallelize, then
+``to_empty(device=...)`` and ``init_weights(seed)``. Layers live in a ``ModuleDict`` keyed by
+their index, and ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` so that a pipeline
+stage keeps only its part.
+
+>>> import torch
+>>> from titanext.models import ModelArgs
+>>> from titanext.models.llama import Transformer
+>>> model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258))
+>>> model.init_weights(seed=0)
+>>> model(torch.randint(0, 258, (2, 16))).shape
+torch.Size([2, 16, 258])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanext.models.args import ModelArgs
+from titanext.models.init import constant_, init_tensor_, normal_
+
+# q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    """The default attention: ``F.scaled_dot_product_attention`` with GQA."""
+    if k.shape[1] != q.shape[1]:
+        # Expanding here (rather than enable_gqa) keeps every SDPA backend and DTensor path usable.
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, return in the input dtype.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [batch or 1, seq, head_dim // 2] for explicit positions.
+
+    Positions are explicit (not ``arange``) because context parallelism hands each rank a
+    non-contiguous slice of the sequence.
+    """
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.to(torch.float32)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] (Llama's convention)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """GQA self-attention. ``attn_fn`` is the one seam plugins (CP) replace."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.attn_fn: AttentionFn = sdpa_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under TP each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled init of the output projections (as in torchtitan / GPT-2).
+        self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, prefix: str, seed: int) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                fill = constant_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+                fill = normal_(self.out_init_std, truncate=2.0)
+            else:
+                fill = normal_(0.02, truncate=2.0)
+            init_tensor_(p, f"{prefix}{name}", seed, fill)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        if self.inv_freq.device.type != "meta":
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        hd = self.args.head_dim
+        with torch.no_grad():
+            inv = 1.0 / (self.args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            self.inv_freq.copy_(inv.to(self.inv_freq.device))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise buffers and parameters; identical values under any FSDP/TP layout."""
+        self.init_buffers()
+        if self.tok_embeddings is not None:
+            init_tensor_(self.tok_embeddings.weight, "tok_embeddings.weight", seed, normal_(1.0))
+        for key, layer in self.layers.items():
+            layer.init_weights(f"layers.{key}.", seed)
+        if self.norm is not None:
+            init_tensor_(self.norm.weight, "norm.weight", seed, constant_(1.0))
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            init_tensor_(self.output.weight, "output.weight", seed, normal_(std, truncate=3.0))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline stage).
+
+        Returns logits [batch, seq, vocab] (or hidden states if this part has no output head).
+        """
+        if position_ids is None:
+            # From the input, not from h: under sequence parallelism h holds a slice.
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def num_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x non-embedding params + attention scores (causal ignored)."""
+        a = self.args
+        return 6.0 * self.num_params(exclude_embedding=True) + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len

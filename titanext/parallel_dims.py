@@ -1,0 +1,231 @@
+"""ParallelDims: one source of truth for parallel degrees, and the DeviceMesh built from them.
+
+The world mesh has named axes ``pp, dp_replicate, dp_shard, cp, tp`` (outer to inner, so TP
+stays inside a node). Derived views are flattened from them:
+
+===============  ===================================  =====================================
+view             axes                                 used for
+===============  ===================================  =====================================
+``dp``           dp_replicate x dp_shard              data loading (ranks that see different
+                                                      samples)
+``dp_shard_cp``  dp_shard x cp                        FSDP sharding / gradient reduction
+``dp_cp``        dp_replicate x dp_shard x cp         loss and token-count reduction
+``ep``           (dp_shard x cp) slice of size ep     expert parallelism (borrows ranks)
+===============  ===================================  =====================================
+
+When ``ep > 1`` the dp_shard axis is split into ``dp_shard_mod_ep x dp_shard_in_ep`` with
+``dp_shard_in_ep x cp = ep``, so experts are spread first over the CP ranks and then over part
+of the data-parallel shard ranks.
+
+>>> dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=4)
+>>> dims.dp_shard
+2
+>>> # mesh = dims.build_mesh()            # inside an initialised process group
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titanext.config import ConfigError
+
+__all__ = ["ParallelDims", "device_type", "init_distributed"]
+
+
+def device_type() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: float = 300.0) -> torch.device:
+    """Initialise the default process group from torchrun's environment.
+
+    Backend is chosen from the device: NCCL on CUDA, gloo on CPU. Returns this rank's device.
+    Outside torchrun (no WORLD_SIZE) a 1-process group is created on a free local port.
+    """
+    dev = device_type()
+    if dev == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend="nccl" if dev == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if dev == "cuda" else None,
+        )
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
+    # DeviceMesh has no public flatten in every torch we support; keep the private call here.
+    mesh[dims]._flatten(mesh_dim_name=name)
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees; ``dp_shard = -1`` means "whatever is left of the world"."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        problems = []
+        names = {
+            "data_parallel_replicate_degree": self.dp_replicate,
+            "context_parallel_degree": self.cp,
+            "tensor_parallel_degree": self.tp,
+            "pipeline_parallel_degree": self.pp,
+            "expert_parallel_degree": self.ep,
+        }
+        for key, value in names.items():
+            if value < 1:
+                problems.append(f"parallelism.{key} = {value} must be >= 1")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            problems.append(f"parallelism.data_parallel_shard_degree = {self.dp_shard} must be -1 or >= 1")
+        if problems:
+            raise ConfigError(problems)
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError([
+                    f"parallelism: world size {self.world_size} is not divisible by "
+                    f"dp_replicate x cp x tp x pp = {others}, so data_parallel_shard_degree = -1 "
+                    "cannot fill the rest"
+                ])
+            self.dp_shard = self.world_size // others
+        if others * self.dp_shard != self.world_size:
+            raise ConfigError([
+                f"parallelism: dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x "
+                f"cp({self.cp}) x tp({self.tp}) x pp({self.pp}) = {others * self.dp_shard} must "
+                f"equal the world size {self.world_size}"
+            ])
+        if self.ep > 1:
+            if self.ep % self.cp or (self.dp_shard * self.cp) % self.ep:
+                raise ConfigError([
+                    f"parallelism.expert_parallel_degree = {self.ep} must be a multiple of "
+                    f"context_parallel_degree ({self.cp}) and divide dp_shard x cp = "
+                    f"{self.dp_shard * self.cp}"
+                ])
+
+    # -- derived degrees -------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def gradient_reduction_size(self) -> int:
+        """Ranks whose gradients are averaged by FSDP/DDP: dp_replicate x dp_shard x cp."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    # -- mesh -------------------------------------------------------------------------------
+    def build_mesh(self, device: str | None = None) -> DeviceMesh:
+        """Create the world mesh (all named axes, size-1 ones included) and its views."""
+        device = device or device_type()
+        if self.ep > 1:
+            in_ep = self.ep // self.cp
+            sizes = [self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp]
+            names = ["pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp"]
+        else:
+            sizes = [self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp]
+            names = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+        mesh = init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(names))
+        shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
+        if self.ep > 1:
+            _flatten(mesh, shard, "dp_shard")
+            _flatten(mesh, ("dp_shard_in_ep", "cp"), "ep")
+        _flatten(mesh, ("dp_replicate", *shard), "dp")
+        _flatten(mesh, (*shard, "cp"), "dp_shard_cp")
+        _flatten(mesh, ("dp_replicate", *shard, "cp"), "dp_cp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh() first")
+        return self._mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1D (dp_shard_cp) for FSDP, 2D (dp_replicate, dp_shard_cp) for HSDP."""
+        m = self.world_mesh
+        return m["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else m["dp_shard_cp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["tp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["cp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["pp"]
+
+    @property
+    def loss_mesh(self) -> DeviceMesh:
+        return self.world_mesh["dp_cp"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        if self.ep == 1:
+            raise RuntimeError("expert parallelism is off (ep = 1): there is no ep mesh")
+        return self.world_mesh["ep"]

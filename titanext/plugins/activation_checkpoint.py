@@ -1,0 +1,95 @@
+"""Activation checkpointing (recompute) per block: none, full, or selective.
+
+- full: every block's activations are recomputed in backward.
+- selective, layer level (``option="2"``): every 2nd block is fully checkpointed.
+- selective, op level (``option="op"``): inside every block, the outputs of the ops in
+  ``save_ops`` (matmuls and attention by default: the expensive ones) are kept, everything
+  else (norms, activations, elementwise) is recomputed.
+
+The block's ``forward`` is replaced in place instead of wrapping the module, so parameter
+names (and therefore checkpoints) are the same with and without AC.
+
+>>> apply_activation_checkpointing(model, mode="selective", option="op")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from titanext.plugins._blocks import find_blocks
+
+__all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing"]
+
+DEFAULT_SAVE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _resolve_ops(names: Iterable[str]) -> set:
+    ops = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            raise ValueError(f"activation_checkpoint.selective_op_save_list: unknown aten op {name!r}")
+        ops.add(packet.default if hasattr(packet, "default") else packet)
+    return ops
+
+
+def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+
+    block.forward = forward
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    *,
+    mode: str = "full",
+    option: str = "op",
+    save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
+    blocks: Iterable[nn.Module] | None = None,
+) -> nn.Module:
+    """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place."""
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, selective")
+    block_list = find_blocks(model, blocks)
+    if mode == "full":
+        for block in block_list:
+            _checkpoint_forward(block)
+        return model
+    if option == "op":
+        ops = _resolve_ops(save_ops)
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        for block in block_list:
+            _checkpoint_forward(block, context_fn)
+        return model
+    if not str(option).isdigit() or int(option) < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option = {option!r}; allowed: 'op' or a positive integer"
+        )
+    every = int(option)
+    for i, block in enumerate(block_list):
+        if i % every == 0:
+            _checkpoint_forward(block)
+    return model

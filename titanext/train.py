@@ -1,0 +1,292 @@
+"""The training entrypoint: ``torchrun --nproc_per_node N -m titanext.train --config FILE``.
+
+The flow reads like a recipe (see :meth:`Trainer.__init__`): validate the config, build the
+mesh, build the model on the meta device, apply TP -> AC -> compile -> FSDP/DDP, then
+``to_empty`` and ``init_weights``; then optimizer, scheduler, data, checkpoints and metrics.
+
+Loss normalisation: each step's loss is the sum of token losses divided by the number of
+(non-ignored) tokens in the *global* batch, counted once across all data-parallel ranks and
+micro-batches. FSDP/DDP average gradients over the ``gradient_reduction_size`` ranks, so each
+rank scales its backward by that size; every layout then computes the gradient one process
+would compute on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanext.checkpoint import CheckpointManager
+from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
+from titanext.data import build_dataloader
+from titanext.metrics import MetricsLogger
+from titanext.models import build_model, get_model_args
+from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanext.parallel_dims import ParallelDims, init_distributed
+from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+from titanext.plugins.compile import apply_compile
+from titanext.plugins.fsdp import apply_ddp, apply_fsdp
+from titanext.plugins.tensor_parallel import apply_tensor_parallel
+from titanext.tokenizer import build_tokenizer
+
+IGNORE_INDEX = -100
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised when the loss or gradient norm becomes NaN or inf."""
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _set_process_group_timeout(seconds: float) -> None:
+    """Shorten the collective timeout once start-up (which may compile or load) is done."""
+    try:  # private in every torch we support; losing it only keeps the init timeout.
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+
+
+class Trainer:
+    """Builds everything from a :class:`JobConfig` and runs the loop.
+
+    Needs ``torch.distributed`` initialised (``init_distributed`` does it from torchrun's
+    environment, also for a single process).
+    """
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t, p = cfg.training, cfg.parallelism
+        self.device = init_distributed(cfg.comm.init_timeout_seconds)
+        self.rank, world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(t.seed)
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+        self.dims = dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            world_size=world_size,
+        )
+        dims.build_mesh(self.device.type)
+        self.grad_accum_steps = self._grad_accum_steps()
+
+        # Model: meta -> parallelize -> materialise -> init.
+        self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
+        model = build_model(cfg.model.name, self.model_args, device="meta")
+        self.loss_parallel = dims.tp_enabled and p.enable_loss_parallel
+        if dims.tp_enabled:
+            apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=p.enable_sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
+        ac = cfg.activation_checkpoint
+        apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
+                                       save_ops=ac.selective_op_save_list)
+        if cfg.compile.enable and "model" in cfg.compile.components:
+            apply_compile(model, backend=cfg.compile.backend)
+        zero1 = p.zero_stage == 1 and dims.dp_enabled
+        if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
+            apply_fsdp(
+                model,
+                dims.fsdp_mesh,
+                param_dtype=_dtype(t.mixed_precision_param, self.device),
+                reduce_dtype=_dtype(t.mixed_precision_reduce, self.device),
+                reshard_after_forward=p.fsdp_reshard_after_forward,
+                zero_stage=max(p.zero_stage, 2),
+                pp_enabled=dims.pp_enabled,
+            )
+        model.to_empty(device=self.device)
+        model.init_weights(seed=t.seed)
+        self.model = model
+        # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
+        self.train_module: nn.Module = apply_ddp(model, dims.dp_mesh) if zero1 else model
+        self.compute_loss = self._loss_fn
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
+
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(
+            model.parameters(), name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay, implementation=o.implementation,
+            zero1_group=dims.dp_mesh.get_group() if zero1 else None,
+        )
+        s = cfg.lr_scheduler
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
+            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor,
+        )
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        self.dataloader = build_dataloader(
+            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer,
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=dims.dp_mesh.get_local_rank(), dp_degree=dims.dp, seed=t.seed, shuffle=t.shuffle,
+        )
+        c = cfg.checkpoint
+        self.checkpointer = CheckpointManager(
+            folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
+            keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
+            enable=c.enable, model_parts=[model], optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+        )
+        self.step = 0
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _grad_accum_steps(self) -> int:
+        t = self.cfg.training
+        if t.global_batch_size in (-1, None):
+            return 1
+        return t.global_batch_size // (t.local_batch_size * self.dims.dp)
+
+    @staticmethod
+    def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of token cross-entropies (fp32); normalised by the caller."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                               reduction="sum", ignore_index=IGNORE_INDEX)
+
+    def _loss_context(self):
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
+
+    def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over this rank's micro-batches; returns (global loss, grad norm)."""
+        dims = self.dims
+        loss_group = dims.loss_mesh.get_group()
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=loss_group)
+        global_tokens = counts.item()
+        scale = dims.gradient_reduction_size / max(global_tokens, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            last = i == len(microbatches) - 1
+            sync = self.train_module.no_sync() if (not last and isinstance(self.train_module, nn.parallel.DistributedDataParallel)) else contextlib.nullcontext()
+            with sync, self._loss_context():
+                logits = self.train_module(inputs)
+                loss = self.compute_loss(logits, labels)
+                (loss * scale).backward()
+            if isinstance(loss, DTensor):
+                loss = loss.full_tensor()
+            loss_sum += loss.detach().to(torch.float64)
+            del logits, loss
+        dist.all_reduce(loss_sum, group=loss_group)
+        mean_loss = (loss_sum / max(global_tokens, 1.0)).item()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm).item()
+        if not (torch.isfinite(torch.tensor(mean_loss)) and torch.isfinite(torch.tensor(grad_norm))):
+            raise TrainingDiverged(
+                f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping without "
+                "an optimizer step (the last good checkpoint is kept)"
+            )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mean_loss, grad_norm
+
+    # -- loop --------------------------------------------------------------------------------
+    def train(self) -> list[float]:
+        cfg, t = self.cfg, self.cfg.training
+        self.step = self.checkpointer.load()
+        tokens_per_step = self.grad_accum_steps * t.local_batch_size * self.dims.dp * t.seq_len
+        metrics = MetricsLogger(
+            job_dir=cfg.job.dump_folder, rank=self.rank, is_logging_rank=self.rank == 0,
+            log_freq=cfg.metrics.log_freq, total_steps=t.steps,
+            enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
+            device=self.device, flops_per_token=self.model.num_flops_per_token(t.seq_len),
+            num_devices=dist.get_world_size(), color=not cfg.metrics.disable_color_printing,
+        )
+        if self.rank == 0:
+            self._print_banner(tokens_per_step)
+        losses = []
+        try:
+            while self.step < t.steps:
+                loss, grad_norm = self.train_step(self.next_microbatches())
+                self.step += 1
+                if self.step == 1:
+                    _set_process_group_timeout(cfg.comm.train_timeout_seconds)
+                losses.append(loss)
+                metrics.record_tokens(tokens_per_step)
+                metrics.log(self.step, loss=loss, grad_norm=grad_norm,
+                            lr=self.lr_scheduler.get_last_lr()[0])
+                self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+        finally:
+            metrics.close()
+        return losses
+
+    def _print_banner(self, tokens_per_step: int) -> None:
+        d = self.dims
+        n = self.model.num_params()
+        print(
+            f"titanext: {self.cfg.model.name}/{self.cfg.model.flavor} ({n / 1e6:.2f}M params) on "
+            f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate={d.dp_replicate} "
+            f"dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} | zero_stage={self.cfg.parallelism.zero_stage} "
+            f"| grad accumulation {self.grad_accum_steps} | {tokens_per_step} tokens/step",
+            flush=True,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, validate (exit code 2 on a bad config, before anything starts), then train."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config_path, overrides, flags = parse_cli(argv)
+        if flags.get("help"):
+            print(config_help())
+            return 0
+        cfg = load_config(config_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"titanext: config error: {problem}", file=sys.stderr)
+        return 2
+    if flags.get("print_config"):
+        print(to_toml(cfg))
+        return 0
+    # Ctrl-C: stop without saving anything partial (checkpoint writes are atomic anyway).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    trainer = None
+    code = 0
+    try:
+        trainer = Trainer(cfg)
+        start = time.time()
+        trainer.train()
+        if trainer.rank == 0:
+            print(f"titanext: done, {trainer.step} steps in {time.time() - start:.1f}s", flush=True)
+    except TrainingDiverged as e:
+        print(f"titanext: training diverged: {e}", file=sys.stderr, flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        print("titanext: interrupted; nothing partial was saved", file=sys.stderr, flush=True)
+        code = 130
+    finally:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
