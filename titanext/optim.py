@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["build_lr_scheduler", "build_optimizer", "clip_grad_norm_", "lr_lambda"]
@@ -93,29 +93,44 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Global gradient-norm clipping for any mix of plain tensors and DTensors.
 
-    Each DTensor's norm is reduced over its own mesh (so parameters sharded by FSDP, TP or
-    both, on different meshes, can be mixed), then the per-parameter norms are combined.
-    With ``pp_group`` the total also sums over pipeline stages, which hold different
-    parameters. ``max_norm <= 0`` only measures. Returns the total norm (a plain tensor).
+    Gradients are bucketed by (mesh, sharded mesh dims); each bucket's local ``|g|^p`` is summed
+    and reduced once per sharded dim, so parameters sharded by FSDP, TP or both, on different
+    meshes, mix freely at a few collectives per step. With ``pp_group`` the total also sums over
+    pipeline stages, which hold different parameters. ``max_norm <= 0`` only measures.
+    Returns the total norm as a plain fp32 tensor.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    norms = []
+    is_inf = math.isinf(norm_type)
+    buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        n = torch.linalg.vector_norm(p.grad, norm_type)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    if math.isinf(norm_type):
-        total = stacked.max()
-        if pp_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-    else:
-        total = stacked.pow(norm_type).sum()
-        if pp_group is not None:
-            dist.all_reduce(total, group=pp_group)
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            # e.g. SP norm weights: each TP rank holds a partial sum. Reduce it now (the
+            # optimizer would do the same), so the norm sees the real gradient.
+            g = p.grad = g.redistribute(
+                g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            )
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            key, local = (g.device_mesh, dims), g.to_local()
+        else:
+            key, local = (None, ()), g
+        n = torch.linalg.vector_norm(local.float(), norm_type)
+        buckets.setdefault(key, []).append(n if is_inf else n.pow(norm_type))
+    device = params[0].grad.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    for (mesh, dims), parts in buckets.items():
+        acc = torch.stack(parts).max() if is_inf else torch.stack(parts).sum()
+        for d in dims:
+            dist.all_reduce(acc, op=op, group=mesh.get_group(d))
+        total = torch.maximum(total, acc) if is_inf else total + acc
+    if pp_group is not None:
+        dist.all_reduce(total, op=op, group=pp_group)
+    if not is_inf:
         total = total.pow(1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
