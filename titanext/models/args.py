@@ -43,6 +43,9 @@ class ModelArgs:
 _LLAMA3_BIG = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=131072, n_kv_heads=8)
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # ~0.1M parameters: for tests and quick experiments (TP up to 4: 8 heads over 4 kv heads).
+    "debugtiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=264,
+                           multiple_of=32),
     # ~4.9M parameters: trains in seconds on CPU, GQA (8 heads over 4 kv heads) so TP=2/4 works.
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, multiple_of=256,

@@ -1,0 +1,96 @@
+"""Every data/tensor-parallel layout trains exactly like one fp32 process.
+
+Each case runs the real Trainer for several optimizer steps in gloo processes and compares the
+per-step global loss and the final (full) parameters with a single-process run on the same
+global batch. Init is layout-invariant and the synthetic data order is global, so the only
+differences left are floating-point reduction orders.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tests.distributed import run_distributed
+
+STEPS = 5
+BASE = [
+    "--model.flavor=debugtiny",
+    "--training.dataset=synthetic",
+    "--training.seq_len=32",
+    f"--training.steps={STEPS}",
+    "--training.mixed_precision_param=float32",
+    "--training.mixed_precision_reduce=float32",
+    "--optimizer.lr=3e-3",
+    "--lr_scheduler.warmup_steps=1",
+    "--metrics.enable_tensorboard=false",
+    "--metrics.log_freq=100",
+]
+
+
+def _train(rank: int, world_size: int, overrides: list[str], dump_folder: str):
+    from titanext.config import load_config
+    from titanext.train import Trainer
+
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides], world_size=world_size)
+    trainer = Trainer(cfg)
+    losses = trainer.train()
+    params = {}
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().clone()
+    return losses, params
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, global batch 8 in one micro-batch."""
+    folder = str(tmp_path_factory.mktemp("ref"))
+    return run_distributed(_train, 1, args=(["--training.local_batch_size=8"], folder))[0]
+
+
+CASES = {
+    # name: (world size, overrides); every case has a global batch of 8 sequences.
+    "fsdp2": (2, ["--training.local_batch_size=4"]),
+    "fsdp4": (4, ["--training.local_batch_size=2"]),
+    "hsdp_2x2": (4, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "tp2_sp": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2"]),
+    "tp2_no_sp_no_loss_parallel": (2, [
+        "--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
+        "--parallelism.enable_sequence_parallel=false", "--parallelism.enable_loss_parallel=false"]),
+    "fsdp2_x_tp2": (4, ["--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2"]),
+    "grad_accum_fsdp2": (2, ["--training.local_batch_size=2", "--training.global_batch_size=8"]),
+    "grad_accum_1proc": (1, ["--training.local_batch_size=2", "--training.global_batch_size=8"]),
+    "zero1_dp2": (2, ["--training.local_batch_size=4", "--parallelism.zero_stage=1"]),
+    "zero1_dp2_grad_accum": (2, ["--training.local_batch_size=2", "--training.global_batch_size=8",
+                                 "--parallelism.zero_stage=1"]),
+    "zero2_dp2": (2, ["--training.local_batch_size=4", "--parallelism.zero_stage=2"]),
+    "zero3_dp4_reshard_never": (4, ["--training.local_batch_size=2",
+                                    "--parallelism.fsdp_reshard_after_forward=never"]),
+    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
+    "fsdp2_selective_op_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective"]),
+    "tp2_selective_layer_ac": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
+                                   "--activation_checkpoint.mode=selective",
+                                   "--activation_checkpoint.selective_ac_option=2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_matches_single_process(case, reference, tmp_path):
+    world_size, overrides = CASES[case]
+    losses, params = run_distributed(_train, world_size, args=(overrides, str(tmp_path)))[0]
+    ref_losses, ref_params = reference
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0], "the loss should fall over the steps"
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_parity_check_can_fail(reference, tmp_path):
+    """A different learning rate must be caught by the same comparison."""
+    losses, _ = run_distributed(_train, 2, args=(["--training.local_batch_size=4", "--optimizer.lr=2e-3"],
+                                                 str(tmp_path)))[0]
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=0)
