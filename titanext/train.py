@@ -207,8 +207,14 @@ class Trainer:
         return mean_loss, grad_norm
 
     # -- loop --------------------------------------------------------------------------------
-    def train(self) -> list[float]:
+    def train(self, until_step: int | None = None) -> list[float]:
+        """Resume if a checkpoint exists, then train to ``training.steps`` (or ``until_step``).
+
+        ``until_step`` stops early without changing the schedule, as a preempted job would.
+        Returns this call's per-step losses.
+        """
         cfg, t = self.cfg, self.cfg.training
+        last_step = t.steps if until_step is None else min(until_step, t.steps)
         self.step = self.checkpointer.load()
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * self.dims.dp * t.seq_len
         metrics = MetricsLogger(
@@ -222,7 +228,7 @@ class Trainer:
             self._print_banner(tokens_per_step)
         losses = []
         try:
-            while self.step < t.steps:
+            while self.step < last_step:
                 loss, grad_norm = self.train_step(self.next_microbatches())
                 self.step += 1
                 if self.step == 1:
