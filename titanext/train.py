@@ -223,6 +223,7 @@ class Trainer:
             enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
             device=self.device, flops_per_token=self.model.num_flops_per_token(t.seq_len),
             num_devices=dist.get_world_size(), color=not cfg.metrics.disable_color_printing,
+            progress_bar=cfg.metrics.progress_bar,
         )
         if self.rank == 0:
             self._print_banner(tokens_per_step)
