@@ -85,7 +85,11 @@ def test_layout_matches_single_process(case, reference, tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert losses[-1] < losses[0], "the loss should fall over the steps"
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # Relative error of the whole tensor: Adam normalises each element's update, so an
+        # element whose gradient is ~0 can move by ~lr on a sign flip of rounding noise; the
+        # tensor as a whole must still agree to ~1e-5.
+        err = (params[name] - ref).norm() / ref.norm()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
 
 
 def test_parity_check_can_fail(reference, tmp_path):

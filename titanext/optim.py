@@ -40,6 +40,11 @@ def build_optimizer(
         raise ValueError(f"optimizer.implementation = {implementation!r}; allowed: {', '.join(impl)}")
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation])
     params = [p for p in params if p.requires_grad]
+    if zero1_group is None:
+        # foreach/fused kernels cannot mix DTensors and plain tensors (e.g. TP without SP leaves
+        # the norms plain), and they run per param group: give each kind its own group.
+        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        params = [{"params": group} for group in kinds if group]
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -132,5 +137,9 @@ def clip_grad_norm_(
     if not is_inf:
         total = total.pow(1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # Scale the local shards in place (under no_grad, to_local() is the DTensor's storage):
+        # one foreach kernel, whatever meshes the gradients live on.
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        torch._foreach_mul_(local, coef.to(local[0].device))
     return total
