@@ -265,8 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         cfg = load_config(config_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"titanext: config error: {problem}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
+            for problem in e.problems:
+                print(f"titanext: config error: {problem}", file=sys.stderr)
         return 2
     if flags.get("print_config"):
         print(to_toml(cfg))
