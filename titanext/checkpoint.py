@@ -1,18 +1,29 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP): atomic, prunable, reshardable.
 
-Layout: ``<folder>/step-<N>/`` holds the DCP shards of the model and optimizer (whatever mix of
-FSDP/TP DTensors and plain tensors they are), ``trainer_state.pt`` (step, LR scheduler, data
-loader position, extra states, world size) and ``rng-<rank>.pt``. A save is written into
-``step-<N>.tmp/`` and renamed once every rank has finished, so an interrupted save never
-looks like a checkpoint. Because DCP stores global tensors by name, a checkpoint saved under
-one layout loads under another (FSDP 4 -> FSDP 2 x TP 2, say).
+Layout of one checkpoint, ``<folder>/step-<N>/``:
+
+- DCP shards and ``.metadata`` for ``{"model": ..., "optimizer": ...}``: the model state of
+  every model part merged into one dict keyed by FQN, and the optimizer state in the
+  flattened per-parameter form (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``). Both are
+  stored as global tensors by name, so a checkpoint saved under one layout loads under
+  another (FSDP 4 -> FSDP 2 x TP 2, a different number of param groups, ...).
+- ``trainer_state.pt`` (rank 0, ``torch.save``): step, world size, LR scheduler, data loader
+  and ``extra_states``. These are small, plain and the same on every rank.
+- ``rng-<rank>.pt``: each rank's CPU (and CUDA) RNG state; restored only under the same world
+  size.
+- ``zero1_optimizer.pt``: with a ``ZeroRedundancyOptimizer`` (ZeRO-1), whose state DCP's
+  helpers cannot read, the consolidated optimizer state dict instead of DCP's "optimizer".
+
+A save is written into ``step-<N>.tmp/`` and renamed to ``step-<N>`` by rank 0 only after
+every rank has finished writing, so an interrupted save never looks like a checkpoint. Stale
+``.tmp`` folders are ignored when loading and removed by the next save.
 
 >>> ckpt = CheckpointManager(folder="outputs/ckpt", interval=100, keep_latest_k=2,
 ...                          load_step="latest", last_save=True, enable=True,
 ...                          model_parts=[model], optimizer=opt, lr_scheduler=sched,
 ...                          dataloader=loader)                          # doctest: +SKIP
 >>> step = ckpt.load()                    # 0 when there is nothing to resume  # doctest: +SKIP
->>> ckpt.maybe_save(step)                                                # doctest: +SKIP
+>>> ckpt.maybe_save(step + 1)             # saves when step % interval == 0    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 import torch
@@ -28,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -37,85 +50,188 @@ from torch.distributed.checkpoint.state_dict import (
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("titanext")
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# Leftovers of interrupted saves (".tmp") and of an interrupted re-save swap (".old").
+_STALE_DIR = re.compile(r"^step-\d+\.(tmp|old)$")
+_METADATA = ".metadata"  # written last by DCP's coordinator
+_TRAINER_STATE = "trainer_state.pt"
+_ZERO1_OPTIMIZER = "zero1_optimizer.pt"
+# The flattened form keys optimizer state by parameter FQN, not by param-group position, so it
+# survives layouts that group parameters differently (TP alone puts DTensors and plain
+# tensors in separate groups; FSDP puts everything in one).
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+def _is_zero1(optimizer: Any) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-class CheckpointManager:
-    """Save every ``interval`` steps (and after the last with ``last_save``); resume on load.
+def _save_file(obj: Any, path: str) -> None:
+    """``torch.save`` and fsync, so the commit rename never publishes a file still in cache."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
-    ``load_step``: "latest" (or -1), "none", or a step number. ``keep_latest_k > 0`` keeps
-    only the newest k complete checkpoints. With ``enable=False`` every call is a no-op.
-    One model part and one optimizer over it; a ZeroRedundancyOptimizer (ZeRO-1) is saved
-    consolidated, so it too loads under another data-parallel size.
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable; best effort (not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _load_file(path: str) -> Any:
+    # weights_only=False: these files are written by this manager and hold arbitrary picklable
+    # scheduler / data loader / extra state, not only tensors.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+class CheckpointManager:
+    """Save every ``interval`` steps (and after the last one with ``last_save``); resume on load.
+
+    Args:
+        folder: where the ``step-<N>`` folders live (created on the first save).
+        interval: save when ``step % interval == 0``.
+        keep_latest_k: keep only the newest k complete checkpoints (0 keeps all).
+        load_step: "latest" (or -1) resumes from the highest complete step, "none" starts
+            fresh, a step number loads exactly that step (ValueError if it is missing).
+        last_save: :meth:`maybe_save` with ``last=True`` saves whatever the interval.
+        enable: with False every method is a no-op (``load`` returns 0).
+        model_parts: the model, or its pipeline stages on this rank; their FQNs must be unique
+            across parts (pipeline stages keep the full model's names).
+        optimizer: one optimizer over the parameters of all parts; a ZeroRedundancyOptimizer
+            is saved consolidated (see the module docstring).
+        lr_scheduler, dataloader: objects with ``state_dict``/``load_state_dict`` (or None).
+            Their state must be the same on every rank: only rank 0's copy is saved.
+        extra_states: more such objects by name (same rule).
+        process_group: the ranks that save and load together (default: the world).
+
+    Every method except :meth:`latest_step` / :meth:`complete_steps` is collective: all ranks
+    of ``process_group`` call it.
     """
 
     def __init__(self, *, folder: str, interval: int, keep_latest_k: int, load_step: int | str,
                  last_save: bool, enable: bool, model_parts: list[nn.Module],
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
-                 extra_states: dict[str, Any] | None = None):
-        if enable and len(model_parts) != 1:
-            raise ValueError(f"CheckpointManager takes one model part, got {len(model_parts)}")
+                 extra_states: dict[str, Any] | None = None,
+                 process_group: dist.ProcessGroup | None = None):
         self.folder, self.interval, self.keep_latest_k = folder, interval, keep_latest_k
         self.load_step, self.last_save, self.enable = load_step, last_save, enable
-        self.model = model_parts[0] if model_parts else None
+        self.model_parts = list(model_parts)
         self.optimizer, self.lr_scheduler, self.dataloader = optimizer, lr_scheduler, dataloader
-        self.extra_states = extra_states or {}
+        self.extra_states = dict(extra_states or {})
+        self.process_group = process_group
+        if not enable:
+            return
+        if interval < 1:
+            raise ValueError(f"checkpoint.interval = {interval}; it must be >= 1")
+        if keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k = {keep_latest_k}; use 0 to keep all")
+        if not self.model_parts:
+            raise ValueError("CheckpointManager needs at least one model part")
+        self._check_load_step(load_step)
+        # A container lets DCP's optimizer helpers map one optimizer over several parts to
+        # FQNs; the "<part index>." prefix it adds is stripped again (see _optimizer_state).
+        self._parts = nn.ModuleList(self.model_parts)
+        if _is_zero1(optimizer) and self._world_size() != dist.get_world_size(optimizer.process_group):
+            raise ValueError(
+                "a ZeroRedundancyOptimizer is checkpointed through one consolidated file, so its "
+                "process group must span the checkpoint's process group (got "
+                f"{dist.get_world_size(optimizer.process_group)} vs {self._world_size()} ranks)")
 
-    # -- discovery -----------------------------------------------------------------------------
+    # -- process group ---------------------------------------------------------------------------
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if self._distributed() else 0
+
+    def _world_size(self) -> int:
+        return dist.get_world_size(self.process_group) if self._distributed() else 1
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier(group=self.process_group)
+
+    # -- discovery (local, not collective) -------------------------------------------------------
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
     def complete_steps(self) -> list[int]:
-        """Steps with a complete (committed) checkpoint, ascending."""
+        """Steps with a complete (committed) checkpoint, ascending; ``.tmp`` folders never count."""
         if not os.path.isdir(self.folder):
             return []
         steps = []
         for name in os.listdir(self.folder):
             m = _STEP_DIR.match(name)
-            path = os.path.join(self.folder, name)
-            if m and os.path.exists(os.path.join(path, "trainer_state.pt")) and os.path.exists(
-                    os.path.join(path, ".metadata")):
+            # The rename already makes step-<N> complete; the file checks also reject a folder
+            # that was copied or deleted only in part by hand.
+            if m and all(os.path.exists(os.path.join(self.folder, name, f))
+                         for f in (_METADATA, _TRAINER_STATE)):
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
     def latest_step(self) -> int | None:
+        """The highest complete step, or None when there is none."""
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
-    def _path(self, step: int) -> str:
-        return os.path.join(self.folder, f"step-{step}")
+    # -- state -----------------------------------------------------------------------------------
+    def _model_state(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            part_state = get_model_state_dict(part)
+            duplicated = merged.keys() & part_state.keys()
+            if duplicated:
+                raise ValueError(f"model parts share state names {sorted(duplicated)[:3]}; each "
+                                 "FQN must belong to exactly one part")
+            merged.update(part_state)
+        return merged
 
-    # -- state ---------------------------------------------------------------------------------
-    def _tensor_state(self) -> dict[str, Any]:
-        state = {"model": get_model_state_dict(self.model)}
-        if not _is_zero1(self.optimizer):
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        return state
+    def _optimizer_state(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """Flattened optimizer state keyed without the container's part index, and the map back.
+
+        Keys are "state.<part>.<fqn>.<name>" / "param_groups.<part>.<fqn>.<name>"; dropping
+        "<part>." keeps the checkpoint independent of how the model is split into parts.
+        """
+        prefixed = get_optimizer_state_dict(self._parts, self.optimizer, options=_OPTIM_OPTIONS)
+        state, original_keys = {}, {}
+        for key, value in prefixed.items():
+            section, _part, rest = key.split(".", 2)
+            name = f"{section}.{rest}"
+            state[name], original_keys[name] = value, key
+        return state, original_keys
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        state = {
+        return {
             "step": step,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
+            "world_size": self._world_size(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "dataloader": None if self.dataloader is None else self.dataloader.state_dict(),
+            "extra": {name: obj.state_dict() for name, obj in self.extra_states.items()},
         }
-        state["extra"] = {k: v.state_dict() for k, v in self.extra_states.items()}
-        return state
 
-    # -- save ----------------------------------------------------------------------------------
+    @staticmethod
+    def _rng_state() -> dict[str, torch.Tensor]:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return rng
+
+    # -- save ------------------------------------------------------------------------------------
     def maybe_save(self, step: int, *, last: bool = False) -> bool:
+        """Save if ``step`` is on the interval, or if ``last`` and ``last_save``; True if saved."""
         if not self.enable:
             return False
         if step % self.interval == 0 or (last and self.last_save):
@@ -124,38 +240,57 @@ class CheckpointManager:
         return False
 
     def save(self, step: int) -> None:
-        """Write step ``step`` atomically (collective: every rank calls it)."""
+        """Write step ``step`` atomically, replacing an existing ``step-<step>`` (collective)."""
+        if not self.enable:
+            return
+        start = time.monotonic()
         final, tmp = self._path(step), self._path(step) + ".tmp"
-        if _rank() == 0:
+        rank = self._rank()
+        if rank == 0:
             os.makedirs(self.folder, exist_ok=True)
-            for name in os.listdir(self.folder):  # leftovers of interrupted saves
-                if name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
-        _barrier()
-        dcp.save(self._tensor_state(), checkpoint_id=tmp)
-        if _is_zero1(self.optimizer):
-            self.optimizer.consolidate_state_dict(to=0)  # collective
-            if _rank() == 0:
-                torch.save(self.optimizer.state_dict(), os.path.join(tmp, "zero1_optimizer.pt"))
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, os.path.join(tmp, f"rng-{_rank()}.pt"))
-        if _rank() == 0:
-            torch.save(self._trainer_state(step), os.path.join(tmp, "trainer_state.pt"))
-        _barrier()  # every rank's files are in tmp
-        if _rank() == 0:
-            if os.path.exists(final):  # re-saving a step: move the old one out of the way first
-                old = final + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            self._remove_stale()
+        self._barrier()  # nobody writes into a tmp folder that rank 0 is still removing
+        os.makedirs(tmp, exist_ok=True)
+
+        zero1 = _is_zero1(self.optimizer)
+        state: dict[str, Any] = {"model": self._model_state()}
+        if not zero1:
+            state["optimizer"] = self._optimizer_state()[0]
+        dcp.save(state, checkpoint_id=tmp, process_group=self.process_group)
+        if zero1:
+            self.optimizer.consolidate_state_dict(to=0)  # collective over the ZeRO group
+            if dist.get_rank(self.optimizer.process_group) == 0:
+                _save_file(self.optimizer.state_dict(), os.path.join(tmp, _ZERO1_OPTIMIZER))
+        _save_file(self._rng_state(), os.path.join(tmp, f"rng-{rank}.pt"))
+        if rank == 0:
+            _save_file(self._trainer_state(step), os.path.join(tmp, _TRAINER_STATE))
+
+        self._barrier()  # every rank's files are in tmp: commit
+        if rank == 0:
+            self._commit(tmp, final)
             self._prune()
-            logger.info("saved checkpoint %s", final)
-        _barrier()
+            logger.info("saved checkpoint %s in %.1fs", final, time.monotonic() - start)
+        self._barrier()  # nobody reads the folder (or saves again) before the commit
+
+    def _commit(self, tmp: str, final: str) -> None:
+        if os.path.exists(final):
+            # A directory cannot be replaced by rename while it is non-empty: move the old copy
+            # aside first. A crash between the two renames loses only this step, never leaves
+            # a partial step-<N>; the ".old" folder is cleaned up by the next save.
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(self.folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+            _fsync_dir(self.folder)
+
+    def _remove_stale(self) -> None:
+        for name in os.listdir(self.folder):
+            if _STALE_DIR.match(name):
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
 
     def _prune(self) -> None:
         if self.keep_latest_k <= 0:
@@ -163,55 +298,95 @@ class CheckpointManager:
         for step in self.complete_steps()[: -self.keep_latest_k]:
             shutil.rmtree(self._path(step), ignore_errors=True)
 
-    # -- load ----------------------------------------------------------------------------------
-    def _resolve_load_step(self) -> int | None:
-        ls = self.load_step
-        if ls == "none":
-            return None
+    # -- load ------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_load_step(load_step: int | str) -> None:
+        if isinstance(load_step, bool) or not (
+                load_step in ("latest", "none") or isinstance(load_step, int)
+                or (isinstance(load_step, str) and load_step.lstrip("-").isdigit())):
+            raise ValueError(f"checkpoint.load_step = {load_step!r}; use 'latest', 'none' or a "
+                             "step number")
+
+    def _resolve_load_step_locally(self) -> tuple[int | None, str | None]:
+        """(step to load or None, error message or None), from this rank's view of the folder."""
+        if self.load_step == "none":
+            return None, None
         steps = self.complete_steps()
-        if ls in ("latest", -1):
-            return steps[-1] if steps else None
-        step = int(ls)
+        if self.load_step == "latest" or int(self.load_step) == -1:
+            return (steps[-1] if steps else None), None
+        step = int(self.load_step)
         if step not in steps:
-            raise ValueError(f"checkpoint.load_step = {step}: no complete checkpoint step-{step} in "
-                             f"{self.folder!r}; available steps: {steps or 'none'}")
+            return None, (f"checkpoint.load_step = {step}: there is no complete checkpoint "
+                          f"step-{step} in {self.folder!r}; available steps: "
+                          f"{', '.join(map(str, steps)) if steps else 'none'}")
+        return step, None
+
+    def _resolve_load_step(self) -> int | None:
+        # Rank 0 decides for everyone, so that ranks with a lagging view of a network file
+        # system cannot pick different steps.
+        decision = [self._resolve_load_step_locally() if self._rank() == 0 else None]
+        if self._distributed():
+            src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast_object_list(decision, src=src, group=self.process_group)
+        step, error = decision[0]
+        if error is not None:
+            raise ValueError(error)
         return step
 
     def load(self) -> int:
-        """Restore the chosen checkpoint; returns its step (0 when nothing was loaded)."""
+        """Restore the checkpoint chosen by ``load_step``; returns its step (0 if none was loaded)."""
         if not self.enable:
             return 0
         step = self._resolve_load_step()
         if step is None:
             return 0
         path = self._path(step)
-        state = self._tensor_state()
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(self.model, state["model"])
-        if _is_zero1(self.optimizer):
-            self.optimizer.load_state_dict(torch.load(os.path.join(path, "zero1_optimizer.pt"),
-                                                      weights_only=False))
+        trainer = _load_file(os.path.join(path, _TRAINER_STATE))
+
+        zero1 = _is_zero1(self.optimizer)
+        # DCP loads in place into a state dict of the current layout: it reads each rank's
+        # shards of the saved global tensors, whatever layout wrote them.
+        state: dict[str, Any] = {"model": self._model_state()}
+        if not zero1:
+            state["optimizer"], original_keys = self._optimizer_state()
+        dcp.load(state, checkpoint_id=path, process_group=self.process_group)
+        for part in self.model_parts:
+            names = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {name: state["model"][name] for name in names})
+        if zero1:
+            # Every rank reads the full state; load_state_dict keeps this rank's partition, so
+            # another data-parallel size works too.
+            self.optimizer.load_state_dict(_load_file(os.path.join(path, _ZERO1_OPTIMIZER)))
         else:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+            optim_state = {original_keys[name]: value for name, value in state["optimizer"].items()}
+            set_optimizer_state_dict(self._parts, self.optimizer, optim_state, options=_OPTIM_OPTIONS)
+
         if self.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
         if self.dataloader is not None and trainer["dataloader"] is not None:
             self.dataloader.load_state_dict(trainer["dataloader"])
-        for key, obj in self.extra_states.items():
-            if key in trainer["extra"]:
-                obj.load_state_dict(trainer["extra"][key])
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rng_file = os.path.join(path, f"rng-{_rank()}.pt")
-        if trainer["world_size"] == world and os.path.exists(rng_file):
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-        elif _rank() == 0:
-            logger.warning("checkpoint %s was saved by %s ranks, this run has %s: RNG state is not "
-                           "restored (model, optimizer and data position are)", path,
-                           trainer["world_size"], world)
-        if _rank() == 0:
-            print(f"titanext: resumed from {path} (step {step})", flush=True)
+        for name, obj in self.extra_states.items():
+            if name in trainer["extra"]:
+                obj.load_state_dict(trainer["extra"][name])
+            elif self._rank() == 0:
+                logger.warning("checkpoint %s has no state for %r; it keeps its current state",
+                               path, name)
+        self._load_rng(path, trainer["world_size"])
+        if self._rank() == 0:
+            print(f"titanext: resumed from {path} (step {trainer['step']})", flush=True)
         return trainer["step"]
+
+    def _load_rng(self, path: str, saved_world_size: int) -> None:
+        rng_file = os.path.join(path, f"rng-{self._rank()}.pt")
+        if saved_world_size != self._world_size() or not os.path.exists(rng_file):
+            # Rank r of another layout is not the same worker, so its stream would be wrong
+            # anyway; data order does not depend on the RNG, so the loss curve continues.
+            if self._rank() == 0:
+                logger.warning("checkpoint %s was saved by %d ranks and this run has %d: RNG "
+                               "state is not restored (model, optimizer, scheduler and data "
+                               "position are)", path, saved_world_size, self._world_size())
+            return
+        rng = _load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])

@@ -1,16 +1,21 @@
 """Typed job configuration: TOML files + CLI overrides -> :class:`JobConfig`.
 
-Each TOML section is a dataclass below, and every key carries an attribute docstring that
-doubles as ``--help`` text. Loading is strict: unknown sections and keys (with a
-did-you-mean hint), wrong types, out-of-range values, values outside an enum and cross-field
-rules are all collected and raised together as one :class:`ConfigError`, before any process
-group exists and before anything touches the disk.
+Each TOML section is a dataclass below, and every key carries an attribute docstring (the
+string literal under the field) that doubles as ``--help`` text. Loading is strict: unknown
+sections and keys (with a did-you-mean hint), wrong types, out-of-range values, values outside
+an enum and cross-field rules are all collected and raised together as one
+:class:`ConfigError`, one line per problem, before any process group exists. Loading reads the
+TOML files and, for ``dataset = "text"``, checks that ``dataset_path`` exists; it writes
+nothing.
 
 >>> cfg = load_config("train_configs/debug_model.toml", ["--training.steps=10"], world_size=4)
 >>> cfg.training.steps
 10
+>>> resolved_dp_shard(cfg, 4), gradient_accumulation_steps(cfg, 4)
+(4, 1)
 
-A file can inherit from another with ``[job] extends = "base.toml"`` (relative to the file).
+A file can inherit from another with ``[job] extends = "base.toml"`` (relative to the file);
+sections are merged key by key, so a child file only lists what it changes.
 """
 
 from __future__ import annotations
@@ -18,26 +23,29 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import functools
 import inspect
+import json
+import operator
 import os
+import re
 import sys
 import textwrap
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover
+else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = [
     "ConfigError",
     "JobConfig",
     "config_help",
+    "field_docs",
     "gradient_accumulation_steps",
     "load_config",
     "parse_cli",
@@ -48,126 +56,211 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """Every user-facing config problem; ``problems`` holds one line per problem."""
+    """Every user-facing config problem; ``problems`` holds one line per problem.
 
-    def __init__(self, problems: Sequence[str] | str):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+    >>> str(ConfigError(["a.b = 1 is bad", "c.d = 2 is bad"]))
+    'a.b = 1 is bad\\nc.d = 2 is bad'
+    """
+
+    def __init__(self, problems: Sequence[str] | str) -> None:
+        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
 
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        # Keep the per-problem split when the error crosses a process boundary (spawned tests).
+        return (type(self), (self.problems,))
 
-# -- field helpers: constraints live next to the field ------------------------------------------
 
-def _f(default: Any, *, choices: Sequence[Any] | None = None, ge: float | None = None,
-       gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
-    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+# -- per-field constraints live next to the field ------------------------------------------------
+
+# A custom check returns None when the value is fine, else what is allowed (for the message).
+_Check = Callable[[Any], Union[str, None]]
+
+
+def _field(
+    default: Any,
+    *,
+    choices: Sequence[Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    check: _Check | None = None,
+    rule: str | None = None,
+) -> Any:
+    """A dataclass field whose constraints are stored in its metadata for :func:`validate`.
+
+    ``rule`` describes a custom ``check`` for ``--help``; choices and bounds describe themselves.
+    """
+    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "check": check,
+            "rule": rule}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+def _minus_one_or_positive(value: int) -> str | None:
+    return None if value == -1 or value >= 1 else "-1 or an integer >= 1"
+
+
+def _ac_option(value: str) -> str | None:
+    # isdecimal() rejects '²' and similar, which int() would not parse anyway.
+    if value == "op" or (value.isdecimal() and int(value) >= 1):
+        return None
+    return "'op' or a positive integer written as a string, such as '2'"
+
+
+def _aten_ops(names: list[str]) -> str | None:
+    import torch  # lazy: --help and TOML parsing should not pay for importing torch
+
+    for name in names:
+        if not hasattr(torch.ops.aten, name):
+            return f"aten op names only; {name!r} is not torch.ops.aten.{name}{_aten_hint(name)}"
+    return None
+
+
+def _aten_hint(name: str) -> str:
+    try:  # private, but only feeds a hint; losing it loses nothing else
+        import torch
+
+        known = {n.split("::", 1)[1].split(".", 1)[0]
+                 for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    except (AttributeError, RuntimeError):
+        return ""
+    return _did_you_mean(name, sorted(known), fallback=False)
+
+
+_COMPILE_COMPONENTS = ("model", "loss")
+
+
+def _compile_components(names: list[str]) -> str | None:
+    for name in names:
+        if name not in _COMPILE_COMPONENTS:
+            return (f"any of 'model', 'loss'; {name!r} is not one of them"
+                    f"{_did_you_mean(name, _COMPILE_COMPONENTS, fallback=False)}")
+    return None
+
+
+def _load_step(value: int | str) -> str | None:
+    if value in ("latest", "none") or (isinstance(value, int) and value >= 0):
+        return None
+    hint = "; write the step number without quotes" if str(value).isdecimal() else ""
+    return f"'latest', 'none' or a step number >= 0{hint}"
+
+
+# -- the sections ---------------------------------------------------------------------------------
+
 @dataclass
 class Job:
-    dump_folder: str = _f("./outputs")
+    dump_folder: str = _field("./outputs")
     """Folder for this job's outputs: checkpoints and TensorBoard events go below it."""
-    description: str = _f("")
-    """Free text describing the job; printed nowhere, kept with the config."""
-    extends: str | None = _f(None)
-    """Path of a base TOML file (relative to this file) whose values this file overrides."""
+    description: str = _field("")
+    """Free text describing the job; kept with the config, used nowhere else."""
+    extends: str | None = _field(None)
+    """Path of a base TOML file (relative to this file) whose values this file overrides,
+    section by section and key by key. Only valid in a file, not on the command line."""
 
 
 @dataclass
 class Model:
-    name: str = _f("llama3")
+    name: str = _field("llama3", rule="a key of titanext.models.MODEL_FLAVORS")
     """Model family (a key of titanext.models.MODEL_FLAVORS)."""
-    flavor: str = _f("debugmodel")
-    """Named size of the model family, e.g. debugmodel, 1B, 8B, 70B, 405B."""
-    tokenizer: str = _f("byte", choices=("byte",))
-    """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids)."""
+    flavor: str = _field("debugmodel", rule="a flavor of the chosen model")
+    """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B."""
+    tokenizer: str = _field("byte", choices=("byte",))
+    """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed)."""
 
 
 @dataclass
 class Training:
-    local_batch_size: int = _f(8, ge=1)
+    local_batch_size: int = _field(8, ge=1)
     """Sequences per micro-batch on each data-parallel rank."""
-    global_batch_size: int = _f(-1)
-    """Sequences per optimizer step over all ranks; -1 means local_batch_size x dp. Larger values
-    give gradient accumulation of global / (local x dp) micro-batches."""
-    seq_len: int = _f(256, ge=1)
-    """Tokens per sequence."""
-    steps: int = _f(1000, ge=1)
+    global_batch_size: int = _field(-1, check=_minus_one_or_positive, rule="-1 or >= 1")
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size x dp. A larger
+    multiple of local_batch_size x dp gives gradient accumulation over global / (local x dp)
+    micro-batches."""
+    seq_len: int = _field(256, ge=1)
+    """Tokens per sequence; at most the model's max_seq_len."""
+    steps: int = _field(1000, ge=1)
     """Optimizer steps to train for."""
-    max_norm: float = _f(1.0, ge=0)
+    max_norm: float = _field(1.0, ge=0)
     """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
-    mixed_precision_param: str = _f("auto", choices=("auto", "bfloat16", "float32"))
-    """FSDP parameter dtype for compute: auto = bfloat16 on CUDA, float32 on CPU."""
-    mixed_precision_reduce: str = _f("float32", choices=("float32", "bfloat16"))
-    """FSDP gradient reduce-scatter dtype."""
-    seed: int = _f(0, ge=0)
+    mixed_precision_param: str = _field("auto", choices=("auto", "bfloat16", "float32"))
+    """Parameter dtype for compute under FSDP: auto = bfloat16 on CUDA, float32 on CPU (CPU
+    kernels gain little from bfloat16)."""
+    mixed_precision_reduce: str = _field("float32", choices=("float32", "bfloat16"))
+    """Gradient reduce-scatter / all-reduce dtype; float32 keeps the sum exact enough."""
+    seed: int = _field(0, ge=0)
     """Seed for initialisation and data order; the same seed gives the same model in any layout."""
-    deterministic: bool = _f(False)
+    deterministic: bool = _field(False)
     """Use deterministic algorithms only (slower; bitwise-repeatable runs)."""
-    dataset: str = _f("shakespeare", choices=("shakespeare", "text", "synthetic"))
+    dataset: str = _field("shakespeare", choices=("shakespeare", "text", "synthetic"))
     """Data source: the built-in Shakespeare corpus, your own files ('text', see dataset_path),
-    or synthetic tokens."""
-    dataset_path: str | None = _f(None)
-    """For dataset = 'text': a .txt or .jsonl file (field 'text'), or a folder of them."""
-    shuffle: bool = _f(True)
+    or synthetic random tokens (for benchmarks and parity tests)."""
+    dataset_path: str | None = _field(None)
+    """For dataset = 'text': a .txt or .jsonl file (field 'text'), or a folder of them; relative
+    to the working directory. Leave unset (or "") for the other datasets."""
+    shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
 
 
 @dataclass
 class Optimizer:
-    name: str = _f("AdamW", choices=("AdamW", "Adam"))
-    """Optimizer class."""
-    lr: float = _f(8e-4, gt=0)
-    """Peak learning rate."""
-    beta1: float = _f(0.9, ge=0, lt=1)
-    """Adam beta1."""
-    beta2: float = _f(0.95, ge=0, lt=1)
-    """Adam beta2."""
-    eps: float = _f(1e-8, gt=0)
-    """Adam epsilon."""
-    weight_decay: float = _f(0.1, ge=0)
-    """Decoupled weight decay (AdamW)."""
-    implementation: str = _f("foreach", choices=("for-loop", "foreach", "fused"))
-    """Kernel implementation of the optimizer step."""
+    name: str = _field("AdamW", choices=("AdamW", "Adam"))
+    """Optimizer class: AdamW (decoupled weight decay) or Adam (L2 weight decay)."""
+    lr: float = _field(8e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    beta1: float = _field(0.9, ge=0, lt=1)
+    """Adam beta1: decay of the running mean of gradients."""
+    beta2: float = _field(0.95, ge=0, lt=1)
+    """Adam beta2: decay of the running mean of squared gradients."""
+    eps: float = _field(1e-8, gt=0)
+    """Adam epsilon, added to the denominator for numerical stability."""
+    weight_decay: float = _field(0.1, ge=0)
+    """Weight decay; norms and biases are excluded (see titanext.optim)."""
+    implementation: str = _field("foreach", choices=("for-loop", "foreach", "fused"))
+    """Kernel implementation of the optimizer step: for-loop (one kernel per tensor), foreach
+    (batched) or fused (one kernel, where the device supports it)."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = _f(2, ge=0)
-    """Steps of linear warmup to the peak learning rate."""
-    decay_ratio: float | None = _f(None, ge=0, le=1)
+    warmup_steps: int = _field(2, ge=0)
+    """Steps of linear warmup from near zero to the peak learning rate."""
+    decay_ratio: float | None = _field(None, ge=0, le=1)
     """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset = decay
     over every step after warmup."""
-    decay_type: str = _f("linear", choices=("linear", "sqrt", "cosine"))
-    """Shape of the decay."""
-    min_lr_factor: float = _f(0.0, ge=0, le=1)
+    decay_type: str = _field("linear", choices=("linear", "sqrt", "cosine"))
+    """Shape of the decay from the peak to min_lr_factor x peak."""
+    min_lr_factor: float = _field(0.0, ge=0, le=1)
     """Final learning rate as a fraction of the peak."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _f(1, ge=1)
+    data_parallel_replicate_degree: int = _field(1, ge=1)
     """Replicas of the model (DDP-style; with FSDP this is HSDP's replicate dimension)."""
-    data_parallel_shard_degree: int = _f(-1)
-    """Ranks that shard parameters (FSDP); -1 means the rest of the world size."""
-    fsdp_reshard_after_forward: str = _f("default", choices=("default", "always", "never"))
-    """Free gathered parameters after forward: default = yes, except with pipeline parallelism."""
-    zero_stage: int = _f(3, choices=(1, 2, 3))
+    data_parallel_shard_degree: int = _field(-1, check=_minus_one_or_positive,
+                                             rule="-1 or >= 1")
+    """Ranks that shard parameters (FSDP); -1 means the rest of the world size after the other
+    degrees."""
+    fsdp_reshard_after_forward: str = _field("default", choices=("default", "always", "never"))
+    """Free gathered parameters after forward: default = yes, except with pipeline parallelism
+    (where each micro-batch would gather them again)."""
+    zero_stage: int = _field(3, choices=(1, 2, 3))
     """ZeRO stage: 1 = replicated params (DDP) + sharded optimizer state, 2 = FSDP without
     resharding after forward, 3 = full FSDP."""
-    tensor_parallel_degree: int = _f(1, ge=1)
-    """Ranks that split each layer's matmuls (Megatron-style TP)."""
-    enable_sequence_parallel: bool = _f(True)
+    tensor_parallel_degree: int = _field(1, ge=1)
+    """Ranks that split each layer's matmuls (Megatron-style TP); keep it inside a node."""
+    enable_sequence_parallel: bool = _field(True)
     """With TP, shard norms and residual activations along the sequence (SP)."""
-    enable_loss_parallel: bool = _f(True)
+    enable_loss_parallel: bool = _field(True)
     """With TP, keep logits sharded over the vocabulary and compute the loss in parallel."""
-    context_parallel_degree: int = _f(1, ge=1)
-    """Ranks that split each sequence (context parallelism)."""
-    pipeline_parallel_degree: int = _f(1, ge=1)
+    context_parallel_degree: int = _field(1, ge=1)
+    """Ranks that split each sequence (context parallelism with ring attention)."""
+    pipeline_parallel_degree: int = _field(1, ge=1)
     """Pipeline stages over ranks."""
-    expert_parallel_degree: int = _f(1, ge=1)
+    expert_parallel_degree: int = _field(1, ge=1)
     """Ranks that split the experts of MoE layers (borrowed from dp_shard x cp)."""
 
 
@@ -183,125 +276,183 @@ _DEFAULT_SAVE_OPS = [
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = _f("none", choices=("none", "selective", "full"))
-    """Recompute activations in backward: none, selective or full (every block)."""
-    selective_ac_option: str = _f("op")
+    mode: str = _field("none", choices=("none", "selective", "full"))
+    """Recompute activations in backward: none, selective (see selective_ac_option) or full
+    (every transformer block)."""
+    selective_ac_option: str = _field("op", check=_ac_option, rule="'op' or a positive integer")
     """For selective mode: 'op' (save the outputs of selective_op_save_list, recompute the
-    rest) or a positive integer n (fully checkpoint every n-th block)."""
-    selective_op_save_list: list[str] = _f(_DEFAULT_SAVE_OPS)
-    """aten op names whose outputs op-level selective AC keeps."""
+    rest) or a positive integer n written as a string (fully checkpoint every n-th block)."""
+    selective_op_save_list: list[str] = _field(_DEFAULT_SAVE_OPS, check=_aten_ops,
+                                               rule="names of torch.ops.aten ops")
+    """aten op names whose outputs op-level selective AC keeps (matmuls and attention by
+    default: expensive to recompute, cheap to store)."""
 
 
 @dataclass
 class Compile:
-    enable: bool = _f(False)
+    enable: bool = _field(False)
     """torch.compile each transformer block (and the loss, see components)."""
-    components: list[str] = _f(["model"])
+    components: list[str] = _field(["model"], check=_compile_components,
+                                   rule="any of 'model', 'loss'")
     """What to compile: any of model, loss."""
-    backend: str = _f("inductor", choices=("inductor", "aot_eager", "eager"))
-    """torch.compile backend."""
+    backend: str = _field("inductor", choices=("inductor", "aot_eager", "eager"))
+    """torch.compile backend; aot_eager and eager help to tell compiler bugs from model bugs."""
 
 
 @dataclass
 class Checkpoint:
-    enable: bool = _f(False)
+    enable: bool = _field(False)
     """Save and resume distributed checkpoints (torch.distributed.checkpoint)."""
-    folder: str = _f("checkpoint")
+    folder: str = _field("checkpoint")
     """Checkpoint folder, relative to job.dump_folder."""
-    interval: int = _f(100, ge=1)
+    interval: int = _field(100, ge=1)
     """Save every this many steps."""
-    load_step: Union[int, str] = _f("latest")
-    """Step to resume from: 'latest', 'none' (start fresh) or a step number."""
-    keep_latest_k: int = _f(0, ge=0)
+    load_step: int | str = _field("latest", check=_load_step,
+                                  rule="'latest', 'none' or a step >= 0")
+    """Step to resume from: 'latest' (the newest complete checkpoint, if any), 'none' (start
+    fresh) or a step number."""
+    keep_latest_k: int = _field(0, ge=0)
     """Keep only the newest k checkpoints; 0 keeps all."""
-    last_save: bool = _f(True)
-    """Also save after the final step."""
+    last_save: bool = _field(True)
+    """Also save after the final step, whatever the interval."""
 
 
 @dataclass
 class Metrics:
-    log_freq: int = _f(10, ge=1)
+    log_freq: int = _field(10, ge=1)
     """Log a metrics line every this many steps (and at the first and last)."""
-    enable_tensorboard: bool = _f(True)
+    enable_tensorboard: bool = _field(True)
     """Write TensorBoard event files under job.dump_folder/save_tb_folder."""
-    save_tb_folder: str = _f("tb")
+    save_tb_folder: str = _field("tb")
     """TensorBoard folder, relative to job.dump_folder."""
-    disable_color_printing: bool = _f(False)
+    disable_color_printing: bool = _field(False)
     """Plain log lines without ANSI colours."""
-    progress_bar: bool = _f(True)
-    """Draw a progress bar with ETA (only when stdout is a terminal)."""
+    progress_bar: bool = _field(True)
+    """Draw a progress bar with ETA (only when stdout is a terminal, so logs stay clean)."""
 
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _f(300, ge=1)
+    init_timeout_seconds: int = _field(300, ge=1)
     """Collective timeout during start-up (model build, checkpoint load, compile)."""
-    train_timeout_seconds: int = _f(100, ge=1)
+    train_timeout_seconds: int = _field(100, ge=1)
     """Collective timeout once training runs: a dead or stuck rank fails the job after this."""
 
 
 @dataclass
 class JobConfig:
+    """The whole job: one attribute per TOML section."""
+
     job: Job = field(default_factory=Job)
+    """Where outputs go and what this file inherits from."""
     model: Model = field(default_factory=Model)
+    """Which model and tokenizer to train."""
     training: Training = field(default_factory=Training)
+    """Batch, sequence length, steps, precision and data."""
     optimizer: Optimizer = field(default_factory=Optimizer)
+    """The optimizer and its hyper-parameters."""
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    """Learning-rate warmup and decay."""
     parallelism: Parallelism = field(default_factory=Parallelism)
+    """Parallel degrees; their product is the world size."""
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    """Trade compute for memory by recomputing activations in backward."""
     compile: Compile = field(default_factory=Compile)
+    """torch.compile."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Distributed checkpoints: saving, resuming and retention."""
     metrics: Metrics = field(default_factory=Metrics)
+    """Console logging and TensorBoard."""
     comm: Comm = field(default_factory=Comm)
+    """Collective timeouts."""
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+#: TOML section name -> its dataclass, in file order.
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(JobConfig)  # type: ignore[misc]
+}
 
 
-# -- docstrings --------------------------------------------------------------------------------
+# -- attribute docstrings ---------------------------------------------------------------------------
 
-@functools.cache
-def field_docs() -> dict[tuple[str, str], str]:
-    """(section, key) -> the attribute docstring written under the field."""
-    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    by_class = {}
+def _read_attribute_docs() -> dict[str, dict[str, str]]:
+    """class name -> field name -> the string literal written under the field.
+
+    Python keeps no attribute docstrings at runtime, so they are read from this module's source
+    with ``ast``; that is done once, at import.
+    """
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    except (OSError, TypeError):  # shipped without source: help text loses its descriptions
+        return {}
+    docs: dict[str, dict[str, str]] = {}
     for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            docs = {}
-            body = node.body
-            for a, b in zip(body, body[1:]):
-                if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-                        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-                        and isinstance(b.value.value, str)):
-                    docs[a.target.id] = " ".join(b.value.value.split())
-            by_class[node.name] = docs
-    out = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            out[(section, f.name)] = by_class.get(cls.__name__, {}).get(f.name, "")
-    return out
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs[node.name] = {}
+        for a, b in zip(node.body, node.body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                    and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                    and isinstance(b.value.value, str)):
+                docs[node.name][a.target.id] = " ".join(b.value.value.split())
+    return docs
 
 
-# -- types ------------------------------------------------------------------------------------
+_ATTRIBUTE_DOCS = _read_attribute_docs()
 
-@functools.cache
+
+def field_docs() -> dict[tuple[str, str], str]:
+    """``(section, key) -> docstring`` for every key ("" where a docstring is missing).
+
+    >>> field_docs()[("training", "steps")]
+    'Optimizer steps to train for.'
+    """
+    return {(section, f.name): _ATTRIBUTE_DOCS.get(cls.__name__, {}).get(f.name, "")
+            for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+# -- types ----------------------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    # Annotations are strings (``from __future__ import annotations``); resolve them once.
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
 
 
 def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " or ".join("none" if a is type(None) else _type_name(a) for a in args)
+    if _is_union(tp):
+        return " or ".join("unset" if a is type(None) else _type_name(a)
+                           for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"list of {_type_name(args[0])}"
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return {int: "integer", float: "number", bool: "boolean", str: "string"}.get(tp, str(tp))
 
 
+def _value_type_name(value: Any) -> str:
+    for tp, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                     (list, "list"), (dict, "table")):
+        if isinstance(value, tp):
+            return name
+    return type(value).__name__
+
+
 def _coerce(value: Any, tp: Any) -> Any:
-    """Check a TOML value against ``tp``; return it (converted) or raise TypeError."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
+    """Check a TOML value against ``tp`` and return it (ints widened to float); else TypeError.
+
+    TOML already types its values, so nothing is parsed here: a bool is never an int, and a
+    string is never a number.
+    """
+    if _is_union(tp):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
         for arg in typing.get_args(tp):
             if arg is type(None):
                 continue
@@ -309,127 +460,94 @@ def _coerce(value: Any, tp: Any) -> Any:
                 return _coerce(value, arg)
             except TypeError:
                 pass
-        raise TypeError
-    if origin is list:
+        raise TypeError(tp)
+    if typing.get_origin(tp) is list:
         if not isinstance(value, list):
-            raise TypeError
+            raise TypeError(tp)
         return [_coerce(v, typing.get_args(tp)[0]) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TypeError
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise TypeError
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
-    raise TypeError
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # `lr = 1` means 1.0
+    if tp is int and isinstance(value, bool):
+        raise TypeError(tp)
+    if tp in (bool, int, float, str) and isinstance(value, tp):
+        return value
+    raise TypeError(tp)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _parse_cli_value(text: str, tp: Any) -> Any:
-    """Turn a CLI string into a TOML-like value for ``tp`` (then checked by _coerce)."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        non_none = [a for a in typing.get_args(tp) if a is not type(None)]
-        for arg in non_none:
+    """Turn a CLI string into the value TOML would have given for ``tp``.
+
+    Text that does not parse is returned unchanged, so that :func:`_coerce` reports it with the
+    same wrong-type message a TOML file would get.
+    """
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if type(None) in args and text.strip().lower() in ("", "none", "null"):
+            return None  # only way to unset an optional key, as TOML has no null
+        for arg in args:
+            if arg is type(None):
+                continue
             try:
                 return _coerce(_parse_cli_value(text, arg), arg)
-            except (TypeError, ValueError):
+            except TypeError:
                 pass
         return text
-    if origin is list:
-        return [_parse_cli_value(p.strip(), typing.get_args(tp)[0]) for p in text.split(",") if p.strip()]
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        return [_parse_cli_value(p.strip(), item) for p in text.split(",") if p.strip()]
     if tp is bool:
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        return text
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            return text
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            return text
+        low = text.strip().lower()
+        return True if low in _TRUE else False if low in _FALSE else text
+    for number in (int, float):
+        if tp is number:
+            try:
+                return number(text)
+            except ValueError:
+                return text
     return text
 
 
-# -- loading ----------------------------------------------------------------------------------
-
-def _read_toml(path: str, problems: list[str], chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    real = os.path.realpath(path)
-    if real in chain:
-        problems.append(f"job.extends: inheritance cycle {' -> '.join([*chain, real])}")
-        return {}
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        where = f" (extended from {chain[-1]})" if chain else ""
-        problems.append(f"config file {path!r} does not exist{where}")
-        return {}
-    except tomllib.TOMLDecodeError as e:
-        problems.append(f"config file {path!r} is not valid TOML: {e}")
-        return {}
-    base_ref = data.get("job", {}).get("extends") if isinstance(data.get("job"), dict) else None
-    if not base_ref:
-        return data
-    if not isinstance(base_ref, str):
-        problems.append(f"job.extends = {base_ref!r} must be a string path")
-        return data
-    base_path = os.path.join(os.path.dirname(path), base_ref)
-    base = _read_toml(base_path, problems, (*chain, real))
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for section, values in data.items():
-        if isinstance(values, dict) and isinstance(merged.get(section), dict):
-            merged[section].update(values)
-        else:
-            merged[section] = values
-    return merged
+def _show(value: Any) -> str:
+    """A value as the user wrote it in TOML (true, not True), strings quoted."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
 
 
-def _hint(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(choices)}"
+def _did_you_mean(name: str, choices: Sequence[str], *, fallback: bool = True) -> str:
+    # Case slips ('8b', 'adamw') are the commonest typo, and difflib weighs them like any other.
+    close = [c for c in choices if c.lower() == name.lower()]
+    close = close or difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known: {', '.join(choices)}" if fallback else ""
 
 
-def _check_field(section: str, f: dataclasses.Field, value: Any, problems: list[str]) -> None:
-    key = f"{section}.{f.name}"
-    m = f.metadata
-    if m.get("choices") is not None and value not in m["choices"]:
-        allowed = ", ".join(repr(c) for c in m["choices"])
-        problems.append(f"{key} = {value!r} is not allowed; choose one of {allowed}")
-        return
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                                ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
-            b = m.get(bound)
-            if b is not None and not ok(value, b):
-                problems.append(f"{key} = {value!r} is out of range; it must be {word} {b}")
-                return
+# -- command line -----------------------------------------------------------------------------------
+
+_OVERRIDE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 
 
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, bool]]:
-    """Split argv into (config path, normalised ``--section.key=value`` overrides, flags).
+def _is_bool_key(section: str, key: str) -> bool:
+    return section in SECTIONS and _hints(SECTIONS[section]).get(key) is bool
 
-    Flags: ``help`` (``--help``/``-h``) and ``print_config`` (``--print-config``). A boolean key
-    may be given bare (``--checkpoint.enable``).
-    """
-    config_path, overrides, problems = None, [], []
+
+def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str, str]],
+                                              dict[str, bool], list[str]]:
+    """(config path, overrides as (section, key, text), flags, problems)."""
+    config_path: str | None = None
+    overrides: list[tuple[str, str, str]] = []
     flags = {"help": False, "print_config": False}
-    i, argv = 0, list(argv)
+    problems: list[str] = []
+    argv = list(argv)
+    i = 0
     while i < len(argv):
         arg = argv[i]
         i += 1
@@ -440,262 +558,537 @@ def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, boo
         elif arg == "--config" or arg.startswith("--config="):
             if "=" in arg:
                 config_path = arg.split("=", 1)[1]
-            elif i < len(argv):
+            elif i < len(argv) and not argv[i].startswith("--"):
                 config_path, i = argv[i], i + 1
-            else:
-                problems.append("--config needs a file path")
+            if not config_path:
+                problems.append("--config needs a file path: --config FILE or --config=FILE")
         elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            name, eq, value = arg[2:].partition("=")
+            name, eq, text = arg[2:].partition("=")
+            if not _OVERRIDE_NAME.fullmatch(name):
+                problems.append(f"override {arg!r} is malformed; write --section.key=value "
+                                "(one dot, letters, digits and underscores)")
+                continue
+            section, key = name.split(".")
             if not eq:
-                section, _, key = name.partition(".")
-                is_bool = section in SECTIONS and _hints(SECTIONS[section]).get(key) is bool
-                if i < len(argv) and not argv[i].startswith("--"):
-                    value, i = argv[i], i + 1
-                elif is_bool:
-                    value = "true"
+                # `--section.key value`; a bare boolean key means true (`--checkpoint.enable`).
+                # Values may start with a single dash (`-1`), never with two.
+                if i < len(argv) and not argv[i].startswith("--") and argv[i] != "-h":
+                    text, i = argv[i], i + 1
+                elif _is_bool_key(section, key):
+                    text = "true"
                 else:
-                    problems.append(f"override --{name} has no value; write --{name}=VALUE")
+                    problems.append(f"override --{name} has no value; write --{name}=VALUE "
+                                    f"or --{name} VALUE")
                     continue
-            overrides.append(f"--{name}={value}")
+            overrides.append((section, key, text))
         else:
             problems.append(f"unrecognised argument {arg!r}; expected --config FILE, "
                             "--section.key=value, --print-config or --help")
+    return config_path, overrides, flags, problems
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str], dict[str, bool]]:
+    """Split argv into (config path, overrides normalised to ``--section.key=value``, flags).
+
+    Flags are ``help`` (``--help``/``-h``) and ``print_config`` (``--print-config``). A boolean
+    key may be given bare (``--checkpoint.enable`` means ``=true``). Raises :class:`ConfigError`
+    for a malformed override, an override without a value or an unknown argument.
+
+    >>> parse_cli(["--config", "a.toml", "--training.steps", "5", "--print-config"])
+    ('a.toml', ['--training.steps=5'], {'help': False, 'print_config': True})
+    """
+    config_path, overrides, flags, problems = _split_argv(argv)
     if problems:
         raise ConfigError(problems)
-    return config_path, overrides, flags
+    return config_path, [f"--{s}.{k}={v}" for s, k, v in overrides], flags
 
 
-def load_config(path: str | None, args: Sequence[str] = (), *, world_size: int | None = None) -> JobConfig:
-    """Read ``path`` (and what it extends), apply ``args`` overrides, validate, return the config.
+# -- loading ----------------------------------------------------------------------------------------
 
-    Raises :class:`ConfigError` listing every problem found. Nothing is written anywhere.
-    """
-    problems: list[str] = []
-    raw: dict[str, Any] = _read_toml(path, problems) if path else {}
-    try:
-        _, args, _ = parse_cli(args)  # accepts both --a.b=v and --a.b v
-    except ConfigError as e:
-        problems += e.problems
-        args = []
-    # CLI overrides are strings; parse them with the target field's type.
-    for arg in args:
-        if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
-            problems.append(f"override {arg!r} must look like --section.key=value")
-            continue
-        name, value = arg[2:].split("=", 1)
-        section, key = name.split(".", 1)
-        tp = _hints(SECTIONS[section]).get(key) if section in SECTIONS else None
-        raw.setdefault(section, {})
-        if isinstance(raw[section], dict):
-            raw[section][key] = _parse_cli_value(value, tp) if tp is not None else value
-    cfg = JobConfig()
-    for section, values in raw.items():
-        if section not in SECTIONS:
-            problems.append(f"unknown section [{section}]{_hint(section, list(SECTIONS))}")
-            continue
-        if not isinstance(values, dict):
-            problems.append(f"[{section}] must be a table of keys, got {values!r}")
-            continue
-        obj, cls = getattr(cfg, section), SECTIONS[section]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for key, value in values.items():
-            if key not in fields:
-                problems.append(f"unknown key '{section}.{key}'{_hint(key, list(fields))}")
-                continue
-            tp = _hints(cls)[key]
-            try:
-                value = _coerce(value, tp)
-            except TypeError:
-                problems.append(f"{section}.{key} = {value!r} has the wrong type; expected {_type_name(tp)}")
-                continue
-            setattr(obj, key, value)
-    for section in SECTIONS:
-        for f in dataclasses.fields(SECTIONS[section]):
-            _check_field(section, f, getattr(getattr(cfg, section), f.name), problems)
-    if problems:  # cross-field rules assume each field is individually sane
-        raise ConfigError(problems)
-    validate(cfg, world_size)
-    return cfg
-
-
-_TOKENIZER_VOCAB = {"byte": 258}  # ids of each built-in tokenizer
-
-
-# -- cross-field validation ---------------------------------------------------------------------
-
-def resolved_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
-    """data_parallel_shard_degree with -1 resolved to the rest of the world (1 if unknown)."""
-    p = cfg.parallelism
-    if p.data_parallel_shard_degree != -1:
-        return p.data_parallel_shard_degree
-    if world_size is None:
-        return 1
-    others = (p.data_parallel_replicate_degree * p.context_parallel_degree
-              * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    return world_size // others if world_size % others == 0 else 1
-
-
-def gradient_accumulation_steps(cfg: JobConfig, world_size: int | None) -> int:
-    t = cfg.training
-    if t.global_batch_size == -1:
-        return 1
-    dp = cfg.parallelism.data_parallel_replicate_degree * resolved_dp_shard(cfg, world_size)
-    return max(1, t.global_batch_size // (t.local_batch_size * dp))
-
-
-def _not_yet_supported(cfg: JobConfig) -> list[str]:
-    """Degrees the trainer cannot run yet. Remove each line as its feature lands."""
-    p, out = cfg.parallelism, []
-    for key, what in (("context_parallel_degree", "context"), ("pipeline_parallel_degree", "pipeline"),
-                      ("expert_parallel_degree", "expert")):
-        value = getattr(p, key)
-        if value > 1:
-            out.append(f"parallelism.{key} = {value} is not supported yet by the trainer "
-                       f"({what} parallelism lands in a later release); set it to 1")
+def _deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """``child`` over ``base``, table by table; lists and scalars are replaced, not merged."""
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
     return out
 
 
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Cross-field rules; raises :class:`ConfigError` with one line per broken rule."""
-    from titanext.models import get_model_args
+def _read_toml(path: str, problems: list[str], chain: tuple[tuple[str, str], ...] = (),
+               via: str = "") -> dict[str, Any]:
+    """The TOML at ``path`` with its ``[job] extends`` chain merged in.
 
-    problems = _not_yet_supported(cfg)
-    p, t = cfg.parallelism, cfg.training
-    dp_rep, cp, tp, pp = (p.data_parallel_replicate_degree, p.context_parallel_degree,
-                          p.tensor_parallel_degree, p.pipeline_parallel_degree)
-    shard = p.data_parallel_shard_degree
-    if shard == 0 or shard < -1:
-        problems.append(f"parallelism.data_parallel_shard_degree = {shard} must be -1 (the rest) or >= 1")
-        shard = 1
-    others = dp_rep * cp * tp * pp
-    if world_size is not None:
-        if shard == -1:
-            if world_size % others:
-                problems.append(
-                    f"parallelism: world size {world_size} is not divisible by dp_replicate({dp_rep}) x "
-                    f"cp({cp}) x tp({tp}) x pp({pp}) = {others}, so data_parallel_shard_degree = -1 "
-                    "cannot fill the rest")
-            shard = max(1, world_size // others)
-        elif others * shard != world_size:
-            problems.append(
-                f"parallelism: dp_replicate({dp_rep}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x "
-                f"pp({pp}) = {others * shard} must equal the world size {world_size}")
-    elif shard == -1:
-        shard = 1
-    sp = tp > 1 and p.enable_sequence_parallel
-    if cp > 1 and t.seq_len % (2 * cp * (tp if sp else 1)):
-        need = 2 * cp * (tp if sp else 1)
-        problems.append(f"training.seq_len = {t.seq_len} must be divisible by 2 x cp"
-                        f"{' x tp' if sp else ''} = {need} (context parallelism)")
-    elif sp and t.seq_len % tp:
-        problems.append(f"training.seq_len = {t.seq_len} must be divisible by "
-                        f"tensor_parallel_degree = {tp} (sequence parallelism)")
-    dp = dp_rep * shard
-    if t.global_batch_size != -1:
-        per_micro = t.local_batch_size * dp
-        if t.global_batch_size < 1 or t.global_batch_size % per_micro:
-            problems.append(
-                f"training.global_batch_size = {t.global_batch_size} must be a positive multiple of "
-                f"local_batch_size({t.local_batch_size}) x dp({dp}) = {per_micro}")
-    if t.dataset == "text" and not t.dataset_path:
-        problems.append("training.dataset = 'text' needs training.dataset_path (a .txt/.jsonl file or folder)")
-    if t.dataset_path and not os.path.exists(t.dataset_path):
-        problems.append(f"training.dataset_path = {t.dataset_path!r} does not exist")
-    if p.zero_stage == 1 and (tp > 1 or dp_rep > 1):
-        problems.append(
-            f"parallelism.zero_stage = 1 (DDP + sharded optimizer) needs tensor_parallel_degree = 1 and "
-            f"data_parallel_replicate_degree = 1 (got {tp} and {dp_rep}); use zero_stage 2 or 3")
-    if p.zero_stage == 2 and p.fsdp_reshard_after_forward != "default":
-        problems.append(
-            f"parallelism.fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward!r} conflicts with "
-            "zero_stage = 2 (which never reshards after forward); leave it 'default' or use zero_stage 3")
-    ac = cfg.activation_checkpoint
-    if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1):
-        problems.append(f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r}; "
-                        "allowed: 'op' or a positive integer such as '2'")
-    import torch
-
-    for op in ac.selective_op_save_list:
-        if not hasattr(torch.ops.aten, op):
-            problems.append(f"activation_checkpoint.selective_op_save_list: {op!r} is not an aten op")
-    bad = [c for c in cfg.compile.components if c not in ("model", "loss")]
-    if bad:
-        problems.append(f"compile.components = {cfg.compile.components!r}: {bad[0]!r} is not allowed; "
-                        "choose from 'model', 'loss'")
-    ls = cfg.checkpoint.load_step
-    if not ((isinstance(ls, int) and ls >= -1) or ls in ("latest", "none")):
-        problems.append(f"checkpoint.load_step = {ls!r}; allowed: 'latest', 'none' or a step number >= 0")
+    ``chain`` holds (real path, path as written) of the files that extend this one, to detect
+    cycles; ``via`` names the extends entry that led here, for messages.
+    """
+    real = os.path.realpath(path)
+    if any(real == seen for seen, _ in chain):
+        names = " -> ".join([shown for _, shown in chain] + [path])
+        problems.append(f"job.extends: inheritance cycle {names}; remove one of the extends")
+        return {}
+    where = f"{via}: " if via else ""
     try:
-        args = get_model_args(cfg.model.name, cfg.model.flavor)
-    except KeyError as e:
-        key = "model.name" if "model name" in str(e) else "model.flavor"
-        problems.append(f"{key}: {e.args[0]}")
-        args = None
-    if args is not None:
-        flavor = f"{cfg.model.name}/{cfg.model.flavor}"
-        if tp > 1:
-            for attr in ("n_heads", "kv_heads", "vocab_size"):
-                value = getattr(args, attr)
-                if value % tp:
-                    problems.append(f"parallelism.tensor_parallel_degree = {tp} must divide the model's "
-                                    f"{attr.replace('kv_heads', 'n_kv_heads')} ({value}, {flavor})")
-        if t.seq_len > args.max_seq_len:
-            problems.append(f"training.seq_len = {t.seq_len} exceeds the model's max_seq_len "
-                            f"({args.max_seq_len}, {flavor})")
-        if pp > args.n_layers:
-            problems.append(f"parallelism.pipeline_parallel_degree = {pp} exceeds the model's "
-                            f"{args.n_layers} layers ({flavor})")
-        tok_vocab = _TOKENIZER_VOCAB.get(cfg.model.tokenizer, 0)
-        if args.vocab_size < tok_vocab:
-            problems.append(f"model.tokenizer = {cfg.model.tokenizer!r} has {tok_vocab} ids but the model's "
-                            f"vocab_size is {args.vocab_size} ({flavor})")
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        problems.append(f"{where}config file {path!r} does not exist")
+        return {}
+    except OSError as e:
+        problems.append(f"{where}config file {path!r} cannot be read: {e.strerror or e}")
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        problems.append(f"{where}config file {path!r} is not valid TOML: {e}")
+        return {}
+    job = data.get("job")
+    base_ref = job.get("extends") if isinstance(job, dict) else None
+    if base_ref is None:
+        return data
+    if not isinstance(base_ref, str) or not base_ref:
+        problems.append(f"job.extends = {_show(base_ref)} in {path!r} must be a non-empty path "
+                        "string")
+        return data
+    base_path = os.path.join(os.path.dirname(path), base_ref)
+    base = _read_toml(base_path, problems, (*chain, (real, path)),
+                      via=f"job.extends = {base_ref!r} in {path!r}")
+    return _deep_merge(base, data)
+
+
+def _unknown_key_message(section: str, key: str) -> str:
+    fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key '{section}.{key}'; did you mean {close[0]!r}?"
+    owners = [s for s, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    if owners:
+        return f"unknown key '{section}.{key}'; did you mean '{owners[0]}.{key}'?"
+    return f"unknown key '{section}.{key}'; known keys in [{section}]: {', '.join(fields)}"
+
+
+def _apply(raw: dict[str, Any], cfg: JobConfig, problems: list[str], bad: set[str]) -> None:
+    """Type-check ``raw`` (sections of TOML values) and set it on ``cfg``.
+
+    A value of the wrong type is not set (the field keeps its default) and its key goes into
+    ``bad``, so cross-field rules do not reason about it.
+    """
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            if isinstance(values, dict):
+                problems.append(f"unknown section [{section}]{_did_you_mean(section, SECTIONS)}")
+                continue
+            owners = [s for s, cls in SECTIONS.items()
+                      if section in {f.name for f in dataclasses.fields(cls)}]
+            hint = (f"; did you mean '{owners[0]}.{section}' (under [{owners[0]}])?" if owners
+                    else "; put it under its [section]")
+            problems.append(f"key {section!r} = {_show(values)} is outside any [section]{hint}")
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"{section} = {_show(values)} must be a [{section}] table of keys")
+            continue
+        obj, cls = getattr(cfg, section), SECTIONS[section]
+        hints = _hints(cls)
+        for key, value in values.items():
+            if key not in hints:
+                problems.append(_unknown_key_message(section, key))
+                continue
+            try:
+                setattr(obj, key, _coerce(value, hints[key]))
+            except TypeError:
+                bad.add(f"{section}.{key}")
+                problems.append(f"{section}.{key} = {_show(value)} has the wrong type: expected "
+                                f"{_type_name(hints[key])}, got {_value_type_name(value)}")
+
+
+def load_config(path: str | None, args: Sequence[str] = (), *,
+                world_size: int | None = None) -> JobConfig:
+    """Read ``path`` (and what it extends), apply ``args`` overrides, validate, return the config.
+
+    ``args`` are overrides, ``--section.key=value`` or ``--section.key value``; their text is
+    parsed by the key's type (booleans as true/false/1/0/yes/no, lists comma-separated).
+    ``path=None`` starts from the defaults. With ``world_size`` the parallel degrees are checked
+    against it (see :func:`validate`). Raises :class:`ConfigError` listing every problem found.
+
+    >>> load_config(None, ["--parallelism.tensor_parallel_degree", "2"], world_size=8).parallelism.tensor_parallel_degree
+    2
+    """
+    problems: list[str] = []
+    raw: dict[str, Any] = _read_toml(path, problems) if path is not None else {}
+    config_path, overrides, flags, arg_problems = _split_argv(args)
+    problems += arg_problems
+    if config_path is not None or any(flags.values()):
+        problems.append("load_config() args take only --section.key overrides; pass the config "
+                        "file as `path` and handle --help/--print-config with parse_cli()")
+    for section, key, text in overrides:
+        if (section, key) == ("job", "extends"):
+            problems.append(f"--job.extends={text} is not allowed on the command line; "
+                            "inheritance is resolved from files (use --config on the child file)")
+            continue
+        tp = _hints(SECTIONS[section]).get(key) if section in SECTIONS else None
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):  # a non-table here is reported by _apply
+            table[key] = _parse_cli_value(text, tp) if tp is not None else text
+    cfg = JobConfig()
+    bad: set[str] = set()
+    _apply(raw, cfg, problems, bad)
+    problems += _problems(cfg, world_size, bad)
+    if problems:
+        # A broken base file reached twice (diamond inheritance) would repeat its messages.
+        raise ConfigError(list(dict.fromkeys(problems)))
+    return cfg
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+_BOUND_OPS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+_BOUND_WORDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _bounds_rule(meta: typing.Mapping[str, Any]) -> str:
+    return " and ".join(f"{_BOUND_WORDS[k]} {meta[k]:g}" for k in _BOUND_WORDS
+                        if meta.get(k) is not None)
+
+
+def _field_rule(f: dataclasses.Field) -> str:
+    """What a field allows, in words ("" when any value of its type is fine)."""
+    m = f.metadata
+    if m.get("choices") is not None:
+        return "one of " + ", ".join(_show(c) for c in m["choices"])
+    return m.get("rule") or _bounds_rule(m)
+
+
+def _field_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """Type, enum, range and custom checks of each field on its own; failed keys join ``skip``."""
+    problems: list[str] = []
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            if key in skip:
+                continue
+            value = getattr(obj, f.name)
+            try:  # a config built in Python never went through the TOML type check
+                _coerce(value, hints[f.name])
+            except TypeError:
+                problems.append(f"{key} = {_show(value)} has the wrong type: expected "
+                                f"{_type_name(hints[f.name])}, got {_value_type_name(value)}")
+                skip.add(key)
+                continue
+            problem = _constraint_problem(f, value)
+            if problem:
+                problems.append(f"{key} = {_show(value)} {problem}")
+                skip.add(key)
+    return problems
+
+
+def _constraint_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with a well-typed ``value`` of field ``f`` and what it allows, or None."""
+    m = f.metadata
+    if value is None:  # an unset optional key has nothing to check
+        return None
+    if m.get("choices") is not None:
+        if value in m["choices"]:  # types are already checked, so True never passes for 1
+            return None
+        hint = (_did_you_mean(value, m["choices"], fallback=False)
+                if isinstance(value, str) and all(isinstance(c, str) for c in m["choices"]) else "")
+        return f"is not allowed; choose {_field_rule(f)}{hint}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if any(m.get(k) is not None and not op(value, m[k]) for k, op in _BOUND_OPS.items()):
+            return f"is out of range; it must be {_bounds_rule(m)}"
+    if m.get("check") is not None:
+        allowed = m["check"](value)
+        if allowed:
+            return f"is not allowed; allowed: {allowed}"
+    return None
+
+
+def _not_yet_supported(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """NOT YET SUPPORTED: degrees the trainer cannot run yet.
+
+    Everything else (ParallelDims, the planner, the cross-field rules below) already handles
+    these degrees; delete an entry here when the trainer learns that kind of parallelism.
+    """
+    problems = []
+    for key in ("context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+        value = getattr(cfg.parallelism, key)
+        if f"parallelism.{key}" not in skip and value > 1:
+            problems.append(f"parallelism.{key} = {value} is not supported yet by the trainer "
+                            "(context/pipeline/expert parallelism land in later releases); "
+                            "set it to 1")
+    return problems
+
+
+def _degrees_text(p: Parallelism, shard: int | None) -> str:
+    """The degree product spelled out with names; ``shard=None`` leaves dp_shard out."""
+    names = ["data_parallel_replicate_degree", "data_parallel_shard_degree",
+             "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"]
+    values = {n: getattr(p, n) for n in names} | {"data_parallel_shard_degree": shard}
+    return " x ".join(f"{n}({values[n]})" for n in names if values[n] is not None)
+
+
+def _resolve_shard(p: Parallelism, world_size: int | None) -> tuple[int, str | None]:
+    """(dp_shard with -1 resolved, the problem if the degrees do not fit ``world_size``).
+
+    Without a world size only -1 -> 1 is done, as nothing can be said about the product.
+    """
+    shard = p.data_parallel_shard_degree
+    others = (p.data_parallel_replicate_degree * p.context_parallel_degree
+              * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    if world_size is None:
+        return (1 if shard == -1 else shard), None
+    if shard == -1:
+        if world_size % others:
+            return 1, (f"parallelism.data_parallel_shard_degree = -1 cannot fill the rest of the "
+                       f"world size {world_size}: it is not divisible by "
+                       f"{_degrees_text(p, None)}"
+                       f" = {others}")
+        return world_size // others, None
+    if shard * others != world_size:
+        return shard, (f"parallelism degrees multiply to {shard * others}, not the world size "
+                       f"{world_size}: {_degrees_text(p, shard)} = {shard * others}; set "
+                       "data_parallel_shard_degree = -1 to fill the rest")
+    return shard, None
+
+
+def _tokenizer_vocab(name: str) -> int:
+    from titanext.tokenizer import build_tokenizer
+
+    return build_tokenizer(name).vocab_size
+
+
+def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[str]:
+    """Name and flavor against the registry, then the rules that need the model's shape."""
+    from titanext.models import MODEL_FLAVORS, get_model_args
+
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    if skip & {"model.name", "model.flavor"}:
+        return []
+    if m.name not in MODEL_FLAVORS:
+        return [f"model.name = {m.name!r} is not a known model; choose one of "
+                f"{', '.join(map(repr, MODEL_FLAVORS))}"
+                f"{_did_you_mean(m.name, list(MODEL_FLAVORS), fallback=False)}"]
+    flavors = list(MODEL_FLAVORS[m.name])
+    if m.flavor not in flavors:
+        return [f"model.flavor = {m.flavor!r} is not a flavor of model {m.name!r}; choose one "
+                f"of {', '.join(map(repr, flavors))}{_did_you_mean(m.flavor, flavors, fallback=False)}"]
+    args = get_model_args(m.name, m.flavor)
+    which = f"{m.name} {m.flavor}"
+    problems = []
+    tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+    if degrees_ok and tp > 1:
+        n_kv_heads = args.n_kv_heads or args.n_heads  # None means multi-head, not grouped
+        for attr, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads),
+                            ("vocab_size", args.vocab_size)):
+            if value % tp:
+                problems.append(f"parallelism.tensor_parallel_degree = {tp} must divide the "
+                                f"model's {attr} = {value} ({which}); choose a divisor of {value}")
+    if "training.seq_len" not in skip and t.seq_len > args.max_seq_len:
+        problems.append(f"training.seq_len = {t.seq_len} exceeds the model's max_seq_len = "
+                        f"{args.max_seq_len} ({which})")
+    if degrees_ok and pp > args.n_layers:
+        problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
+                        f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
+    if "model.tokenizer" not in skip:
+        vocab = _tokenizer_vocab(m.tokenizer)
+        if args.vocab_size < vocab:
+            problems.append(f"model.tokenizer = {m.tokenizer!r} produces {vocab} token ids but "
+                            f"the model's vocab_size = {args.vocab_size} ({which}); pick a flavor "
+                            f"with vocab_size >= {vocab}")
+    return problems
+
+
+def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[str]:
+    """Every problem of ``cfg``; keys in ``skip`` are known bad and left out of the rules."""
+    skip = set(skip)
+    problems = _field_problems(cfg, skip)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        problems.append(f"world size {world_size!r} must be a positive integer")
+        world_size = None
+
+    def ok(*keys: str) -> bool:
+        """True when none of ``keys`` failed its own check (bare names are parallelism keys)."""
+        return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
+
+    p, t = cfg.parallelism, cfg.training
+    problems += _not_yet_supported(cfg, skip)
+    degrees_ok = ok("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                    "context_parallel_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree")
+    rep, cp, tp = p.data_parallel_replicate_degree, p.context_parallel_degree, p.tensor_parallel_degree
+
+    shard = None
+    if degrees_ok:
+        shard, problem = _resolve_shard(p, world_size)
+        if problem:
+            problems.append(problem)
+            shard = None  # batch arithmetic on a layout that cannot exist says nothing useful
+
+    if degrees_ok and ok("training.seq_len", "enable_sequence_parallel"):
+        sp = tp > 1 and p.enable_sequence_parallel  # SP shards the sequence over tp as well
+        if cp > 1 and t.seq_len % (2 * cp * (tp if sp else 1)):
+            # Zigzag CP cuts each sequence into 2 x cp chunks, which SP then splits by tp.
+            need = 2 * cp * (tp if sp else 1)
+            sp_part = f" x tensor_parallel_degree({tp}) (sequence parallel)" if sp else ""
+            problems.append(f"training.seq_len = {t.seq_len} must be divisible by 2 x "
+                            f"context_parallel_degree({cp}){sp_part} = {need}")
+        elif cp == 1 and sp and t.seq_len % tp:
+            problems.append(f"training.seq_len = {t.seq_len} must be divisible by "
+                            f"tensor_parallel_degree = {tp} with enable_sequence_parallel = true")
+
+    problems += _model_problems(cfg, skip, degrees_ok)
+
+    if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
+        dp = rep * shard
+        per_step = t.local_batch_size * dp
+        if t.global_batch_size != -1 and t.global_batch_size % per_step:
+            problems.append(
+                f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
+                f"local_batch_size({t.local_batch_size}) x dp({dp}) = {per_step}, where dp = "
+                f"data_parallel_replicate_degree({rep}) x data_parallel_shard_degree({shard}); "
+                "gradient accumulation runs global / (local x dp) micro-batches per step")
+
+    if ok("zero_stage", "tensor_parallel_degree", "data_parallel_replicate_degree") \
+            and p.zero_stage == 1 and (tp > 1 or rep > 1):
+        problems.append(
+            f"parallelism.zero_stage = 1 (DDP + sharded optimizer state over replicated "
+            f"parameters) needs tensor_parallel_degree = 1 and data_parallel_replicate_degree = 1,"
+            f" got {tp} and {rep}; use zero_stage 2 or 3")
+    if ok("zero_stage", "fsdp_reshard_after_forward") and p.zero_stage == 2 \
+            and p.fsdp_reshard_after_forward != "default":
+        problems.append(
+            f"parallelism.fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward!r} conflicts "
+            "with zero_stage = 2, which never reshards after forward; leave it 'default' or use "
+            "zero_stage = 3")
+
+    if ok("training.dataset", "training.dataset_path"):
+        if t.dataset == "text":
+            if not t.dataset_path:
+                problems.append("training.dataset = 'text' needs training.dataset_path (a .txt or "
+                                ".jsonl file, or a folder of them), which is unset")
+            elif not os.path.exists(t.dataset_path):
+                problems.append(f"training.dataset_path = {t.dataset_path!r} does not exist "
+                                f"(relative paths start at {os.getcwd()!r})")
+        elif t.dataset_path:
+            problems.append(f"training.dataset_path = {t.dataset_path!r} is only read with "
+                            f"dataset = 'text', but training.dataset = {t.dataset!r}; set "
+                            "dataset = 'text' or dataset_path = \"\"")
+    return problems
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Check every field and every cross-field rule; raise :class:`ConfigError` listing all.
+
+    Works on any :class:`JobConfig`, including one built or modified in Python. With
+    ``world_size`` the degrees must multiply to it (``data_parallel_shard_degree = -1`` takes the
+    rest); without it only what does not depend on it is checked, with -1 counted as 1.
+
+    >>> validate(JobConfig(), world_size=4)
+    """
+    problems = _problems(cfg, world_size, set())
     if problems:
         raise ConfigError(problems)
 
 
-# -- output -------------------------------------------------------------------------------------
+def resolved_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
+    """``data_parallel_shard_degree`` with -1 resolved to the rest of the world (1 without one).
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
+    Raises :class:`ConfigError` when the degrees cannot fit ``world_size``.
+
+    >>> resolved_dp_shard(load_config(None, ["--parallelism.tensor_parallel_degree=2"]), 8)
+    4
+    """
+    shard, problem = _resolve_shard(cfg.parallelism, world_size)
+    if problem:
+        raise ConfigError([problem])
+    return shard
+
+
+def gradient_accumulation_steps(cfg: JobConfig, world_size: int | None) -> int:
+    """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp).
+
+    1 when ``global_batch_size = -1``. Raises :class:`ConfigError` when it is not a whole number.
+
+    >>> gradient_accumulation_steps(load_config(None, ["--training.global_batch_size=64"]), 4)
+    2
+    """
+    t, p = cfg.training, cfg.parallelism
+    if t.global_batch_size == -1:
+        return 1
+    dp = p.data_parallel_replicate_degree * resolved_dp_shard(cfg, world_size)
+    per_step = t.local_batch_size * dp
+    if t.global_batch_size < per_step or t.global_batch_size % per_step:
+        raise ConfigError([f"training.global_batch_size = {t.global_batch_size} must be a "
+                           f"multiple of local_batch_size({t.local_batch_size}) x dp({dp}) = "
+                           f"{per_step}"])
+    return t.global_batch_size // per_step
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        # JSON string escapes (\n, \", \\, \uXXXX) are all valid TOML basic-string escapes.
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)  # ints, and floats as repr (1e-08, inf) which TOML reads back exactly
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML (round-trips through :func:`load_config`)."""
-    out = []
+    """The resolved config as TOML, every key listed; :func:`load_config` reads it back equal.
+
+    Unset optional keys are left out (TOML has no null), and so is ``job.extends``, since the
+    inherited values are already in the output.
+
+    >>> print(to_toml(JobConfig()).splitlines()[1])
+    [job]
+    """
+    out = ["# resolved titanext config (inheritance and overrides applied)"]
     for section in SECTIONS:
         out.append(f"[{section}]")
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if value is None or (section == "job" and f.name == "extends"):
-                continue  # TOML has no null; inheritance is already resolved
+            if value is None or (section, f.name) == ("job", "extends"):
+                continue
             out.append(f"{f.name} = {_toml_value(value)}")
         out.append("")
     return "\n".join(out)
 
 
-def config_help() -> str:
-    """Every section and key with its type, default and docstring (``--help`` text)."""
+def config_help(width: int = 96) -> str:
+    """Every section and key with its type, default, allowed values and docstring (``--help``).
+
+    >>> "--training.seq_len" in config_help()
+    True
+    """
     docs = field_docs()
+    section_docs = _ATTRIBUTE_DOCS.get(JobConfig.__name__, {})
     lines = [
-        "usage: torchrun --nproc_per_node N -m titanext.train --config FILE [--section.key=value ...]",
-        "       [--print-config] [--help]",
+        "usage: torchrun --nproc_per_node N -m titanext.train --config FILE "
+        "[--section.key=value ...]",
+        "       python -m titanext.train --config FILE --print-config | --help",
         "",
-        "Every key below can be set in the TOML file ([section] key = value) or overridden on the",
-        "command line as --section.key=value or --section.key value.",
+        *textwrap.wrap("Every key below can be set in the TOML file ([section] then key = value) "
+                       "or overridden on the command line as --section.key=value or "
+                       "--section.key value. Lists are comma-separated on the command line; "
+                       "a bare boolean key means true.", width=width),
     ]
     for section, cls in SECTIONS.items():
-        lines += ["", f"[{section}]"]
+        lines += ["", f"[{section}]" + (f"  {section_docs[section]}" if section in section_docs
+                                        else "")]
+        hints = _hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                       else f.default)
             shown = "unset" if default is None else _toml_value(default)
-            lines.append(f"  --{section}.{f.name}  ({_type_name(_hints(cls)[f.name])}, default {shown})")
-            lines += textwrap.wrap(docs[(section, f.name)], width=92, initial_indent="      ",
-                                   subsequent_indent="      ")
+            rule = _field_rule(f)
+            lines.append(f"  --{section}.{f.name}  ({_type_name(hints[f.name])}, default {shown}"
+                         + (f"; {rule}" if rule else "") + ")")
+            lines += textwrap.wrap(docs[(section, f.name)], width=width,
+                                   initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
