@@ -261,7 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config_path, overrides, flags = parse_cli(argv)
         if flags.get("help"):
-            print(config_help())
+            try:
+                print(config_help())
+            except BrokenPipeError:  # `--help | head`
+                pass
             return 0
         cfg = load_config(config_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
