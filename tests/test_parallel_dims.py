@@ -47,7 +47,7 @@ def test_ep_must_fit_dp_shard_times_cp():
 def _mesh_views(rank, world_size, kw):
     d = ParallelDims(world_size=world_size, **kw)
     d.build_mesh("cpu")
-    out = {name: d.world_mesh[name].size() for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")}
+    out = {name: d.view(name).size() for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")}
     out["fsdp_ndim"] = d.fsdp_mesh.ndim
     if d.ep > 1:
         out["ep"] = d.ep_mesh.size()

@@ -76,9 +76,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
+def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     # DeviceMesh has no public flatten in every torch we support; keep the private call here.
-    mesh[dims]._flatten(mesh_dim_name=name)
+    return mesh[dims]._flatten(mesh_dim_name=name)
 
 
 @dataclass
@@ -93,6 +93,7 @@ class ParallelDims:
     ep: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -183,14 +184,26 @@ class ParallelDims:
             names = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
         mesh = init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(names))
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
+        # Keep the flattened views: slicing them back out of the root mesh is deprecated.
+        views = {name: mesh[name] for name in ("pp", "dp_replicate", "cp", "tp")}
         if self.ep > 1:
-            _flatten(mesh, shard, "dp_shard")
-            _flatten(mesh, ("dp_shard_in_ep", "cp"), "ep")
-        _flatten(mesh, ("dp_replicate", *shard), "dp")
-        _flatten(mesh, (*shard, "cp"), "dp_shard_cp")
-        _flatten(mesh, ("dp_replicate", *shard, "cp"), "dp_cp")
+            views["dp_shard"] = _flatten(mesh, shard, "dp_shard")
+            views["ep"] = _flatten(mesh, ("dp_shard_in_ep", "cp"), "ep")
+        else:
+            views["dp_shard"] = mesh["dp_shard"]
+        views["dp"] = _flatten(mesh, ("dp_replicate", *shard), "dp")
+        views["dp_shard_cp"] = _flatten(mesh, (*shard, "cp"), "dp_shard_cp")
+        views["dp_cp"] = _flatten(mesh, ("dp_replicate", *shard, "cp"), "dp_cp")
+        self._views = views
         self._mesh = mesh
         return mesh
+
+    def view(self, name: str) -> DeviceMesh:
+        """A named 1D view: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp, ep."""
+        self.world_mesh  # noqa: B018  (raises if the mesh is not built)
+        if name not in self._views:
+            raise KeyError(f"no mesh view {name!r}; available: {', '.join(self._views)}")
+        return self._views[name]
 
     @property
     def world_mesh(self) -> DeviceMesh:
@@ -201,31 +214,32 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """1D (dp_shard_cp) for FSDP, 2D (dp_replicate, dp_shard_cp) for HSDP."""
-        m = self.world_mesh
-        return m["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else m["dp_shard_cp"]
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_cp"]
+        return self.view("dp_shard_cp")
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.world_mesh["dp"]
+        return self.view("dp")
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.world_mesh["tp"]
+        return self.view("tp")
 
     @property
     def cp_mesh(self) -> DeviceMesh:
-        return self.world_mesh["cp"]
+        return self.view("cp")
 
     @property
     def pp_mesh(self) -> DeviceMesh:
-        return self.world_mesh["pp"]
+        return self.view("pp")
 
     @property
     def loss_mesh(self) -> DeviceMesh:
-        return self.world_mesh["dp_cp"]
+        return self.view("dp_cp")
 
     @property
     def ep_mesh(self) -> DeviceMesh:
         if self.ep == 1:
             raise RuntimeError("expert parallelism is off (ep = 1): there is no ep mesh")
-        return self.world_mesh["ep"]
+        return self.view("ep")
