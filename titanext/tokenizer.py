@@ -1,9 +1,13 @@
 """A byte-level tokenizer: UTF-8 bytes are ids 0..255, plus BOS (256) and EOS (257).
 
-It needs no files, handles any text, and keeps the debug model's vocabulary tiny.
+It needs no vocabulary files, round-trips any text exactly, and keeps the debug model's
+embedding tiny (258 rows), which is what a CPU-runnable reference stack wants.
 
->>> tok = ByteTokenizer()
->>> tok.decode(tok.encode("héllo", bos=True, eos=True))
+>>> tok = build_tokenizer("byte")
+>>> ids = tok.encode("héllo", bos=True, eos=True)
+>>> ids[0], ids[-1], len(ids)  # 'é' is two UTF-8 bytes
+(256, 257, 8)
+>>> tok.decode(ids)
 'héllo'
 """
 
@@ -11,26 +15,66 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ByteTokenizer", "build_tokenizer"]
+import torch
+
+__all__ = ["TOKENIZERS", "ByteTokenizer", "build_tokenizer"]
 
 
 class ByteTokenizer:
-    bos_id = 256
-    eos_id = 257
-    vocab_size = 258
+    """Maps text to its UTF-8 bytes (ids 0..255); 256 and 257 are the BOS and EOS markers.
+
+    >>> tok = ByteTokenizer()
+    >>> tok.encode("hi", eos=True)
+    [104, 105, 257]
+    >>> tok.decode([104, 105, 257])
+    'hi'
+    """
+
+    bos_id: int = 256
+    eos_id: int = 257
+    vocab_size: int = 258
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """The ids of ``text``: its UTF-8 bytes, optionally framed by BOS and/or EOS.
+
+        >>> ByteTokenizer().encode("a", bos=True)
+        [256, 97]
+        """
         ids = list(text.encode("utf-8"))
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        if bos:
+            ids.insert(0, self.bos_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
+        """The text of ``ids``. Special ids are dropped, and byte sequences that are not valid
+        UTF-8 (e.g. a window cut inside a multi-byte character) become U+FFFD instead of raising,
+        because decoding is used for logging samples, where a crash helps nobody.
+
+        >>> ByteTokenizer().decode([256, 0xC3, 0xA9, 257])
+        'é'
+        >>> ByteTokenizer().decode([0xC3])  # half of a 2-byte character
+        '\ufffd'
+        """
+        if isinstance(ids, torch.Tensor):
+            ids = ids.flatten().tolist()  # one conversion, not one per element
+        data = bytes(i for i in map(int, ids) if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
 
 
-_TOKENIZERS = {"byte": ByteTokenizer}
+# Registry of tokenizer names -> classes. `build_tokenizer` is the only lookup, so an unknown
+# name fails loudly in one place instead of silently falling back.
+TOKENIZERS: dict[str, type[ByteTokenizer]] = {"byte": ByteTokenizer}
 
 
 def build_tokenizer(name: str = "byte") -> ByteTokenizer:
-    if name not in _TOKENIZERS:
-        raise ValueError(f"model.tokenizer = {name!r}; allowed: {', '.join(_TOKENIZERS)}")
-    return _TOKENIZERS[name]()
+    """The tokenizer called ``name`` (the value of ``model.tokenizer``).
+
+    >>> build_tokenizer().vocab_size
+    258
+    """
+    if name not in TOKENIZERS:
+        allowed = ", ".join(repr(n) for n in TOKENIZERS)
+        raise ValueError(f"model.tokenizer = {name!r} is not a known tokenizer; allowed: {allowed}")
+    return TOKENIZERS[name]()
