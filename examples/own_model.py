@@ -3,14 +3,18 @@
 Run: torchrun --standalone --nproc_per_node 4 examples/own_model.py
 """
 
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from titanext.optim import clip_grad_norm_
 from titanext.parallel_dims import ParallelDims, init_distributed
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.fsdp import apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
-from titanext.optim import clip_grad_norm_
+
 
 class Block(nn.Module):
     def __init__(self, d):
@@ -44,7 +48,9 @@ for step in range(5):
     x = torch.randn(8, 16, 64, device=device)    # each dp rank would load its own shard
     model(x).square().mean().backward()
     norm = clip_grad_norm_(model.parameters(), max_norm=1.0)   # DTensor-aware, any mesh mix
-    opt.step(); opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
     if dist.get_rank() == 0:
         print(step, norm.item())
-dist.barrier(); dist.destroy_process_group()
+dist.barrier()
+dist.destroy_process_group()
