@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from titanext.plugins.activation_checkpoint import DEFAULT_SAVE_OPS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -264,14 +266,7 @@ class Parallelism:
     """Ranks that split the experts of MoE layers (borrowed from dp_shard x cp)."""
 
 
-_DEFAULT_SAVE_OPS = [
-    "mm",
-    "addmm",
-    "bmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-]
+_DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # the plugin owns the list
 
 
 @dataclass
