@@ -28,11 +28,15 @@ every rank has finished writing, so an interrupted save never looks like a check
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import sys
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,9 +68,19 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _is_zero1(optimizer: Any) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    # Looked up instead of imported: importing torch.distributed.optim costs time and scripts
+    # functional optimizers, and an instance cannot exist unless its module is loaded.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: without a process group we mean to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def _save_file(obj: Any, path: str) -> None:
@@ -256,7 +270,8 @@ class CheckpointManager:
         state: dict[str, Any] = {"model": self._model_state()}
         if not zero1:
             state["optimizer"] = self._optimizer_state()[0]
-        dcp.save(state, checkpoint_id=tmp, process_group=self.process_group)
+        with _single_process_is_intended():
+            dcp.save(state, checkpoint_id=tmp, process_group=self.process_group)
         if zero1:
             self.optimizer.consolidate_state_dict(to=0)  # collective over the ZeRO group
             if dist.get_rank(self.optimizer.process_group) == 0:
@@ -349,7 +364,8 @@ class CheckpointManager:
         state: dict[str, Any] = {"model": self._model_state()}
         if not zero1:
             state["optimizer"], original_keys = self._optimizer_state()
-        dcp.load(state, checkpoint_id=path, process_group=self.process_group)
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=path, process_group=self.process_group)
         for part in self.model_parts:
             names = get_model_state_dict(part).keys()
             set_model_state_dict(part, {name: state["model"][name] for name in names})
