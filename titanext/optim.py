@@ -58,17 +58,18 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
               decay_type: str, min_lr_factor: float) -> float:
     """LR multiplier at optimizer step ``step`` (0-based): warmup, stable, decay.
 
-    Warmup rises linearly to 1 over ``warmup_steps`` (starting above 0, so step 0 trains).
-    The last ``decay_ratio`` of the steps (all steps after warmup when None) decay to
-    ``min_lr_factor`` linearly, as sqrt, or along a cosine.
+    Warmup rises linearly and reaches 1 at its last step (step 0 already trains, at
+    1/warmup_steps). The last ``decay_ratio`` of the steps (all steps after warmup when None)
+    start at the peak and decay towards ``min_lr_factor`` linearly, as sqrt, or along a
+    cosine; the factor would reach ``min_lr_factor`` at step ``total_steps``.
     """
     if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
+        return (step + 1) / warmup_steps
     decay_steps = total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
-    decay_start = total_steps - decay_steps
+    decay_start = max(total_steps - decay_steps, warmup_steps)
     if step < decay_start or decay_steps <= 0:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / (decay_steps + 1))
+    progress = min(1.0, (step - decay_start) / (total_steps - decay_start))
     if decay_type == "linear":
         frac = 1.0 - progress
     elif decay_type == "sqrt":

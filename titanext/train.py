@@ -230,14 +230,14 @@ class Trainer:
         losses = []
         try:
             while self.step < last_step:
+                lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
                 loss, grad_norm = self.train_step(self.next_microbatches())
                 self.step += 1
                 if self.step == 1:
                     _set_process_group_timeout(cfg.comm.train_timeout_seconds)
                 losses.append(loss)
                 metrics.record_tokens(tokens_per_step)
-                metrics.log(self.step, loss=loss, grad_norm=grad_norm,
-                            lr=self.lr_scheduler.get_last_lr()[0])
+                metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
                 self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
         finally:
             metrics.close()
