@@ -22,12 +22,12 @@ def test_dp_shard_minus_one_takes_the_rest():
 
 
 def test_product_must_equal_world_size():
-    with pytest.raises(ConfigError, match="must equal the world size 8"):
+    with pytest.raises(ConfigError, match="multiply to 4, not the world size 8"):
         dims(dp_shard=2, tp=2)
 
 
 def test_rest_must_divide():
-    with pytest.raises(ConfigError, match="not divisible by dp_replicate x cp x tp x pp = 3"):
+    with pytest.raises(ConfigError, match="cannot fill the rest of the world size 8: it is not divisible by .* = 3"):
         dims(tp=3)
 
 

@@ -814,35 +814,17 @@ def _not_yet_supported(cfg: JobConfig, skip: set[str]) -> list[str]:
     return problems
 
 
-def _degrees_text(p: Parallelism, shard: int | None) -> str:
-    """The degree product spelled out with names; ``shard=None`` leaves dp_shard out."""
-    names = ["data_parallel_replicate_degree", "data_parallel_shard_degree",
-             "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree"]
-    values = {n: getattr(p, n) for n in names} | {"data_parallel_shard_degree": shard}
-    return " x ".join(f"{n}({values[n]})" for n in names if values[n] is not None)
-
-
 def _resolve_shard(p: Parallelism, world_size: int | None) -> tuple[int, str | None]:
-    """(dp_shard with -1 resolved, the problem if the degrees do not fit ``world_size``).
+    """(dp_shard with -1 resolved, the problem if the degrees do not fit ``world_size``)."""
+    from titanext.parallel_dims import resolve_dp_shard  # the one owner of degree arithmetic
 
-    Without a world size only -1 -> 1 is done, as nothing can be said about the product.
-    """
-    shard = p.data_parallel_shard_degree
-    others = (p.data_parallel_replicate_degree * p.context_parallel_degree
-              * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    if world_size is None:
-        return (1 if shard == -1 else shard), None
-    if shard == -1:
-        if world_size % others:
-            return 1, (f"parallelism.data_parallel_shard_degree = -1 cannot fill the rest of the "
-                       f"world size {world_size}: it is not divisible by "
-                       f"{_degrees_text(p, None)}"
-                       f" = {others}")
-        return world_size // others, None
-    if shard * others != world_size:
-        return shard, (f"parallelism degrees multiply to {shard * others}, not the world size "
-                       f"{world_size}: {_degrees_text(p, shard)} = {shard * others}; set "
-                       "data_parallel_shard_degree = -1 to fill the rest")
+    try:
+        shard = resolve_dp_shard(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree, world_size=world_size)
+    except ConfigError as e:
+        return (1 if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree), e.problems[0]
     return shard, None
 
 

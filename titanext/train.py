@@ -29,7 +29,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanext.checkpoint import CheckpointManager
-from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
+from titanext.config import (
+    ConfigError,
+    JobConfig,
+    config_help,
+    gradient_accumulation_steps,
+    load_config,
+    parse_cli,
+    to_toml,
+)
 from titanext.data import build_dataloader
 from titanext.metrics import MetricsLogger
 from titanext.models import build_model, get_model_args
@@ -92,7 +100,7 @@ class Trainer:
             world_size=world_size,
         )
         dims.build_mesh(self.device.type)
-        self.grad_accum_steps = self._grad_accum_steps()
+        self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
 
         # Model: meta -> parallelize -> materialise -> init.
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
@@ -153,12 +161,6 @@ class Trainer:
         self.step = 0
 
     # -- pieces ------------------------------------------------------------------------------
-    def _grad_accum_steps(self) -> int:
-        t = self.cfg.training
-        if t.global_batch_size in (-1, None):
-            return 1
-        return t.global_batch_size // (t.local_batch_size * self.dims.dp)
-
     @staticmethod
     def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies (fp32); normalised by the caller."""
