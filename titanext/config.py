@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from titanext._hints import did_you_mean as _did_you_mean
 from titanext.plugins.activation_checkpoint import DEFAULT_SAVE_OPS
 
 if sys.version_info >= (3, 11):
@@ -514,15 +515,6 @@ def _show(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     return repr(value)
-
-
-def _did_you_mean(name: str, choices: Sequence[str], *, fallback: bool = True) -> str:
-    # Case slips ('8b', 'adamw') are the commonest typo, and difflib weighs them like any other.
-    close = [c for c in choices if c.lower() == name.lower()]
-    close = close or difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; known: {', '.join(choices)}" if fallback else ""
 
 
 # -- command line -----------------------------------------------------------------------------------

@@ -7,29 +7,26 @@
 
 from __future__ import annotations
 
-import difflib
-
 import torch
 from torch import nn
 
+from titanext._hints import did_you_mean
 from titanext.models.args import LLAMA3_FLAVORS, ModelArgs
 
 MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama3": LLAMA3_FLAVORS}
 
 
-def _choices_hint(value: str, choices) -> str:
-    close = difflib.get_close_matches(value, list(choices), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"allowed: {', '.join(sorted(choices))}{hint}"
+def _choices(value: str, choices) -> str:
+    return f"choose one of {', '.join(map(repr, choices))}{did_you_mean(value, list(choices), fallback=False)}"
 
 
 def get_model_args(name: str, flavor: str) -> ModelArgs:
     """The :class:`ModelArgs` of a named flavor; KeyError lists the choices."""
     if name not in MODEL_FLAVORS:
-        raise KeyError(f"unknown model name {name!r}; {_choices_hint(name, MODEL_FLAVORS)}")
+        raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     flavors = MODEL_FLAVORS[name]
     if flavor not in flavors:
-        raise KeyError(f"unknown flavor {flavor!r} for model {name!r}; {_choices_hint(flavor, flavors)}")
+        raise KeyError(f"unknown flavor {flavor!r} for model {name!r}; {_choices(flavor, flavors)}")
     return flavors[flavor]
 
 
@@ -38,7 +35,7 @@ def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta")
     from titanext.models.llama import Transformer
 
     if name not in MODEL_FLAVORS:
-        raise KeyError(f"unknown model name {name!r}; {_choices_hint(name, MODEL_FLAVORS)}")
+        raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     with torch.device(device):
         return Transformer(args)
 
