@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import signal
 import sys
@@ -130,6 +131,7 @@ class Trainer:
         self.model = model
         # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
         self.train_module: nn.Module = apply_ddp(model, dims.dp_mesh) if zero1 else model
+        self._is_ddp = isinstance(self.train_module, nn.parallel.DistributedDataParallel)
         self.compute_loss = self._loss_fn
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
@@ -159,6 +161,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
         )
         self.step = 0
+        self._resumed = False
 
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
@@ -185,8 +188,10 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            last = i == len(microbatches) - 1
-            sync = self.train_module.no_sync() if (not last and isinstance(self.train_module, nn.parallel.DistributedDataParallel)) else contextlib.nullcontext()
+            # DDP (ZeRO-1) all-reduces on every backward unless told otherwise; FSDP's
+            # per-micro-batch reduce-scatter is what keeps its gradients sharded.
+            skip_sync = self._is_ddp and i < len(microbatches) - 1
+            sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
                 logits = self.train_module(inputs)
                 loss = self.compute_loss(logits, labels)
@@ -198,7 +203,7 @@ class Trainer:
         dist.all_reduce(loss_sum, group=loss_group)
         mean_loss = (loss_sum / max(global_tokens, 1.0)).item()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm).item()
-        if not (torch.isfinite(torch.tensor(mean_loss)) and torch.isfinite(torch.tensor(grad_norm))):
+        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping without "
                 "an optimizer step (the last good checkpoint is kept)"
@@ -217,7 +222,9 @@ class Trainer:
         """
         cfg, t = self.cfg, self.cfg.training
         last_step = t.steps if until_step is None else min(until_step, t.steps)
-        self.step = self.checkpointer.load()
+        if not self._resumed:  # a second train() call continues in memory
+            self.step = self.checkpointer.load()
+            self._resumed = True
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * self.dims.dp * t.seq_len
         metrics = MetricsLogger(
             job_dir=cfg.job.dump_folder, rank=self.rank, is_logging_rank=self.rank == 0,
