@@ -493,8 +493,7 @@ def test_without_world_size_dp_shard_minus_one_counts_as_one():
     assert "local_batch_size(8) x dp(1) = 8" in the_problem(["--training.global_batch_size=12"])
 
 
-@pytest.mark.parametrize("key,what", [("context_parallel_degree", "context"),
-                                      ("pipeline_parallel_degree", "pipeline"),
+@pytest.mark.parametrize("key,what", [("pipeline_parallel_degree", "pipeline"),
                                       ("expert_parallel_degree", "expert")])
 def test_not_yet_supported_degrees(key, what):
     problem = the_problem([f"--parallelism.{key}=2"])
@@ -503,7 +502,7 @@ def test_not_yet_supported_degrees(key, what):
 
 
 def _cp_problems(args, world_size=8):
-    """Problems minus the 'CP not supported yet' line, which every CP config has for now."""
+    """Problems minus any 'not supported yet' line (degrees that are still landing)."""
     return [p for p in problems_of(args, world_size) if "not supported yet" not in p]
 
 
@@ -522,6 +521,25 @@ def test_seq_len_divisible_by_2_cp_without_sequence_parallel():
     assert _cp_problems([*base, "--training.seq_len=252"]) == []  # 252 % 4 == 0; tp not counted
     assert _cp_problems([*base, "--training.seq_len=250"]) == [
         "training.seq_len = 250 must be divisible by 2 x context_parallel_degree(2) = 4"]
+
+
+def test_seq_len_divisible_by_cp_only_with_contiguous_layout():
+    base = ["--parallelism.context_parallel_degree=2",
+            "--parallelism.context_parallel_load_balance=none"]
+    assert _cp_problems([*base, "--training.seq_len=250"], world_size=2) == []
+    assert _cp_problems([*base, "--training.seq_len=251"], world_size=2) == [
+        "training.seq_len = 251 must be divisible by context_parallel_degree(2) = 2"]
+
+
+def test_cp_options_are_validated():
+    found = _cp_problems(["--parallelism.context_parallel_degree=2",
+                          "--parallelism.context_parallel_comm=ring",
+                          "--parallelism.context_parallel_load_balance=zigzg"], world_size=2)
+    assert found == [
+        "parallelism.context_parallel_load_balance = 'zigzg' is not allowed; choose one of "
+        "'zigzag', 'none'; did you mean 'zigzag'?",
+        "parallelism.context_parallel_comm = 'ring' is not allowed; choose one of 'p2p', "
+        "'allgather'"]
 
 
 def test_seq_len_divisible_by_tp_with_sequence_parallel():

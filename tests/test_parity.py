@@ -73,7 +73,23 @@ CASES = {
     "tp2_selective_layer_ac": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
                                    "--activation_checkpoint.mode=selective",
                                    "--activation_checkpoint.selective_ac_option=2"]),
+    # Context parallelism: each sequence split over cp ranks (ring attention).
+    "cp2": (2, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2"]),
+    "cp2_contiguous_allgather": (2, ["--training.local_batch_size=8",
+                                     "--parallelism.context_parallel_degree=2",
+                                     "--parallelism.context_parallel_load_balance=none",
+                                     "--parallelism.context_parallel_comm=allgather"]),
+    "fsdp2_x_cp2": (4, ["--training.local_batch_size=4", "--parallelism.context_parallel_degree=2"]),
+    "cp2_x_tp2_full_ac": (4, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2",
+                              "--parallelism.tensor_parallel_degree=2",
+                              "--activation_checkpoint.mode=full"]),
 }
+
+
+# Ring attention sums the softmax in another order: its gradients agree with one process to
+# ~3e-7 (tests/test_context_parallel.py), and five Adam steps amplify that in the few
+# near-zero-gradient elements of wv to 1.2-1.5e-5. The losses still agree to 1e-5.
+PARAM_RTOL = {case: 3e-5 for case in CASES if "cp2" in case}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -89,7 +105,7 @@ def test_layout_matches_single_process(case, reference, tmp_path):
         # element whose gradient is ~0 can move by ~lr on a sign flip of rounding noise; the
         # tensor as a whole must still agree to ~1e-5.
         err = (params[name] - ref).norm() / ref.norm()
-        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+        assert err < PARAM_RTOL.get(case, 1e-5), f"{name}: relative error {err:.2e}"
 
 
 def test_parity_check_can_fail(reference, tmp_path):

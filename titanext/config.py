@@ -260,7 +260,17 @@ class Parallelism:
     enable_loss_parallel: bool = _field(True)
     """With TP, keep logits sharded over the vocabulary and compute the loss in parallel."""
     context_parallel_degree: int = _field(1, ge=1)
-    """Ranks that split each sequence (context parallelism with ring attention)."""
+    """Ranks that split each sequence (context parallelism with exact ring attention, see
+    titanext.plugins.context_parallel). CP ranks also shard parameters: FSDP runs over
+    dp_shard x cp."""
+    context_parallel_load_balance: str = _field("zigzag", choices=("zigzag", "none"))
+    """How CP splits a sequence: zigzag (rank r of W holds chunks r and 2W-1-r of 2W, so causal
+    attention costs every rank the same) or none (contiguous slices; the last rank does the most
+    work)."""
+    context_parallel_comm: str = _field("p2p", choices=("p2p", "allgather"))
+    """How CP moves keys and values: p2p (a ring of send/recv overlapped with compute; memory of
+    two KV blocks) or allgather (one all-gather forward and one reduce-scatter of their
+    gradients backward; memory of the whole sequence's KV, fewer and larger messages)."""
     pipeline_parallel_degree: int = _field(1, ge=1)
     """Pipeline stages over ranks."""
     expert_parallel_degree: int = _field(1, ge=1)
@@ -797,7 +807,7 @@ def _not_yet_supported(cfg: JobConfig, skip: set[str]) -> list[str]:
     these degrees; delete an entry here when the trainer learns that kind of parallelism.
     """
     problems = []
-    for key in ("context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+    for key in ("pipeline_parallel_degree", "expert_parallel_degree"):
         value = getattr(cfg.parallelism, key)
         if f"parallelism.{key}" not in skip and value > 1:
             problems.append(f"parallelism.{key} = {value} is not supported yet by the trainer "
@@ -896,11 +906,14 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
 
     if degrees_ok and ok("training.seq_len", "enable_sequence_parallel"):
         sp = tp > 1 and p.enable_sequence_parallel  # SP shards the sequence over tp as well
-        if cp > 1 and t.seq_len % (2 * cp * (tp if sp else 1)):
-            # Zigzag CP cuts each sequence into 2 x cp chunks, which SP then splits by tp.
-            need = 2 * cp * (tp if sp else 1)
+        zigzag = p.context_parallel_load_balance == "zigzag"
+        if cp > 1 and t.seq_len % ((2 if zigzag else 1) * cp * (tp if sp else 1)):
+            # Zigzag CP cuts each sequence into 2 x cp chunks (contiguous CP into cp), which SP
+            # then splits by tp.
+            need = (2 if zigzag else 1) * cp * (tp if sp else 1)
             sp_part = f" x tensor_parallel_degree({tp}) (sequence parallel)" if sp else ""
-            problems.append(f"training.seq_len = {t.seq_len} must be divisible by 2 x "
+            two = "2 x " if zigzag else ""
+            problems.append(f"training.seq_len = {t.seq_len} must be divisible by {two}"
                             f"context_parallel_degree({cp}){sp_part} = {need}")
         elif cp == 1 and sp and t.seq_len % tp:
             problems.append(f"training.seq_len = {t.seq_len} must be divisible by "

@@ -46,6 +46,7 @@ from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanext.parallel_dims import ParallelDims, init_distributed
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
+from titanext.plugins.context_parallel import apply_context_parallel, shard_batch
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
 from titanext.tokenizer import build_tokenizer
@@ -107,9 +108,13 @@ class Trainer:
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
         model = build_model(cfg.model.name, self.model_args, device="meta")
         self.loss_parallel = dims.tp_enabled and p.enable_loss_parallel
+        self.cp_layout = "zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous"
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                                   loss_parallel=self.loss_parallel)
+        if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
+            apply_context_parallel(model, dims.cp_mesh, layout=self.cp_layout,
+                                   comm=p.context_parallel_comm)
         ac = cfg.activation_checkpoint
         apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
                                        save_ops=ac.selective_op_save_list)
@@ -176,24 +181,35 @@ class Trainer:
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
 
+    def _shard_for_cp(self, inputs: torch.Tensor, labels: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This CP rank's slice of each sequence, with the global positions for RoPE."""
+        if not self.dims.cp_enabled:
+            return inputs, labels, None
+        return shard_batch(inputs, labels, self.dims.cp_mesh, layout=self.cp_layout)
+
     def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over this rank's micro-batches; returns (global loss, grad norm)."""
         dims = self.dims
         loss_group = dims.loss_mesh.get_group()
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        # Under CP each rank counts (and sums the loss of) only its own slice of the tokens.
+        microbatches = [self._shard_for_cp(*mb) for mb in microbatches]
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=loss_group)
         global_tokens = counts.item()
         scale = dims.gradient_reduction_size / max(global_tokens, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, (inputs, labels, positions) in enumerate(microbatches):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if positions is not None:
+                positions = positions.to(self.device)
             # DDP (ZeRO-1) all-reduces on every backward unless told otherwise; FSDP's
             # per-micro-batch reduce-scatter is what keeps its gradients sharded.
             skip_sync = self._is_ddp and i < len(microbatches) - 1
             sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
-                logits = self.train_module(inputs)
+                logits = self.train_module(inputs, positions)
                 loss = self.compute_loss(logits, labels)
                 (loss * scale).backward()
             if isinstance(loss, DTensor):

@@ -1,0 +1,116 @@
+"""Block attention kernels that return the log-sum-exp, for ring attention.
+
+``block_forward`` computes one (query block, KV block) attention and its LSE; ``block_backward``
+computes that block's gradients from the *merged* output and LSE (the flash-attention
+backward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), which is what makes the ring's
+gradients exact. Kernels:
+
+- ``math``: plain matmuls in fp32 (fp64 for fp64 inputs), GQA without expanding K/V. Any device.
+- ``flash_cpu``: ATen's CPU flash-attention kernels (fp32, fp64, bf16, fp16).
+- ``flash_cuda``: ATen's CUDA flash-attention kernels (fp16, bf16).
+
+The ATen ops are the ones ``F.scaled_dot_product_attention`` dispatches to; they are reached
+through ``torch.ops.aten`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNELS = ("auto", "math", "flash_cpu", "flash_cuda")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def pick_kernel(kernel: str, q: torch.Tensor) -> str:
+    """Resolve "auto" for ``q``'s device and dtype; check an explicit choice can run."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r} is not one of {KERNELS}")
+    dev, dt, hd = q.device.type, q.dtype, q.shape[-1]
+    cuda_ok = dev == "cuda" and dt in _HALF and hd % 8 == 0 and hd <= 256
+    cpu_ok = dev == "cpu" and dt in (torch.float32, torch.float64, *_HALF)
+    if kernel == "auto":
+        return "flash_cuda" if cuda_ok else "flash_cpu" if cpu_ok else "math"
+    if kernel == "flash_cuda" and not cuda_ok:
+        raise ValueError(f"kernel = 'flash_cuda' needs CUDA fp16/bf16 inputs with head_dim a "
+                         f"multiple of 8 up to 256; got {dev} {dt} head_dim {hd}; use 'auto'")
+    if kernel == "flash_cpu" and not cpu_ok:
+        raise ValueError(f"kernel = 'flash_cpu' needs CPU inputs; got {dev} {dt}; use 'auto'")
+    return kernel
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum expanded-head gradients back onto their KV head."""
+    b, h, s, d = t.shape
+    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _scores(q, k, scale, causal):
+    """S = q k^T * scale in the accumulation dtype, grouped: [B, KVH, G, Lq, Lk]."""
+    b, h, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    acc = _acc(q.dtype)
+    qg = q.reshape(b, kvh, h // kvh, lq, d).to(acc)
+    s = torch.matmul(qg * scale, k.to(acc).unsqueeze(2).transpose(-1, -2))
+    if causal:  # only diagonal blocks are causal, and those are square
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return qg, s
+
+
+def block_forward(q, k, v, *, causal: bool, scale: float, kernel: str):
+    """(out [B, H, Lq, D], lse [B, H, Lq] in the accumulation dtype) of one block."""
+    b, h, lq, d = q.shape
+    if kernel == "flash_cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand(k, h), _expand(v, h), 0.0, causal, scale=scale)
+        return out, lse.to(_acc(q.dtype))
+    if kernel == "flash_cuda":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _expand(k, h), _expand(v, h), 0.0, causal, False, scale=scale)
+        return res[0], res[1].to(_acc(q.dtype))
+    _, s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p, v.to(s.dtype).unsqueeze(2))
+    return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
+
+
+def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float, kernel: str):
+    """(dq [B, H, Lq, D], dk, dv [B, KVH, Lk, D]) of one block, given the merged out and lse.
+
+    ``delta`` is rowsum(dout * out) [B, H, Lq], shared by all blocks (used by ``math``; the
+    flash kernels recompute it from ``out``).
+    """
+    b, h, lq, d = q.shape
+    kvh = k.shape[1]
+    if kernel in ("flash_cpu", "flash_cuda"):
+        ke, ve = _expand(k, h), _expand(v, h)
+        o = out.to(q.dtype)
+        if kernel == "flash_cpu":
+            lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, ke, ve, o, lse_k, 0.0, causal, scale=scale)
+        else:
+            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, ke, ve, o, lse.float().contiguous(), empty, empty, lq, k.shape[2], 0.0,
+                causal, empty, empty, scale=scale)
+        return dq, _fold(dk, kvh), _fold(dv, kvh)
+    qg, s = _scores(q, k, scale, causal)
+    acc = s.dtype
+    p = torch.exp(s - lse.reshape(b, kvh, h // kvh, lq, 1).to(acc))
+    dout_g = dout.reshape(b, kvh, h // kvh, lq, d).to(acc)
+    dv = torch.matmul(p.transpose(-1, -2), dout_g).sum(2)
+    dp = torch.matmul(dout_g, v.to(acc).unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.reshape(b, kvh, h // kvh, lq, 1).to(acc))
+    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
+    return dq.reshape(b, h, lq, d), dk, dv
