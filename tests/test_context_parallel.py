@@ -272,3 +272,23 @@ def test_reference_model_loss_and_grads_match_one_process(layout, comm):
         assert loss_err < 1e-6
         worst = max(errs, key=errs.get)
         assert errs[worst] < 1e-5, f"{worst}: {errs[worst]:.2e}"
+
+
+def test_user_model_example_runs_and_matches(tmp_path):
+    """examples/context_parallel.py (linked from the README) under torchrun, 2 ranks."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(root / "examples" / "context_parallel.py")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    full, cp = map(float, re.search(r"full-sequence loss (\S+)  context-parallel loss (\S+)",
+                                    out.stdout).groups())
+    assert abs(full - cp) < 1e-5 * abs(full)

@@ -79,6 +79,8 @@ CASES = {
                                      "--parallelism.context_parallel_degree=2",
                                      "--parallelism.context_parallel_load_balance=none",
                                      "--parallelism.context_parallel_comm=allgather"]),
+    "zero1_cp2": (2, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2",
+                      "--parallelism.zero_stage=1"]),
     "fsdp2_x_cp2": (4, ["--training.local_batch_size=4", "--parallelism.context_parallel_degree=2"]),
     "cp2_x_tp2_full_ac": (4, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2",
                               "--parallelism.tensor_parallel_degree=2",

@@ -120,7 +120,8 @@ class Trainer:
                                        save_ops=ac.selective_op_save_list)
         if cfg.compile.enable and "model" in cfg.compile.components:
             apply_compile(model, backend=cfg.compile.backend)
-        zero1 = p.zero_stage == 1 and dims.dp_enabled
+        # ZeRO-1 replicates parameters over every rank that reduces gradients: dp and cp.
+        zero1 = p.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
         if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
             apply_fsdp(
                 model,
@@ -135,7 +136,7 @@ class Trainer:
         model.init_weights(seed=t.seed)
         self.model = model
         # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
-        self.train_module: nn.Module = apply_ddp(model, dims.dp_mesh) if zero1 else model
+        self.train_module: nn.Module = apply_ddp(model, dims.loss_mesh) if zero1 else model
         self._is_ddp = isinstance(self.train_module, nn.parallel.DistributedDataParallel)
         self.compute_loss = self._loss_fn
         if cfg.compile.enable and "loss" in cfg.compile.components:
@@ -145,7 +146,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             model.parameters(), name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay, implementation=o.implementation,
-            zero1_group=dims.dp_mesh.get_group() if zero1 else None,
+            zero1_group=dims.loss_mesh.get_group() if zero1 else None,
         )
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(

@@ -49,6 +49,8 @@ LAYOUTS = ("zigzag", "contiguous")
 COMMS = ("p2p", "allgather")
 
 Group = dist.ProcessGroup | DeviceMesh
+# torch 2.13 renamed reduce_scatter_tensor (and deprecated the old name); 2.11 has only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- communication accounting ----------------------------------------------------------------------
@@ -205,7 +207,7 @@ class _RingAttention(torch.autograd.Function):
             dkv_all = torch.stack([grads_for(s, blocks[s]) for s in range(W)])
             dkv = torch.empty(kv.shape, dtype=acc, device=q.device)
             _record_collective("reduce_scatter", dkv_all)
-            dist.reduce_scatter_tensor(dkv, dkv_all.flatten(0, 1), group=ring.group)
+            _reduce_scatter(dkv, dkv_all.flatten(0, 1), group=ring.group)
         else:
             dkv = _backward_ring(ring, kv, grads_for, acc)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
