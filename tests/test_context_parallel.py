@@ -133,33 +133,35 @@ def test_error_does_not_grow_with_world_size():
     assert err4 < 2 * err2 + 1e-7, (err2, err4)
 
 
-def _comm_body(rank, world_size, kv_heads, comm):
+def _comm_body(rank, world_size):
     from titanext.plugins.context_parallel import count_comm, ring_attention, zigzag_shard
 
-    q, k, v, dout = (zigzag_shard(t, 2, dist.group.WORLD)
-                     for t in _inputs(8, kv_heads, 32, torch.float32))
-    q.requires_grad_()
-    with count_comm() as fwd:
-        out = ring_attention(q, k.requires_grad_(), v.requires_grad_(), dist.group.WORLD, comm=comm)
-    with count_comm() as bwd:
-        out.backward(dout)
-    return {"fwd": (fwd.sends, fwd.send_bytes, dict(fwd.collectives)),
-            "bwd": (bwd.sends, bwd.send_bytes, dict(bwd.collectives))}
+    counts = {}
+    for kv_heads, comm in ((2, "p2p"), (8, "p2p"), (2, "allgather")):
+        q, k, v, dout = (zigzag_shard(t, 2, dist.group.WORLD)
+                         for t in _inputs(8, kv_heads, 32, torch.float32))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with count_comm() as fwd:
+            out = ring_attention(q, k, v, dist.group.WORLD, comm=comm)
+        with count_comm() as bwd:
+            out.backward(dout)
+        counts[kv_heads, comm] = {"fwd": (fwd.sends, fwd.send_bytes, dict(fwd.collectives)),
+                                  "bwd": (bwd.sends, bwd.send_bytes, dict(bwd.collectives))}
+    return counts
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_messages_and_bytes_match_formula(world_size):
     W, batch, local_seq, dim = world_size, 2, 32 // world_size, 16
-    for kv_heads in (2, 8):
-        kv_block = 2 * batch * kv_heads * local_seq * dim * 4  # K and V, fp32
-        for counts in run_distributed(_comm_body, W, args=(kv_heads, "p2p"), timeout_s=60):
+    for counts in run_distributed(_comm_body, W, timeout_s=60):
+        for kv_heads in (2, 8):
+            kv_block = 2 * batch * kv_heads * local_seq * dim * 4  # K and V, fp32
             # forward: W-1 KV blocks; backward: W-1 KV blocks + W fp32 dK/dV accumulators
-            assert counts["fwd"] == (W - 1, (W - 1) * kv_block, {})
-            assert counts["bwd"] == (2 * W - 1, (2 * W - 1) * kv_block, {})
-    # allgather: one collective forward; one all-gather and one reduce-scatter backward
-    counts = run_distributed(_comm_body, W, args=(2, "allgather"), timeout_s=60)[0]
-    assert counts["fwd"][2] == {"all_gather": 1}
-    assert counts["bwd"][2] == {"all_gather": 1, "reduce_scatter": 1}
+            assert counts[kv_heads, "p2p"]["fwd"] == (W - 1, (W - 1) * kv_block, {})
+            assert counts[kv_heads, "p2p"]["bwd"] == (2 * W - 1, (2 * W - 1) * kv_block, {})
+        # allgather: one collective forward; one all-gather and one reduce-scatter backward
+        assert counts[2, "allgather"]["fwd"][2] == {"all_gather": 1}
+        assert counts[2, "allgather"]["bwd"][2] == {"all_gather": 1, "reduce_scatter": 1}
 
 
 def _shard_body(rank, world_size):
