@@ -38,6 +38,7 @@ from typing import Any, Union
 
 from titanext._hints import did_you_mean as _did_you_mean
 from titanext.plugins.activation_checkpoint import DEFAULT_SAVE_OPS
+from titanext.plugins.float8 import FLOAT8_RECIPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -345,6 +346,37 @@ class Comm:
     """Collective timeout once training runs: a dead or stuck rank fails the job after this."""
 
 
+def _emulate(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "true, false or 'auto'"
+
+
+@dataclass
+class Float8:
+    enable: bool = _field(False)
+    """Train the model's linear layers in float8 (torchao float8 linears; see
+    titanext.plugins.float8). Converted on the meta model before any parallelism."""
+    recipe: str = _field("tensorwise", choices=FLOAT8_RECIPES)
+    """Scaling recipe: tensorwise (one scale per tensor; fastest), rowwise (one per row),
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision) or blockwise
+    (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks)."""
+    filter_fqns: list[str] = _field(["output"])
+    """Module names kept in high precision: an entry matches that FQN, FQNs ending in
+    '.entry', modules under it, or a glob. Linears with a dimension not divisible by 16 are
+    always kept."""
+    auto_filter: bool = _field(False)
+    """Also keep linears too small to run faster in float8 (torchao's H100 thresholds, e.g.
+    tensorwise skips K <= 4096 with N <= 1024)."""
+    enable_fsdp_float8_all_gather: bool = _field(False)
+    """FSDP2 all-gathers weights in float8 (half the bytes of bf16); tensorwise only. On gloo
+    the float8 bytes travel as uint8."""
+    precompute_scale: bool = _field(False)
+    """With float8 all-gather: compute all weight scales with one all-reduce after each
+    optimizer step instead of one per layer in the all-gather."""
+    emulate: bool | str = _field("auto", check=_emulate, rule="true, false or 'auto'")
+    """Emulate float8 matmuls in high precision: 'auto' emulates where there is no float8
+    hardware (CPU, GPUs before compute capability 8.9) and logs it."""
+
+
 @dataclass
 class JobConfig:
     """The whole job: one attribute per TOML section."""
@@ -371,6 +403,8 @@ class JobConfig:
     """Console logging and TensorBoard."""
     comm: Comm = field(default_factory=Comm)
     """Collective timeouts."""
+    float8: Float8 = field(default_factory=Float8)
+    """Float8 training of linear layers."""
 
 
 #: TOML section name -> its dataclass, in file order.
@@ -877,6 +911,33 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     return problems
 
 
+def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """[float8] combinations that cannot work (checked only with float8.enable)."""
+    from titanext.plugins.float8 import FLOAT8_ALL_GATHER_RECIPES
+
+    f, p = cfg.float8, cfg.parallelism
+    if not f.enable or skip & {"float8.recipe", "float8.enable_fsdp_float8_all_gather"}:
+        return []
+    problems = []
+    if f.enable_fsdp_float8_all_gather and f.recipe not in FLOAT8_ALL_GATHER_RECIPES:
+        problems.append(f"float8.enable_fsdp_float8_all_gather = true needs one scale per weight "
+                        f"tensor, which recipe = {f.recipe!r} does not have; use recipe = "
+                        "'tensorwise' or set enable_fsdp_float8_all_gather = false")
+    if f.precompute_scale and not f.enable_fsdp_float8_all_gather:
+        problems.append("float8.precompute_scale = true only precomputes the scales of float8 "
+                        "all-gathered weights; set enable_fsdp_float8_all_gather = true too, or "
+                        "precompute_scale = false")
+    if f.enable_fsdp_float8_all_gather and p.zero_stage == 1:
+        problems.append("float8.enable_fsdp_float8_all_gather = true needs FSDP, but "
+                        "parallelism.zero_stage = 1 replicates parameters (DDP); use zero_stage "
+                        "2 or 3")
+    if f.recipe == "blockwise" and p.tensor_parallel_degree > 1:
+        problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
+                        f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
+                        "or 'rowwise' with TP")
+    return problems
+
+
 def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[str]:
     """Every problem of ``cfg``; keys in ``skip`` are known bad and left out of the rules."""
     skip = set(skip)
@@ -924,6 +985,7 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
                             f"tensor_parallel_degree = {tp} with enable_sequence_parallel = true")
 
     problems += _model_problems(cfg, skip, degrees_ok)
+    problems += _float8_problems(cfg, skip)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
         dp = rep * shard

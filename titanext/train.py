@@ -47,6 +47,7 @@ from titanext.parallel_dims import ParallelDims, init_distributed
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import apply_context_parallel, shard_batch
+from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
 from titanext.tokenizer import build_tokenizer
@@ -107,10 +108,17 @@ class Trainer:
         # Model: meta -> parallelize -> materialise -> init.
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
         model = build_model(cfg.model.name, self.model_args, device="meta")
+        f8 = cfg.float8
+        if f8.enable:  # converters run first, on the meta model
+            apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns, auto_filter=f8.auto_filter,
+                         enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+                         emulate=f8.emulate, device=self.device)
+        self._precompute_float8 = f8.enable and f8.precompute_scale
         self.loss_parallel = dims.tp_enabled and p.enable_loss_parallel
         self.cp_layout = "zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous"
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=p.enable_sequence_parallel,
+                                  float8=f8.enable,
                                   loss_parallel=self.loss_parallel)
         if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
             apply_context_parallel(model, dims.cp_mesh, layout=self.cp_layout,
@@ -226,6 +234,8 @@ class Trainer:
                 "an optimizer step (the last good checkpoint is kept)"
             )
         self.optimizer.step()
+        if self._precompute_float8:  # one all-reduce for every float8 all-gathered weight's scale
+            precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mean_loss, grad_norm

@@ -13,6 +13,10 @@ parallelism on the norms, and a vocab-sharded output for loss parallelism).
 
 from __future__ import annotations
 
+import fnmatch
+import logging
+
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -31,14 +35,26 @@ TPPlan = dict[str, ParallelStyle]
 
 
 def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
-                  layers_prefix: str = "layers.*") -> TPPlan:
+                  layers_prefix: str = "layers.*", float8: bool = False) -> TPPlan:
     """The TP/SP plan of :class:`titanext.models.llama.Transformer`.
 
     With ``sequence_parallel`` the activations between blocks stay sharded on the sequence
     dimension (norms run on a slice), and each block all-gathers before attention/FFN and
     reduce-scatters after. With ``loss_parallel`` the logits stay sharded over the vocabulary
     and the cross-entropy must run under ``torch.distributed.tensor.parallel.loss_parallel()``.
+    With ``float8`` the block linears use torchao's float8 TP styles: activations are cast to
+    float8 before their all-gathers (needs tensorwise Float8Linear blocks and NCCL).
     """
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        colwise, rowwise, prepare_input = (Float8ColwiseParallel, Float8RowwiseParallel,
+                                           PrepareFloat8ModuleInput)
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: TPPlan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -49,13 +65,13 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         ),
     }
     block: TPPlan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=seq),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w3": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=seq),
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
@@ -63,12 +79,14 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
             # attention(x, cos, sin): gather x over the sequence, leave the RoPE tables alone.
-            "attention": PrepareModuleInput(
+            "attention": prepare_input(
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
+                **({"fwd_config_submodule_fqn": "wq"} if float8 else {}),
             ),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            "feed_forward": prepare_input(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                **({"fwd_config_submodule_fqn": "w1"} if float8 else {}),
             ),
         })
     plan.update({f"{layers_prefix}.{k}": v for k, v in block.items()})
@@ -82,16 +100,23 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    float8: bool = False,
 ) -> nn.Module:
     """Apply ``plan`` (default: :func:`llama_tp_plan`) to ``model`` over the 1D ``tp_mesh``.
 
     Modules a plan names but the model lacks (a pipeline stage without embeddings, say) are
-    skipped, so one plan serves every stage.
+    skipped, so one plan serves every stage. ``float8`` (the model went through
+    ``apply_float8``) picks torchao's float8 TP styles for the default plan where they can
+    work: tensorwise float8 block linears on a backend with float8 collectives. Otherwise TP
+    communicates in high precision and says so; the linears still compute in float8. A custom
+    ``plan`` is used as given (put torchao's ``Float8ColwiseParallel`` etc. in it yourself).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
     if plan is None:
-        plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
+        plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                             float8=float8)
     present = {name for name, _ in model.named_modules()}
     kept = {}
     for fqn, style in plan.items():
@@ -99,3 +124,29 @@ def apply_tensor_parallel(
             kept[fqn] = style
     parallelize_module(model, tp_mesh, kept)
     return model
+
+
+def _float8_comm_possible(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          loss_parallel: bool) -> bool:
+    """Whether torchao's float8 TP styles can run here; logs why not."""
+    from titanext.plugins.float8 import supports_float8_tp
+
+    backend = str(dist.get_backend(tp_mesh.get_group()))
+    if "nccl" not in backend:
+        reason = (f"the {backend} backend has no float8 collectives, so TP all-gathers and "
+                  "reduce-scatters activations in high precision")
+    else:
+        hp_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        names = [n for n, _ in model.named_modules()]
+        linears = [n for key, style in hp_plan.items()
+                   if isinstance(style, (ColwiseParallel, RowwiseParallel))
+                   and key not in ("tok_embeddings", "output")
+                   for n in names if fnmatch.fnmatchcase(n, key)]
+        if supports_float8_tp(model, linears):
+            return True
+        reason = ("float8 TP styles need every block linear to be a tensorwise float8 linear, so "
+                  "TP communicates in high precision")
+    if dist.get_rank() == 0:
+        logging.getLogger("titanext").warning(
+            "float8 + tensor parallel: %s (the linears still compute in float8)", reason)
+    return False

@@ -1,0 +1,298 @@
+"""Float8 training: swap a model's ``nn.Linear`` layers for float8 ones (a converter).
+
+Converters run first, on the meta model, before TP/AC/compile/FSDP. Recipes:
+
+- ``tensorwise``: one dynamic scale per tensor (torchao's default; the fastest on H100 and the
+  only one whose weights FSDP can all-gather in float8, see ``enable_fsdp_float8_all_gather``).
+- ``rowwise``: one scale per row of every operand, power-of-two scales (more accurate with
+  outliers, a bit slower).
+- ``rowwise_with_gw_hp``: rowwise, but the weight-gradient matmul stays in high precision.
+- ``blockwise``: DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks
+  (``titanext.plugins.float8_blockwise``, plain PyTorch, torchao's kernels where available).
+
+The first three wrap torchao's ``convert_to_float8_training`` with
+``Float8LinearConfig.from_recipe_name``.
+
+>>> import torch
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+>>> converted = apply_float8(model, recipe="tensorwise")  # the 256->10 head is not % 16
+>>> [type(m).__name__ for m in model]
+['Float8Linear', 'ReLU', 'Linear']
+>>> model(torch.randn(32, 64)).shape
+torch.Size([32, 10])
+
+With FSDP2 and ``enable_fsdp_float8_all_gather=True``, call :func:`precompute_float8_scales`
+after each optimizer step (one all-reduce for all weight scales instead of one per layer).
+gloo has no float8 collectives: there the float8 weight bytes travel as uint8.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "FLOAT8_ALL_GATHER_RECIPES",
+    "FLOAT8_RECIPES",
+    "apply_float8",
+    "auto_filter_keeps",
+    "float8_linear_fqns",
+    "float8_module_filter",
+    "has_float8_hardware",
+    "precompute_float8_scales",
+    "resolve_emulate",
+    "supports_float8_tp",
+]
+
+logger = logging.getLogger("titanext")
+
+#: Recipe names accepted by :func:`apply_float8` and ``[float8] recipe``.
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+#: Recipes whose weights FSDP2 can all-gather in float8 (one scale per weight tensor).
+FLOAT8_ALL_GATHER_RECIPES = ("tensorwise",)
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _quiet_torchao_import() -> None:
+    # torchao prints "Failed to load ... .so" for its CUDA kernels on a CPU build; harmless.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+
+def has_float8_hardware(device: torch.device | str | None = None) -> bool:
+    """True on CUDA GPUs with float8 tensor cores (compute capability 8.9+: Ada, Hopper, ...)."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_emulate(emulate: bool | str, device: torch.device | str | None = None) -> bool:
+    """``"auto"`` -> emulate exactly when ``device`` has no float8 hardware (CPU included)."""
+    if isinstance(emulate, bool):
+        return emulate
+    if emulate != "auto":
+        raise ValueError(f"emulate = {emulate!r}; allowed: true, false, 'auto'")
+    return not has_float8_hardware(device)
+
+
+def auto_filter_keeps(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether a linear of this shape is expected to run faster in float8 than in bf16.
+
+    Thresholds follow torchao's H100 fwd+bwd measurements: tensorwise loses when K <= 4096
+    and N <= 1024 (1024x2048x1024 runs at 0.80x); the row- and blockwise recipes, with their
+    costlier scaling, lose when N <= 2048, K <= 1024, or both N <= 4096 and K <= 2048.
+    """
+    n, k = out_features, in_features
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def _fqn_matches(fqn: str, pattern: str) -> bool:
+    """``pattern`` names this module, a module it sits under, or a glob matching it."""
+    if fqn == pattern or fqn.endswith("." + pattern) or fqn.startswith(pattern + "."):
+        return True
+    return any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(fqn, pattern)
+
+
+def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence[str],
+                 auto_filter: bool) -> str | None:
+    """Why ``module`` stays in high precision, or None to convert it."""
+    if type(module) is not nn.Linear:  # subclasses may override forward: leave them alone
+        return "not a plain nn.Linear"
+    for pattern in filter_fqns:
+        if _fqn_matches(fqn, pattern):
+            return f"in filter_fqns ({pattern!r})"
+    n, k = module.weight.shape
+    if n % 16 or k % 16:
+        return f"dims {k}x{n} not divisible by 16"
+    if auto_filter and not auto_filter_keeps(recipe, n, k):
+        return f"auto_filter: {k}x{n} is too small to gain from float8"
+    return None
+
+
+def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[str] = (),
+                         auto_filter: bool = False) -> ModuleFilter:
+    """The ``module_filter_fn(module, fqn) -> bool`` that :func:`apply_float8` uses."""
+    filter_fqns = tuple(filter_fqns)
+    return lambda m, fqn: _skip_reason(m, fqn, recipe, filter_fqns, auto_filter) is None
+
+
+def _check_args(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
+    if recipe not in FLOAT8_RECIPES:
+        from titanext._hints import did_you_mean
+
+        raise ValueError(f"apply_float8: recipe = {recipe!r}; allowed: {', '.join(FLOAT8_RECIPES)}"
+                         f"{did_you_mean(recipe, FLOAT8_RECIPES, fallback=False)}")
+    if enable_fsdp_float8_all_gather and recipe not in FLOAT8_ALL_GATHER_RECIPES:
+        raise ValueError(f"apply_float8: enable_fsdp_float8_all_gather needs one scale per weight "
+                         f"tensor; recipe = {recipe!r} cannot, use recipe='tensorwise'")
+
+
+def apply_float8(
+    model: nn.Module,
+    *,
+    recipe: str = "tensorwise",
+    filter_fqns: Sequence[str] = (),
+    auto_filter: bool = False,
+    enable_fsdp_float8_all_gather: bool = False,
+    emulate: bool | str = "auto",
+    device: torch.device | str | None = None,
+    module_filter_fn: ModuleFilter | None = None,
+) -> list[str]:
+    """Convert ``model``'s eligible ``nn.Linear`` layers to float8 training linears, in place.
+
+    Works on a meta model (before parallelizing) or a materialised one; parameter names and
+    objects are unchanged, so optimizers and checkpoints see the same state.
+
+    Args:
+        recipe: one of :data:`FLOAT8_RECIPES`.
+        filter_fqns: module names to keep in high precision (an entry matches the module with
+            that FQN, any FQN ending in ``.entry``, modules under it, or a glob such as
+            ``layers.*.attention.wq``). The output head is the usual entry.
+        auto_filter: also skip shapes too small to run faster (:func:`auto_filter_keeps`).
+        enable_fsdp_float8_all_gather: FSDP2 all-gathers weights in float8 (tensorwise only).
+        emulate: True, False or "auto" (emulate when ``device`` -- default: CUDA if available,
+            else CPU -- has no float8 hardware). Emulated float8 has float8's numerics, not
+            its speed.
+        device: the device the model will train on, for ``emulate="auto"``.
+        module_filter_fn: an extra ``(module, fqn) -> bool``; False keeps a linear as it is.
+
+    Returns:
+        The FQNs of the converted linears. Layers that stay in high precision are logged
+        with the reason.
+    """
+    _check_args(recipe, enable_fsdp_float8_all_gather)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    emulated = resolve_emulate(emulate, device)
+    if emulated and emulate == "auto":
+        _log(logging.WARNING, "float8: %s has no float8 hardware, so float8 matmuls are emulated "
+             "(float8 numerics at high-precision speed); set emulate = false to insist", device)
+
+    chosen: list[str] = []
+    skipped: list[str] = []
+    filter_fqns = tuple(filter_fqns)
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter)
+        if reason is None and module_filter_fn is not None and not module_filter_fn(module, fqn):
+            reason = "module_filter_fn"
+        if reason is None:
+            chosen.append(fqn)
+        else:
+            skipped.append(f"{fqn or '<root>'} ({reason})")
+    wanted = set(chosen)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return fqn in wanted
+
+    if recipe == "blockwise":
+        _swap_blockwise(model, wanted, emulated)
+    else:
+        _quiet_torchao_import()
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        config = _replace(config, emulate=emulated,
+                          enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+        convert_to_float8_training(model, config=config, module_filter_fn=keep)
+        if enable_fsdp_float8_all_gather:
+            _use_byte_all_gather_weights(model)
+    _log(logging.INFO, "float8 (%s%s): converted %d linear(s); kept in high precision: %s", recipe,
+                ", emulated" if emulated else "", len(chosen), ", ".join(skipped) or "none")
+    return chosen
+
+
+def _log(level: int, msg: str, *args) -> None:
+    """Log once per job, not once per rank."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.log(level, msg, *args)
+
+
+def _replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
+    from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
+
+    for fqn in sorted(fqns, key=len, reverse=True):
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent.register_module(child, Float8BlockwiseLinear.from_float(getattr(parent, child),
+                                                                       emulate=emulate))
+    if "" in fqns:
+        raise ValueError("apply_float8: the root module is itself a Linear; wrap it in a container")
+
+
+def float8_linear_fqns(model: nn.Module) -> list[str]:
+    """FQNs of the float8 linears in ``model`` (torchao's and blockwise)."""
+    from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
+
+    names = []
+    for fqn, m in model.named_modules():
+        if isinstance(m, Float8BlockwiseLinear) or type(m).__name__ == "Float8Linear":
+            names.append(fqn)
+    return names
+
+
+def supports_float8_tp(model: nn.Module, fqns: Sequence[str]) -> bool:
+    """True when every module in ``fqns`` is a tensorwise torchao Float8Linear, which is what
+    torchao's float8 TP styles (float8 all-gathers of activations) require."""
+    _quiet_torchao_import()
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    for fqn in fqns:
+        m = model.get_submodule(fqn)
+        if not isinstance(m, Float8Linear):
+            return False
+        if m.config.cast_config_input.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            return False
+    return True
+
+
+@torch.no_grad()
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After ``optimizer.step()``: compute every float8-all-gathered weight's scale with one
+    all-reduce, so FSDP's pre-all-gather does not need one per layer. A no-op without them."""
+    _quiet_torchao_import()
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -- FSDP2 float8 all-gather over gloo ------------------------------------------------------------
+
+def _use_byte_all_gather_weights(model: nn.Module) -> None:
+    """Re-wrap torchao's float8-all-gather weights so that gloo moves their bytes as uint8."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    cls = _byte_weight_class()
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, WeightWithDynamicFloat8CastTensor) and type(w) is not cls:
+            new = cls(w._tensor, w._linear_mm_config, w._dtype)
+            module.weight = nn.Parameter(new, requires_grad=w.requires_grad)
+
+
+def _byte_weight_class():
+    _quiet_torchao_import()
+    from titanext.plugins._float8_fsdp import ByteAllGatherFloat8Weight
+
+    return ByteAllGatherFloat8Weight
