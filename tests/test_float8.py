@@ -235,3 +235,23 @@ def test_torch_compile_matches_eager():
     eager = model(x)
     compiled = torch.compile(model, backend="inductor")(x)
     assert sqnr(eager, compiled) > 40
+
+
+def test_float8_tp_plan_uses_torchao_styles_only_for_tensorwise_blocks():
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from titanext.plugins.float8 import supports_float8_tp
+    from titanext.plugins.tensor_parallel import llama_tp_plan
+
+    plan = llama_tp_plan(float8=True)
+    assert isinstance(plan["layers.*.attention.wq"], Float8ColwiseParallel)
+    assert isinstance(plan["layers.*.feed_forward.w2"], Float8RowwiseParallel)
+    assert type(plan["output"]).__name__ == "ColwiseParallel"  # the head stays high precision
+    linears = [f"layers.{i}.{n}" for i in (0, 1) for n in BLOCK_LINEARS]
+    for recipe, expected in (("tensorwise", True), ("rowwise", False)):
+        model = _debug_model()
+        apply_float8(model, recipe=recipe, filter_fqns=["output"])
+        assert supports_float8_tp(model, linears) is expected
+    model = _debug_model()
+    apply_float8(model, filter_fqns=["output", "layers.1.attention.wq"])
+    assert not supports_float8_tp(model, linears)

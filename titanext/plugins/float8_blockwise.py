@@ -76,7 +76,8 @@ def _use_kernels(x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> bool:
     if emulate or not x.is_cuda or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     n, k = weight.shape
-    if k % BLOCK_SIZE or n % BLOCK_SIZE:
+    m = x.numel() // max(k, 1)  # tokens: the weight-gradient tiles run along them
+    if k % BLOCK_SIZE or n % BLOCK_SIZE or m % BLOCK_SIZE:
         return False
     return _kernels_usable(x.device.index or 0)
 
