@@ -168,3 +168,20 @@ def test_user_model_fsdp_float8_matches_one_process(float8_all_gather):
     for name, ref in model.named_parameters():
         err = (params[name] - ref).norm() / ref.norm()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def _train_until(rank: int, world_size: int, overrides: list[str], dump_folder: str, until: int):
+    from titanext.config import load_config
+    from titanext.train import Trainer
+
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides], world_size=world_size)
+    return Trainer(cfg).train(until_step=until)
+
+
+def test_float8_all_gather_checkpoint_resumes_exactly(references, tmp_path):
+    """float8 all-gather weights (uint8 on gloo) save and load through DCP like any parameter."""
+    args = ["--training.local_batch_size=4", *AG, "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    first = run_distributed(_train_until, 2, args=(args, str(tmp_path), 2))[0]
+    rest = run_distributed(_train_until, 2, args=(args, str(tmp_path), STEPS))[0]
+    assert len(first) == 2 and len(rest) == STEPS - 2
+    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(references[4][0]), rtol=1e-5, atol=0)

@@ -231,13 +231,14 @@ def _replace(config, **changes):
 def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
     from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
 
-    for fqn in sorted(fqns, key=len, reverse=True):
+    if "" in fqns:
+        raise ValueError("apply_float8: recipe 'blockwise' swaps child modules and the model is "
+                         "itself a Linear; wrap it in a container such as nn.Sequential")
+    for fqn in fqns:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         parent.register_module(child, Float8BlockwiseLinear.from_float(getattr(parent, child),
                                                                        emulate=emulate))
-    if "" in fqns:
-        raise ValueError("apply_float8: the root module is itself a Linear; wrap it in a container")
 
 
 def float8_linear_fqns(model: nn.Module) -> list[str]:
