@@ -29,6 +29,7 @@ gloo has no float8 collectives: there the float8 weight bytes travel as uint8.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -203,16 +204,19 @@ def apply_float8(
         _swap_blockwise(model, wanted, emulated)
     else:
         _quiet_torchao_import()
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as e:
+            raise ImportError(f"apply_float8: recipe {recipe!r} needs torchao >= 0.17 (pip install "
+                              "torchao); the 'blockwise' recipe runs without it") from e
         config = Float8LinearConfig.from_recipe_name(recipe)
-        config = _replace(config, emulate=emulated,
-                          enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+        config = dataclasses.replace(config, emulate=emulated,
+                                     enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=keep)
         if enable_fsdp_float8_all_gather:
             _use_byte_all_gather_weights(model)
-    _log(logging.INFO, "float8 (%s%s): converted %d linear(s); kept in high precision: %s", recipe,
-                ", emulated" if emulated else "", len(chosen), ", ".join(skipped) or "none")
+    _log(logging.INFO, "float8 (%s%s): converted %d linear(s); kept in high precision: %s",
+         recipe, ", emulated" if emulated else "", len(chosen), ", ".join(skipped) or "none")
     return chosen
 
 
@@ -220,12 +224,6 @@ def _log(level: int, msg: str, *args) -> None:
     """Log once per job, not once per rank."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.log(level, msg, *args)
-
-
-def _replace(config, **changes):
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
@@ -256,8 +254,11 @@ def supports_float8_tp(model: nn.Module, fqns: Sequence[str]) -> bool:
     """True when every module in ``fqns`` is a tensorwise torchao Float8Linear, which is what
     torchao's float8 TP styles (float8 all-gathers of activations) require."""
     _quiet_torchao_import()
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:  # no torchao: no torchao float8 linears either
+        return False
 
     for fqn in fqns:
         m = model.get_submodule(fqn)
