@@ -396,7 +396,8 @@ class RingAttentionFn:
         return f"RingAttentionFn(layout={self.layout!r}, comm={self.comm!r}, kernel={self.kernel!r})"
 
 
-def _check_options(layout: str, comm: str, kernel: str) -> None:
+def check_options(layout: str, comm: str, kernel: str) -> None:
+    """Raise a ValueError naming the option, the value and the choices, for any bad option."""
     for name, value, allowed in (("layout", layout, LAYOUTS), ("comm", comm, COMMS),
                                  ("kernel", kernel, KERNELS)):
         if value not in allowed:
@@ -420,7 +421,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Group, *, layout: str = "z
     >>> # tokens, labels, pos = shard_batch(tokens, labels, mesh["cp"])   # doctest: +SKIP
     >>> # loss = loss_fn(model(tokens, position_ids=pos), labels)         # doctest: +SKIP
     """
-    _check_options(layout, comm, kernel)
+    check_options(layout, comm, kernel)
     fn = RingAttentionFn(cp_mesh, layout, comm, kernel)
     count = 0
     for module in model.modules():
@@ -449,7 +450,7 @@ def ring_attention_sdpa(cp_mesh: Group, *, layout: str = "zigzag", comm: str = "
     >>> # with ring_attention_sdpa(mesh["cp"]):                           # doctest: +SKIP
     >>> #     loss = loss_fn(model(tokens, position_ids=pos), labels)      # doctest: +SKIP
     """
-    _check_options(layout, comm, kernel)
+    check_options(layout, comm, kernel)
     fn = RingAttentionFn(cp_mesh, layout, comm, kernel)
     original = F.scaled_dot_product_attention
 

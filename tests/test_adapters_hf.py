@@ -1,0 +1,143 @@
+"""titanext plugins inside a Hugging Face ``transformers`` Llama, against the plain model.
+
+The model comes from a small config (no download). Each parallel run computes the loss and
+the full gradients and compares them with one process running the unparallelized model on
+the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tests.distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+IGNORE = -100
+
+
+def _model():
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        attention_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def _batch(batch=4, seq=32):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (batch, seq), generator=g)
+    labels = tokens.roll(-1, dims=1)
+    labels[:, -1] = IGNORE  # shifted once, globally: shards need no further shifting
+    return tokens, labels
+
+
+def _loss_sum(model, tokens, labels, position_ids=None):
+    logits = model(input_ids=tokens, position_ids=position_ids).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE)
+
+
+def _reference():
+    model = _model()
+    tokens, labels = _batch()
+    count = (labels != IGNORE).sum()
+    loss = _loss_sum(model, tokens, labels) / count
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _full(grad):
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _rel_errors(grads, ref):
+    return {n: ((grads[n] - r).norm() / r.norm()).item() for n, r in ref.items()}
+
+
+def _fsdp_tp_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanext.adapters.hf_transformers import hf_blocks, hf_llama_tp_plan
+    from titanext.plugins.fsdp import apply_fsdp
+    from titanext.plugins.tensor_parallel import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    apply_tensor_parallel(model, mesh["tp"], plan=hf_llama_tp_plan())
+    apply_fsdp(model, mesh["dp"], blocks=hf_blocks(model))
+    tokens, labels = _batch()
+    count = (labels != IGNORE).sum()
+    dp = mesh["dp"].get_local_rank()
+    mine = slice(2 * dp, 2 * dp + 2)  # each dp rank takes half the sequences
+    # FSDP averages gradients over dp, so scale the local sum by dp / global count.
+    loss = _loss_sum(model, tokens[mine], labels[mine])
+    (loss * 2 / count).backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return (total / count).item(), grads
+
+
+def _cp_body(rank, world_size, layout, comm):
+    from titanext.adapters.hf_transformers import apply_hf_context_parallel
+    from titanext.plugins.context_parallel import shard_batch
+
+    model = _model()
+    apply_hf_context_parallel(model, dist.group.WORLD, layout=layout, comm=comm)
+    tokens, labels = _batch()
+    count = (labels != IGNORE).sum()
+    tokens, labels, positions = shard_batch(tokens, labels, dist.group.WORLD, layout=layout)
+    loss = _loss_sum(model, tokens, labels, positions[None])
+    loss.backward()
+    dist.all_reduce(loss)
+    grads = {}
+    for n, p in model.named_parameters():  # what FSDP/DDP over the CP ranks does
+        dist.all_reduce(p.grad)
+        grads[n] = p.grad / count
+    return (loss / count).item(), grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def test_fsdp2_x_tp2_on_hf_llama_matches_the_plain_model(reference):
+    ref_loss, ref_grads = reference
+    for loss, grads in run_distributed(_fsdp_tp_body, 4, timeout_s=60):
+        assert abs(loss - ref_loss) < 1e-5 * ref_loss
+        errs = _rel_errors(grads, ref_grads)
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < 1e-5, f"{worst}: {errs[worst]:.2e}"
+
+
+@pytest.mark.parametrize("layout,comm", [("zigzag", "p2p"), ("contiguous", "allgather")])
+def test_ring_attention_through_the_hf_attention_hook(reference, layout, comm):
+    ref_loss, ref_grads = reference
+    for loss, grads in run_distributed(_cp_body, 2, args=(layout, comm), timeout_s=60):
+        assert abs(loss - ref_loss) < 1e-5 * ref_loss
+        errs = _rel_errors(grads, ref_grads)
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < 1e-5, f"{worst}: {errs[worst]:.2e}"
+
+
+def test_float8_converts_the_hf_linears_and_trains_close_to_high_precision(reference):
+    from titanext.plugins.float8 import apply_float8
+
+    model = _model()
+    converted = apply_float8(model, recipe="tensorwise", filter_fqns=["lm_head"])
+    names = [f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert sorted(converted) == sorted(names)
+    tokens, labels = _batch()
+    loss = _loss_sum(model, tokens, labels) / (labels != IGNORE).sum()
+    loss.backward()
+    assert abs(loss.item() - reference[0]) < 0.02 * reference[0]
+    assert all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Adapters for models from other libraries (optional dependencies; import them explicitly)."""
