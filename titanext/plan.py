@@ -1,0 +1,484 @@
+"""Planner: per-rank memory, communication, bubble and throughput of a layout, and advice.
+
+    python -m titanext.plan --config train_configs/llama3_70b.toml --world-size 64 \\
+        [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] [--section.key=value ...]
+
+It answers "which degrees should I use?" in seconds, without a process group, following the
+Ultra-Scale Playbook's procedure: keep what fits in memory, reach the target batch, then rank
+by estimated throughput (TP inside a node is cheap, across nodes expensive).
+
+Model state (bytes per parameter; Psi parameters, N ranks sharding them). The playbook's
+mixed-precision accounting is :func:`zero_bytes_per_rank`: bf16 params 2 + bf16 grads 2 +
+fp32 master 4 + Adam 8 = 16 bytes (20 with an fp32 gradient-accumulation copy); ZeRO-1 keeps
+4 Psi + 12 Psi/N, ZeRO-2 2 Psi + 14 Psi/N, ZeRO-3 16 Psi/N. titanext's own runs are FSDP2:
+the fp32 parameter is the master (sharded), gradients are sharded fp32 (reduce dtype), Adam
+holds two fp32 moments and a step scalar per tensor, and the compute-dtype copy of a unit
+exists only while it is gathered (two units in flight).
+
+Activations (bytes per token per transformer layer, a = bytes of the activation dtype, h =
+dim, h_kv = kv_heads x head_dim, f = FFN hidden, n = heads), derived for titanext's Llama
+block (RMSNorm, SwiGLU, GQA, no dropout, flash-style SDPA so no s^2 term) and checked against
+saved-tensor measurements (tests/test_plan.py)::
+
+    none:       a (10 h + 4 f) + 4 (n + 2)        # K/V expanded to n heads for SDPA
+    selective:  a (5 h + 2 h_kv + 2 f) + 4 n      # outputs of matmuls and attention + block input
+    full:       a h                               # the block input only
+
+The GPT layer of Korthikanti et al. (the playbook's figure) is :func:`gpt_activation_bytes`:
+34 s b h + 5 a s^2 b bytes per layer in 16-bit. The Llama form drops the s^2 term (attention
+scores are never stored), the dropout masks and the GELU input, and adds SwiGLU's gate.
+Under TP the parts split by heads or FFN columns divide by tp, the norm parts only with SP,
+and the all-gathered matmul inputs (2 h) never; under CP every part divides by cp and ring
+attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from titanext.config import ConfigError, JobConfig, load_config, parse_cli, resolved_dp_shard
+
+GB = 1e9
+
+
+# -- hardware ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """Per-GPU figures: dense bf16 FLOP/s, HBM bytes and bandwidth, link bandwidths (bytes/s,
+    one direction, per GPU: NVLink inside a node, the network card between nodes)."""
+
+    name: str
+    bf16_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+    intra_bw: float
+    inter_bw: float
+
+
+DEVICES = {
+    "h100": Device("H100 SXM", 989.4e12, 80 * GB, 3.35e12, 450e9, 50e9),
+    "h200": Device("H200 SXM", 989.4e12, 141 * GB, 4.8e12, 450e9, 50e9),
+    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 2.04e12, 300e9, 25e9),
+    "b200": Device("B200", 2.25e15, 180 * GB, 8.0e12, 900e9, 50e9),
+}
+
+
+# -- the playbook's closed forms ------------------------------------------------------------------
+
+def zero_bytes_per_rank(psi: float, n: int, stage: int, *, fp32_grad_accum: bool = False) -> float:
+    """Model-state bytes per rank under ZeRO-``stage`` (0 = plain DP) with bf16 mixed precision."""
+    params, grads, rest = 2 * psi, (6 if fp32_grad_accum else 2) * psi, 12 * psi
+    if stage >= 1:
+        rest /= n
+    if stage >= 2:
+        grads /= n
+    if stage >= 3:
+        params /= n
+    return params + grads + rest
+
+
+def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
+    """Korthikanti et al.'s GPT layer without recomputation: 34 s b h + 5 a s^2 b (16-bit)."""
+    return 34 * s * b * h + 5 * heads * s * s * b
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+@dataclass
+class ModelShape:
+    """Exact parameter counts of the model built on the meta device, by role."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    kv_dim: int
+    ffn: int
+    vocab: int
+    layer_sharded: int  # per layer: split by TP (attention and FFN matmuls)
+    layer_replicated: int  # per layer: norms
+    embedding: int
+    output: int
+    final_norm: int
+    flops_per_token: float
+    layer_tensors: int  # parameter tensors per layer (Adam keeps a step scalar for each)
+
+    @property
+    def total(self) -> int:
+        return (self.n_layers * (self.layer_sharded + self.layer_replicated) + self.embedding
+                + self.output + self.final_norm)
+
+
+def model_shape(cfg: JobConfig) -> ModelShape:
+    return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
+    from titanext.models import build_model, get_model_args
+
+    args = get_model_args(name, flavor)
+    model = build_model(name, args, device="meta")
+    layer = model.layers["0"]
+    norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+    return ModelShape(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        kv_dim=args.kv_heads * args.head_dim, ffn=args.ffn_hidden_dim, vocab=args.vocab_size,
+        layer_sharded=sum(p.numel() for p in layer.parameters()) - norms, layer_replicated=norms,
+        embedding=model.tok_embeddings.weight.numel(), output=model.output.weight.numel(),
+        final_norm=model.norm.weight.numel(),
+        flops_per_token=model.num_flops_per_token(seq_len),
+        layer_tensors=len(list(layer.parameters())))
+
+
+# -- one layout -----------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """Everything estimated for one config on one cluster."""
+
+    layout: dict
+    memory: dict  # category -> bytes on the busiest rank
+    comm: list[dict]  # per parallelism: bytes per rank per step, collectives, network level
+    time: dict
+    fits: bool
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+
+def _dtype_bytes(name: str, on_gpu: bool) -> int:
+    return 4 if name == "float32" or (name == "auto" and not on_gpu) else 2
+
+
+def _level(stride: int, size: int, gpus_per_node: int) -> str:
+    """A mesh axis group spans stride x size consecutive ranks: inside a node or not."""
+    if size == 1:
+        return "-"
+    return "intra-node" if stride * size <= gpus_per_node else "inter-node"
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
+                                     sp: bool = True, cp: int = 1) -> float:
+    """Saved activation bytes of one layer per token of the *whole* sequence (see module doc)."""
+    h, hkv, f, n = shape.dim, shape.kv_dim, shape.ffn, shape.n_heads
+    if mode == "full":
+        return a * h / (tp if sp else 1) / cp
+    attention = a * (2 * h + 2 * hkv) if cp > 1 else a * 4 * h  # q, k, v, out (ring: K/V unexpanded)
+    if mode == "selective":
+        sharded = a * (3 * h + 2 * hkv + 2 * f) + 4 * n  # matmul and attention outputs
+        if cp > 1:  # the ring is not an SDPA op: its output is recomputed
+            sharded -= a * h + 4 * n
+        return (sharded / tp + a * h / (tp if sp else 1)) / cp
+    sharded = attention + a * 4 * f + 4 * n
+    norms = a * 4 * h + 8  # residual inputs and normalised values of the two norms, rstds
+    matmul_inputs = a * 2 * h  # gathered under TP, so never divided by tp
+    return (sharded / tp + norms / (tp if sp else 1) + matmul_inputs) / cp
+
+
+def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
+                gpus_per_node: int = 8) -> Plan:
+    """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``."""
+    p, t = cfg.parallelism, cfg.training
+    shape = model_shape(cfg)
+    on_gpu = True
+    rep, tp, cp, pp = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
+                       p.context_parallel_degree, p.pipeline_parallel_degree)
+    shard = resolved_dp_shard(cfg, world_size)
+    dp, n_fsdp = rep * shard, shard * cp
+    a = _dtype_bytes(t.mixed_precision_param, on_gpu)
+    sp = tp > 1 and p.enable_sequence_parallel
+    layers = math.ceil(shape.n_layers / pp)
+    # The busiest stage: the first holds the embedding, the last the head (both vocab x dim).
+    extra = max(shape.embedding, shape.output + shape.final_norm) if pp > 1 else (
+        shape.embedding + shape.output + shape.final_norm)
+    psi = layers * (shape.layer_sharded / tp + shape.layer_replicated) + extra / tp
+
+    # Model state under FSDP2 (zero 2/3) or DDP + sharded optimizer (zero 1).
+    n = n_fsdp if p.zero_stage >= 2 else dp * cp
+    memory = {"params (fp32 master)": 4 * psi / (n if p.zero_stage >= 2 else 1),
+              "grads (fp32)": 4 * psi / (n if p.zero_stage >= 2 else 1),
+              # two fp32 moments per element, and a 4-byte step per parameter tensor
+              "optimizer (Adam)": 8 * psi / n + 4 * (layers * shape.layer_tensors + 3)}
+    unit = shape.layer_sharded / tp + shape.layer_replicated
+    if p.zero_stage >= 2 and a != 4:  # compute-dtype copies of gathered units
+        resident = layers if p.zero_stage == 2 else 2
+        memory["gathered params"] = a * unit * resident
+    else:
+        memory["gathered params"] = 4 * unit * 2 if p.zero_stage >= 2 and n > 1 else 0.0
+
+    # Activations: micro-batches in flight on the first stage (1F1B keeps pp of them).
+    m = max(1, t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size > 0 else 1
+    in_flight = min(pp, m) if pp > 1 else 1
+    tokens_mb = t.local_batch_size * t.seq_len
+    per_layer = activation_bytes_per_token_layer(shape, cfg.activation_checkpoint.mode, a=a,
+                                                 tp=tp, sp=sp, cp=cp)
+    # final norm + output input (3 h), the fp32 log-softmax the loss keeps (4 V), token ids
+    head = tokens_mb / cp * (a * 3 * shape.dim + 4 * shape.vocab / tp + 16)
+    memory["activations"] = in_flight * tokens_mb * layers * per_layer + head
+
+    # Communication per step and rank (bytes), with the network level of each group.
+    inner = {"tp": 1, "cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * shard,
+             "pp": tp * cp * shard * rep}
+    comm = []
+    if n_fsdp > 1 and p.zero_stage >= 2:
+        gathers = 1 if p.zero_stage == 2 else 2
+        frac = (n_fsdp - 1) / n_fsdp
+        comm.append({"parallelism": "FSDP (dp_shard x cp)", "collectives": (layers + 1) * (gathers + 1),
+                     "bytes": psi * frac * (a * gathers + 4),
+                     "level": _level(tp, n_fsdp, gpus_per_node)})
+    if rep > 1 or (p.zero_stage == 1 and dp * cp > 1):
+        size = rep if p.zero_stage >= 2 else dp * cp
+        comm.append({"parallelism": "DP all-reduce", "collectives": layers + 1,
+                     "bytes": 2 * (size - 1) / size * 4 * psi / (n if p.zero_stage >= 2 else 1),
+                     "level": _level(inner["dp_replicate"] if p.zero_stage >= 2 else tp, size,
+                                     gpus_per_node)})
+    act = tokens_mb / cp * shape.dim * a
+    if tp > 1:
+        comm.append({"parallelism": "TP/SP", "collectives": 8 * layers * m,
+                     "bytes": 8 * layers * m * act * (tp - 1) / tp,
+                     "level": _level(1, tp, gpus_per_node)})
+    if cp > 1:
+        kv = 2 * t.local_batch_size * t.seq_len / cp * shape.kv_dim / tp
+        comm.append({"parallelism": "CP ring", "collectives": layers * m * (3 * cp - 2),
+                     "bytes": layers * m * kv * ((cp - 1) * a * 2 + cp * 4),
+                     "level": _level(inner["cp"], cp, gpus_per_node)})
+    if pp > 1:
+        comm.append({"parallelism": "PP p2p", "collectives": 4 * m,
+                     "bytes": 2 * m * act / tp, "level": _level(inner["pp"], pp, gpus_per_node)})
+
+    # Time: roofline compute, exposed communication, pipeline bubble.
+    tokens_step = m * tokens_mb * dp
+    flops_rank = shape.flops_per_token * tokens_step / (tp * cp * pp * dp)
+    if cfg.activation_checkpoint.mode == "full":
+        flops_rank *= 4 / 3  # one more forward
+    compute = flops_rank / device.bf16_flops
+    attn_flops = 12 * shape.n_layers * shape.dim * t.seq_len  # the attention part of flops/token
+    attention = compute * attn_flops / shape.flops_per_token
+    overlap = {"TP/SP": None, "PP p2p": None, "CP ring": "attention"}  # default: all compute
+    waiting = {"compute": 0.0, "attention": 0.0}
+    exposed = 0.0
+    for c in comm:
+        bw = device.intra_bw if c["level"] == "intra-node" else device.inter_bw
+        c["time_s"] = c["bytes"] / bw
+        # TP and PP sit on the critical path; FSDP/DP prefetch behind all compute, and the CP
+        # ring hides behind the attention of the block it feeds.
+        behind = overlap.get(c["parallelism"], "compute")
+        if behind is None:
+            exposed += c["time_s"]
+        else:
+            waiting[behind] += c["time_s"]
+    exposed += max(0.0, waiting["compute"] - compute) + max(0.0, waiting["attention"] - attention)
+    bubble = (pp - 1) / (m + pp - 1) if pp > 1 else 0.0
+    step = (compute + exposed) / (1 - bubble)
+    mfu = shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)
+    time = {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
+            "mfu": mfu, "tokens_per_s": tokens_step / step}
+    layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp,
+              "zero_stage": p.zero_stage, "ac": cfg.activation_checkpoint.mode,
+              "local_batch_size": t.local_batch_size, "microbatches": m}
+    total = sum(memory.values())
+    return Plan(layout, memory, comm, time, fits=total <= 0.9 * device.hbm_bytes)
+
+
+# -- advice ---------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
+           device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5) -> list[Plan]:
+    """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
+
+    Candidates are estimated first (cheap), then validated in rank order through
+    :func:`titanext.config.load_config` with ``world_size``, so a layout that fails validation
+    is never proposed; those that do not fit in 90% of HBM are dropped. The global batch of the
+    config is kept; the micro-batch size and recompute mode are searched.
+    """
+    base = load_config(path, overrides, world_size=None)
+    global_batch = base.training.global_batch_size
+    if global_batch <= 0:
+        global_batch = base.training.local_batch_size * world_size
+    candidates = []
+    for tp in _divisors(world_size):
+        if tp > 2 * gpus_per_node:
+            continue
+        for pp in _divisors(world_size // tp):
+            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
+                dp = world_size // (tp * pp * cp)
+                for ac in ("none", "selective", "full"):
+                    for local in (1, 2, 4, 8):
+                        if global_batch % (local * dp):
+                            continue
+                        cfg = dataclasses.replace(
+                            base,
+                            parallelism=dataclasses.replace(
+                                base.parallelism, tensor_parallel_degree=tp,
+                                pipeline_parallel_degree=pp, context_parallel_degree=cp,
+                                data_parallel_replicate_degree=1, data_parallel_shard_degree=dp),
+                            activation_checkpoint=dataclasses.replace(base.activation_checkpoint,
+                                                                      mode=ac),
+                            training=dataclasses.replace(base.training, local_batch_size=local,
+                                                         global_batch_size=global_batch))
+                        plan = plan_config(cfg, world_size, device=device,
+                                           gpus_per_node=gpus_per_node)
+                        if plan.fits:
+                            candidates.append(plan)
+    # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
+    candidates.sort(key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
+                                    pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
+                                    pl.memory_total))
+    chosen = []
+    for plan in candidates:
+        lo = plan.layout
+        cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
+                f"--parallelism.pipeline_parallel_degree={lo['pp']}",
+                f"--parallelism.context_parallel_degree={lo['cp']}",
+                "--parallelism.data_parallel_replicate_degree=1",
+                f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
+                f"--activation_checkpoint.mode={lo['ac']}",
+                f"--training.local_batch_size={lo['local_batch_size']}",
+                f"--training.global_batch_size={global_batch}"]
+        try:
+            load_config(path, [*overrides, *cand], world_size=world_size)
+        except ConfigError:
+            continue
+        lo["overrides"] = cand
+        chosen.append(plan)
+        if len(chosen) == top:
+            break
+    return chosen
+
+
+def toml_snippet(plan: Plan) -> str:
+    lo = plan.layout
+    return "\n".join([
+        "[parallelism]",
+        f"data_parallel_shard_degree = {lo['dp_shard']}",
+        f"tensor_parallel_degree = {lo['tp']}",
+        f"context_parallel_degree = {lo['cp']}",
+        f"pipeline_parallel_degree = {lo['pp']}",
+        "", "[training]", f"local_batch_size = {lo['local_batch_size']}",
+        "", "[activation_checkpoint]", f'mode = "{lo["ac"]}"'])
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+_COLOURS = {"params (fp32 master)": "#4c78a8", "grads (fp32)": "#f58518",
+            "optimizer (Adam)": "#54a24b", "gathered params": "#b279a2", "activations": "#e45756"}
+
+
+def memory_svg(plans: Sequence[Plan], labels: Sequence[str], hbm: float) -> str:
+    """A stacked bar per plan (the busiest rank's memory by category), with the HBM line."""
+    width, bar, gap, top, height = 160 + 90 * len(plans), 48, 42, 30, 260
+    scale = height / max(hbm, max(pl.memory_total for pl in plans))
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 120}" '
+           'font-family="sans-serif" font-size="11">',
+           '<text x="10" y="18" font-size="13">Memory per rank (GB), busiest rank</text>']
+    for i, (pl, label) in enumerate(zip(plans, labels)):
+        x, y = 60 + i * (bar + gap), top + height
+        for cat, value in pl.memory.items():
+            h = value * scale
+            y -= h
+            out.append(f'<rect x="{x}" y="{y:.1f}" width="{bar}" height="{h:.1f}" '
+                       f'fill="{_COLOURS[cat]}"><title>{cat}: {value / GB:.1f} GB</title></rect>')
+        out.append(f'<text x="{x + bar / 2}" y="{y - 4:.1f}" text-anchor="middle">'
+                   f'{pl.memory_total / GB:.1f}</text>')
+        out.append(f'<text x="{x + bar / 2}" y="{top + height + 14}" text-anchor="middle">{label}</text>')
+    hy = top + height - hbm * scale
+    out.append(f'<line x1="50" x2="{width - 10}" y1="{hy:.1f}" y2="{hy:.1f}" stroke="black" '
+               f'stroke-dasharray="4 3"/><text x="{width - 10}" y="{hy - 4:.1f}" '
+               f'text-anchor="end">HBM {hbm / GB:.0f} GB</text>')
+    for j, (cat, colour) in enumerate(_COLOURS.items()):
+        y = top + height + 34 + 14 * j
+        out.append(f'<rect x="60" y="{y - 9}" width="10" height="10" fill="{colour}"/>'
+                   f'<text x="76" y="{y}">{cat}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _layout_name(lo: dict) -> str:
+    return f"dp{lo['dp_shard']} tp{lo['tp']} cp{lo['cp']} pp{lo['pp']} {lo['ac']} mb{lo['local_batch_size']}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from titanext.metrics import format_table
+
+    ap = argparse.ArgumentParser(prog="python -m titanext.plan", description=__doc__.splitlines()[0],
+                                 add_help=True)
+    ap.add_argument("--world-size", type=int, required=True, help="number of GPUs")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--device", choices=sorted(DEVICES), default="h100")
+    ap.add_argument("--peak-tflops", type=float, help="override the device's dense bf16 TFLOP/s")
+    ap.add_argument("--hbm-gb", type=float, help="override the device's memory (GB)")
+    ap.add_argument("--top", type=int, default=5, help="layouts to advise")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--svg", help="write the memory picture to this file")
+    known, rest = ap.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    problems = []
+    if known.world_size < 1:
+        problems.append(f"--world-size = {known.world_size} must be >= 1")
+    if known.gpus_per_node < 1:
+        problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
+    device = DEVICES[known.device]
+    if known.peak_tflops:
+        device = dataclasses.replace(device, bf16_flops=known.peak_tflops * 1e12)
+    if known.hbm_gb:
+        device = dataclasses.replace(device, hbm_bytes=known.hbm_gb * GB)
+    try:
+        path, overrides, _ = parse_cli(rest)
+        if problems:
+            raise ConfigError(problems)
+        cfg = load_config(path, overrides, world_size=known.world_size)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"titanext.plan: error: {problem}", file=sys.stderr)
+        return 2
+    current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node)
+    advice = advise(path, overrides, known.world_size, device=device,
+                    gpus_per_node=known.gpus_per_node, top=known.top)
+    if known.svg:
+        with open(known.svg, "w") as f:
+            f.write(memory_svg([current, *advice], ["config", *(f"#{i + 1}" for i in range(len(advice)))],
+                               device.hbm_bytes))
+    if known.json:
+        print(json.dumps({"device": dataclasses.asdict(device), "config": dataclasses.asdict(current),
+                          "advice": [dataclasses.asdict(pl) for pl in advice]}, indent=1))
+        return 0
+    shape = model_shape(cfg)
+    print(f"{cfg.model.name} {cfg.model.flavor}: {shape.total / 1e9:.2f}B parameters on "
+          f"{known.world_size} x {device.name} ({known.gpus_per_node} per node)\n")
+    print(f"Memory per rank, this config ({_layout_name(current.layout)}):")
+    rows = [{"category": k, "GB": v / GB} for k, v in current.memory.items()]
+    rows.append({"category": "total", "GB": current.memory_total / GB})
+    rows.append({"category": f"HBM ({'fits' if current.fits else 'does NOT fit'} in 90%)",
+                 "GB": device.hbm_bytes / GB})
+    print(format_table(rows))
+    print("\nCommunication per step and rank:")
+    print(format_table([{"parallelism": c["parallelism"], "collectives": c["collectives"],
+                         "GB": c["bytes"] / GB, "level": c["level"], "time (s)": c["time_s"]}
+                        for c in current.comm] or [{"parallelism": "none"}]))
+    tm = current.time
+    print(f"\nStep {tm['step_s']:.2f} s (compute {tm['compute_s']:.2f} s, exposed comm "
+          f"{tm['exposed_comm_s']:.2f} s, bubble {tm['bubble']:.1%}), MFU {tm['mfu']:.1%}, "
+          f"{tm['tokens_per_s']:,.0f} tokens/s\n")
+    print(f"Advice: the {len(advice)} fastest layouts that fit and validate:")
+    print(format_table([{"#": i + 1, "layout": _layout_name(pl.layout), "memory GB": pl.memory_total / GB,
+                         "MFU": f"{pl.time['mfu']:.1%}", "tokens/s": pl.time["tokens_per_s"]}
+                        for i, pl in enumerate(advice)]))
+    for i, pl in enumerate(advice[:3]):
+        print(f"\n# layout #{i + 1}\n{toml_snippet(pl)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
