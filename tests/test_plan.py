@@ -187,13 +187,19 @@ def test_advice_validates_and_fits():
 
 
 def test_70b_on_64_h100_prefers_tp_inside_a_node():
+    """70B has 8 KV heads, so TP is at most 8; on 8-GPU nodes that is always inside a node. On
+    4-GPU nodes tp = 8 crosses nodes, and the advice must rank it below TP inside a node."""
     path = str(ROOT / "train_configs" / "llama3_70b.toml")
-    plans = advise(path, [], 64, top=10_000)
-    first_inside = next(i for i, p in enumerate(plans) if p.layout["tp"] <= 8 and p.layout["tp"] > 1)
-    first_across = next(i for i, p in enumerate(plans) if p.layout["tp"] > 8)
+    plans = advise(path, [], 64, gpus_per_node=4, top=10_000)
+    first_inside = next(i for i, p in enumerate(plans) if 1 < p.layout["tp"] <= 4)
+    first_across = next(i for i, p in enumerate(plans) if p.layout["tp"] > 4)
     assert first_inside < first_across
-    across, inside = plans[first_across], plans[first_inside]
-    assert across.time["tokens_per_s"] < inside.time["tokens_per_s"]
+    assert plans[first_across].time["tokens_per_s"] < plans[first_inside].time["tokens_per_s"]
+    tp_levels = {c["level"] for c in plans[first_across].comm if c["parallelism"] == "TP/SP"}
+    assert tp_levels == {"inter-node"}
+    # On 8-GPU nodes the same tp = 8 is intra-node.
+    best8 = advise(path, [], 64, gpus_per_node=8, top=1)[0]
+    assert all(c["level"] == "intra-node" for c in best8.comm if c["parallelism"] == "TP/SP")
 
 
 def test_cli_prints_tables_and_json_fast(tmp_path):
