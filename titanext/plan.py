@@ -185,8 +185,12 @@ def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp
 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
-                gpus_per_node: int = 8) -> Plan:
-    """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``."""
+                gpus_per_node: int = 8, efficiency: float = 0.6) -> Plan:
+    """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
+
+    ``efficiency`` is the fraction of the dense peak the model's kernels reach (well-tuned
+    H100 training runs reach 0.4-0.6 MFU); MFU is reported against the bf16 peak.
+    """
     p, t = cfg.parallelism, cfg.training
     shape = model_shape(cfg)
     on_gpu = True
@@ -208,12 +212,17 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
               "grads (fp32)": 4 * psi / (n if p.zero_stage >= 2 else 1),
               # two fp32 moments per element, and a 4-byte step per parameter tensor
               "optimizer (Adam)": 8 * psi / n + 4 * (layers * shape.layer_tensors + 3)}
-    unit = shape.layer_sharded / tp + shape.layer_replicated
-    if p.zero_stage >= 2 and a != 4:  # compute-dtype copies of gathered units
+    # Float8: FSDP can gather the linears' weights as float8 (1 byte). torchao keeps the
+    # high-precision inputs for backward, so activations do not change; matmuls run at the
+    # float8 rate.
+    f8 = cfg.float8
+    gather_bytes = 1 if f8.enable and f8.enable_fsdp_float8_all_gather else a
+    if p.zero_stage >= 2 and n > 1:  # gathered units: two in flight (all of them with zero 2)
         resident = layers if p.zero_stage == 2 else 2
-        memory["gathered params"] = a * unit * resident
+        memory["gathered params"] = (gather_bytes * shape.layer_sharded / tp
+                                     + a * shape.layer_replicated) * resident
     else:
-        memory["gathered params"] = 4 * unit * 2 if p.zero_stage >= 2 and n > 1 else 0.0
+        memory["gathered params"] = 0.0
 
     # Activations: micro-batches in flight on the first stage (1F1B keeps pp of them).
     m = max(1, t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size > 0 else 1
@@ -233,7 +242,7 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
         gathers = 1 if p.zero_stage == 2 else 2
         frac = (n_fsdp - 1) / n_fsdp
         comm.append({"parallelism": "FSDP (dp_shard x cp)", "collectives": (layers + 1) * (gathers + 1),
-                     "bytes": psi * frac * (a * gathers + 4),
+                     "bytes": psi * frac * (gather_bytes * gathers + 4),
                      "level": _level(tp, n_fsdp, gpus_per_node)})
     if rep > 1 or (p.zero_stage == 1 and dp * cp > 1):
         size = rep if p.zero_stage >= 2 else dp * cp
@@ -260,7 +269,11 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     flops_rank = shape.flops_per_token * tokens_step / (tp * cp * pp * dp)
     if cfg.activation_checkpoint.mode == "full":
         flops_rank *= 4 / 3  # one more forward
-    compute = flops_rank / device.bf16_flops
+    # Float8 doubles the dense rate of the linears (6 x params of the flops); attention stays.
+    matmul_share = 1 - 12 * shape.n_layers * shape.dim * t.seq_len / shape.flops_per_token
+    speedup = 2.0 if f8.enable else 1.0
+    compute = (flops_rank / (device.bf16_flops * efficiency)
+               * (matmul_share / speedup + 1 - matmul_share))
     attn_flops = 12 * shape.n_layers * shape.dim * t.seq_len  # the attention part of flops/token
     attention = compute * attn_flops / shape.flops_per_token
     overlap = {"TP/SP": None, "PP p2p": None, "CP ring": "attention"}  # default: all compute
@@ -296,7 +309,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
-           device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5) -> list[Plan]:
+           device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
+           efficiency: float = 0.6) -> list[Plan]:
     """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
 
     Candidates are estimated first (cheap), then validated in rank order through
@@ -330,7 +344,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                             training=dataclasses.replace(base.training, local_batch_size=local,
                                                          global_batch_size=global_batch))
                         plan = plan_config(cfg, world_size, device=device,
-                                           gpus_per_node=gpus_per_node)
+                                           gpus_per_node=gpus_per_node, efficiency=efficiency)
                         if plan.fits:
                             candidates.append(plan)
     # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
@@ -420,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", choices=sorted(DEVICES), default="h100")
     ap.add_argument("--peak-tflops", type=float, help="override the device's dense bf16 TFLOP/s")
     ap.add_argument("--hbm-gb", type=float, help="override the device's memory (GB)")
+    ap.add_argument("--efficiency", type=float, default=0.6,
+                    help="fraction of peak FLOP/s the kernels reach (default 0.6)")
     ap.add_argument("--top", type=int, default=5, help="layouts to advise")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
@@ -427,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = []
     if known.world_size < 1:
         problems.append(f"--world-size = {known.world_size} must be >= 1")
+    if not 0 < known.efficiency <= 1:
+        problems.append(f"--efficiency = {known.efficiency} must be in (0, 1]")
     if known.gpus_per_node < 1:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
     device = DEVICES[known.device]
@@ -443,9 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in e.problems:
             print(f"titanext.plan: error: {problem}", file=sys.stderr)
         return 2
-    current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node)
+    current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
+                          efficiency=known.efficiency)
     advice = advise(path, overrides, known.world_size, device=device,
-                    gpus_per_node=known.gpus_per_node, top=known.top)
+                    gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency)
     if known.svg:
         with open(known.svg, "w") as f:
             f.write(memory_svg([current, *advice], ["config", *(f"#{i + 1}" for i in range(len(advice)))],
