@@ -1,0 +1,155 @@
+"""titanext's pipeline schedules: simulator closed forms, torch's validator, and execution.
+
+The execution tests run each generated schedule through torch's pipelining runtime on gloo
+and compare the loss and every gradient with one process running the unsplit model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.distributed import run_distributed
+from titanext.schedules import SCHEDULE_NAMES, get_schedule_class, simulate
+
+# -- simulator ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_1f1b_bubble_closed_form(pp, m):
+    r = simulate("1F1B", pp=pp, microbatches=m)
+    assert r.bubble_ratio == pytest.approx((pp - 1) / (m + pp - 1))
+    assert r.peak_activations == [pp - i for i in range(pp)]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbh1_idle_is_a_third_of_1f1b(pp, m):
+    r = simulate("ZBH1", pp=pp, microbatches=m)
+    assert r.bubble_ratio == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    assert max(r.peak_activations) == pp  # 1F1B's peak
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbh2_reaches_zero_bubble_with_2p_minus_1_in_flight(pp, m):
+    r = simulate("ZBH2", pp=pp, microbatches=m)
+    assert r.bubble_ratio == pytest.approx(0.0, abs=1e-12)
+    assert max(r.peak_activations) <= 2 * pp - 1
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 16)])
+def test_zbv_beats_zbh1_at_1f1b_memory(pp, m):
+    zbv, zbh1 = simulate("ZBV", pp=pp, microbatches=m), simulate("ZBH1", pp=pp, microbatches=m)
+    assert zbv.bubble_ratio < zbh1.bubble_ratio
+    assert max(zbv.peak_activations) <= 2 * pp  # 2 half-size stages x pp micro-batches
+
+
+@pytest.mark.parametrize("costs", [dict(f=1, b=1, w=1), dict(f=1, b=1.5, w=0.5),
+                                   dict(f=1, b=2, w=0.5, comm=0.2), dict(f=2, b=1, w=1.5)])
+def test_auto_is_never_worse_than_zbh1_at_1f1b_memory(costs):
+    for pp, m in ((4, 8), (4, 12)):
+        auto, zbh1 = (simulate(n, pp=pp, microbatches=m, **costs) for n in ("Auto", "ZBH1"))
+        assert auto.makespan <= zbh1.makespan + 1e-9
+        assert max(auto.peak_activations) <= pp
+
+
+def test_zbh1_golden_order_p4():
+    """Rank r runs 1F1B's order with I for B and defers the W of micro-batch k until after the
+    I of micro-batch k + r (a snapshot of the generated lists; see zero_bubble.zbh1)."""
+    order = get_schedule_class("ZBH1").generate(4, 8)
+    text = {r: " ".join(str(a) for a in acts) for r, acts in order.items()}
+    assert text[0] == ("0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0F6 0I3 0W3 0F7 0I4 0W4 "
+                       "0I5 0W5 0I6 0W6 0I7 0W7")
+    assert text[3] == ("3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 "
+                       "3W3 3F7 3I7 3W4 3W5 3W6 3W7")
+
+
+def test_timeline_text_and_svg():
+    r = simulate("ZBH1", pp=4, microbatches=8)
+    lines = r.timeline(60).splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"rank {i} |") for i, line in enumerate(lines))
+    assert r.svg("ZBH1").startswith("<svg") and r.svg().count("<rect") == 4 * 8 * 3
+
+
+def test_unknown_schedule_names_the_choices():
+    with pytest.raises(ValueError, match="'ZBH3' is not known; choose one of .*ZBH1"):
+        get_schedule_class("ZBH3")
+    assert {"GPipe", "1F1B", "ZBH1", "ZBH2", "ZBV", "Auto"} <= set(SCHEDULE_NAMES)
+
+
+# -- execution through torch's runtime ------------------------------------------------------------
+
+DIM, LAYERS_PER_STAGE = 16, 2
+
+
+def _stage_module(stage: int) -> nn.Sequential:
+    torch.manual_seed(100 + stage)
+    layers = []
+    for _ in range(LAYERS_PER_STAGE):
+        layers += [nn.Linear(DIM, DIM), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _loss(out, target):
+    return ((out - target) ** 2).sum()
+
+
+def _run_schedules(rank, world_size, names, microbatches):
+    from torch.distributed.pipelining import PipelineStage
+
+    from titanext.schedules import stage_ids
+
+    results = {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(microbatches * 2, DIM, generator=g)
+    y = torch.randn(microbatches * 2, DIM, generator=g)
+    for name in names:
+        cls = get_schedule_class(name)
+        per_rank = cls.stages_per_rank or 1
+        n_stages = world_size * per_rank
+        ids = stage_ids(cls.placement, rank, world_size, per_rank)
+        modules = {s: _stage_module(s) for s in ids}
+        stages = [PipelineStage(modules[s], stage_index=s, num_stages=n_stages,
+                                device=torch.device("cpu"), group=dist.group.WORLD) for s in ids]
+        schedule = cls(stages, microbatches, loss_fn=_loss, scale_grads=False)
+        losses = []
+        kwargs = {}
+        if 0 in ids:
+            kwargs["x"] = x
+        if n_stages - 1 in ids:
+            kwargs.update(target=y, losses=losses)
+        schedule.step(kwargs.pop("x", None), **kwargs) if 0 in ids else schedule.step(**kwargs)
+        grads = {s: [p.grad.clone() for p in modules[s].parameters()] for s in ids}
+        results[name] = (sum(float(v) for v in losses) if losses else None, grads)
+    return results
+
+
+def _reference(n_stages, microbatches):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(microbatches * 2, DIM, generator=g)
+    y = torch.randn(microbatches * 2, DIM, generator=g)
+    modules = [_stage_module(s) for s in range(n_stages)]
+    out = x
+    for m in modules:
+        out = m(out)
+    loss = _loss(out, y)
+    loss.backward()
+    return loss.item(), {s: [p.grad.clone() for p in m.parameters()] for s, m in enumerate(modules)}
+
+
+@pytest.mark.parametrize("pp,microbatches,names", [
+    (2, 4, ["ZBH1", "ZBH2", "ZBV", "Auto"]),
+    (2, 6, ["ZBH1", "ZBH2"]),
+    (4, 8, ["ZBH1", "ZBH2", "ZBV"]),
+])
+def test_generated_schedules_match_one_process(pp, microbatches, names):
+    per_rank = run_distributed(_run_schedules, pp, args=(names, microbatches), timeout_s=60)
+    for name in names:
+        n_stages = pp * (get_schedule_class(name).stages_per_rank or 1)
+        ref_loss, ref_grads = _reference(n_stages, microbatches)
+        loss = next(r[name][0] for r in per_rank if r[name][0] is not None)
+        assert loss == pytest.approx(ref_loss, rel=1e-5), name
+        for r in per_rank:
+            for s, grads in r[name][1].items():
+                for got, want in zip(grads, ref_grads[s]):
+                    assert ((got - want).norm() / want.norm()).item() < 1e-5, (name, s)

@@ -1,0 +1,140 @@
+"""Replay per-rank pipeline action lists with costs: makespan, bubble, memory, timeline.
+
+The simulator reads the same compute lists that torch's runtime executes (``_Action`` per
+rank). An action starts when its rank is free and its inputs have arrived: F after the
+previous stage's F (+ ``comm`` across ranks), I (or B) after the next stage's I and its own F,
+W after its I.
+
+``bubble_ratio`` follows the zero-bubble paper: 1 - busy / C, with C the largest span of any
+rank (first action's start to last action's end) and busy that rank's compute time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titanext.schedules._torch_ir import B, F, I, W
+
+
+@dataclass
+class Event:
+    rank: int
+    stage: int
+    kind: str  # "F", "I", "W" or "B"
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    bubble_ratio: float
+    peak_activations: list[int]
+    events: list[Event] = field(repr=False)
+
+    def timeline(self, width: int = 96) -> str:
+        """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there."""
+        scale = width / self.makespan
+        rows = []
+        for r in sorted({e.rank for e in self.events}):
+            line = [" "] * width
+            for e in (e for e in self.events if e.rank == r):
+                a, b = int(e.start * scale + 1e-9), max(int(e.start * scale + 1e-9) + 1,
+                                                        int(e.end * scale + 1e-9))
+                for x in range(a, min(b, width)):
+                    line[x] = e.kind if x > a else str(e.microbatch % 10)
+            rows.append(f"rank {r} |{''.join(line)}|")
+        return "\n".join(rows)
+
+    def svg(self, title: str = "") -> str:
+        """The timeline as SVG: one row per rank, coloured by kind, labelled by micro-batch."""
+        colours = {"F": "#4c78a8", "I": "#f58518", "W": "#54a24b", "B": "#e45756"}
+        ranks = sorted({e.rank for e in self.events})
+        scale, row = 900 / self.makespan, 26
+        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="980" height="{60 + row * len(ranks)}"'
+               ' font-family="sans-serif" font-size="10">',
+               f'<text x="10" y="16" font-size="13">{title}</text>']
+        for e in self.events:
+            x, y = 60 + e.start * scale, 28 + ranks.index(e.rank) * row
+            wdt = (e.end - e.start) * scale
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{wdt:.1f}" height="{row - 4}" '
+                       f'fill="{colours[e.kind]}" stroke="white"><title>stage {e.stage} '
+                       f'{e.kind}{e.microbatch}</title></rect>')
+            out.append(f'<text x="{x + wdt / 2:.1f}" y="{y + 15}" text-anchor="middle" '
+                       f'fill="white">{e.microbatch}</text>')
+        for i, r in enumerate(ranks):
+            out.append(f'<text x="8" y="{28 + i * row + 15}">rank {r}</text>')
+        out.append("</svg>")
+        return "\n".join(out)
+
+
+_KIND = {F: "F", I: "I", W: "W", B: "B"}
+
+
+def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float = 1.0,
+           w: float = 1.0, comm: float = 0.0) -> SimResult:
+    """Simulate per-rank compute lists; raises ValueError if they deadlock."""
+    owner = {a.stage_index: r for r, acts in order.items() for a in acts}
+    cost = {"F": f, "I": b, "W": w, "B": b + w}
+    done: dict[tuple[str, int, int], float] = {}
+    pos = {r: 0 for r in order}
+    free = {r: 0.0 for r in order}
+    events: list[Event] = []
+    live = {r: 0 for r in order}
+    peak = {r: 0 for r in order}
+
+    def ready(kind: str, s: int, j: int) -> float | None:
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            dep = done.get(("F", s - 1, j))
+            return None if dep is None else dep + (comm if owner[s - 1] != owner[s] else 0.0)
+        if kind in ("I", "B"):
+            own = done.get(("F", s, j))
+            if own is None:
+                return None
+            if s == num_stages - 1:
+                return own
+            dep = done.get(("I", s + 1, j))
+            if dep is None:
+                return None
+            return max(own, dep + (comm if owner[s + 1] != owner[s] else 0.0))
+        return done.get(("I", s, j))
+
+    remaining = sum(len(a) for a in order.values())
+    while remaining:
+        progressed = False
+        for r, acts in order.items():
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                kind = _KIND[a.computation_type]
+                t = ready(kind, a.stage_index, a.microbatch_index)
+                if t is None:
+                    break
+                start = max(t, free[r])
+                end = start + cost[kind]
+                free[r] = end
+                done[(kind, a.stage_index, a.microbatch_index)] = end
+                if kind == "B":  # a full backward is also the input gradient others wait for
+                    done[("I", a.stage_index, a.microbatch_index)] = end
+                events.append(Event(r, a.stage_index, kind, a.microbatch_index, start, end))
+                if kind == "F":
+                    live[r] += 1
+                    peak[r] = max(peak[r], live[r])
+                elif kind in ("W", "B"):
+                    live[r] -= 1
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(order[r][pos[r]]) for r in order if pos[r] < len(order[r])}
+            raise ValueError(f"the schedule deadlocks; next actions per rank: {stuck}")
+    makespan = max(e.end for e in events) - min(e.start for e in events)
+    spans = {r: (min(e.start for e in events if e.rank == r), max(e.end for e in events if e.rank == r))
+             for r in order}
+    widest = max(spans, key=lambda r: spans[r][1] - spans[r][0])
+    span = spans[widest][1] - spans[widest][0]
+    busy = sum(e.end - e.start for e in events if e.rank == widest)
+    return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
+                     peak_activations=[peak[r] for r in sorted(order)], events=events)
