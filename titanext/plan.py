@@ -224,9 +224,11 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     else:
         memory["gathered params"] = 0.0
 
-    # Activations: micro-batches in flight on the first stage (1F1B keeps pp of them).
+    # Activations: micro-batches in flight on the busiest stage, from the schedule simulator
+    # (1F1B and ZB-H1 keep pp of them, ZB-H2 2pp - 1).
     m = max(1, t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size > 0 else 1
-    in_flight = min(pp, m) if pp > 1 else 1
+    sim = _pipeline_sim(pp, m)
+    in_flight = max(sim.peak_activations) if sim else 1
     tokens_mb = t.local_batch_size * t.seq_len
     per_layer = activation_bytes_per_token_layer(shape, cfg.activation_checkpoint.mode, a=a,
                                                  tp=tp, sp=sp, cp=cp)
@@ -290,7 +292,7 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
         else:
             waiting[behind] += c["time_s"]
     exposed += max(0.0, waiting["compute"] - compute) + max(0.0, waiting["attention"] - attention)
-    bubble = (pp - 1) / (m + pp - 1) if pp > 1 else 0.0
+    bubble = sim.bubble_ratio if sim else 0.0
     step = (compute + exposed) / (1 - bubble)
     mfu = shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)
     time = {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
@@ -300,6 +302,21 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
               "local_batch_size": t.local_batch_size, "microbatches": m}
     total = sum(memory.values())
     return Plan(layout, memory, comm, time, fits=total <= 0.9 * device.hbm_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_sim(pp: int, microbatches: int):
+    """The 1F1B schedule's simulation (equal F, I, W), or None without pipelining.
+
+    The trainer's pipeline runs torch's 1F1B; titanext's zero-bubble schedules can be compared
+    with ``python -m titanext.schedules``.
+    """
+    if pp == 1:
+        return None
+    from titanext.schedules.simulator import replay
+    from titanext.schedules.zero_bubble import one_f_one_b
+
+    return replay(one_f_one_b(pp, max(microbatches, pp)), num_stages=pp)
 
 
 # -- advice ---------------------------------------------------------------------------------------

@@ -131,10 +131,14 @@ def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float 
             stuck = {r: str(order[r][pos[r]]) for r in order if pos[r] < len(order[r])}
             raise ValueError(f"the schedule deadlocks; next actions per rank: {stuck}")
     makespan = max(e.end for e in events) - min(e.start for e in events)
-    spans = {r: (min(e.start for e in events if e.rank == r), max(e.end for e in events if e.rank == r))
-             for r in order}
-    widest = max(spans, key=lambda r: spans[r][1] - spans[r][0])
-    span = spans[widest][1] - spans[widest][0]
-    busy = sum(e.end - e.start for e in events if e.rank == widest)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    busy_by_rank: dict[int, float] = {}
+    for e in events:
+        first[e.rank] = min(first.get(e.rank, e.start), e.start)
+        last[e.rank] = max(last.get(e.rank, e.end), e.end)
+        busy_by_rank[e.rank] = busy_by_rank.get(e.rank, 0.0) + e.end - e.start
+    widest = max(first, key=lambda r: last[r] - first[r])
+    span, busy = last[widest] - first[widest], busy_by_rank[widest]
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
                      peak_activations=[peak[r] for r in sorted(order)], events=events)

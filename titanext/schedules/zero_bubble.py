@@ -75,13 +75,15 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
         dep = done.get(("I", s, j))
         return dep
 
+    held = [stage_ids(placement, r, pp, stages_per_rank) for r in range(pp)]
+    kinds = ("I", "F", "W") if split_backward else ("I", "F")
     while finished < total:
         best = None  # (start time, priority, rank, kind, stage, mb)
         for r in range(pp):
-            mine = [s for s in stage_ids(placement, r, pp, stages_per_rank)]
+            mine = held[r]
             options = []
             for s in mine:
-                for kind in ("I", "F", "W") if split_backward else ("I", "F"):
+                for kind in kinds:
                     j = next_mb[(kind, s)]
                     if j >= m:
                         continue
@@ -126,9 +128,18 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
 
 
 def one_f_one_b(pp: int, microbatches: int) -> dict[int, list]:
-    """1F1B: rank r keeps at most pp - r micro-batches; full backward."""
-    return generate(pp=pp, microbatches=microbatches, limits=[pp - r for r in range(pp)],
-                    split_backward=False)
+    """1F1B: rank r runs pp - r - 1 warm-up forwards, then alternates F and full backward B, so
+    it holds at most pp - r micro-batches."""
+    order: dict[int, list] = {}
+    for r in range(pp):
+        warmup = min(pp - r - 1, microbatches)
+        ops = [action(r, F, j) for j in range(warmup)]
+        for k in range(microbatches):
+            if warmup + k < microbatches:
+                ops.append(action(r, F, warmup + k))
+            ops.append(action(r, B, k))
+        order[r] = ops
+    return order
 
 
 def zbh1(pp: int, microbatches: int) -> dict[int, list]:
