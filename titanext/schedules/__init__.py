@@ -23,8 +23,8 @@ from titanext.schedules._torch_ir import validate, with_comms
 from titanext.schedules.simulator import SimResult, replay
 from titanext.schedules.zero_bubble import stage_ids
 
-__all__ = ["SCHEDULE_NAMES", "get_schedule_class", "simulate", "stage_ids", "SimResult",
-           "schedule_problems"]
+__all__ = ["SCHEDULE_NAMES", "get_schedule_class", "build_schedule", "simulate", "stage_ids",
+           "SimResult", "schedule_problems"]
 
 _Runtime = torch_schedules._PipelineScheduleRuntime  # the documented home of custom schedules
 
@@ -110,14 +110,22 @@ _SIMULATED = {"1F1B": (zero_bubble.one_f_one_b, 1, False), "ZBH1": (zero_bubble.
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0) -> SimResult:
-    """Replay schedule ``name``'s action lists with these costs (``b`` = I, ``w`` = W)."""
+    """Replay schedule ``name``'s action lists with these costs (``b`` = I, ``w`` = W).
+
+    Costs are per rank's share of the model: a schedule with two stages per rank (ZBV) runs
+    each stage at half of them, and its ``peak_activations`` are counted in the same units
+    (a micro-batch's activations of one rank's share), so schedules compare directly.
+    """
     if name not in _SIMULATED:
         raise ValueError(f"simulate: {name!r} is not one of {', '.join(_SIMULATED)}")
     fn, per_rank, use_costs = _SIMULATED[name]
-    costs = dict(f=f, b=b, w=w, comm=comm)
+    costs = dict(f=f / per_rank, b=b / per_rank, w=w / per_rank, comm=comm)
     order = fn(pp, microbatches, **costs) if use_costs else fn(pp, microbatches)
     validate(order, pp, pp * per_rank, microbatches)
-    return replay(order, num_stages=pp * per_rank, **costs)
+    result = replay(order, num_stages=pp * per_rank, **costs)
+    if per_rank > 1:
+        result.peak_activations = [a / per_rank for a in result.peak_activations]
+    return result
 
 
 def schedule_problems(name: str, *, pp: int, microbatches: int, compiled: bool = False) -> list[str]:
@@ -133,6 +141,16 @@ def schedule_problems(name: str, *, pp: int, microbatches: int, compiled: bool =
         problems.append(f"parallelism.pipeline_parallel_schedule = {name!r} (torch's) refuses "
                         "torch.compile'd stages; use 'ZBV' or disable compile")
     return problems
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
+    """Instantiate schedule ``name`` with this rank's stages (one stage for torch's
+    single-stage schedules such as GPipe and 1F1B, the list otherwise)."""
+    cls = get_schedule_class(name)
+    single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+    if single and len(stages) != 1:
+        raise ValueError(f"{name} runs one stage per rank; got {len(stages)}")
+    return cls(stages[0] if single else stages, n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
 def _stage_to_rank(placement: str, pp: int, stages_per_rank: int) -> dict[int, int]:

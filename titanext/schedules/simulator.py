@@ -30,7 +30,7 @@ class Event:
 class SimResult:
     makespan: float
     bubble_ratio: float
-    peak_activations: list[int]
+    peak_activations: list[float]
     events: list[Event] = field(repr=False)
 
     def timeline(self, width: int = 96) -> str:

@@ -1,0 +1,62 @@
+"""Compare pipeline schedules in the simulator.
+
+    python -m titanext.schedules --pp 4 --microbatches 8 [--f 1 --b 1 --w 1 --comm 0]
+        [--timeline ZBH1] [--svg timeline.svg] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from titanext.metrics import format_table
+from titanext.schedules import _SIMULATED, simulate
+
+
+def comparison_rows(pp: int, microbatches: int, **costs: float) -> list[dict]:
+    rows = []
+    for name in _SIMULATED:
+        r = simulate(name, pp=pp, microbatches=microbatches, **costs)
+        rows.append({"schedule": name, "makespan": round(r.makespan, 3),
+                     "bubble": f"{r.bubble_ratio:.3f}",
+                     "peak activations (max rank)": max(r.peak_activations)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titanext.schedules", description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--f", type=float, default=1.0, help="forward time per stage and micro-batch")
+    ap.add_argument("--b", type=float, default=1.0, help="input-gradient (I) time")
+    ap.add_argument("--w", type=float, default=1.0, help="weight-gradient (W) time")
+    ap.add_argument("--comm", type=float, default=0.0, help="time of one stage-to-stage transfer")
+    ap.add_argument("--timeline", default="ZBH1", help="schedule whose timeline is drawn")
+    ap.add_argument("--svg", help="also write that timeline as SVG")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args(argv)
+    problems = [f"--{k} = {v} must be >= 1" for k, v in (("pp", a.pp), ("microbatches", a.microbatches))
+                if v < 1]
+    problems += [f"--{k} = {v} must be > 0" for k, v in (("f", a.f), ("b", a.b), ("w", a.w)) if v <= 0]
+    if a.microbatches < a.pp:
+        problems.append(f"--microbatches = {a.microbatches} must be >= --pp = {a.pp}")
+    if a.timeline not in _SIMULATED:
+        problems.append(f"--timeline = {a.timeline!r} is not one of {', '.join(_SIMULATED)}")
+    if problems:
+        for p in problems:
+            print(f"titanext.schedules: error: {p}", file=sys.stderr)
+        return 2
+    costs = dict(f=a.f, b=a.b, w=a.w, comm=a.comm)
+    print(f"pp={a.pp}, {a.microbatches} micro-batches, F={a.f} I={a.b} W={a.w} comm={a.comm}")
+    print(format_table(comparison_rows(a.pp, a.microbatches, **costs), markdown=a.markdown))
+    r = simulate(a.timeline, pp=a.pp, microbatches=a.microbatches, **costs)
+    print(f"\n{a.timeline} timeline (digit = micro-batch starting, then F/I/W/B):")
+    print(r.timeline())
+    if a.svg:
+        with open(a.svg, "w") as f:
+            f.write(r.svg(f"{a.timeline}: pp={a.pp}, m={a.microbatches}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
