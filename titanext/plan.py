@@ -313,10 +313,9 @@ def _pipeline_sim(pp: int, microbatches: int):
     """
     if pp == 1:
         return None
-    from titanext.schedules.simulator import replay
-    from titanext.schedules.zero_bubble import one_f_one_b
+    from titanext.schedules import simulate
 
-    return replay(one_f_one_b(pp, max(microbatches, pp)), num_stages=pp)
+    return simulate("1F1B", pp=pp, microbatches=max(microbatches, pp))
 
 
 # -- advice ---------------------------------------------------------------------------------------
