@@ -1,165 +1,230 @@
 """Pipeline schedules: torch's built-ins and titanext's generated ones, plus a simulator.
 
 ``get_schedule_class(name)`` returns a schedule class that torch's pipelining runtime
-executes. Every class declares its stage placement (``placement``: "loop" or "v") and
-``stages_per_rank``, so callers place stages from data, never from the schedule's name.
-Our schedules (ZBH1, ZBH2, ZBV, Auto) are per-rank action lists produced by
-:mod:`titanext.schedules.zero_bubble` and run by ``_PipelineScheduleRuntime``; the simulator
-(:func:`simulate`) replays the very same lists.
+executes. Every class declares its stage placement (``placement``: "loop", "v" or
+"dualpipe") and ``stages_per_rank`` (None: configurable), so callers place stages from data,
+never from the schedule's name:
 
->>> from titanext.schedules import simulate
+>>> cls = get_schedule_class("ZBV")
+>>> cls.placement, cls.stages_per_rank, stage_ids_for_rank(cls.placement, 1, 4, 2)
+('v', 2, [1, 6])
+
+Ours (ZBH1, ZBH2, ZBV, Auto, DualPipe, DualPipeV) are per-rank action lists from
+:mod:`~titanext.schedules.zero_bubble` and :mod:`~titanext.schedules.dualpipe`; the simulator
+(:func:`simulate`) replays the very same lists, and for torch's multi-stage schedules the
+lists torch builds:
+
 >>> round(simulate("ZBH1", pp=4, microbatches=8).bubble_ratio, 4)   # (p-1)/(3m+p-1)
 0.1111
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from torch.distributed.pipelining import schedules as torch_schedules
-
-from titanext.schedules import zero_bubble
-from titanext.schedules._torch_ir import validate, with_comms
+from titanext._hints import did_you_mean
+from titanext.schedules import dualpipe, zero_bubble
+from titanext.schedules._torch_ir import TORCH_SCHEDULES, leaves, validate, with_comms
 from titanext.schedules.simulator import SimResult, replay
-from titanext.schedules.zero_bubble import stage_ids
+from titanext.schedules.zero_bubble import GeneratedSchedule, auto_schedule_class, stage_ids
 
-__all__ = ["SCHEDULE_NAMES", "get_schedule_class", "build_schedule", "simulate", "stage_ids",
-           "SimResult", "schedule_problems"]
+__all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
+           "get_schedule_class", "make_schedule", "num_stages_for", "schedule_order", "schedule_problems", "simulate",
+           "stage_ids_for_rank"]
 
-_Runtime = torch_schedules._PipelineScheduleRuntime  # the documented home of custom schedules
 
+def stage_ids_for_rank(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Global stage indices held by ``rank``, in the order to pass them to the schedule.
 
-class GeneratedSchedule(_Runtime):
-    """A schedule whose per-rank action lists come from ``generate(pp, microbatches)``.
-
-    Constructed like torch's multi-stage schedules: ``cls(stages, n_microbatches, loss_fn=...)``
-    with this rank's stages (``stages_per_rank`` of them, placed by ``placement``).
+    loop: rank, rank + pp, ...; v: [rank, 2pp-1-rank]; dualpipe: [rank (down copy),
+    pp-1-rank (up copy)] of the model's pp stages.
     """
-
-    placement = "loop"
-    stages_per_rank = 1
-    generate: Callable[..., dict[int, list]]
-
-    def __init__(self, stages, n_microbatches: int, loss_fn=None, *, costs: dict | None = None,
-                 **kwargs):
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
-        pp = stages[0].group_size
-        mapping = {s: r for r in range(pp)
-                   for s in stage_ids(self.placement, r, pp, self.stages_per_rank)}
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = mapping
-        self.stage_index_to_group_rank = mapping
-        self.pipeline_order = type(self).generate(pp, n_microbatches, **(costs or {}))
-        self._prepare_schedule_with_comms(self.pipeline_order)
+    if placement == "dualpipe":
+        return [rank, pp - 1 - rank]
+    return stage_ids(placement, rank, pp, stages_per_rank)
 
 
-def _generated(name: str, fn, placement: str = "loop", stages_per_rank: int = 1,
-               use_costs: bool = False) -> type:
-    def generate(pp, microbatches, **costs):
-        return fn(pp, microbatches, **costs) if use_costs else fn(pp, microbatches)
+def num_stages_for(placement: str, pp: int, stages_per_rank: int) -> int:
+    """How many stages the model is split into (DualPipe runs two copies of pp stages)."""
+    return pp if placement == "dualpipe" else pp * stages_per_rank
 
+
+def _zb(name: str, fn, placement: str = "loop", stages_per_rank: int = 1) -> type:
     return type(name, (GeneratedSchedule,), {
-        "placement": placement, "stages_per_rank": stages_per_rank,
-        "generate": staticmethod(generate), "__doc__": fn.__doc__})
+        "placement": placement, "stages_per_rank": stages_per_rank, "splits_backward": True,
+        "generate": staticmethod(fn), "__doc__": fn.__doc__})
 
 
-ZBH1 = _generated("ZBH1", zero_bubble.zbh1)
-ZBH2 = _generated("ZBH2", zero_bubble.zbh2)
-ZBV = _generated("ZBV", zero_bubble.zbv, placement="v", stages_per_rank=2)
-Auto = _generated("Auto", zero_bubble.auto, use_costs=True)
+_OURS: dict[str, type] = {
+    "ZBH1": _zb("ZBH1", zero_bubble.zbh1),
+    "ZBH2": _zb("ZBH2", zero_bubble.zbh2),
+    "ZBV": _zb("ZBV", zero_bubble.zbv, "v", 2),
+    "DualPipe": dualpipe.DualPipe,
+    "DualPipeV": dualpipe.DualPipeV,
+    "Auto": zero_bubble.Auto,
+}
 
-_OURS = {"ZBH1": ZBH1, "ZBH2": ZBH2, "ZBV": ZBV, "Auto": Auto}
 
-
-def _torch(name: str, cls_name: str, placement: str, stages_per_rank: int | None) -> type | None:
-    base = getattr(torch_schedules, cls_name, None)
+def _torch(cls_name: str, placement: str, stages_per_rank: int | None,
+           splits_backward: bool = False) -> type | None:
+    base = getattr(TORCH_SCHEDULES, cls_name, None)
     if base is None:
         return None
-    return type(name, (base,), {"placement": placement, "stages_per_rank": stages_per_rank,
-                                "__doc__": base.__doc__})
+    return type(cls_name.removeprefix("Schedule"), (base,), {
+        "placement": placement, "stages_per_rank": stages_per_rank,
+        "splits_backward": splits_backward, "__doc__": base.__doc__})
 
 
 _TORCH = {name: cls for name, cls in {
-    "GPipe": _torch("GPipe", "ScheduleGPipe", "loop", 1),
-    "1F1B": _torch("1F1B", "Schedule1F1B", "loop", 1),
-    "Interleaved1F1B": _torch("Interleaved1F1B", "ScheduleInterleaved1F1B", "loop", None),
-    "LoopedBFS": _torch("LoopedBFS", "ScheduleLoopedBFS", "loop", None),
-    "InterleavedZeroBubble": _torch("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble",
-                                    "loop", None),
-    "ZBVZeroBubble": _torch("ZBVZeroBubble", "ScheduleZBVZeroBubble", "v", 2),
+    "GPipe": _torch("ScheduleGPipe", "loop", 1),
+    "1F1B": _torch("Schedule1F1B", "loop", 1),
+    "Interleaved1F1B": _torch("ScheduleInterleaved1F1B", "loop", None),
+    "LoopedBFS": _torch("ScheduleLoopedBFS", "loop", None),
+    "InterleavedZeroBubble": _torch("ScheduleInterleavedZeroBubble", "loop", None, True),
+    "ZBVZeroBubble": _torch("ScheduleZBVZeroBubble", "v", 2, True),
+    # torch's DualPipeV; "DualPipeV" is titanext's (overlapped F&B chunks)
+    "TorchDualPipeV": _torch("ScheduleDualPipeV", "v", 2, True),
 }.items() if cls is not None}
 
-SCHEDULE_NAMES = (*_TORCH, *_OURS)
+SCHEDULE_NAMES: tuple[str, ...] = (*_TORCH, *_OURS)
+_SIMULATED = SCHEDULE_NAMES  # every schedule can be simulated
+_BY_LOWER = {n.lower(): n for n in SCHEDULE_NAMES}
+_DEFAULT_INTERLEAVE = 2  # stages per rank of a configurable schedule when none is given
 
 
 def get_schedule_class(name: str) -> type:
-    """The schedule class for ``name`` (torch's names and ours); ValueError with the choices."""
-    if name in _OURS:
-        return _OURS[name]
-    if name in _TORCH:
-        return _TORCH[name]
-    raise ValueError(f"pipeline schedule {name!r} is not known; choose one of "
-                     f"{', '.join(SCHEDULE_NAMES)}")
+    """The schedule class for ``name`` (torch's names and ours, any case).
+
+    Raises ValueError listing the choices. Every class has ``placement``,
+    ``stages_per_rank`` (None = configurable) and ``splits_backward`` (uses I/W actions).
+    """
+    canonical = _BY_LOWER.get(name.lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"pipeline schedule {name!r} is not known{did_you_mean(name, SCHEDULE_NAMES)}"
+                         f"; choose one of {', '.join(SCHEDULE_NAMES)}")
+    return _OURS.get(canonical) or _TORCH[canonical]
 
 
-# Simulation covers the schedules whose action lists we generate, plus 1F1B as the baseline.
-_SIMULATED = {"1F1B": (zero_bubble.one_f_one_b, 1, False), "ZBH1": (zero_bubble.zbh1, 1, False),
-              "ZBH2": (zero_bubble.zbh2, 1, False), "ZBV": (zero_bubble.zbv, 2, False),
-              "Auto": (zero_bubble.auto, 1, True)}
+def resolved_stages_per_rank(cls: type, stages_per_rank: int | None = None) -> int:
+    """The class's fixed count, else ``stages_per_rank``, else 2 (interleaved default)."""
+    return cls.stages_per_rank or stages_per_rank or _DEFAULT_INTERLEAVE
+
+
+def make_schedule(cls: type, stages: list, n_microbatches: int, **kwargs):
+    """Instantiate ``cls`` with this rank's stages (torch's single-stage GPipe/1F1B take the
+    one stage object, every other class the list).
+
+    >>> # schedule = make_schedule(get_schedule_class("ZBH1"), [stage], 8, loss_fn=loss_fn)
+    """
+    if issubclass(cls, TORCH_SCHEDULES.PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"{cls.__name__} runs one stage per rank, got {len(stages)}")
+        return cls(stages[0], n_microbatches, **kwargs)
+    return cls(list(stages), n_microbatches, **kwargs)
+
+
+def build_schedule(name, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
+    """``make_schedule`` from a schedule name or class."""
+    cls = get_schedule_class(name) if isinstance(name, str) else name
+    return make_schedule(cls, stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+
+
+def _gpipe_order(pp: int, m: int) -> dict[int, list]:
+    from titanext.schedules._torch_ir import B, F, action
+    return {r: [action(r, F, j) for j in range(m)] + [action(r, B, j) for j in range(m)]
+            for r in range(pp)}
+
+
+def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None,
+                   **costs: float) -> dict[int, list]:
+    """The compute action lists schedule ``name`` runs on each rank (what executes).
+
+    Ours come from their generators (``costs`` feed Auto), torch's multi-stage ones from the
+    ``pipeline_order`` torch builds; GPipe and 1F1B (single-stage runtimes without action
+    lists) use their textbook orders.
+    """
+    cls = get_schedule_class(name)
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+    if name.lower() == "gpipe":
+        return _gpipe_order(pp, microbatches)
+    if name.lower() == "1f1b":
+        return zero_bubble.one_f_one_b(pp, microbatches)
+    if issubclass(cls, GeneratedSchedule):
+        return (cls.with_costs(**costs) if costs else cls).order(pp, microbatches)
+    if hasattr(cls, "generate"):
+        return cls.generate(pp, microbatches)
+    from titanext.schedules._torch_ir import torch_pipeline_order
+    return torch_pipeline_order(cls, pp, microbatches, spr)
 
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
-             w: float = 1.0, comm: float = 0.0) -> SimResult:
-    """Replay schedule ``name``'s action lists with these costs (``b`` = I, ``w`` = W).
+             w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None) -> SimResult:
+    """Replay schedule ``name``'s action lists with these costs.
 
-    Costs are per rank's share of the model: a schedule with two stages per rank (ZBV) runs
-    each stage at half of them, and its ``peak_activations`` are counted in the same units
-    (a micro-batch's activations of one rank's share), so schedules compare directly.
+    ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
+    through 1/pp of the model; a schedule with k stages per rank (same model) runs stages of
+    cost f/k, and ``peak_memory`` counts activations in the same 1/pp units. A full backward
+    B costs b + w. ``comm`` is the latency of each cross-rank send.
+
+    >>> r = simulate("1F1B", pp=4, microbatches=8)
+    >>> round(r.bubble_ratio, 4), r.peak_activations
+    (0.2727, [4, 3, 2, 1])
     """
-    if name not in _SIMULATED:
-        raise ValueError(f"simulate: {name!r} is not one of {', '.join(_SIMULATED)}")
-    fn, per_rank, use_costs = _SIMULATED[name]
-    costs = dict(f=f / per_rank, b=b / per_rank, w=w / per_rank, comm=comm)
-    order = fn(pp, microbatches, **costs) if use_costs else fn(pp, microbatches)
-    validate(order, pp, pp * per_rank, microbatches)
-    result = replay(order, num_stages=pp * per_rank, **costs)
-    if per_rank > 1:
-        result.peak_activations = [a / per_rank for a in result.peak_activations]
-    return result
+    cls = get_schedule_class(name)
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+    share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
+    costs = dict(f=f * share, b=b * share, w=w * share, comm=comm)
+    order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+                           f=f, b=b, w=w, comm=comm)
+    chain = num_stages_for(cls.placement, pp, spr)
+    if cls.placement != "dualpipe":
+        validate({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
+                 chain, microbatches)
+    return replay(order, num_stages=chain, stage_size=share, **costs)
 
 
-def schedule_problems(name: str, *, pp: int, microbatches: int, compiled: bool = False) -> list[str]:
-    """Config problems of running ``name`` with these settings (one line each)."""
+def schedule_problems(name: str, *, pp: int, microbatches: int,
+                      stages_per_rank: int | None = None, compiled: bool = False) -> list[str]:
+    """Config problems of running schedule ``name`` with these settings (one line each).
+
+    >>> schedule_problems("DualPipe", pp=4, microbatches=6)[0]
+    'parallelism.pipeline_parallel_microbatches = 6: DualPipe needs an even number >= 2 x pp = 8'
+    """
+    key = "parallelism.pipeline_parallel"
+    try:
+        cls = get_schedule_class(name)
+    except ValueError as e:
+        return [f"{key}_schedule = {name!r}: {e}"]
     problems = []
-    if name not in SCHEDULE_NAMES:
-        return [f"parallelism.pipeline_parallel_schedule = {name!r} is not one of "
-                f"{', '.join(SCHEDULE_NAMES)}"]
-    if microbatches < pp:
-        problems.append(f"parallelism.pipeline_parallel_microbatches = {microbatches} must be >= "
-                        f"pipeline_parallel_degree = {pp} for {name}")
-    if compiled and name in ("ZBVZeroBubble",):
-        problems.append(f"parallelism.pipeline_parallel_schedule = {name!r} (torch's) refuses "
-                        "torch.compile'd stages; use 'ZBV' or disable compile")
+    if cls.stages_per_rank is not None and stages_per_rank not in (None, cls.stages_per_rank):
+        problems.append(f"{key}_stages_per_rank = {stages_per_rank}: schedule {name!r} places "
+                        f"exactly {cls.stages_per_rank} stage(s) per rank; remove the key")
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+    if microbatches < 1:
+        problems.append(f"{key}_microbatches = {microbatches} must be >= 1")
+    elif cls.placement == "dualpipe" and pp % 2:
+        problems.append(f"{key}_degree = {pp}: DualPipe needs an even degree (mirrored pairs)")
+    elif cls.placement == "dualpipe" and (microbatches < 2 * pp or microbatches % 2):
+        problems.append(f"{key}_microbatches = {microbatches}: DualPipe needs an even number "
+                        f">= 2 x pp = {2 * pp}")
+    elif name.lower() in ("dualpipev", "torchdualpipev") and microbatches < 2 * pp:
+        problems.append(f"{key}_microbatches = {microbatches}: {cls.__name__} needs >= 2 x pp "
+                        f"= {2 * pp}")
+    elif pp > 1:
+        try:
+            schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr)
+        except Exception as e:  # torch's own constructor checks, e.g. m vs pp for interleaving
+            problems.append(f"{key}_microbatches = {microbatches} does not fit schedule "
+                            f"{name!r} at pp = {pp}, {spr} stage(s) per rank: {e}")
+    if compiled and cls.splits_backward:
+        problems.append(f"{key}_schedule = {name!r} splits the backward into input and weight "
+                        "gradients, which torch does not support on torch.compile'd stages; "
+                        "set compile.enable = false or use 1F1B / Interleaved1F1B / GPipe")
     return problems
 
 
-def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
-    """Instantiate schedule ``name`` with this rank's stages (one stage for torch's
-    single-stage schedules such as GPipe and 1F1B, the list otherwise)."""
-    cls = get_schedule_class(name)
-    single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-    if single and len(stages) != 1:
-        raise ValueError(f"{name} runs one stage per rank; got {len(stages)}")
-    return cls(stages[0] if single else stages, n_microbatches, loss_fn=loss_fn, **kwargs)
-
-
-def _stage_to_rank(placement: str, pp: int, stages_per_rank: int) -> dict[int, int]:
-    return {s: r for r in range(pp) for s in stage_ids(placement, r, pp, stages_per_rank)}
-
-
 def with_comm_actions(name: str, pp: int, microbatches: int) -> dict[int, list]:
-    """Our schedule's full per-rank lists including torch's send/recv actions (for inspection)."""
+    """Our loop/V schedule's full per-rank lists including torch's send/recv actions."""
     cls = get_schedule_class(name)
-    order = cls.generate(pp, microbatches)
-    mapping = _stage_to_rank(cls.placement, pp, cls.stages_per_rank)
+    order = cls.order(pp, microbatches)
+    mapping = {s: r for r in range(pp)
+               for s in stage_ids_for_rank(cls.placement, r, pp, cls.stages_per_rank)}
     return with_comms(order, mapping.__getitem__, pp * cls.stages_per_rank)

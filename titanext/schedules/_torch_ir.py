@@ -1,30 +1,272 @@
-"""The one place that touches torch.distributed.pipelining's private schedule IR.
+"""The one place that touches torch.distributed.pipelining's private schedule IR and runtime.
 
 torch executes custom schedules given as per-rank lists of ``_Action`` (stage, kind,
-micro-batch); it inserts the send/recv actions itself (``_add_send_recv``) and validates lists
-(``_validate_schedule``). These names are private but stable across torch 2.11-2.13; every use
-goes through this module so a rename is fixed here only.
+micro-batch); it inserts the send/recv actions itself (``_add_send_recv``), validates lists
+(``_validate_schedule``) and lets a schedule replace the handler of a computation kind
+(``register_custom_function``). These names are private but present in torch 2.11-2.13; every
+use goes through this module so a rename is fixed here only.
+
+Two runtime subclasses live here:
+
+- ``ListRuntime``: runs compute-only lists lowered by torch (loop and V placements).
+- ``ChainRuntime``: runs lists whose stage chain we define (V with overlapped F&B chunks, and
+  DualPipe, where a micro-batch's direction decides which rank holds a stage). It registers
+  its own F, I, B, W and OVERLAP_F_B handlers; the overlapped handler issues the forward
+  chunk's send before it computes the backward chunk, so the activation travels while the
+  backward runs (and the backward's gradient receive, posted earlier, lands while the forward
+  runs).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _s
 
 Action = _s._Action
 Kind = _s._ComputationType
 F, I, W, B = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD  # noqa: E741
+OVERLAP = Kind.OVERLAP_F_B
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 COMPUTE_KINDS = (F, I, W, B)
+Runtime = _s._PipelineScheduleRuntime
+TORCH_SCHEDULES = _s
 
 
 def action(stage: int, kind: Kind, microbatch: int) -> Action:
     return Action(stage, kind, microbatch)
 
 
+def overlapped(forward: Action, backward: Action) -> Action:
+    """One OVERLAP_F_B action: ``forward``'s chunk computed alongside ``backward``'s."""
+    return Action(forward.stage_index, OVERLAP, None, (forward, backward))
+
+
+def leaves(a: Action) -> tuple[Action, ...]:
+    """The compute actions inside ``a`` (its sub-actions for OVERLAP_F_B)."""
+    return tuple(a.sub_actions) if a.sub_actions is not None else (a,)
+
+
 def with_comms(compute: dict[int, list], stage_to_rank, num_stages: int) -> dict[int, list]:
     """Add torch's send/recv actions to compute-only per-rank lists."""
-    return _s._add_send_recv(compute, stage_to_rank=stage_to_rank, num_stages=num_stages)
+    return _s._add_send_recv({r: list(a) for r, a in compute.items()},
+                             stage_to_rank=stage_to_rank, num_stages=num_stages)
 
 
 def validate(compute: dict[int, list], pp: int, num_stages: int, microbatches: int) -> None:
     """torch's own check of a compute-only schedule (raises on an invalid one)."""
     _s._validate_schedule(compute, pp, num_stages, microbatches)
+
+
+def format_order(order: dict[int, list]) -> str:
+    """torch's table of a schedule (one column per rank)."""
+    return _s._format_pipeline_order(order)
+
+
+class ListRuntime(Runtime):
+    """torch's runtime with ``pipeline_order`` set from generated compute-only lists."""
+
+    def _set_order(self, order: dict[int, list], mapping: dict[int, int]) -> None:
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        self.stage_index_to_group_rank = mapping
+        self.pipeline_order = order
+        self._prepare_schedule_with_comms(order)
+
+
+class ChainRuntime(Runtime):
+    """Runs per-rank lists on a stage chain described by ``_chain``.
+
+    ``_chain(stage, mb) -> (previous stage on this rank or None, next stage on this rank or
+    None)`` and ``_seen(stage)`` (micro-batches through a stage) are supplied by the subclass.
+    """
+
+    def _install_handlers(self) -> None:
+        self.register_custom_function(F, lambda a, ctx: self._forward(a, ctx))
+        self.register_custom_function(B, lambda a, ctx: self._backward(a, full=True))
+        self.register_custom_function(I, lambda a, ctx: self._backward(a, full=False))
+        self.register_custom_function(W, lambda a, ctx: self._weight(a))
+        self.register_custom_function(OVERLAP, self._overlap)
+        self._titan_losses: dict[int, torch.Tensor] = {}
+        self._early_sends: list[dist.Work] = []
+        self._done_count: Counter[int] = Counter()
+
+    def _set_lowered(self, compute: dict[int, list], with_comm: dict[int, list]) -> None:
+        self.pipeline_order = compute
+        self.pipeline_order_with_comms = {r: _drop_overlap_sends(a) for r, a in with_comm.items()}
+
+    def _stage(self, index: int):
+        return next(s for s in self._stages if s.stage_index == index)
+
+    def _sync(self, stage) -> None:
+        if hasattr(self, "_assert_unsharded") and stage.stage_index in self.unshard_ops:
+            self._assert_unsharded(stage)
+
+    def _forward(self, a: Action, ctx) -> None:
+        stage, j = self._stage(a.stage_index), a.microbatch_index
+        prev_local, next_local = self._chain(a.stage_index, j)
+        self._sync(stage)
+        if not stage.is_first and prev_local is None:
+            _wait(self.fwd_recv_ops.pop((a.stage_index, j)))
+        out = stage.forward_one_chunk(j, ctx.arg_mbs[j], ctx.kwarg_mbs[j])
+        if stage.is_last and self._loss_fn is not None:
+            self._titan_losses[j] = self._compute_loss(out, ctx.target_mbs[j])
+        if next_local is not None:
+            self._stage(next_local).set_local_fwd_input(out, j)
+
+    def _backward(self, a: Action, *, full: bool) -> None:
+        stage, j = self._stage(a.stage_index), a.microbatch_index
+        prev_local, next_local = self._chain(a.stage_index, j)
+        self._sync(stage)
+        if not stage.is_last and next_local is None:
+            _wait(self.bwd_recv_ops.pop((a.stage_index, j)))
+        last = False
+        if full:
+            self._done_count[a.stage_index] += 1
+            last = self._done_count[a.stage_index] == self._seen(a.stage_index)
+        stage.backward_one_chunk(j, loss=self._titan_losses.get(j) if stage.is_last else None,
+                                 full_backward=full, last_backward=last)
+        if prev_local is not None:
+            self._stage(prev_local).set_local_bwd_input(stage.get_local_bwd_output(j), j)
+
+    def _weight(self, a: Action) -> None:
+        stage = self._stage(a.stage_index)
+        self._done_count[a.stage_index] += 1
+        stage.backward_weight_one_chunk(
+            a.microbatch_index,
+            last_backward=self._done_count[a.stage_index] == self._seen(a.stage_index))
+
+    def _overlap(self, a: Action, ctx) -> None:
+        """Forward chunk, its send issued at once, then the backward chunk and its send."""
+        fwd, bwd = a.sub_actions
+        self._forward(fwd, ctx)
+        stage = self._stage(fwd.stage_index)
+        if not stage.is_last and self._chain(fwd.stage_index, fwd.microbatch_index)[1] is None:
+            self._early_sends += _issue(stage.get_fwd_send_ops(fwd.microbatch_index))
+        if bwd.computation_type == F:  # two forwards (DualPipe warm-up never does this)
+            self._forward(bwd, ctx)
+            return
+        self._backward(bwd, full=bwd.computation_type == B)
+        stage = self._stage(bwd.stage_index)
+        if not stage.is_first and self._chain(bwd.stage_index, bwd.microbatch_index)[0] is None:
+            self._early_sends += _issue(stage.get_bwd_send_ops(bwd.microbatch_index))
+
+    def _step_microbatches(self, *args, **kwargs):
+        self._titan_losses.clear()
+        self._done_count.clear()
+        try:
+            return super()._step_microbatches(*args, **kwargs)
+        finally:
+            _wait(self._early_sends)
+            self._early_sends = []
+
+    def _update_losses(self, stages, losses) -> None:
+        _wait(self._early_sends)
+        self._early_sends = []
+        merged = self._merge_losses(self._titan_losses)
+        if losses is not None and merged:
+            losses.clear()
+            losses.extend(merged[j] for j in range(self._n_microbatches))
+        self._internal_losses.clear()
+
+    def _merge_losses(self, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return mine
+
+
+def _drop_overlap_sends(acts: list) -> list:
+    """Remove the SEND_F/SEND_B of overlapped chunks: their handler issues them itself."""
+    early = set()
+    for a in acts:
+        if a is not None and a.computation_type == OVERLAP:
+            fwd, bwd = a.sub_actions
+            early.add((SEND_F, fwd.stage_index, fwd.microbatch_index))
+            if bwd.computation_type in (B, I):
+                early.add((SEND_B, bwd.stage_index, bwd.microbatch_index))
+    return [a for a in acts if a is None
+            or (a.computation_type, a.stage_index, a.microbatch_index) not in early]
+
+
+def _issue(ops: list) -> list[dist.Work]:
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
+def _wait(works) -> None:
+    for w in works or ():
+        w.wait()
+
+
+def add_comms(compute: dict[int, list], owner: Callable[[int, int], int], num_stages: int,
+              microbatches_per_stage: int) -> dict[int, list]:
+    """Insert send/recv actions for a chain where ``owner(stage, mb)`` gives the rank.
+
+    Like torch's lowering, ranks are walked in lockstep and a receive is placed on the
+    receiver the moment its sender's compute is placed, so every pair of ranks posts matching
+    sends and receives in the same order. Also adds torch's REDUCE_GRAD / UNSHARD lowering
+    where this torch has it.
+    """
+    todo = {r: list(acts) for r, acts in compute.items()}
+    for r in todo:
+        if hasattr(_s, "_add_unshard_reshard"):
+            todo[r] = [a for a in _s._add_unshard_reshard(todo[r]) if a is not None]
+        if hasattr(_s, "_add_reduce_grad"):
+            todo[r] = [a for a in _s._add_reduce_grad(todo[r], microbatches_per_stage)
+                       if a is not None]
+    out: dict[int, list] = {r: [] for r in todo}
+    seen: dict[int, set] = {r: set() for r in todo}
+
+    def ready(r: int, a: Action) -> bool:
+        s, j = a.stage_index, a.microbatch_index
+        if a.computation_type == F and s > 0:
+            return (s, RECV_F, j) in seen[r] or (s - 1, F, j) in seen[r]
+        if a.computation_type in (I, B) and s < num_stages - 1:
+            return ((s, RECV_B, j) in seen[r] or (s + 1, I, j) in seen[r]
+                    or (s + 1, B, j) in seen[r])
+        return True
+
+    while any(todo.values()):
+        progress = False
+        for r in sorted(todo):
+            if not todo[r]:
+                continue
+            a = todo[r][0]
+            if not all(ready(r, x) for x in leaves(a)):
+                continue
+            out[r].append(a)
+            for x in leaves(a):
+                s, j, k = x.stage_index, x.microbatch_index, x.computation_type
+                seen[r].add((s, k, j))
+                if k == F and s < num_stages - 1 and owner(s + 1, j) != r:
+                    out[r].append(Action(s, SEND_F, j))
+                    peer = owner(s + 1, j)
+                    out[peer].append(Action(s + 1, RECV_F, j))
+                    seen[peer].add((s + 1, RECV_F, j))
+                if k in (I, B) and s > 0 and owner(s - 1, j) != r:
+                    out[r].append(Action(s, SEND_B, j))
+                    peer = owner(s - 1, j)
+                    out[peer].append(Action(s - 1, RECV_B, j))
+                    seen[peer].add((s - 1, RECV_B, j))
+            todo[r].pop(0)
+            progress = True
+        if not progress:
+            raise ValueError("malformed schedule: no rank can place its next action: "
+                             + str({r: str(a[0]) for r, a in todo.items() if a}))
+    return out
+
+
+def torch_pipeline_order(cls: type, pp: int, microbatches: int, stages_per_rank: int) -> dict:
+    """The compute lists torch's multi-stage schedule ``cls`` builds, without processes.
+
+    torch computes every rank's list in the constructor from the stages' metadata only, so
+    stand-in stage objects carrying that metadata are enough.
+    """
+    from types import SimpleNamespace
+
+    n = pp * stages_per_rank
+    stages = [SimpleNamespace(stage_index=i, num_stages=n, group_size=pp, group_rank=0,
+                              group=None, is_first=i == 0, is_last=i == n - 1, submod=None)
+              for i in range(stages_per_rank)]
+    order = cls(stages, microbatches, loss_fn=lambda out, target: out).pipeline_order
+    return {r: [a for a in acts if a is not None] for r, acts in order.items()}

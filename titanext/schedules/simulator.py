@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanext.schedules._torch_ir import B, F, I, W
+from titanext.schedules._torch_ir import B, F, I, W, leaves
 
 
 @dataclass
@@ -30,8 +30,12 @@ class Event:
 class SimResult:
     makespan: float
     bubble_ratio: float
-    peak_activations: list[float]
+    peak_activations: list[int]
     events: list[Event] = field(repr=False)
+    #: peak_activations x the stage's share of a rank's layers (1 for one stage per rank, 1/2
+    #: for two half-size V stages): activation memory comparable across placements, in units
+    #: of one micro-batch through 1/pp of the model.
+    peak_memory: list[float] = field(default_factory=list)
 
     def timeline(self, width: int = 96) -> str:
         """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there."""
@@ -73,9 +77,15 @@ _KIND = {F: "F", I: "I", W: "W", B: "B"}
 
 
 def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float = 1.0,
-           w: float = 1.0, comm: float = 0.0) -> SimResult:
-    """Simulate per-rank compute lists; raises ValueError if they deadlock."""
-    owner = {a.stage_index: r for r, acts in order.items() for a in acts}
+           w: float = 1.0, comm: float = 0.0, stage_size: float = 1.0) -> SimResult:
+    """Simulate per-rank compute lists; raises ValueError if they deadlock.
+
+    ``num_stages`` is the length of the chain a micro-batch runs through. The rank of a stage
+    may depend on the micro-batch (DualPipe's two directions). An OVERLAP_F_B action runs its
+    two chunks back to back on its rank.
+    """
+    order = {r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}
+    owner = {(a.stage_index, a.microbatch_index): r for r, acts in order.items() for a in acts}
     cost = {"F": f, "I": b, "W": w, "B": b + w}
     done: dict[tuple[str, int, int], float] = {}
     pos = {r: 0 for r in order}
@@ -89,7 +99,7 @@ def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float 
             if s == 0:
                 return 0.0
             dep = done.get(("F", s - 1, j))
-            return None if dep is None else dep + (comm if owner[s - 1] != owner[s] else 0.0)
+            return None if dep is None else dep + (comm if owner[s - 1, j] != owner[s, j] else 0.0)
         if kind in ("I", "B"):
             own = done.get(("F", s, j))
             if own is None:
@@ -99,7 +109,7 @@ def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float 
             dep = done.get(("I", s + 1, j))
             if dep is None:
                 return None
-            return max(own, dep + (comm if owner[s + 1] != owner[s] else 0.0))
+            return max(own, dep + (comm if owner[s + 1, j] != owner[s, j] else 0.0))
         return done.get(("I", s, j))
 
     remaining = sum(len(a) for a in order.values())
@@ -141,4 +151,5 @@ def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float 
     widest = max(first, key=lambda r: last[r] - first[r])
     span, busy = last[widest] - first[widest], busy_by_rank[widest]
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
-                     peak_activations=[peak[r] for r in sorted(order)], events=events)
+                     peak_activations=[peak[r] for r in sorted(order)], events=events,
+                     peak_memory=[peak[r] * stage_size for r in sorted(order)])

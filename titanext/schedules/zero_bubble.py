@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from titanext.schedules._torch_ir import B, F, I, W, action
+from titanext.schedules._torch_ir import B, F, I, ListRuntime, W, action
 
 
 def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -40,7 +40,8 @@ def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[
 
 def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backward: bool = True,
              placement: str = "loop", stages_per_rank: int = 1, f: float = 1.0, b: float = 1.0,
-             w: float = 1.0, comm: float = 0.0) -> dict[int, list]:
+             w: float = 1.0, comm: float = 0.0, prefer: str = "backward",
+             admission: bool = False) -> dict[int, list]:
     """Per-rank compute action lists (torch ``_Action``) for the list-scheduling heuristic.
 
     ``limits[r]`` caps rank r's live stage activations (at least 1). ``split_backward=False``
@@ -53,6 +54,7 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
     next_mb = {(k, s): 0 for k in "FIW" for s in range(n_stages)}
     free_at = [0.0] * pp
     live = [0] * pp
+    inflight = [0] * pp  # micro-batches admitted on each rank and not yet done there
     order: dict[int, list] = {r: [] for r in range(pp)}
     bw_cost = b if split_backward else b + w
     total = n_stages * m * (3 if split_backward else 2)
@@ -77,6 +79,9 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
 
     held = [stage_ids(placement, r, pp, stages_per_rank) for r in range(pp)]
     kinds = ("I", "F", "W") if split_backward else ("I", "F")
+    # which of two ready actions goes first: the backward (frees memory, unblocks the stage
+    # before) or the forward (feeds the stage after); W always fills gaps
+    rank_of = {"I": 0, "F": 1, "W": 2} if prefer == "backward" else {"F": 0, "I": 1, "W": 2}
     while finished < total:
         best = None  # (start time, priority, rank, kind, stage, mb)
         for r in range(pp):
@@ -87,13 +92,18 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
                     j = next_mb[(kind, s)]
                     if j >= m:
                         continue
-                    if kind == "F" and live[r] >= limits[r]:
+                    # admission: a micro-batch enters the rank at its first stage there and
+                    # then needs one activation per stage the rank holds, so count it whole
+                    # (otherwise first-stage forwards can fill the memory and deadlock)
+                    if kind == "F" and (live[r] >= limits[r] or (
+                            admission and s == held[r][0]
+                            and inflight[r] * stages_per_rank >= limits[r])):
                         continue
                     t = ready_time(kind, s, j)
                     if t is None:
                         continue
                     # Backward first (deeper stage first), then forward (deeper first), then W.
-                    prio = {"I": 0, "F": 1, "W": 2}[kind]
+                    prio = rank_of[kind]
                     options.append((max(t, free_at[r]), prio, -s, r, kind, s, j))
             if options:
                 # I and F go first, as soon as they can start; a W fills the wait only when it
@@ -120,8 +130,10 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
         finished += 1
         if kind == "F":
             live[r] += 1
+            inflight[r] += s == held[r][0]
         elif kind == "W" or not split_backward:
             live[r] -= 1
+            inflight[r] -= s == held[r][0]
         ir_kind = {"F": F, "I": I if split_backward else B, "W": W}[kind]
         order[r].append(action(s, ir_kind, j))
     return order
@@ -142,7 +154,7 @@ def one_f_one_b(pp: int, microbatches: int) -> dict[int, list]:
     return order
 
 
-def zbh1(pp: int, microbatches: int) -> dict[int, list]:
+def zbh1(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
     """ZB-H1: 1F1B's order with each backward split into I and W, and rank r's W of
     micro-batch k moved after its I of micro-batch k + r. Rank r then holds at most pp
     micro-batches (1F1B's peak, on every rank), and with F = I = W the idle time is a third of
@@ -176,30 +188,134 @@ def zbh2(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
 def zbv(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
     """ZB-V: two stages per rank in V placement, each rank keeping at most 2pp stage
     activations (the memory of 1F1B's first rank: pp micro-batches of two half-size stages)."""
-    return generate(pp=pp, microbatches=microbatches, limits=[2 * pp] * pp, placement="v",
-                    stages_per_rank=2, **costs)
+    kw = dict(pp=pp, microbatches=microbatches, limits=[2 * pp] * pp, placement="v",
+              stages_per_rank=2, **costs)
+    try:
+        return generate(**kw)
+    except RuntimeError:  # first-stage forwards filled the memory: admit whole micro-batches
+        return generate(admission=True, **kw)
 
 
 def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-         comm: float = 0.0, memory_limit: int | None = None) -> dict[int, list]:
-    """The schedule with the smallest simulated makespan for these costs.
+         comm: float = 0.0, mem_limit: int | None = None) -> dict[int, list]:
+    """The V-placed schedule with the smallest simulated makespan for these costs.
 
-    ``memory_limit`` caps every rank's live micro-batches (default: pp, 1F1B's peak). The
-    search runs the list scheduler over per-rank limits between 1F1B's (pp - r) and the
-    memory limit, and includes ZB-H1 when it fits, so Auto is never worse than ZB-H1 at 1F1B
-    memory.
+    Costs are per stage (one V stage is half a rank's layers). ``mem_limit`` caps every rank's
+    live activations in units of a rank's share of the model, i.e. 2 V stages (default: pp,
+    1F1B's peak). The search follows the zero-bubble paper's heuristic: warm up as far as the
+    limit allows, then 1F1B-like with W in the gaps; it tries every warm-up depth per rank
+    (uniform, and tapering by rank like 1F1B), with backward-first and forward-first
+    priorities, and keeps the fastest. ZB-V's own setting is one of the candidates.
     """
     from titanext.schedules.simulator import replay
 
-    cap = pp if memory_limit is None else memory_limit
-    if cap < 1:
-        raise ValueError(f"memory_limit = {memory_limit} must be >= 1 micro-batch")
+    cap = 2 * (pp if mem_limit is None else mem_limit)
+    if cap < 2:
+        raise ValueError(f"mem_limit = {mem_limit} must be >= 1 micro-batch")
     costs = dict(f=f, b=b, w=w, comm=comm)
-    candidates = [zbh1(pp, microbatches)] if cap >= pp else []
-    for extra in range(0, cap):
-        limits = [min(cap, pp - r + extra) for r in range(pp)]
-        candidates.append(generate(pp=pp, microbatches=microbatches, limits=limits, **costs))
-        uniform = [cap] * pp
-        if extra == 0:
-            candidates.append(generate(pp=pp, microbatches=microbatches, limits=uniform, **costs))
-    return min(candidates, key=lambda o: replay(o, num_stages=pp, **costs).makespan)
+    best, best_time = None, float("inf")
+    seen = set()
+    for top in range(2, cap + 1):
+        for taper in (0, 1, 2):
+            limits = tuple(max(2, top - taper * r) for r in range(pp))
+            for prefer in ("backward", "forward"):
+                for admission in (False, True):
+                    if (limits, prefer, admission) in seen:
+                        continue
+                    seen.add((limits, prefer, admission))
+                    try:
+                        order = generate(pp=pp, microbatches=microbatches, limits=limits,
+                                         placement="v", stages_per_rank=2, prefer=prefer,
+                                         admission=admission, **costs)
+                    except RuntimeError:
+                        continue
+                    t = replay(order, num_stages=2 * pp, **costs).makespan
+                    if t < best_time - 1e-9:
+                        best, best_time = order, t
+    # torch's hand-written ZB-V order (when this torch has it) competes too, so Auto is never
+    # worse than it; it holds 2pp stage activations, so only when the limit allows that
+    if cap >= 2 * pp:
+        from titanext.schedules._torch_ir import TORCH_SCHEDULES, torch_pipeline_order
+        zbv_cls = getattr(TORCH_SCHEDULES, "ScheduleZBVZeroBubble", None)
+        if zbv_cls is not None:
+            try:
+                order = torch_pipeline_order(zbv_cls, pp, microbatches, 2)
+            except Exception:  # torch refuses this pp / micro-batch count
+                order = None
+            if order is not None:
+                t = replay(order, num_stages=2 * pp, **costs).makespan
+                if t < best_time - 1e-9:
+                    best, best_time = order, t
+    if best is None:
+        raise ValueError(f"Auto: no schedule fits mem_limit = {mem_limit} at pp = {pp}")
+    return best
+
+
+class GeneratedSchedule(ListRuntime):
+    """A schedule whose per-rank action lists come from ``generate(pp, microbatches, **costs)``.
+
+    Constructed like torch's multi-stage schedules: ``cls(stages, n_microbatches, loss_fn=...)``
+    with this rank's stages (``stages_per_rank`` of them, placed by ``placement``). The lists
+    are generated for ``cls.costs`` (equal F, I, W unless the class came from
+    :meth:`with_costs`), the same lists :func:`titanext.schedules.simulate` replays.
+    """
+
+    placement = "loop"
+    stages_per_rank = 1
+    splits_backward = True
+    costs: dict = {}
+
+    @staticmethod
+    def generate(pp: int, microbatches: int, **stage_costs: float) -> dict[int, list]:
+        raise NotImplementedError
+
+    @classmethod
+    def with_costs(cls, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
+                   **extra) -> type:
+        """This schedule generated for measured costs: ``f``, ``b`` (input grad I), ``w``
+        (weight grad W) per micro-batch through a rank's share of the model (1/pp of it),
+        ``comm`` per send; Auto also takes ``mem_limit`` (micro-batches of a rank's share)."""
+        return type(cls.__name__, (cls,), {"costs": dict(f=f, b=b, w=w, comm=comm, **extra)})
+
+    @classmethod
+    def order(cls, pp: int, microbatches: int) -> dict[int, list]:
+        """The compute lists every rank runs (a stage costs 1/stages_per_rank of a share)."""
+        share = 1.0 / cls.stages_per_rank
+        c = {"f": 1.0, "b": 1.0, "w": 1.0, "comm": 0.0, **cls.costs}
+        stage_costs = {k: (v * share if k in "fbw" else v) for k, v in c.items()}
+        return cls.generate(pp, microbatches, **stage_costs)
+
+    def __init__(self, stages, n_microbatches: int, loss_fn=None, **kwargs):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+        pp = stages[0].group_size
+        mapping = {s: r for r in range(pp)
+                   for s in stage_ids(self.placement, r, pp, self.stages_per_rank)}
+        self._set_order(type(self).order(pp, n_microbatches), mapping)
+
+
+class Auto(GeneratedSchedule):
+    """The V-placed schedule searched for the smallest simulated makespan at ``costs``
+    (see :func:`auto`); build one for measured costs with :func:`auto_schedule_class`."""
+
+    placement = "v"
+    stages_per_rank = 2
+
+    @staticmethod
+    def generate(pp: int, microbatches: int, **stage_costs: float) -> dict[int, list]:
+        return auto(pp, microbatches, **stage_costs)
+
+
+def auto_schedule_class(*, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
+                        mem_limit: int | None = None) -> type:
+    """An "Auto" schedule class whose lists are searched for these measured costs.
+
+    ``f``, ``b`` (input grad) and ``w`` (weight grad) are the times of one micro-batch through
+    1/pp of the model (a rank's share, as in :func:`titanext.schedules.simulate`), ``comm`` the
+    latency of one send, ``mem_limit`` the activations a rank may hold, in micro-batches of
+    its share (default pp, 1F1B's peak). Placement is V with 2 stages per rank.
+
+    >>> cls = auto_schedule_class(f=1.0, b=1.2, w=0.6, comm=0.05)
+    >>> cls.placement, cls.stages_per_rank, sorted(cls.costs)
+    ('v', 2, ['b', 'comm', 'f', 'mem_limit', 'w'])
+    """
+    return Auto.with_costs(f=f, b=b, w=w, comm=comm, mem_limit=mem_limit)

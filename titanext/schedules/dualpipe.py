@@ -1,0 +1,324 @@
+"""DualPipe and DualPipeV (DeepSeek-V3's bidirectional schedules) as per-rank action lists.
+
+Each rank holds two stage chunks and, in the steady state, runs a forward chunk of one
+together with a backward chunk of the other as one OVERLAP_F_B action: the handler in
+:mod:`titanext.schedules._torch_ir` sends the forward's activation before it starts the
+backward, so one chunk's communication runs while the other chunk computes.
+
+The order on each rank is eight phases whose lengths are formulas of the rank, as in the
+DualPipe paper (phase 0/1 are the rank's two chunks; ``x`` below is ``pp - rank - 1``):
+
+1. ``2x`` forwards of chunk 0 (warm-up)
+2. ``rank + 1`` pairs: forward chunk 0, forward chunk 1
+3. ``x`` times: input-grad of chunk 1, a deferred weight-grad, forward chunk 1 (zero bubble)
+4. ``m - 2pp + rank + 1`` times: [F0 with B1] and [F1 with B0], both overlapped (main phase)
+5. ``x`` times: B1, then [F1 with B0]
+6. ``rank + 1`` times: B1, B0; the later half split into I and a deferred W
+7. ``x`` times: a deferred W, then I of chunk 0
+8. ``rank + 1`` deferred W's
+
+**DualPipeV** (V placement): rank r holds stages r (chunk 0) and 2pp-1-r (chunk 1) of one
+chain of 2pp stages; every micro-batch goes down and back up. Needs ``m >= 2pp``.
+
+**DualPipe** (placement "dualpipe"): the model has pp stages and two copies of it run in
+opposite directions. Rank r holds stage r of the down copy and stage pp-1-r of the up copy,
+built as ``PipelineStage(stage_index=r, num_stages=pp)`` and
+``PipelineStage(stage_index=pp-1-r, num_stages=pp)``. Micro-batches ``0..m/2-1`` enter at
+rank 0 and go down, ``m/2..m-1`` enter at rank pp-1 and go up. Ranks in the lower half run the
+phases above with chunk 0 = down copy; ranks in the upper half mirror them (``rank`` becomes
+``min(r, pp-1-r)``, ``pp`` becomes ``pp/2`` and ``m`` becomes ``m/2``). After the step the
+two copies of each stage hold the summed gradient (see :func:`sum_mirrored_grads`). Needs
+even ``pp`` and even ``m >= 2pp``.
+
+>>> from titanext.schedules.dualpipe import dualpipev_order
+>>> " ".join(str(a) for a in dualpipev_order(2, 4)[1][:4])
+'1F0 2F0 1F1 2F1'
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanext.schedules._torch_ir import (
+    Action,
+    B,
+    ChainRuntime,
+    F,
+    I,
+    W,
+    action,
+    add_comms,
+    overlapped,
+)
+
+
+class _Phases:
+    """Builds one rank's list: per-chunk forward/backward micro-batch counters, W queue."""
+
+    def __init__(self, stages: tuple[int, int], microbatches: tuple[range, range]):
+        self.stages, self.mbs = stages, microbatches
+        self.nf, self.nb = [0, 0], [0, 0]
+        self.wq: list[Action] = []
+        self.out: list[Action] = []
+
+    def _f(self, c: int) -> Action:
+        a = action(self.stages[c], F, self.mbs[c][self.nf[c]])
+        self.nf[c] += 1
+        return a
+
+    def _b(self, c: int, zb: bool = False) -> Action:
+        j = self.mbs[c][self.nb[c]]
+        self.nb[c] += 1
+        if zb:
+            self.wq.append(action(self.stages[c], W, j))
+            return action(self.stages[c], I, j)
+        return action(self.stages[c], B, j)
+
+    def f(self, c: int) -> None:
+        self.out.append(self._f(c))
+
+    def b(self, c: int, zb: bool = False) -> None:
+        self.out.append(self._b(c, zb))
+
+    def w(self) -> None:
+        self.out.append(self.wq.pop(0))
+
+    def fb(self, cf: int, cb: int) -> None:
+        self.out.append(overlapped(self._f(cf), self._b(cb)))
+
+
+def _phase_order(p: _Phases, rank: int, ranks: int, chunks: int, middle: bool) -> list[Action]:
+    """The eight phases for ``rank`` of ``ranks`` (half-rank counts for DualPipe)."""
+    x = ranks - rank - 1
+    for _ in range(2 * x):
+        p.f(0)
+    for _ in range(rank + 1):
+        p.f(0)
+        p.f(1)
+    for _ in range(x):
+        p.b(1, zb=True)
+        p.w()
+        p.f(1)
+    for i in range(chunks - 2 * ranks + rank + 1):
+        if i == 0 and middle:  # the turn-around rank runs these two apart: a shorter bubble
+            p.f(0)
+            p.b(1)
+        else:
+            p.fb(0, 1)
+        p.fb(1, 0)
+    for _ in range(x):
+        p.b(1)
+        p.fb(1, 0)
+    zb = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zb = True
+        p.b(1, zb)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zb = True
+        p.b(0, zb)
+    for _ in range(x):
+        p.w()
+        p.b(0, zb=True)
+    for _ in range(rank + 1):
+        p.w()
+    assert not p.wq and p.nf == [len(p.mbs[0]), len(p.mbs[1])], "phase counts are inconsistent"
+    return p.out
+
+
+def dualpipev_order(pp: int, microbatches: int) -> dict[int, list]:
+    """DualPipeV's per-rank compute lists (V placement, 2pp stages, ``m >= 2pp``)."""
+    _check(pp, microbatches, even=False)
+    mbs = range(microbatches)
+    return {r: _phase_order(_Phases((r, 2 * pp - 1 - r), (mbs, mbs)), r, pp, microbatches,
+                            middle=r == pp - 1) for r in range(pp)}
+
+
+def dualpipe_order(pp: int, microbatches: int) -> dict[int, list]:
+    """DualPipe's per-rank compute lists (stage indices are the model's 0..pp-1; the
+    micro-batch index tells the direction: below m/2 down, from m/2 up)."""
+    _check(pp, microbatches, even=True)
+    half_m, half_p = microbatches // 2, pp // 2
+    down, up = range(half_m), range(half_m, microbatches)
+    order = {}
+    for r in range(pp):
+        h = min(r, pp - 1 - r)
+        # chunk 0 is the copy whose micro-batches reach this rank first
+        chunks = ((r, down), (pp - 1 - r, up)) if r < half_p else ((pp - 1 - r, up), (r, down))
+        p = _Phases((chunks[0][0], chunks[1][0]), (chunks[0][1], chunks[1][1]))
+        order[r] = _phase_order(p, h, half_p, half_m, middle=h == half_p - 1)
+    return order
+
+
+def _check(pp: int, m: int, *, even: bool) -> None:
+    if even and pp % 2:
+        raise ValueError(f"DualPipe needs an even pipeline_parallel_degree, got {pp}")
+    if m < 2 * pp or (even and m % 2):
+        need = "an even number >= 2 x pp" if even else ">= 2 x pp"
+        raise ValueError(f"{'DualPipe' if even else 'DualPipeV'} needs microbatches {need} "
+                         f"= {2 * pp}, got {m}")
+
+
+def dualpipe_owner(pp: int, microbatches: int):
+    """``owner(stage, mb) -> rank`` for DualPipe: down copy on rank s, up copy on pp-1-s."""
+    return lambda s, j: s if j < microbatches // 2 else pp - 1 - s
+
+
+class DualPipeV(ChainRuntime):
+    """DualPipeV: V placement, overlapped F&B chunks. ``cls(stages, n_microbatches, loss_fn)``
+    with this rank's two stages [r, 2pp-1-r] of a 2pp-stage chain."""
+
+    placement = "v"
+    stages_per_rank = 2
+    generate = staticmethod(dualpipev_order)
+
+    def __init__(self, stages, n_microbatches: int, loss_fn=None, **kwargs):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+        pp = stages[0].group_size
+        mapping = {s: r for r in range(pp) for s in (r, 2 * pp - 1 - r)}
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        self.stage_index_to_group_rank = mapping
+        self._install_handlers()
+        order = dualpipev_order(pp, n_microbatches)
+        self._prepare_schedule_with_comms(order)
+        self._set_lowered(order, self.pipeline_order_with_comms)
+
+    def _chain(self, s: int, j: int):
+        mine = {st.stage_index for st in self._stages}
+        return (s - 1 if s - 1 in mine else None), (s + 1 if s + 1 in mine else None)
+
+    def _seen(self, s: int) -> int:
+        return self._n_microbatches
+
+
+class DualPipe(ChainRuntime):
+    """DualPipe: two model copies in opposite directions, overlapped F&B chunks.
+
+    ``cls(stages, n_microbatches, loss_fn)`` with this rank's [down stage r, up stage pp-1-r]
+    (both built with ``num_stages=pp``). Rank 0 and rank pp-1 each hold a first and a last
+    stage: give both the inputs and targets. After ``step`` both copies of every stage hold
+    the gradient summed over all micro-batches (``sum_mirrored_grads=False`` to do it
+    yourself, e.g. once after several accumulation steps).
+    """
+
+    placement = "dualpipe"
+    stages_per_rank = 2
+    generate = staticmethod(dualpipe_order)
+
+    def __init__(self, stages, n_microbatches: int, loss_fn=None, *,
+                 sum_mirrored_grads: bool = True, **kwargs):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+        pp, rank = stages[0].group_size, stages[0].group_rank
+        if [s.stage_index for s in stages] != [rank, pp - 1 - rank] or stages[0].num_stages != pp:
+            raise ValueError(f"DualPipe rank {rank} needs stages [{rank}, {pp - 1 - rank}] built "
+                             f"with num_stages={pp}; got "
+                             f"{[(s.stage_index, s.num_stages) for s in stages]}")
+        stages[0].stage_index_to_group_rank = {s: s for s in range(pp)}
+        stages[1].stage_index_to_group_rank = {s: pp - 1 - s for s in range(pp)}
+        self._sum_grads = sum_mirrored_grads
+        self._install_handlers()
+        order = dualpipe_order(pp, n_microbatches)
+        owner = dualpipe_owner(pp, n_microbatches)
+        self._set_lowered(order, add_comms(order, owner, pp, n_microbatches // 2))
+
+    def _chain(self, s: int, j: int):
+        return None, None  # neighbours along either direction always live on another rank
+
+    def _seen(self, s: int) -> int:
+        return self._n_microbatches // 2
+
+    def _step_microbatches(self, *args, **kwargs):
+        out = super()._step_microbatches(*args, **kwargs)
+        if self._sum_grads:
+            sum_mirrored_grads(self._stages)
+        return out
+
+    def _merge_losses(self, mine):
+        """Rank 0 computed the up copy's losses, rank pp-1 the down copy's: swap them."""
+        stage = self._stages[0]
+        pp, rank = stage.group_size, stage.group_rank
+        if rank not in (0, pp - 1) or self._loss_fn is None:
+            return mine
+        if pp == 1:
+            return mine
+        half = self._n_microbatches // 2
+        theirs_ids = range(half) if rank == 0 else range(half, self._n_microbatches)
+        send = torch.stack([mine[j].detach().float() for j in sorted(mine)])
+        recv = torch.empty(len(theirs_ids), dtype=send.dtype)
+        _exchange(stage.group, pp - 1 - rank, [send], [recv])
+        return {**mine, **{j: recv[i] for i, j in enumerate(theirs_ids)}}
+
+
+def _exchange(group, peer: int, send: list[torch.Tensor], recv: list[torch.Tensor]) -> None:
+    dst = dist.get_global_rank(group, peer) if group is not None else peer
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, dst, group) for t in recv]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _flat_grads(module: nn.Module) -> torch.Tensor:
+    return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
+                      .reshape(-1).float() for p in module.parameters()])
+
+
+def sum_mirrored_grads(stages) -> None:
+    """Give both DualPipe copies of every stage the sum of their gradients.
+
+    Rank r holds [down copy of stage r, up copy of stage pp-1-r]; rank pp-1-r holds the other
+    copy of both. Each rank sends its two flattened gradients to that partner and adds the
+    partner's: a + b is computed from the same two operands on both sides, so the copies stay
+    bitwise equal (and so do their optimizer updates). Works on FSDP shards too (the partner
+    shares the data-parallel coordinates). Call it after the micro-batches of one optimizer
+    step, before clipping; ``DualPipe`` does it at the end of ``step`` by default.
+    """
+    down, up = stages[0], stages[1]
+    pp, rank = down.group_size, down.group_rank
+    mine = [_flat_grads(down.submod), _flat_grads(up.submod)]
+    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]  # their down = my up stage
+    _exchange(down.group, pp - 1 - rank, mine, theirs)
+    their_down, their_up = theirs  # their down copy is of my up stage and vice versa
+    _add_flat(down.submod, their_up)
+    _add_flat(up.submod, their_down)
+
+
+def _add_flat(module: nn.Module, flat: torch.Tensor) -> None:
+    """grad += the partner's flattened gradient (a + b == b + a bitwise: copies stay equal)."""
+    offset = 0
+    for p in module.parameters():
+        local = _local(p)
+        piece = flat[offset:offset + local.numel()].view_as(local).to(local.dtype)
+        offset += local.numel()
+        if p.grad is None:
+            if local is not p:
+                raise ValueError("sum_mirrored_grads: a DTensor parameter without a gradient")
+            p.grad = piece.clone()
+        else:
+            _local(p.grad).add_(piece)
+
+
+def copy_mirrored_weights(stages) -> None:
+    """Make the up copy on every rank equal its partner's down copy (call once after init).
+
+    Rank r's up stage pp-1-r takes the weights of rank pp-1-r's down stage (the owner of that
+    stage's primary copy, the one to checkpoint and to count once in gradient norms).
+    """
+    down, up = stages[0], stages[1]
+    pp, rank = down.group_size, down.group_rank
+    send = torch.cat([_local(p).detach().reshape(-1).float() for p in down.submod.parameters()])
+    recv = torch.cat([_local(p).detach().reshape(-1).float() for p in up.submod.parameters()])
+    recv = torch.empty_like(recv)
+    _exchange(down.group, pp - 1 - rank, [send], [recv])
+    offset = 0
+    with torch.no_grad():
+        for p in up.submod.parameters():
+            local = _local(p)
+            local.copy_(recv[offset:offset + local.numel()].view_as(local))
+            offset += local.numel()
