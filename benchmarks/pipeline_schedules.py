@@ -23,7 +23,14 @@ from torch import nn
 
 from titanext.local_launch import run_distributed
 from titanext.metrics import format_table
-from titanext.schedules import _SIMULATED, build_schedule, get_schedule_class, simulate, stage_ids
+from titanext.schedules import (
+    _SIMULATED,
+    build_schedule,
+    get_schedule_class,
+    schedule_problems,
+    simulate,
+    stage_ids,
+)
 
 PROFILES = {"F=I=W": dict(f=1.0, b=1.0, w=1.0, comm=0.0),
             "F=1 I=1 W=0.5 comm=0.05": dict(f=1.0, b=1.0, w=0.5, comm=0.05)}
@@ -36,8 +43,11 @@ def simulated_table() -> list[dict]:
             for m in (8, 16, 32):
                 row = {"costs": profile, "pp": pp, "m": m}
                 for name in _SIMULATED:
+                    if schedule_problems(name, pp=pp, microbatches=m):
+                        row[name] = "n/a"  # e.g. DualPipe needs m >= 2 pp
+                        continue
                     r = simulate(name, pp=pp, microbatches=m, **costs)
-                    row[name] = f"{r.bubble_ratio:.3f} / {max(r.peak_activations):g}"
+                    row[name] = f"{r.bubble_ratio:.3f} / {max(r.peak_memory):g}"
                 rows.append(row)
     return rows
 

@@ -10,16 +10,19 @@ import argparse
 import sys
 
 from titanext.metrics import format_table
-from titanext.schedules import _SIMULATED, simulate
+from titanext.schedules import _SIMULATED, schedule_problems, simulate
 
 
 def comparison_rows(pp: int, microbatches: int, **costs: float) -> list[dict]:
     rows = []
     for name in _SIMULATED:
+        if schedule_problems(name, pp=pp, microbatches=microbatches):
+            continue  # e.g. DualPipe at fewer than 2 pp micro-batches
         r = simulate(name, pp=pp, microbatches=microbatches, **costs)
         rows.append({"schedule": name, "makespan": round(r.makespan, 3),
                      "bubble": f"{r.bubble_ratio:.3f}",
-                     "peak activations (max rank)": max(r.peak_activations)})
+                     "peak stage activations": max(r.peak_activations),
+                     "peak memory (1/pp units)": max(r.peak_memory)})
     return rows
 
 
