@@ -493,8 +493,7 @@ def test_without_world_size_dp_shard_minus_one_counts_as_one():
     assert "local_batch_size(8) x dp(1) = 8" in the_problem(["--training.global_batch_size=12"])
 
 
-@pytest.mark.parametrize("key,what", [("pipeline_parallel_degree", "pipeline"),
-                                      ("expert_parallel_degree", "expert")])
+@pytest.mark.parametrize("key,what", [("expert_parallel_degree", "expert")])
 def test_not_yet_supported_degrees(key, what):
     problem = the_problem([f"--parallelism.{key}=2"])
     assert problem == (f"parallelism.{key} = 2 is not supported yet by the trainer "
@@ -704,13 +703,14 @@ def test_all_problems_are_reported_together_one_line_each(tmp_path):
                                      "[optimizer]\nlr = -1\n[parallelism]\ntensor_paralel_degree = 2\n")
     with pytest.raises(ConfigError) as info:
         load_config(str(path), ["--parallelism.data_parallel_shard_degree=3",
-                                "--parallelism.pipeline_parallel_degree=2"], world_size=4)
+                                "--parallelism.pipeline_parallel_degree=2",
+                                "--parallelism.pipeline_parallel_schedule=ZBH3"], world_size=4)
     problems = info.value.problems
     assert str(info.value).splitlines() == problems
     assert all("\n" not in p for p in problems)
     joined = "\n".join(problems)
     for expected in ("training.steps = 'many'", "unknown key 'parallelism.tensor_paralel_degree'",
-                     "optimizer.lr = -1.0", "pipeline_parallel_degree = 2 is not supported yet",
+                     "optimizer.lr = -1.0", "pipeline_parallel_schedule = 'ZBH3' is not allowed",
                      "multiply to 6, not the world size 4", "training.seq_len = 4096 exceeds"):
         assert expected in joined
     assert len(problems) == 6, problems

@@ -107,6 +107,14 @@ def _minus_one_or_positive(value: int) -> str | None:
     return None if value == -1 or value >= 1 else "-1 or an integer >= 1"
 
 
+def _pp_schedule(value: str) -> str | None:
+    from titanext.schedules import SCHEDULE_NAMES
+
+    if value in SCHEDULE_NAMES:
+        return None
+    return f"one of {', '.join(SCHEDULE_NAMES)}{_did_you_mean(value, list(SCHEDULE_NAMES), fallback=False)}"
+
+
 def _ac_option(value: str) -> str | None:
     # isdecimal() rejects '²' and similar, which int() would not parse anyway.
     if value == "op" or (value.isdecimal() and int(value) >= 1):
@@ -273,7 +281,29 @@ class Parallelism:
     two KV blocks) or allgather (one all-gather forward and one reduce-scatter of their
     gradients backward; memory of the whole sequence's KV, fewer and larger messages)."""
     pipeline_parallel_degree: int = _field(1, ge=1)
-    """Pipeline stages over ranks."""
+    """Ranks the pipeline spans (pp); each holds pipeline_parallel_stages_per_rank stages."""
+    pipeline_parallel_schedule: str = _field("1F1B", check=_pp_schedule,
+                                             rule="a name from titanext.schedules")
+    """Pipeline schedule: torch's (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble) or titanext's (ZBH1, ZBH2, ZBV, Auto, ...). Auto
+    measures F, I and W on the first step, then runs the schedule generated for those costs."""
+    pipeline_parallel_microbatches: int = _field(-1, check=_minus_one_or_positive,
+                                                 rule="-1 or >= 1")
+    """Micro-batches per pipeline step (local_batch_size must be divisible by it); -1 means
+    2 x pipeline_parallel_degree, capped at local_batch_size."""
+    pipeline_parallel_stages_per_rank: int = _field(-1, check=_minus_one_or_positive,
+                                                    rule="-1 or >= 1")
+    """Stages each pp rank holds; -1 = the schedule's own (1 for 1F1B/ZBH1/ZBH2, 2 for ZBV
+    and the V schedules, 2 for torch's interleaved schedules, which accept any count >= 2)."""
+    pipeline_parallel_first_stage_less_layers: int = _field(0, ge=0)
+    """How many fewer transformer blocks the first stage holds than the others (it also runs
+    the embedding)."""
+    pipeline_parallel_last_stage_less_layers: int = _field(0, ge=0)
+    """How many fewer transformer blocks the last stage holds than the others (it also runs
+    the norm, the output head and the loss)."""
+    pipeline_parallel_layers_per_stage: list[int] = _field([])
+    """Explicit blocks per stage, one entry per stage in stage order (overrides the two
+    *_less_layers keys); empty = split evenly."""
     expert_parallel_degree: int = _field(1, ge=1)
     """Ranks that split the experts of MoE layers (borrowed from dp_shard x cp)."""
 
@@ -841,7 +871,7 @@ def _not_yet_supported(cfg: JobConfig, skip: set[str]) -> list[str]:
     these degrees; delete an entry here when the trainer learns that kind of parallelism.
     """
     problems = []
-    for key in ("pipeline_parallel_degree", "expert_parallel_degree"):
+    for key in ("expert_parallel_degree",):
         value = getattr(cfg.parallelism, key)
         if f"parallelism.{key}" not in skip and value > 1:
             problems.append(f"parallelism.{key} = {value} is not supported yet by the trainer "
@@ -985,6 +1015,10 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
                             f"tensor_parallel_degree = {tp} with enable_sequence_parallel = true")
 
     problems += _model_problems(cfg, skip, degrees_ok)
+    if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
+        from titanext.pipeline import pipeline_config_problems
+
+        problems += pipeline_config_problems(cfg)
     problems += _float8_problems(cfg, skip)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):

@@ -44,6 +44,15 @@ from titanext.metrics import MetricsLogger
 from titanext.models import build_model, get_model_args
 from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanext.parallel_dims import ParallelDims, init_distributed
+from titanext.pipeline import (
+    StageTimer,
+    build_pipeline,
+    layers_per_stage,
+    pipeline_stage_ids,
+    resolve_microbatches,
+    split_model,
+    stages_per_rank_of,
+)
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import apply_context_parallel, shard_batch
@@ -116,6 +125,55 @@ class Trainer:
         self._precompute_float8 = f8.enable and f8.precompute_scale
         self.loss_parallel = dims.tp_enabled and p.enable_loss_parallel
         self.cp_layout = "zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous"
+        # ZeRO-1 replicates parameters over every rank that reduces gradients: dp and cp.
+        zero1 = p.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
+        if dims.pp_enabled:  # one part per stage this rank holds, each parallelized alone
+            self.model_parts = self._build_pipeline(model)
+            model = self.model_parts[0]
+        else:
+            self._parallelize(model)
+            model.to_empty(device=self.device)
+            model.init_weights(seed=t.seed)
+            self.model_parts = [model]
+        self.model = model
+        # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
+        self.train_module: nn.Module = apply_ddp(model, dims.loss_mesh) if zero1 else model
+        self._is_ddp = isinstance(self.train_module, nn.parallel.DistributedDataParallel)
+        self.compute_loss = self._loss_fn
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
+
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(
+            [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay, implementation=o.implementation,
+            zero1_group=dims.loss_mesh.get_group() if zero1 else None,
+        )
+        s = cfg.lr_scheduler
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
+            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor,
+        )
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        self.dataloader = build_dataloader(
+            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer,
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=dims.dp_mesh.get_local_rank(), dp_degree=dims.dp, seed=t.seed, shuffle=t.shuffle,
+        )
+        c = cfg.checkpoint
+        self.checkpointer = CheckpointManager(
+            folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
+            keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
+            enable=c.enable, model_parts=self.model_parts, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+        )
+        self.step = 0
+        self._resumed = False
+
+    def _parallelize(self, model: nn.Module) -> None:
+        """TP -> CP -> AC -> compile -> FSDP on one model (or one pipeline stage), in place."""
+        cfg, dims, p, t = self.cfg, self.dims, self.cfg.parallelism, self.cfg.training
+        f8 = cfg.float8
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                                   float8=f8.enable,
@@ -140,42 +198,6 @@ class Trainer:
                 zero_stage=max(p.zero_stage, 2),
                 pp_enabled=dims.pp_enabled,
             )
-        model.to_empty(device=self.device)
-        model.init_weights(seed=t.seed)
-        self.model = model
-        # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
-        self.train_module: nn.Module = apply_ddp(model, dims.loss_mesh) if zero1 else model
-        self._is_ddp = isinstance(self.train_module, nn.parallel.DistributedDataParallel)
-        self.compute_loss = self._loss_fn
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
-
-        o = cfg.optimizer
-        self.optimizer = build_optimizer(
-            model.parameters(), name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if zero1 else None,
-        )
-        s = cfg.lr_scheduler
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
-            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor,
-        )
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer)
-        self.dataloader = build_dataloader(
-            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=dims.dp_mesh.get_local_rank(), dp_degree=dims.dp, seed=t.seed, shuffle=t.shuffle,
-        )
-        c = cfg.checkpoint
-        self.checkpointer = CheckpointManager(
-            folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
-            keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
-            enable=c.enable, model_parts=[model], optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-        )
-        self.step = 0
-        self._resumed = False
 
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
@@ -199,6 +221,8 @@ class Trainer:
 
     def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step over this rank's micro-batches; returns (global loss, grad norm)."""
+        if self.dims.pp_enabled:
+            return self._pp_train_step(microbatches)
         dims = self.dims
         loss_group = dims.loss_mesh.get_group()
         # Under CP each rank counts (and sums the loss of) only its own slice of the tokens.
@@ -236,6 +260,93 @@ class Trainer:
         self.optimizer.step()
         if self._precompute_float8:  # one all-reduce for every float8 all-gathered weight's scale
             precompute_float8_scales(self.model)
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mean_loss, grad_norm
+
+    # -- pipeline parallelism --------------------------------------------------------------
+    def _build_pipeline(self, model: nn.Module) -> list[nn.Module]:
+        """Split the meta model into this rank's stages, parallelize and init each, build the
+        schedule. Placement comes from the schedule class (titanext.pipeline)."""
+        p, t, dims = self.cfg.parallelism, self.cfg.training, self.dims
+        pp_mesh = dims.pp_mesh
+        self.pp_group, pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
+        name = p.pipeline_parallel_schedule
+        per_rank = stages_per_rank_of(name, p.pipeline_parallel_stages_per_rank)
+        self.pp_num_stages = n_stages = dims.pp * per_rank
+        counts = layers_per_stage(len(model.layers), n_stages,
+                                  first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                                  last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                                  explicit=p.pipeline_parallel_layers_per_stage)
+        self.pp_stage_ids = pipeline_stage_ids(name, pp_rank=pp_rank, pp=dims.pp,
+                                               stages_per_rank=per_rank)
+        parts = []
+        for i in self.pp_stage_ids:
+            part = split_model(model, counts, i)
+            self._parallelize(part)
+            part.to_empty(device=self.device)
+            part.init_weights(seed=t.seed)  # FQN-keyed init: same values as the whole model
+            parts.append(part)
+        self.pp_microbatches = resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
+                                                    t.local_batch_size)
+        self._pp_loss_scale = 1.0
+        self._pp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.pp_stages, self.pp_schedule = build_pipeline(
+            parts, self.pp_stage_ids, num_stages=n_stages, pp_group=self.pp_group,
+            device=self.device, schedule=name, microbatches=self.pp_microbatches,
+            loss_fn=self._pp_loss)
+        # Auto: time F, I and W on the first step, then switch to the schedule made for them.
+        self._pp_timer = StageTimer(self.pp_stages) if name == "Auto" else None
+        return parts
+
+    def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch on the last stage: token-loss sum, scaled once by the global count."""
+        with self._loss_context():
+            loss = self.compute_loss(logits, labels)
+        return loss * self._pp_loss_scale
+
+    def _pp_train_step(self, microbatches) -> tuple[float, float]:
+        """One optimizer step through the pipeline schedule (see titanext.pipeline)."""
+        dims = self.dims
+        loss_group = dims.loss_mesh.get_group()
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=loss_group)
+        global_tokens = counts.item()
+        self._pp_loss_scale = dims.gradient_reduction_size / max(global_tokens, 1.0)
+        self._pp_loss_sum.zero_()
+        first, last = 0 in self.pp_stage_ids, self.pp_num_stages - 1 in self.pp_stage_ids
+        for inputs, labels in microbatches:  # gradient accumulation: one schedule step each
+            args = (inputs.to(self.device),) if first else ()
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            self.pp_schedule.step(*args, **kwargs)
+            for loss in losses:  # the schedule's record of what each micro-batch returned
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                self._pp_loss_sum += loss.detach().to(torch.float64) / self._pp_loss_scale
+        if self._pp_timer is not None:  # Auto's measuring step is done: switch schedules
+            costs = self._pp_timer.costs(self.pp_group)
+            self._pp_timer.detach()
+            self._pp_timer = None
+            self.pp_costs = costs
+            self.pp_stages, self.pp_schedule = build_pipeline(
+                self.model_parts, self.pp_stage_ids, num_stages=self.pp_num_stages,
+                pp_group=self.pp_group, device=self.device, schedule="Auto",
+                microbatches=self.pp_microbatches, loss_fn=self._pp_loss, costs=costs)
+        # Only the last stage saw the loss: sum over pp (others add 0), then over dp.
+        loss_sum = self._pp_loss_sum.clone()
+        dist.all_reduce(loss_sum, group=self.pp_group)
+        dist.all_reduce(loss_sum, group=loss_group)
+        mean_loss = (loss_sum / max(global_tokens, 1.0)).item()
+        params = [q for part in self.model_parts for q in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.pp_group).item()
+        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(f"step {self.step + 1}: loss = {mean_loss}, grad norm = "
+                                   f"{grad_norm}; stopping without an optimizer step")
+        self.optimizer.step()
+        if self._precompute_float8:
+            for part in self.model_parts:
+                precompute_float8_scales(part)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mean_loss, grad_norm

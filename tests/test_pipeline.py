@@ -1,0 +1,194 @@
+"""Pipeline parallelism: stage split / placement units, config rules, and parity of every
+schedule (chosen from the config, run by the real Trainer) with one fp32 process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tests.distributed import run_distributed
+from titanext.config import ConfigError, load_config
+from titanext.models import build_model, get_model_args
+from titanext.pipeline import layers_per_stage, pipeline_stage_ids, split_model
+
+STEPS = 2
+
+
+# -- split and placement ------------------------------------------------------------------------
+def test_layers_per_stage_even_and_lighter_ends():
+    assert layers_per_stage(8, 4) == [2, 2, 2, 2]
+    assert layers_per_stage(10, 4, first_stage_less_layers=1, last_stage_less_layers=1) == [2, 3, 3, 2]
+    assert layers_per_stage(6, 3, explicit=[1, 3, 2]) == [1, 3, 2]
+    with pytest.raises(ValueError, match="at least one layer"):
+        layers_per_stage(4, 4, first_stage_less_layers=1)
+    with pytest.raises(ValueError, match="layers_per_stage"):
+        layers_per_stage(6, 3, explicit=[1, 2])
+
+
+def test_placement_comes_from_the_schedule_class():
+    assert pipeline_stage_ids("1F1B", pp_rank=1, pp=4) == [1]
+    assert pipeline_stage_ids("ZBH2", pp_rank=3, pp=4) == [3]
+    assert pipeline_stage_ids("ZBV", pp_rank=1, pp=4) == [1, 6]              # V
+    assert pipeline_stage_ids("ZBVZeroBubble", pp_rank=0, pp=2) == [0, 3]
+    assert pipeline_stage_ids("Interleaved1F1B", pp_rank=1, pp=2, stages_per_rank=3) == [1, 3, 5]
+
+
+def test_split_model_keeps_names_and_drops_ends():
+    model = build_model("llama3", get_model_args("llama3", "debugmodel"), device="meta")
+    counts = layers_per_stage(6, 3)
+    parts = [split_model(model, counts, i) for i in range(3)]
+    assert [list(p.layers.keys()) for p in parts] == [["0", "1"], ["2", "3"], ["4", "5"]]
+    assert parts[0].tok_embeddings is not None and parts[0].output is None
+    assert parts[1].tok_embeddings is None and parts[1].norm is None
+    assert parts[2].output is not None and parts[2].tok_embeddings is None
+    names = {n for p in parts for n, _ in p.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+    assert len(model.layers) == 6  # the source model is untouched
+
+
+def test_split_user_model_module_list():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(4, 8)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.head = torch.nn.Linear(8, 2)
+
+    net = Net()
+    last = split_model(net, [2, 2], 1, blocks="blocks", first=("inp",), last=("head",))
+    assert last.inp is None and len(last.blocks) == 2 and last.head is not None
+    assert torch.equal(last.blocks[0].weight, net.blocks[2].weight)
+
+
+# -- config rules -------------------------------------------------------------------------------
+def _problems(*overrides, world_size=2):
+    try:
+        load_config(None, ["--model.flavor=debugtiny", *overrides], world_size=world_size)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_config_rules():
+    pp2 = "--parallelism.pipeline_parallel_degree=2"
+    assert _problems(pp2, "--parallelism.pipeline_parallel_schedule=ZBH2") == []
+    (msg,) = _problems(pp2, "--parallelism.pipeline_parallel_schedule=zbh2")
+    assert "did you mean 'ZBH2'" in msg
+    (msg,) = _problems(pp2, "--training.local_batch_size=8", "--parallelism.pipeline_parallel_microbatches=3")
+    assert "local_batch_size = 8 must be divisible" in msg
+    # debugtiny has 2 layers: ZBV needs 4 stages at pp=2.
+    (msg,) = _problems(pp2, "--parallelism.pipeline_parallel_schedule=ZBV")
+    assert "at least one layer" in msg
+    assert _problems(pp2, "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble",
+                     "--model.flavor=debugmodel", "--compile.enable=true")
+    (msg,) = _problems(pp2, "--parallelism.pipeline_parallel_schedule=1F1B",
+                       "--parallelism.pipeline_parallel_stages_per_rank=2")
+    assert "stages_per_rank" in msg
+
+
+# -- parity through the Trainer -----------------------------------------------------------------
+BASE = [
+    "--training.dataset=synthetic", "--training.seq_len=32", f"--training.steps={STEPS}",
+    "--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32",
+    "--optimizer.lr=3e-3", "--lr_scheduler.warmup_steps=1",
+    "--metrics.enable_tensorboard=false", "--metrics.log_freq=100",
+]
+
+
+def _train_many(rank, world_size, runs, dump_folder):
+    """Several Trainer runs in one spawn (start-up dominates on 2 cores)."""
+    from titanext.config import load_config
+    from titanext.train import Trainer
+
+    out = []
+    for i, overrides in enumerate(runs):
+        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
+                          world_size=world_size)
+        trainer = Trainer(cfg)
+        losses = trainer.train()
+        params = {}
+        for part in trainer.model_parts:
+            for name, p in part.named_parameters():
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                params[name] = full.detach().clone()
+        out.append((losses, params))
+    return out
+
+
+def _merge(results):
+    """Per run: (losses of rank 0, every rank's parameters merged)."""
+    merged = []
+    for i in range(len(results[0])):
+        params = {}
+        for rank_out in results:
+            params.update(rank_out[i][1])
+        merged.append((results[0][i][0], params))
+    return merged
+
+
+def _check(ref, got, label, param_rtol=1e-5):
+    ref_losses, ref_params = ref
+    losses, params = got
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                               msg=lambda m: f"{label}: losses {losses} vs {ref_losses}\n{m}")
+    assert params.keys() == ref_params.keys(), label
+    assert losses[-1] < losses[0], f"{label}: the loss should fall"
+    for name, ref in ref_params.items():
+        # Whole-tensor relative error, as in test_parity: Adam can move an element whose
+        # gradient is ~0 by ~lr on rounding noise, the tensor must still agree to ~1e-5.
+        err = (params[name] - ref).norm() / ref.norm()
+        assert err < param_rtol, f"{label}: {name}: relative error {err:.2e}"
+
+
+TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2", "Auto"]
+MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV"]
+
+
+def _runs(flavor, schedules, mb, extra=()):
+    return [[f"--model.flavor={flavor}", "--training.local_batch_size=8",
+             "--parallelism.pipeline_parallel_degree=2",
+             f"--parallelism.pipeline_parallel_schedule={s}",
+             f"--parallelism.pipeline_parallel_microbatches={mb}", *extra] for s in schedules]
+
+
+@pytest.mark.parametrize("flavor,schedules,mb", [
+    ("debugtiny", TINY_SCHEDULES, 4),
+    ("debugmodel", MULTI_STAGE_SCHEDULES, 4),
+])
+def test_every_schedule_matches_one_process(tmp_path, flavor, schedules, mb):
+    ref = run_distributed(_train_many, 1, args=(
+        [[f"--model.flavor={flavor}", "--training.local_batch_size=8"]], str(tmp_path / "ref")),
+        timeout_s=120)[0][0]
+    results = run_distributed(_train_many, 2, args=(_runs(flavor, schedules, mb), str(tmp_path)),
+                              timeout_s=240)
+    for name, got in zip(schedules, _merge(results), strict=True):
+        _check(ref, got, name)
+
+
+def test_pp2_x_fsdp2_and_grad_accum_match_one_process(tmp_path):
+    ref = run_distributed(_train_many, 1, args=(
+        [["--model.flavor=debugtiny", "--training.local_batch_size=8"]], str(tmp_path / "ref")),
+        timeout_s=120)[0][0]
+    runs = [["--model.flavor=debugtiny", "--training.local_batch_size=4",
+             "--parallelism.pipeline_parallel_degree=2", f"--parallelism.pipeline_parallel_schedule={s}",
+             "--parallelism.pipeline_parallel_microbatches=2"] for s in ("1F1B", "ZBH2")]
+    runs.append(["--model.flavor=debugtiny", "--training.local_batch_size=2",
+                 "--training.global_batch_size=8", "--parallelism.pipeline_parallel_degree=2",
+                 "--parallelism.pipeline_parallel_schedule=ZBH1"])
+    results = run_distributed(_train_many, 4, args=(runs, str(tmp_path)), timeout_s=240)
+    for label, got in zip(["pp2xfsdp2 1F1B", "pp2xfsdp2 ZBH2", "pp2xfsdp2 grad-accum ZBH1"],
+                          _merge(results), strict=True):
+        # Gradient accumulation adds one more fp32 summation order (as CP does in test_parity).
+        _check(ref, got, label, param_rtol=3e-5 if "accum" in label else 1e-5)
+
+
+def test_parity_check_can_fail(tmp_path):
+    """A pipeline whose loss scale were wrong (here: a different lr) must be caught."""
+    ref = run_distributed(_train_many, 1, args=(
+        [["--model.flavor=debugtiny", "--training.local_batch_size=8"]], str(tmp_path / "ref")),
+        timeout_s=120)[0][0]
+    runs = [r + ["--optimizer.lr=2e-3"] for r in _runs("debugtiny", ["1F1B"], 4)]
+    got = _merge(run_distributed(_train_many, 2, args=(runs, str(tmp_path)), timeout_s=120))[0]
+    with pytest.raises(AssertionError):
+        _check(ref, got, "wrong lr")

@@ -1,0 +1,283 @@
+"""Pipeline parallelism: split a model into stages, place them on ranks, build the schedule.
+
+Three small steps, each usable on a user's own model:
+
+1. :func:`layers_per_stage` decides how many blocks each of ``pp x stages_per_rank`` stages
+   holds (the first and last stages may take fewer, since they also hold the embedding and
+   the output head).
+2. :func:`pipeline_stage_ids` says which stages a pp rank holds, from the schedule class's
+   declared placement ("loop" or "v"); nothing here looks at a schedule's name.
+3. :func:`split_model` cuts one stage out of a (meta) model; :func:`build_pipeline` wraps the
+   stage modules in ``PipelineStage`` objects and builds the schedule.
+
+Between 3's two calls the caller applies TP / AC / compile / FSDP to each stage module exactly
+as to a whole model (see ``titanext.train.Trainer._build_pipeline``).
+
+>>> import torch
+>>> from titanext.models import build_model, get_model_args
+>>> model = build_model("llama3", get_model_args("llama3", "debugtiny"), device="meta")
+>>> n = len(model.layers)
+>>> counts = layers_per_stage(n, 2)
+>>> stage0 = split_model(model, counts, 0)
+>>> stage0.output is None and stage0.tok_embeddings is not None
+True
+>>> pipeline_stage_ids("ZBV", pp_rank=0, pp=2)
+[0, 3]
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from titanext import schedules as _schedules
+from titanext.schedules import get_schedule_class
+
+
+def _stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    # The registry's placement helper ("loop", "v", "dualpipe"): one source of truth.
+    fn = getattr(_schedules, "stage_ids_for_rank", None) or _schedules.stage_ids
+    return list(fn(placement, rank, pp, stages_per_rank))
+
+__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
+           "stages_per_rank_of", "StageTimer"]
+
+
+def stages_per_rank_of(schedule: str | type, requested: int | None = None) -> int:
+    """Stages each rank holds: the schedule's own count, or ``requested`` where it has none
+    (torch's interleaved schedules take any count >= 2)."""
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    own = getattr(cls, "stages_per_rank", 1)
+    if own is None:
+        n = requested if requested and requested > 0 else 2
+        if n < 2:
+            raise ValueError(f"{cls.__name__} needs stages_per_rank >= 2, got {n}")
+        return n
+    if requested and requested > 0 and requested != own:
+        raise ValueError(f"{cls.__name__} places {own} stage(s) per rank; "
+                         f"stages_per_rank = {requested} is not allowed (use -1 or {own})")
+    return own
+
+
+def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
+                       stages_per_rank: int | None = None) -> list[int]:
+    """Global stage indices held by ``pp_rank``, from the schedule's declared placement.
+
+    >>> pipeline_stage_ids("1F1B", pp_rank=1, pp=4)
+    [1]
+    >>> pipeline_stage_ids("Interleaved1F1B", pp_rank=1, pp=4, stages_per_rank=2)
+    [1, 5]
+    """
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    n = stages_per_rank_of(cls, stages_per_rank)
+    return _stage_ids(getattr(cls, "placement", "loop"), pp_rank, pp, n)
+
+
+def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: int = 0,
+                     last_stage_less_layers: int = 0,
+                     explicit: Sequence[int] | None = None) -> list[int]:
+    """Blocks per stage, as even as possible, with the first / last stage taking
+    ``first_stage_less_layers`` / ``last_stage_less_layers`` fewer (they also hold the
+    embedding / the norm and output head). ``explicit`` gives the counts directly.
+
+    >>> layers_per_stage(8, 4)
+    [2, 2, 2, 2]
+    >>> layers_per_stage(10, 4, first_stage_less_layers=1, last_stage_less_layers=1)
+    [2, 3, 3, 2]
+    """
+    if explicit:
+        counts = list(explicit)
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(f"pipeline_parallel_layers_per_stage = {counts} must have {n_stages} "
+                             f"entries >= 1 summing to n_layers = {n_layers}")
+        return counts
+    # Count the embedding and head as virtual layers, spread all units evenly, remove them again.
+    units = n_layers + first_stage_less_layers + last_stage_less_layers
+    base, extra = divmod(units, n_stages)
+    counts = [base] * n_stages
+    # Extra units go to the middle stages first, so the ends (embedding, head) stay light.
+    for i in (list(range(1, n_stages - 1)) + [0, n_stages - 1])[:extra]:
+        counts[i] += 1
+    counts[0] -= first_stage_less_layers
+    counts[-1] -= last_stage_less_layers
+    if min(counts) < 1 or sum(counts) != n_layers:
+        raise ValueError(f"n_layers = {n_layers} cannot be split into {n_stages} stages with "
+                         f"first_stage_less_layers = {first_stage_less_layers} and "
+                         f"last_stage_less_layers = {last_stage_less_layers}: counts {counts}; "
+                         "every stage needs at least one layer")
+    return counts
+
+
+def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
+                blocks: str = "layers", first: Sequence[str] = ("tok_embeddings",),
+                last: Sequence[str] = ("norm", "output")) -> nn.Module:
+    """A copy of ``model`` that keeps only stage ``stage_index``'s blocks.
+
+    ``model.<blocks>`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of blocks in order; the
+    attributes in ``first`` stay only on stage 0 and those in ``last`` only on the last stage
+    (elsewhere they become ``None``, so the model's ``forward`` must skip a ``None`` part, as
+    :class:`titanext.models.llama.Transformer` does). Call it on a meta-device model: the copy
+    is then free. Block names (``layers.5``) are kept, so checkpoints stay layout-independent.
+    """
+    counts = list(counts)
+    if not 0 <= stage_index < len(counts):
+        raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
+    src = getattr(model, blocks, None)
+    if not isinstance(src, nn.ModuleDict | nn.ModuleList):
+        raise ValueError(f"model.{blocks} must be an nn.ModuleDict or nn.ModuleList of blocks")
+    if sum(counts) != len(src):
+        raise ValueError(f"layer counts {counts} sum to {sum(counts)}, but model.{blocks} has "
+                         f"{len(src)} blocks")
+    start = sum(counts[:stage_index])
+    keep = range(start, start + counts[stage_index])
+    # Copy without the blocks, then attach the kept ones (deepcopy of a meta model is cheap).
+    setattr(model, blocks, type(src)())
+    try:
+        stage = copy.deepcopy(model)
+    finally:
+        setattr(model, blocks, src)
+    if isinstance(src, nn.ModuleDict):
+        names = list(src.keys())
+        setattr(stage, blocks, nn.ModuleDict({names[i]: copy.deepcopy(src[names[i]]) for i in keep}))
+    else:
+        setattr(stage, blocks, nn.ModuleList([copy.deepcopy(src[i]) for i in keep]))
+    for name in first if stage_index != 0 else ():
+        setattr(stage, name, None)
+    for name in last if stage_index != len(counts) - 1 else ():
+        setattr(stage, name, None)
+    return stage
+
+
+def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
+                   num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
+                   schedule: str | type, microbatches: int, loss_fn: Callable,
+                   costs: dict[str, float] | None = None):
+    """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
+
+    ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
+    schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
+    ``costs`` (f, b, w, comm) go to schedules that use them (Auto). Returns (stages, schedule).
+
+    Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
+
+        ids = pipeline_stage_ids("ZBH2", pp_rank=rank, pp=2)
+        counts = layers_per_stage(len(model.layers), 2)
+        mods = [split_model(model, counts, i) for i in ids]
+        for m in mods:
+            m.to_empty(device="cpu"); m.init_weights(seed=0)
+        stages, sched = build_pipeline(mods, ids, num_stages=2, pp_group=dist.group.WORLD,
+                                       device=torch.device("cpu"), schedule="ZBH2",
+                                       microbatches=4, loss_fn=my_loss)
+        sched.step(tokens, target=labels, losses=[])   # first / last rank pass what they own
+    """
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    stages = [PipelineStage(mod, stage_index=i, num_stages=num_stages, device=device,
+                            group=pp_group)
+              for mod, i in zip(stage_modules, stage_indices, strict=True)]
+    kwargs = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    if costs is not None:  # a schedule generated for measured costs (Auto)
+        make = getattr(_schedules, "auto_schedule_class", None)
+        if make is not None:
+            cls = make(**costs)
+        else:
+            kwargs["costs"] = costs
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if issubclass(cls, PipelineScheduleSingle):
+        return stages, cls(stages[0], **kwargs)
+    return stages, cls(stages, **kwargs)
+
+
+class StageTimer:
+    """Times each stage's F, I (input grad), W (weight grad) and full B per micro-batch.
+
+    Wraps the stage objects' chunk methods (public methods of torch's PipelineStage) for as
+    long as it is attached; ``costs(pp_group)`` returns mean times, max over the pp ranks, as
+    the ``f``, ``b``, ``w`` of the Auto schedule (a full B is split as I = W = B / 2).
+    """
+
+    def __init__(self, stages: Sequence):
+        self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
+        self._orig = []
+        for st in stages:
+            for meth, key in (("forward_one_chunk", "f"), ("backward_one_chunk", None),
+                              ("backward_weight_one_chunk", "w")):
+                fn = getattr(st, meth)
+                self._orig.append((st, meth, fn))
+                setattr(st, meth, self._wrap(fn, key))
+
+    def _wrap(self, fn, key):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            k = key or ("full" if kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+                        else "b")
+            self.times[k].append(time.perf_counter() - t0)
+            return out
+        return timed
+
+    def detach(self) -> None:
+        for st, meth, fn in self._orig:
+            setattr(st, meth, fn)
+        self._orig = []
+
+    def costs(self, pp_group: dist.ProcessGroup | None) -> dict[str, float]:
+        def mean(xs): return sum(xs) / len(xs) if xs else 0.0
+        f, b, w, full = (mean(self.times[k]) for k in ("f", "b", "w", "full"))
+        if not self.times["b"]:
+            b = w = full / 2
+        t = torch.tensor([f, b, w], dtype=torch.float64)
+        if pp_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
+        f, b, w = (max(float(x), 1e-6) for x in t)
+        return {"f": 1.0, "b": b / f, "w": w / f}
+
+
+def resolve_microbatches(pp: int, requested: int, local_batch_size: int) -> int:
+    """``pipeline_parallel_microbatches`` with -1 resolved: 2 x pp, capped at the batch size."""
+    return requested if requested > 0 else max(1, min(2 * pp, local_batch_size))
+
+
+def pipeline_config_problems(cfg) -> list[str]:
+    """Config-load rules for pipeline parallelism (one line per problem)."""
+    from titanext.models import MODEL_FLAVORS, get_model_args
+    from titanext.schedules import schedule_problems
+
+    p, t, m = cfg.parallelism, cfg.training, cfg.model
+    pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
+    key = "parallelism.pipeline_parallel_"
+    try:
+        n_per_rank = stages_per_rank_of(name, p.pipeline_parallel_stages_per_rank)
+    except ValueError as e:
+        return [f"{key}stages_per_rank = {p.pipeline_parallel_stages_per_rank}: {e}"]
+    mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
+    compiled = cfg.compile.enable and "model" in cfg.compile.components
+    import inspect
+
+    extra = ({"stages_per_rank": n_per_rank}
+             if "stages_per_rank" in inspect.signature(schedule_problems).parameters else {})
+    problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled, **extra))
+    if compiled and getattr(get_schedule_class(name), "placement", "loop") == "v" \
+            and not hasattr(get_schedule_class(name), "generate") \
+            and not any("compile" in q for q in problems):
+        problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "
+                        "'ZBV' or set compile.enable = false")
+    if t.local_batch_size % mb:
+        problems.append(f"training.local_batch_size = {t.local_batch_size} must be divisible by "
+                        f"{key}microbatches = {mb} (each micro-batch is a slice of the batch)")
+    if m.name in MODEL_FLAVORS and m.flavor in MODEL_FLAVORS[m.name]:
+        n_layers = get_model_args(m.name, m.flavor).n_layers
+        try:
+            layers_per_stage(n_layers, pp * n_per_rank,
+                             first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                             last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                             explicit=p.pipeline_parallel_layers_per_stage)
+        except ValueError as e:
+            problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank} stages: {e}")
+    return problems
