@@ -141,8 +141,8 @@ def _check(ref, got, label, param_rtol=1e-5):
         assert err < param_rtol, f"{label}: {name}: relative error {err:.2e}"
 
 
-TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2", "Auto"]
-MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV"]
+TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2"]
+MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV", "Auto", "DualPipeV"]
 
 
 def _runs(flavor, schedules, mb, extra=()):
