@@ -192,3 +192,12 @@ def test_parity_check_can_fail(tmp_path):
     got = _merge(run_distributed(_train_many, 2, args=(runs, str(tmp_path)), timeout_s=120))[0]
     with pytest.raises(AssertionError):
         _check(ref, got, "wrong lr")
+
+
+def test_dualpipe_is_rejected_at_config_load_until_the_trainer_builds_mirrored_copies():
+    from titanext.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="'DualPipe' is not supported by the trainer yet"):
+        load_config(None, ["--model.flavor=debugmodel", "--parallelism.pipeline_parallel_degree=2",
+                           "--parallelism.pipeline_parallel_schedule=DualPipe",
+                           "--training.local_batch_size=8"], world_size=2)

@@ -263,6 +263,12 @@ def pipeline_config_problems(cfg) -> list[str]:
     extra = ({"stages_per_rank": n_per_rank}
              if "stages_per_rank" in inspect.signature(schedule_problems).parameters else {})
     problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled, **extra))
+    if pp > 1 and getattr(get_schedule_class(name), "placement", "loop") == "dualpipe":
+        # Two mirrored model copies per rank need their gradients summed and weights tied; the
+        # schedule does that for your own stages, but the trainer does not build the copies yet.
+        problems.append(f"{key}schedule = {name!r} is not supported by the trainer yet (it needs "
+                        "two mirrored model copies per rank); use 'DualPipeV', or run DualPipe "
+                        "with your own stages through titanext.schedules")
     if compiled and getattr(get_schedule_class(name), "placement", "loop") == "v" \
             and not hasattr(get_schedule_class(name), "generate") \
             and not any("compile" in q for q in problems):
