@@ -52,10 +52,10 @@ def simulated_table() -> list[dict]:
     return rows
 
 
-def _mlp_stage(stage: int, dim: int) -> nn.Module:
+def _mlp_stage(stage: int, dim: int, blocks: int) -> nn.Module:
     torch.manual_seed(stage)
-    return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(dim, 4 * dim), nn.GELU(),
-                                                          nn.Linear(4 * dim, dim))))
+    return nn.Sequential(*(m for _ in range(blocks) for m in (nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                               nn.Linear(4 * dim, dim))))
 
 
 def _loss(out, target):
@@ -72,7 +72,9 @@ def _time_schedules(rank, world, names, microbatches, dim, steps):
         cls = get_schedule_class(name)
         per_rank = cls.stages_per_rank or 1
         ids = stage_ids(cls.placement, rank, world, per_rank)
-        stages = [PipelineStage(_mlp_stage(s, dim), stage_index=s, num_stages=world * per_rank,
+        # The same 8-block model whatever the schedule: V schedules hold two half-size stages.
+        stages = [PipelineStage(_mlp_stage(s, dim, 4 // per_rank), stage_index=s,
+                                num_stages=world * per_rank,
                                 device=torch.device("cpu"), group=dist.group.WORLD) for s in ids]
         sched = build_schedule(name, stages, microbatches, loss_fn=_loss)
         times = []
