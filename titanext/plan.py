@@ -38,37 +38,17 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from titanext.config import ConfigError, JobConfig, load_config, parse_cli, resolved_dp_shard
+from titanext.planning.hardware import DEVICES, GB, Device
+from titanext.planning.pipeline import pipeline_layout, simulate_times
+from titanext.planning.roofline import Linear, microbatch_time, optimizer_time
 
-GB = 1e9
-
-
-# -- hardware ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Device:
-    """Per-GPU figures: dense bf16 FLOP/s, HBM bytes and bandwidth, link bandwidths (bytes/s,
-    one direction, per GPU: NVLink inside a node, the network card between nodes)."""
-
-    name: str
-    bf16_flops: float
-    hbm_bytes: float
-    hbm_bw: float
-    intra_bw: float
-    inter_bw: float
-
-
-DEVICES = {
-    "h100": Device("H100 SXM", 989.4e12, 80 * GB, 3.35e12, 450e9, 50e9),
-    "h200": Device("H200 SXM", 989.4e12, 141 * GB, 4.8e12, 450e9, 50e9),
-    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 2.04e12, 300e9, 25e9),
-    "b200": Device("B200", 2.25e15, 180 * GB, 8.0e12, 900e9, 50e9),
-}
+__all__ = ["DEVICES", "Device", "Plan", "advise", "gpt_activation_bytes", "model_shape",
+           "plan_config", "toml_snippet", "zero_bytes_per_rank"]
 
 
 # -- the playbook's closed forms ------------------------------------------------------------------
@@ -109,6 +89,7 @@ class ModelShape:
     final_norm: int
     flops_per_token: float
     layer_tensors: int  # parameter tensors per layer (Adam keeps a step scalar for each)
+    linears: tuple[Linear, ...] = ()  # one layer's matmuls (TP direction from the TP plan)
 
     @property
     def total(self) -> int:
@@ -120,12 +101,47 @@ def model_shape(cfg: JobConfig) -> ModelShape:
     return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
 
 
-@functools.lru_cache(maxsize=16)
-def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
+@functools.lru_cache(maxsize=8)
+def _meta_model(name: str, flavor: str):
     from titanext.models import build_model, get_model_args
 
+    return build_model(name, get_model_args(name, flavor), device="meta")
+
+
+def _linears(layer) -> tuple[Linear, ...]:
+    """A layer's nn.Linear modules; rowwise where the llama TP plan splits their input."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from titanext.plugins.tensor_parallel import llama_tp_plan
+
+    plan = llama_tp_plan(layers_prefix="layer")
+    return tuple(Linear(fqn, m.in_features, m.out_features,
+                        rowwise=isinstance(plan.get(f"layer.{fqn}"), RowwiseParallel))
+                 for fqn, m in layer.named_modules() if isinstance(m, nn.Linear))
+
+
+@functools.lru_cache(maxsize=64)
+def _float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
+                  auto_filter: bool) -> tuple[tuple[bool, ...], bool]:
+    """Which of layer 0's linears, and whether the output head, the float8 converter swaps."""
+    from torch import nn
+
+    from titanext.plugins.float8 import float8_module_filter
+
+    keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter)
+    model = _meta_model(name, flavor)
+    layer = tuple(keep(m, f"layers.0.{fqn}") for fqn, m in model.layers["0"].named_modules()
+                  if isinstance(m, nn.Linear))
+    return layer, keep(model.output, "output")
+
+
+@functools.lru_cache(maxsize=16)
+def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
+    from titanext.models import get_model_args
+
     args = get_model_args(name, flavor)
-    model = build_model(name, args, device="meta")
+    model = _meta_model(name, flavor)
     layer = model.layers["0"]
     norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
     return ModelShape(
@@ -135,7 +151,7 @@ def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
         embedding=model.tok_embeddings.weight.numel(), output=model.output.weight.numel(),
         final_norm=model.norm.weight.numel(),
         flops_per_token=model.num_flops_per_token(seq_len),
-        layer_tensors=len(list(layer.parameters())))
+        layer_tensors=len(list(layer.parameters())), linears=_linears(layer))
 
 
 # -- one layout -----------------------------------------------------------------------------------
@@ -149,6 +165,7 @@ class Plan:
     comm: list[dict]  # per parallelism: bytes per rank per step, collectives, network level
     time: dict
     fits: bool
+    memory_per_pp_rank: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def memory_total(self) -> float:
@@ -184,138 +201,193 @@ def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp
     return (sharded / tp + norms / (tp if sp else 1) + matmul_inputs) / cp
 
 
+def _comm_time(c: dict, device: Device) -> float:
+    """alpha-beta time of a communication row: latency per collective plus bytes over the link."""
+    inter = c["level"] == "inter-node"
+    return (c["collectives"] * (device.inter_latency if inter else device.intra_latency)
+            + c["bytes"] / (device.inter_bw if inter else device.intra_bw))
+
+
+def gradient_accumulation(cfg: JobConfig, dp: int) -> int:
+    """Forward/backward passes per optimizer step on each rank (the trainer's rule)."""
+    t = cfg.training
+    return max(1, t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size > 0 else 1
+
+
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
                 gpus_per_node: int = 8, efficiency: float = 0.6) -> Plan:
     """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
 
-    ``efficiency`` is the fraction of the dense peak the model's kernels reach (well-tuned
-    H100 training runs reach 0.4-0.6 MFU); MFU is reported against the bf16 peak.
+    ``efficiency`` is the fraction of the dense peak that large matmuls and attention reach
+    (0.6-0.75 on H100); elementwise work runs at the memory roof
+    (:mod:`titanext.planning.roofline`). MFU is reported against the bf16 peak, with the model's
+    FLOPs (``num_flops_per_token``), as the trainer logs it.
+
+    Ranks differ only along pp (the first holds the embedding, the last the head, each its own
+    blocks and micro-batches in flight); ``memory`` is the busiest pp rank's and
+    ``memory_per_pp_rank`` every pp rank's.
     """
-    p, t = cfg.parallelism, cfg.training
+    from titanext.pipeline import resolve_microbatches
+    from titanext.plugins.fsdp import resolve_reshard_after_forward
+
+    p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
     shape = model_shape(cfg)
-    on_gpu = True
     rep, tp, cp, pp = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
                        p.context_parallel_degree, p.pipeline_parallel_degree)
     shard = resolved_dp_shard(cfg, world_size)
     dp, n_fsdp = rep * shard, shard * cp
-    a = _dtype_bytes(t.mixed_precision_param, on_gpu)
+    a = _dtype_bytes(t.mixed_precision_param, True)
+    reduce_bytes = 2 if t.mixed_precision_reduce == "bfloat16" else 4
     sp = tp > 1 and p.enable_sequence_parallel
-    layers = math.ceil(shape.n_layers / pp)
-    # The busiest stage: the first holds the embedding, the last the head (both vocab x dim).
-    extra = max(shape.embedding, shape.output + shape.final_norm) if pp > 1 else (
-        shape.embedding + shape.output + shape.final_norm)
-    psi = layers * (shape.layer_sharded / tp + shape.layer_replicated) + extra / tp
+    ac = cfg.activation_checkpoint.mode
+    accum = gradient_accumulation(cfg, dp)
+    pp_mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size) if pp > 1 else 1
+    pipe = pipeline_layout(p.pipeline_parallel_schedule if pp > 1 else "1F1B", pp=pp,
+                           microbatches=pp_mb, n_layers=shape.n_layers,
+                           stages_per_rank=p.pipeline_parallel_stages_per_rank if
+                           p.pipeline_parallel_stages_per_rank > 0 else None,
+                           first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                           last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                           layers_per_stage_explicit=tuple(p.pipeline_parallel_layers_per_stage))
+    tokens_mb = t.local_batch_size // pp_mb * t.seq_len  # one micro-batch, the whole sequence
+    tokens = tokens_mb / cp  # what this rank's matmuls see (SP gathers the sequence back)
+    f8_layer, f8_head = (_float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
+                                       tuple(f8.filter_fqns), f8.auto_filter)
+                         if f8.enable else ((False,) * len(shape.linears), False))
+    linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
+    zero_n = n_fsdp if p.zero_stage >= 2 else dp * cp  # ranks sharding the optimizer state
+    reshard = resolve_reshard_after_forward(p.fsdp_reshard_after_forward,
+                                            zero_stage=max(p.zero_stage, 2), pp_enabled=pp > 1)
+    f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
+    gathered_layer = ((1 if f8.enable_fsdp_float8_all_gather else a) * f8_weights
+                      + a * (shape.layer_sharded - f8_weights)) / tp + a * shape.layer_replicated
 
-    # Model state under FSDP2 (zero 2/3) or DDP + sharded optimizer (zero 1).
-    n = n_fsdp if p.zero_stage >= 2 else dp * cp
-    memory = {"params (fp32 master)": 4 * psi / (n if p.zero_stage >= 2 else 1),
-              "grads (fp32)": 4 * psi / (n if p.zero_stage >= 2 else 1),
-              # two fp32 moments per element, and a 4-byte step per parameter tensor
-              "optimizer (Adam)": 8 * psi / n + 4 * (layers * shape.layer_tensors + 3)}
-    # Float8: FSDP can gather the linears' weights as float8 (1 byte). torchao keeps the
-    # high-precision inputs for backward, so activations do not change; matmuls run at the
-    # float8 rate.
-    f8 = cfg.float8
-    gather_bytes = 1 if f8.enable and f8.enable_fsdp_float8_all_gather else a
-    if p.zero_stage >= 2 and n > 1:  # gathered units: two in flight (all of them with zero 2)
-        resident = layers if p.zero_stage == 2 else 2
-        memory["gathered params"] = (gather_bytes * shape.layer_sharded / tp
-                                     + a * shape.layer_replicated) * resident
-    else:
-        memory["gathered params"] = 0.0
+    def act(rank_layers: float) -> float:  # one block-boundary activation (p2p, TP collectives)
+        return tokens * shape.dim * a / (tp if sp else 1) * rank_layers
 
-    # Activations: micro-batches in flight on the busiest stage, from the schedule simulator
-    # (1F1B and ZB-H1 keep pp of them, ZB-H2 2pp - 1).
-    m = max(1, t.global_batch_size // (t.local_batch_size * dp)) if t.global_batch_size > 0 else 1
-    sim = _pipeline_sim(pp, m)
-    in_flight = max(sim.peak_activations) if sim else 1
-    tokens_mb = t.local_batch_size * t.seq_len
-    per_layer = activation_bytes_per_token_layer(shape, cfg.activation_checkpoint.mode, a=a,
-                                                 tp=tp, sp=sp, cp=cp)
-    # final norm + output input (3 h), the fp32 log-softmax the loss keeps (4 V), token ids
-    head = tokens_mb / cp * (a * 3 * shape.dim + 4 * shape.vocab / tp + 16)
-    memory["activations"] = in_flight * tokens_mb * layers * per_layer + head
-
-    # Communication per step and rank (bytes), with the network level of each group.
-    inner = {"tp": 1, "cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * shard,
-             "pp": tp * cp * shard * rep}
+    # -- time of one micro-batch on each pp rank, with the TP collectives on its critical path
+    tp_fwd = (4 if sp else 2) * (tp > 1)  # SP: 2 all-gathers + 2 reduce-scatters per block
+    tp_bytes = tokens * shape.dim * a * (tp - 1) / tp * (1 if sp else 2)  # per collective
+    per_rank = []
+    for rank in pipe.ranks:
+        mt = microbatch_time(device, tokens=tokens, seq_len=t.seq_len, dim=shape.dim,
+                             kv_dim=shape.kv_dim, ffn=shape.ffn, vocab=shape.vocab,
+                             linears=linears, layers=rank.layers, tp=tp, sp=sp, a=a, ac=ac,
+                             efficiency=efficiency, embedding=rank.embedding, head=rank.head,
+                             head_float8=f8_head)
+        per_rank.append(mt)
+    level = functools.partial(_level, gpus_per_node=gpus_per_node)
+    strides = {"tp": 1, "cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * shard,
+               "pp": tp * cp * shard * rep}
+    busiest = max(range(pp), key=lambda r: per_rank[r].total)
+    rank, mt = pipe.ranks[busiest], per_rank[busiest]
     comm = []
-    if n_fsdp > 1 and p.zero_stage >= 2:
-        gathers = 1 if p.zero_stage == 2 else 2
-        frac = (n_fsdp - 1) / n_fsdp
-        comm.append({"parallelism": "FSDP (dp_shard x cp)", "collectives": (layers + 1) * (gathers + 1),
-                     "bytes": psi * frac * (gather_bytes * gathers + 4),
-                     "level": _level(tp, n_fsdp, gpus_per_node)})
-    if rep > 1 or (p.zero_stage == 1 and dp * cp > 1):
-        size = rep if p.zero_stage >= 2 else dp * cp
-        comm.append({"parallelism": "DP all-reduce", "collectives": layers + 1,
-                     "bytes": 2 * (size - 1) / size * 4 * psi / (n if p.zero_stage >= 2 else 1),
-                     "level": _level(inner["dp_replicate"] if p.zero_stage >= 2 else tp, size,
-                                     gpus_per_node)})
-    act = tokens_mb / cp * shape.dim * a
+    passes = accum * pp_mb  # micro-batches through this rank per optimizer step
     if tp > 1:
-        comm.append({"parallelism": "TP/SP", "collectives": 8 * layers * m,
-                     "bytes": 8 * layers * m * act * (tp - 1) / tp,
-                     "level": _level(1, tp, gpus_per_node)})
+        n_f = tp_fwd * rank.layers
+        n_i = n_f * (2 if ac == "full" else 1)  # backward (+ the recomputed forward's)
+        c = {"parallelism": "TP/SP" if sp else "TP", "collectives": (n_f + n_i) * passes,
+             "bytes": (n_f + n_i) * tp_bytes * passes, "level": level(1, tp),
+             "overlap": "none"}
+        comm.append(c)
+        one = _comm_time({**c, "collectives": 1, "bytes": tp_bytes}, device)
+        mt = dataclasses.replace(mt, f=mt.f + n_f * one, i=mt.i + n_i * one)
     if cp > 1:
-        kv = 2 * t.local_batch_size * t.seq_len / cp * shape.kv_dim / tp
-        comm.append({"parallelism": "CP ring", "collectives": layers * m * (3 * cp - 2),
-                     "bytes": layers * m * kv * ((cp - 1) * a * 2 + cp * 4),
-                     "level": _level(inner["cp"], cp, gpus_per_node)})
+        kv = 2 * tokens * shape.kv_dim / tp  # K and V elements of this rank's slice
+        rounds = (cp - 1) * (2 if ac == "full" else 1)  # forward (+ its recompute)
+        ring = p.context_parallel_comm != "allgather"
+        c = {"parallelism": f"CP ({p.context_parallel_comm})",
+             "collectives": rank.layers * passes * ((rounds + 2 * (cp - 1)) if ring
+                                                   else (2 if ac == "full" else 1) + 1),
+             # K/V blocks forward; K/V again and their fp32 gradients backward
+             "bytes": rank.layers * passes * kv * (rounds * a + (cp - 1) * (a + 4)),
+             "level": level(tp, cp), "overlap": "attention"}
+        comm.append(c)
+        hidden = mt.attention_f * (1 + 2.5 + (1 if ac == "full" else 0))
+        mt = dataclasses.replace(mt, i=mt.i + max(0.0, _comm_time(c, device) / passes - hidden))
+    p2p = 0.0
     if pp > 1:
-        comm.append({"parallelism": "PP p2p", "collectives": 4 * m,
-                     "bytes": 2 * m * act / tp, "level": _level(inner["pp"], pp, gpus_per_node)})
+        send = act(1)
+        c = {"parallelism": f"PP p2p ({pipe.schedule})", "collectives": rank.sends * passes,
+             "bytes": rank.sends * passes * send, "level": level(strides["pp"], pp),
+             "overlap": "in the schedule"}
+        comm.append(c)
+        p2p = _comm_time({**c, "collectives": 1, "bytes": send}, device)
 
-    # Time: roofline compute, exposed communication, pipeline bubble.
-    tokens_step = m * tokens_mb * dp
-    flops_rank = shape.flops_per_token * tokens_step / (tp * cp * pp * dp)
-    if cfg.activation_checkpoint.mode == "full":
-        flops_rank *= 4 / 3  # one more forward
-    # Float8 doubles the dense rate of the linears (6 x params of the flops); attention stays.
-    matmul_share = 1 - 12 * shape.n_layers * shape.dim * t.seq_len / shape.flops_per_token
-    speedup = 2.0 if f8.enable else 1.0
-    compute = (flops_rank / (device.bf16_flops * efficiency)
-               * (matmul_share / speedup + 1 - matmul_share))
-    attn_flops = 12 * shape.n_layers * shape.dim * t.seq_len  # the attention part of flops/token
-    attention = compute * attn_flops / shape.flops_per_token
-    overlap = {"TP/SP": None, "PP p2p": None, "CP ring": "attention"}  # default: all compute
-    waiting = {"compute": 0.0, "attention": 0.0}
-    exposed = 0.0
-    for c in comm:
-        bw = device.intra_bw if c["level"] == "intra-node" else device.inter_bw
-        c["time_s"] = c["bytes"] / bw
-        # TP and PP sit on the critical path; FSDP/DP prefetch behind all compute, and the CP
-        # ring hides behind the attention of the block it feeds.
-        behind = overlap.get(c["parallelism"], "compute")
-        if behind is None:
-            exposed += c["time_s"]
+    # -- one pass (a pipeline flush, or one micro-batch) and the schedule's bubble
+    bubble, in_flight = 0.0, [1] * pp
+    if pp > 1:
+        pass_time, sim = simulate_times(pipe, f=mt.f, i=mt.i, w=mt.w, comm=p2p)
+        bubble, in_flight = sim.bubble_ratio, sim.peak_activations
+    else:
+        pass_time = mt.total
+    compute = passes * sum((per_rank[busiest].f, per_rank[busiest].i, per_rank[busiest].w))
+
+    # -- memory of each pp rank
+    per_layer = activation_bytes_per_token_layer(shape, ac, a=a, tp=tp, sp=sp, cp=cp)
+    head_act = tokens * (a * 3 * shape.dim / (tp if sp else 1) + 4 * shape.vocab / tp + 16)
+    memories, psis = [], []
+    for r, rk in enumerate(pipe.ranks):
+        psi = (rk.layers * (shape.layer_sharded / tp + shape.layer_replicated)
+               + (shape.embedding / tp if rk.embedding else 0)
+               + (shape.output / tp + shape.final_norm if rk.head else 0))
+        tensors = rk.layers * shape.layer_tensors + rk.embedding + 2 * rk.head
+        sharded = p.zero_stage >= 2 and n_fsdp * rep > 1
+        mem = {"params (fp32 master)": 4 * psi / (n_fsdp if sharded else 1),
+               "grads (fp32)": 4 * psi / (n_fsdp if sharded else 1),
+               # two fp32 moments per element, and a 4-byte step per parameter tensor
+               "optimizer (Adam)": 8 * psi / zero_n + 4 * tensors}
+        if sharded and n_fsdp > 1:  # gathered units: two in flight, or all without resharding
+            mem["gathered params"] = gathered_layer * (2 if reshard else rk.layers)
         else:
-            waiting[behind] += c["time_s"]
-    exposed += max(0.0, waiting["compute"] - compute) + max(0.0, waiting["attention"] - attention)
-    bubble = sim.bubble_ratio if sim else 0.0
-    step = (compute + exposed) / (1 - bubble)
+            mem["gathered params"] = 0.0
+        layers_per_stage = rk.layers / len(rk.stages)
+        mem["activations"] = (in_flight[r] * tokens_mb * layers_per_stage * per_layer
+                              + (head_act if rk.head else 0.0))
+        memories.append(mem)
+        psis.append(psi)
+    top = max(range(pp), key=lambda r: sum(memories[r].values()))
+    psi = psis[busiest]
+
+    # -- data-parallel traffic, hidden behind the step's compute except the first/last unit
+    units = rank.layers + 1
+    if n_fsdp > 1 and p.zero_stage >= 2:
+        gathers = 1 if (p.zero_stage == 2 or not reshard) else 2
+        frac = (n_fsdp - 1) / n_fsdp
+        gbytes = gathered_layer / (a * shape.layer_sharded / tp + a * shape.layer_replicated) * a
+        comm.append({"parallelism": "FSDP (dp_shard x cp)", "collectives": units * (gathers + 1) * accum,
+                     "bytes": psi * frac * (gbytes * gathers + reduce_bytes) * accum,
+                     "level": level(strides["dp_shard"], n_fsdp), "overlap": "compute"})
+    if rep > 1 and p.zero_stage >= 2:
+        comm.append({"parallelism": "HSDP all-reduce (dp_replicate)", "collectives": units * accum,
+                     "bytes": 2 * (rep - 1) / rep * reduce_bytes * psi / n_fsdp * accum,
+                     "level": level(strides["dp_replicate"], rep), "overlap": "compute"})
+    if p.zero_stage == 1 and dp * cp > 1:
+        d = dp * cp  # DDP all-reduce once per step, then the sharded optimizer's fp32 all-gather
+        comm.append({"parallelism": "DP all-reduce + ZeRO-1 gather", "collectives": 2 * units,
+                     "bytes": (2 * reduce_bytes + 4) * (d - 1) / d * psi,
+                     "level": level(tp, d), "overlap": "compute"})
+    hidden = sum(_comm_time(c, device) for c in comm if c["overlap"] == "compute")
+    step_compute = accum * pass_time
+    exposed_dp = max(0.0, hidden - step_compute) + hidden / max(1, units * accum) if hidden else 0.0
+    optimizer = optimizer_time(device, psi / zero_n)
+    step = step_compute + exposed_dp + optimizer
+    for c in comm:
+        c["time_s"] = _comm_time(c, device)
+    tokens_step = accum * t.local_batch_size * dp * t.seq_len
     mfu = shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)
-    time = {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
-            "mfu": mfu, "tokens_per_s": tokens_step / step}
+    exposed = max(0.0, step - compute - optimizer - accum * bubble * pass_time)
+    time = {"compute_s": compute, "exposed_comm_s": exposed,
+            "bubble": bubble, "optimizer_s": optimizer, "step_s": step, "mfu": mfu,
+            "tokens_per_s": tokens_step / step, "microbatch_f_i_w_s": [mt.f, mt.i, mt.w]}
     layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp,
-              "zero_stage": p.zero_stage, "ac": cfg.activation_checkpoint.mode,
-              "local_batch_size": t.local_batch_size, "microbatches": m}
-    total = sum(memory.values())
-    return Plan(layout, memory, comm, time, fits=total <= 0.9 * device.hbm_bytes)
-
-
-@functools.lru_cache(maxsize=256)
-def _pipeline_sim(pp: int, microbatches: int):
-    """The 1F1B schedule's simulation (equal F, I, W), or None without pipelining.
-
-    The trainer's pipeline runs torch's 1F1B; titanext's zero-bubble schedules can be compared
-    with ``python -m titanext.schedules``.
-    """
-    if pp == 1:
-        return None
-    from titanext.schedules import simulate
-
-    return simulate("1F1B", pp=pp, microbatches=max(microbatches, pp))
+              "zero_stage": p.zero_stage, "ac": ac, "local_batch_size": t.local_batch_size,
+              "gradient_accumulation": accum, "microbatches": accum,
+              "pp_schedule": pipe.schedule if pp > 1 else None, "pp_microbatches": pp_mb,
+              "pp_stages_per_rank": pipe.stages_per_rank, "float8": f8.enable}
+    total = sum(memories[top].values())
+    return Plan(layout, memories[top], comm, time, fits=total <= 0.9 * device.hbm_bytes,
+                memory_per_pp_rank=memories)
 
 
 # -- advice ---------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""What the configured pipeline schedule means for each pp rank.
+
+The stages a rank holds, and the layers in them, come from the same functions the trainer
+uses (:mod:`titanext.pipeline`); micro-batches in flight and the bubble come from replaying
+the schedule's own action lists in the simulator (:func:`titanext.schedules.simulate`), with
+the micro-batch's forward, input-gradient and weight-gradient times as costs.
+
+>>> pl = pipeline_layout("1F1B", pp=4, microbatches=8, n_layers=8)
+>>> [r.layers for r in pl.ranks], pl.ranks[0].embedding, pl.ranks[3].head
+([2, 2, 2, 2], True, True)
+>>> sim = simulate_schedule("1F1B", pp=4, microbatches=8, stages_per_rank=1)
+>>> round(sim.bubble_ratio, 4), sim.peak_activations     # (p-1)/(m+p-1), pp in flight
+(0.2727, [4, 3, 2, 1])
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from titanext.pipeline import layers_per_stage, pipeline_stage_ids, stages_per_rank_of
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """One pp rank: its stage indices, their blocks, whether it runs the embedding (stage 0)
+    or the head (the last stage), and its cross-rank sends per micro-batch (forward + backward)."""
+
+    stages: tuple[int, ...]
+    layers: int
+    embedding: bool
+    head: bool
+    sends: int
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    schedule: str
+    pp: int
+    stages_per_rank: int
+    microbatches: int
+    ranks: tuple[RankStages, ...]
+
+
+def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
+                    stages_per_rank: int | None = None, first_stage_less_layers: int = 0,
+                    last_stage_less_layers: int = 0,
+                    layers_per_stage_explicit: tuple[int, ...] = ()) -> PipelineLayout:
+    """Stages, blocks and sends of every pp rank under ``schedule`` (the trainer's placement)."""
+    spr = stages_per_rank_of(schedule, stages_per_rank) if pp > 1 else 1
+    n_stages = pp * spr
+    counts = layers_per_stage(n_layers, n_stages, first_stage_less_layers=first_stage_less_layers,
+                              last_stage_less_layers=last_stage_less_layers,
+                              explicit=list(layers_per_stage_explicit) or None)
+    ids = [pipeline_stage_ids(schedule, pp_rank=r, pp=pp, stages_per_rank=spr) if pp > 1 else [0]
+           for r in range(pp)]
+    owner = {s: r for r, stages in enumerate(ids) for s in stages}
+    ranks = []
+    for r, stages in enumerate(ids):
+        # a stage sends forward to the next stage and backward to the previous one, unless the
+        # neighbour lives on the same rank (the V's turn)
+        sends = sum((s + 1 < n_stages and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
+                    for s in stages)
+        ranks.append(RankStages(tuple(stages), sum(counts[s] for s in stages), 0 in stages,
+                                n_stages - 1 in stages, sends))
+    return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks))
+
+
+@functools.lru_cache(maxsize=1024)
+def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
+                      f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0):
+    """:func:`titanext.schedules.simulate`, cached (the advice asks for the same ones often)."""
+    from titanext.schedules import simulate
+
+    return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
+                    stages_per_rank=stages_per_rank)
+
+
+def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float):
+    """Replay ``layout``'s schedule with these per-micro-batch seconds (one rank's share).
+
+    Returns (seconds of one pass of all micro-batches, the simulator's result). Costs are
+    normalised by ``f`` and rounded to 1% before simulating, so that similar layouts share a
+    cached simulation.
+    """
+    def q(x: float) -> float:
+        return round(x / f, 2)
+
+    sim = simulate_schedule(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
+                            stages_per_rank=layout.stages_per_rank, f=1.0, b=max(q(i), 0.01),
+                            w=max(q(w), 0.01), comm=q(comm))
+    return sim.makespan * f, sim
