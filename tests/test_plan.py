@@ -227,3 +227,42 @@ def test_cli_config_errors_exit_2_one_line_each():
     lines = out.stderr.strip().splitlines()
     assert lines and all(line.startswith("titanext.plan: error: ") for line in lines)
     assert "Traceback" not in out.stderr
+
+
+# -- the pipeline bubble comes from the simulator ---------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1", "ZBH2", "ZBV", "DualPipeV"])
+def test_pipeline_bubble_and_in_flight_are_the_simulators(schedule):
+    """The plan replays the configured schedule's own action lists with its own F/I/W costs."""
+    from titanext.planning.pipeline import pipeline_layout
+    from titanext.schedules import simulate
+
+    path = str(ROOT / "train_configs" / "llama3_8b.toml")
+    over = ["--parallelism.pipeline_parallel_degree=4", "--parallelism.tensor_parallel_degree=2",
+            f"--parallelism.pipeline_parallel_schedule={schedule}",
+            "--parallelism.pipeline_parallel_microbatches=8", "--training.local_batch_size=8",
+            "--training.global_batch_size=64", "--compile.enable=false"]
+    cfg = load_config(path, over, world_size=64)
+    plan = plan_config(cfg, 64)
+    f, i, w = plan.time["microbatch_f_i_w_s"]
+    layout = pipeline_layout(schedule, pp=4, microbatches=8, n_layers=32)
+    sim = simulate(schedule, pp=4, microbatches=8, f=1.0, b=round(i / f, 2), w=round(w / f, 2),
+                   comm=round(plan.time["pp_p2p_s"] / f, 2),
+                   stages_per_rank=layout.stages_per_rank)
+    assert plan.layout["pp_schedule"] == schedule
+    assert plan.time["bubble"] == pytest.approx(sim.bubble_ratio, abs=0.02)
+    assert plan.layout["pp_stages_per_rank"] == layout.stages_per_rank
+
+
+@pytest.mark.parametrize("schedule,closed_form", [
+    ("1F1B", lambda p, m: (p - 1) / (m + p - 1)),
+    ("ZBH1", lambda p, m: (p - 1) / (3 * m + p - 1)),
+    ("ZBH2", lambda p, m: 0.0),
+])
+def test_planner_pipeline_matches_the_simulator_closed_forms(schedule, closed_form):
+    from titanext.planning.pipeline import pipeline_layout, simulate_times
+
+    for p, m in ((4, 8), (4, 16), (8, 16)):
+        layout = pipeline_layout(schedule, pp=p, microbatches=m, n_layers=2 * p)
+        _, sim = simulate_times(layout, f=1.0, i=1.0, w=1.0, comm=0.0)
+        assert sim.bubble_ratio == pytest.approx(closed_form(p, m), abs=1e-9)

@@ -379,7 +379,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     exposed = max(0.0, step - compute - optimizer - accum * bubble * pass_time)
     time = {"compute_s": compute, "exposed_comm_s": exposed,
             "bubble": bubble, "optimizer_s": optimizer, "step_s": step, "mfu": mfu,
-            "tokens_per_s": tokens_step / step, "microbatch_f_i_w_s": [mt.f, mt.i, mt.w]}
+            "tokens_per_s": tokens_step / step, "microbatch_f_i_w_s": [mt.f, mt.i, mt.w],
+            "pp_p2p_s": p2p}
     layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp,
               "zero_stage": p.zero_stage, "ac": ac, "local_batch_size": t.local_batch_size,
               "gradient_accumulation": accum, "microbatches": accum,

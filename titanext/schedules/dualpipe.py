@@ -172,6 +172,7 @@ class DualPipeV(ChainRuntime):
 
     placement = "v"
     stages_per_rank = 2
+    splits_backward = True  # phases 6-7 split B into I and a deferred W
     generate = staticmethod(dualpipev_order)
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, **kwargs):
@@ -206,6 +207,7 @@ class DualPipe(ChainRuntime):
 
     placement = "dualpipe"
     stages_per_rank = 2
+    splits_backward = True
     generate = staticmethod(dualpipe_order)
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, *,
