@@ -1,0 +1,338 @@
+"""Mixture of Experts: a router, grouped SwiGLU experts, optional shared experts.
+
+The layer works on its own in any model (see ``examples/moe_layer.py``):
+
+>>> import torch
+>>> from titanext.models.moe import MoE, MoEArgs
+>>> moe = MoE(dim=64, args=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1))
+>>> moe(torch.randn(2, 16, 64)).shape
+torch.Size([2, 16, 64])
+
+Flow of ``MoE.forward`` on T = batch x seq tokens: the router scores every token against every
+expert in fp32 and picks ``top_k`` experts per token; optionally drops assignments over an
+expert's capacity; sorts the T x top_k assignments by expert (stable); runs
+``experts(x_sorted, counts_per_expert)`` (the one seam expert parallelism wraps: nothing else
+assumes the experts are local); scatters the outputs back scaled by the routing weights; adds
+the shared experts.
+
+Load balancing (both switchable, see README "Mixture of Experts"):
+- aux-loss-free: ``router.expert_bias`` is added to the scores for *selection only*; after each
+  optimizer step :func:`update_expert_bias` moves it by ``rate * sign(mean load - load)`` from
+  the counts in ``tokens_per_expert`` (all-reduced over the ranks that see different tokens).
+- sequence-wise auxiliary loss (DeepSeek-V3): ``alpha * sum_i f_i * P_i`` per sequence. Its
+  gradient is injected in backward (so it works under any trainer and under pipelining): the
+  output behaves as if ``aux_loss_weight * sum over sequences of L_seq`` were added to the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanext.models.init import init_tensor_, normal_
+
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "expert_load", "grouped_mm_supported",
+           "set_aux_loss_weight", "update_expert_bias"]
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Hyper-parameters of one MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256            # hidden size of each routed (and each shared) SwiGLU expert
+    num_shared_experts: int = 0      # shared experts: one SwiGLU of num_shared_experts * hidden_dim
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = False         # renormalise the top-k weights of a token to sum to 1
+    route_scale: float = 1.0         # multiply the routed weights by this
+    num_expert_groups: int = 1       # group-limited routing: experts split in this many groups
+    num_limited_groups: int = 1      # ... and each token picks experts inside its best groups
+    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias rate; None = off
+    aux_loss_alpha: float = 0.0      # sequence-wise auxiliary loss weight; 0 = off
+    capacity_factor: float | None = None     # None = dropless
+    use_grouped_mm: bool | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.top_k <= self.num_experts:
+            problems.append(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.score_func not in ("softmax", "sigmoid"):
+            problems.append(f"score_func={self.score_func!r}; allowed: 'softmax', 'sigmoid'")
+        if self.num_expert_groups < 1 or self.num_experts % self.num_expert_groups:
+            problems.append(f"num_experts={self.num_experts} must be divisible by "
+                            f"num_expert_groups={self.num_expert_groups}")
+        elif not 1 <= self.num_limited_groups <= self.num_expert_groups:
+            problems.append(f"num_limited_groups={self.num_limited_groups} must be in "
+                            f"[1, num_expert_groups={self.num_expert_groups}]")
+        elif self.top_k > self.num_limited_groups * (self.num_experts // self.num_expert_groups):
+            problems.append(f"top_k={self.top_k} exceeds the experts in the limited groups "
+                            f"({self.num_limited_groups} x {self.num_experts // self.num_expert_groups})")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            problems.append(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
+        if self.use_grouped_mm not in (True, False, "auto"):
+            problems.append(f"use_grouped_mm={self.use_grouped_mm!r}; allowed: 'auto', True, False")
+        if problems:
+            raise ValueError("MoEArgs: " + "; ".join(problems))
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for these operands here (the ``"auto"`` choice).
+
+    CPU: fp32/bf16/fp16 in eager mode, bf16 under compile. CUDA: bf16 on sm90+. Every row
+    stride must be a multiple of 16 bytes (torch's alignment rule).
+    """
+    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+        return False
+    if torch.compiler.is_compiling() or x.device.type == "cuda":
+        if x.dtype != torch.bfloat16:
+            return False
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return all(s * x.element_size() % 16 == 0 for w in weights for s in w.shape[1:])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU FFNs stored as stacked weights.
+
+    ``forward(x, num_tokens_per_expert)``: x is [T, dim] with rows grouped by expert in expert
+    order, ``num_tokens_per_expert`` [local experts] the rows per expert (sums to T). The local
+    expert count is ``w1.shape[0]`` of the local tensor (DTensor params use their local shard).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int,
+                 use_grouped_mm: bool | Literal["auto"] = "auto"):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        use = self.use_grouped_mm
+        if use == "auto":
+            use = grouped_mm_supported(x, w1, w2, w3)
+        if use:
+            offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        # The loop needs the counts on the host: one device-to-host sync.
+        outs = []
+        for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class Router(nn.Module):
+    """Top-k router with fp32 scores, optional group-limited selection and a selection bias."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # Selection-only bias of aux-loss-free balancing (persistent: it is training state).
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32)."""
+        a = self.args
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        biased = scores + self.expert_bias.float() if a.load_balance_coeff is not None else scores
+        if a.num_limited_groups < a.num_expert_groups:
+            biased = self._limit_groups(biased)
+        ids = torch.topk(biased, a.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, ids)  # the bias never changes the weights
+        if a.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, ids, scores
+
+    def _limit_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """Mask (-inf) the experts outside each token's best ``num_limited_groups`` groups.
+
+        A group scores its best expert (softmax) or, as DeepSeek-V3 does with sigmoid scores,
+        the sum of its top-2 biased scores.
+        """
+        a = self.args
+        grouped = biased.unflatten(-1, (a.num_expert_groups, -1))  # [T, G, E/G]
+        if a.score_func == "sigmoid" and grouped.shape[-1] >= 2:
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.amax(-1)
+        best = group_scores.topk(a.num_limited_groups, dim=-1, sorted=False).indices  # [T, g]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` receives the gradient ``weight``."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
+class MoE(nn.Module):
+    """Routed + shared SwiGLU experts. ``forward(x [B, S, dim]) -> [B, S, dim]``.
+
+    Buffers: ``router.expert_bias`` [E] and ``tokens_per_expert`` [E] (fp32 counts of routed
+    assignments, before any capacity drop, accumulated since the last
+    :func:`update_expert_bias`; activation checkpointing may count a recomputed forward twice,
+    which neither the sign-based update nor the max/mean load metric notices).
+    Attributes: ``aux_loss`` (detached mean sequence aux loss of the last forward, or None) and
+    ``aux_loss_weight`` (gradient weight per sequence; None = 1 / sequences in the forward,
+    i.e. the aux loss is averaged over the batch and added to a mean loss).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.dim, self.args = dim, args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(args.num_experts, dim, args.hidden_dim, args.use_grouped_mm)
+        self.shared_experts: nn.Module | None = None
+        if args.num_shared_experts > 0:
+            from titanext.models.llama import FeedForward
+
+            self.shared_experts = FeedForward(dim, args.num_shared_experts * args.hidden_dim)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_weight: float | None = None
+        if self.experts.w1.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, prefix: str = "", init_std: float = 0.02,
+                     out_init_std: float = 0.02) -> None:
+        """Layout-invariant init (each parameter generated whole from a name-derived seed)."""
+        self.router.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+        for name, p in self.named_parameters():
+            std = out_init_std if name.endswith(("w2", "w3", "w2.weight", "w3.weight")) else init_std
+            init_tensor_(p, f"{prefix}{name}", seed, normal_(std, truncate=2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        a, n_exp = self.args, self.args.num_experts
+        tokens = x.reshape(-1, dim)
+        weights, ids, scores = self.router(tokens)  # [T, k], [T, k], [T, E]
+        flat_ids = ids.reshape(-1)  # assignment j belongs to token j // top_k
+        counts = torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
+        if a.capacity_factor is None:
+            order, kept_counts = torch.argsort(flat_ids, stable=True), counts
+        else:
+            order, kept_counts = self._capacity_order(flat_ids, counts,
+                                                      scores.gather(-1, ids).reshape(-1))
+        token_of = order // a.top_k
+        y = self.experts(tokens[token_of], kept_counts)  # [kept, dim] in expert order
+        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        if a.aux_loss_alpha > 0:
+            aux = self._sequence_aux_loss(scores, flat_ids, bsz)
+            self.aux_loss = aux.detach() / bsz
+            if torch.is_grad_enabled() and aux.requires_grad:
+                weight = 1.0 / bsz if self.aux_loss_weight is None else self.aux_loss_weight
+                out = _AddAuxLoss.apply(out, aux, weight)
+        return out.view(bsz, seqlen, dim)
+
+    def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor, flat_scores: torch.Tensor):
+        """Expert-ordered kept assignments and per-expert kept counts under the capacity.
+
+        capacity = ceil(T * top_k / E * capacity_factor) per expert, on this forward's tokens.
+        Within an expert the assignments with the highest router score are kept; ties go to the
+        earlier token (and then the earlier of its top-k slots). Deterministic. Needs one
+        device-to-host sync (the number of kept rows).
+        """
+        n_exp, n_assign = self.args.num_experts, flat_ids.numel()
+        capacity = math.ceil(n_assign / n_exp * self.args.capacity_factor)
+        by_score = torch.argsort(-flat_scores, stable=True)
+        by_expert = by_score[torch.argsort(flat_ids[by_score], stable=True)]
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(n_assign, device=flat_ids.device) - starts[flat_ids[by_expert]]
+        kept = by_expert[rank_in_expert < capacity]
+        return kept, counts.clamp(max=capacity)
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, flat_ids: torch.Tensor, bsz: int) -> torch.Tensor:
+        """alpha * sum_i f_i * P_i summed over the sequences of this forward (DeepSeek-V3).
+
+        f_i = E / (top_k * S) * (selections of expert i in the sequence) and
+        P_i = mean over the sequence of s_i / sum_j s_j.
+        """
+        a = self.args
+        probs = scores / scores.sum(-1, keepdim=True)
+        probs = probs.view(bsz, -1, a.num_experts)  # [B, S, E]
+        seqlen = probs.shape[1]
+        sel = torch.zeros(bsz, a.num_experts, device=scores.device)
+        sel.index_add_(0, torch.arange(bsz, device=scores.device).repeat_interleave(seqlen * a.top_k),
+                       torch.nn.functional.one_hot(flat_ids, a.num_experts).float())
+        f = sel * (a.num_experts / (a.top_k * seqlen))
+        return a.aux_loss_alpha * (f * probs.mean(1)).sum()
+
+
+def _moe_modules(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """Aux-loss-free balancing step; call after ``optimizer.step()``. Returns the loads.
+
+    For every MoE layer: load = ``tokens_per_expert`` summed over ``group`` (the ranks that see
+    different tokens: dp x cp; None = this process only), then
+    ``expert_bias += load_balance_coeff * sign(mean(load) - load)``, mean-centred, and the
+    counts reset. Layers with ``load_balance_coeff=None`` only reset. Returns the loads
+    [layers, E] (one all-reduce for all layers) or None if the model has no MoE.
+
+    >>> loads = update_expert_bias(model, group=None)        # doctest: +SKIP
+    """
+    moes = _moe_modules(model)
+    if not moes:
+        return None
+    loads = torch.stack([m.tokens_per_expert.float() for m in moes])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    for m, load in zip(moes, loads):
+        if m.args.load_balance_coeff is not None:
+            bias = m.router.expert_bias
+            bias.add_(m.args.load_balance_coeff * torch.sign(load.mean() - load).to(bias.dtype))
+            bias.sub_(bias.mean())
+        m.tokens_per_expert.zero_()
+    return loads
+
+
+def expert_load(loads: torch.Tensor) -> torch.Tensor:
+    """max / mean load per layer for ``loads`` [layers, E] (1.0 = perfectly balanced)."""
+    return loads.amax(-1) / loads.mean(-1).clamp(min=1e-20)
+
+
+def set_aux_loss_weight(model: nn.Module, weight: float | None) -> None:
+    """Set every MoE layer's per-sequence aux-loss gradient weight (None: mean over the forward)."""
+    for m in _moe_modules(model):
+        m.aux_loss_weight = weight
