@@ -1,0 +1,169 @@
+"""Expert parallelism: dispatch/combine exactness, token conservation, EP layers vs one process.
+
+Each world size runs all its cases inside one spawn (``_dispatch_cases``) to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from tests.distributed import run_distributed
+
+
+class ScaleExperts(nn.Module):
+    """A protocol-following experts module: row i of expert e is multiplied by scale[e]."""
+
+    def __init__(self, num_experts: int, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(num_experts, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.to_local() if isinstance(self.scale, DTensor) else self.scale
+        expert = torch.repeat_interleave(torch.arange(scale.shape[0]), num_tokens_per_expert,
+                                         output_size=x.shape[0])
+        return x * scale[expert]
+
+
+class TinyMoE(nn.Module):
+    """Routing given from outside (ids [T, k], weights [T, k]); the MoE seam as in MoE.forward."""
+
+    def __init__(self, num_experts: int, dim: int):
+        super().__init__()
+        self.experts = ScaleExperts(num_experts, dim)
+        self.num_experts = num_experts
+
+    def forward(self, x, ids, weights):
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token_of = order // ids.shape[1]
+        y = self.experts(x[token_of], counts)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+
+def _routing(rank: int, world: int, n_exp: int, top_k: int, dim: int):
+    """Deliberately uneven per-rank routing: expert n_exp-1 is never chosen; rank 1 sends
+    nothing to the last ep rank; with 4 ranks the last rank has no tokens at all."""
+    g = torch.Generator().manual_seed(100 + rank)
+    n_tok = {0: 11, 1: 7}.get(rank, 0 if rank == world - 1 else 5 + rank)
+    x = torch.randn(n_tok, dim, generator=g)
+    usable = n_exp - n_exp // world if rank == 1 else n_exp - 1
+    ids = torch.stack([torch.randperm(usable, generator=g)[:top_k] for _ in range(n_tok)]) \
+        if n_tok else torch.zeros(0, top_k, dtype=torch.long)
+    w = torch.rand(n_tok, top_k, generator=g) + 0.1
+    return x, ids, w / w.sum(-1, keepdim=True)
+
+
+def _dispatch_cases(rank: int, world_size: int) -> dict:
+    """ep = 2 (two groups of 2 ranks) and ep = 4, all in one 4-rank spawn."""
+    out = {}
+    for ep in (2, 4):
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rep", "ep"))["ep"]
+        out[ep] = _dispatch_cases_on(mesh)
+    return out
+
+
+def _dispatch_cases_on(mesh) -> dict:
+    from titanext.plugins.expert_parallel import (
+        apply_expert_parallel,
+        combine_tokens,
+        count_comm,
+        dispatch_tokens,
+    )
+
+    rank, world, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
+    dim, out = 6, {}
+    for n_exp, top_k in ((world * 2, 2), (8, 4)):
+        tag = f"E{n_exp}k{top_k}"
+        x, ids, w = _routing(rank, world, n_exp, top_k, dim)
+        n_local = n_exp // world
+        # 1. raw dispatch: received rows are exactly the rows meant for this rank's experts,
+        #    in local-expert order, and combine inverts dispatch bit for bit (values and grads).
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_exp)
+        rows = x[order // top_k].clone().requires_grad_(True)
+        with count_comm() as cc:
+            got, local_counts, route = dispatch_tokens(rows, counts, mesh)
+            back = combine_tokens(got, route)
+        assert torch.equal(back, rows), tag
+        gy = torch.randn_like(back)
+        back.backward(gy)
+        assert torch.equal(rows.grad, gy), tag
+        assert cc.host_syncs == 1 and cc.count_exchanges == 1, cc
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (rows.detach(), flat[order]), group=group)
+        want_rows, want_counts = [], []
+        for e in range(rank * n_local, (rank + 1) * n_local):
+            mine = [r[f == e] for r, f in everyone]
+            want_rows += mine
+            want_counts.append(sum(len(m) for m in mine))
+        assert torch.equal(got, torch.cat(want_rows)), tag
+        assert local_counts.tolist() == want_counts, tag
+        # 2. token conservation (dropless): received counts over ranks = tokens x top_k.
+        totals = torch.tensor([int(local_counts.sum()), x.shape[0] * top_k])
+        dist.all_reduce(totals, group=group)
+        assert totals[0] == totals[1], (tag, totals)
+        # 3. through a module with identity experts and weights 1/top_k: inputs come back exactly.
+        torch.manual_seed(0)
+        moe = TinyMoE(n_exp, dim)
+        assert apply_expert_parallel(moe, mesh, filter_fn=lambda n, m: isinstance(m, ScaleExperts)) == ["experts"]
+        xi = x.clone().requires_grad_(True)
+        y = moe(xi, ids, torch.full_like(w, 1.0 / top_k))
+        assert torch.equal(y, xi), tag
+        y.backward(torch.full_like(y, 3.0))
+        assert torch.equal(xi.grad, torch.full_like(x, 3.0)), tag
+        # 4. random expert scales: EP layer == one process on all ranks' tokens (fwd + grads).
+        ref = TinyMoE(n_exp, dim)
+        with torch.no_grad():
+            ref.experts.scale.copy_(torch.randn(n_exp, dim, generator=torch.Generator().manual_seed(7)))
+        ep = TinyMoE(n_exp, dim)
+        ep.experts.scale.data.copy_(ref.experts.scale.data)
+        apply_expert_parallel(ep, mesh, filter_fn=lambda n, m: isinstance(m, ScaleExperts))
+        everything = [None] * world
+        dist.all_gather_object(everything, (x, ids, w), group=group)
+        xs = torch.cat([e[0] for e in everything]).requires_grad_(True)
+        ys = ref(xs, torch.cat([e[1] for e in everything]), torch.cat([e[2] for e in everything]))
+        ys.pow(2).sum().backward()
+        start = sum(e[0].shape[0] for e in everything[:rank])
+        xe = x.clone().requires_grad_(True)
+        ye = ep(xe, ids, w)
+        ye.pow(2).sum().backward()
+        torch.testing.assert_close(ye, ys[start:start + x.shape[0]], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(xe.grad, xs.grad[start:start + x.shape[0]], rtol=1e-6, atol=1e-6)
+        grad = ep.experts.scale.grad
+        assert isinstance(grad, DTensor)
+        torch.testing.assert_close(grad.full_tensor(), ref.experts.scale.grad, rtol=1e-6, atol=1e-6)
+        out[tag] = int(local_counts.sum())
+    return out
+
+
+@pytest.mark.slow
+def test_dispatch_combine_exact_and_ep_matches_one_process():
+    per_rank = run_distributed(_dispatch_cases, 4, timeout_s=30)
+    for ep in (2, 4):
+        # uneven loads: ranks of one ep group received different numbers of rows
+        assert len({r[ep][f"E{ep * 2}k2"] for r in per_rank[:ep]}) > 1
+
+
+def test_apply_rejects_indivisible_experts():
+    from titanext.plugins.expert_parallel import apply_expert_parallel
+
+    class FakeMesh:
+        ndim = 1
+
+        def size(self):
+            return 4
+
+        def get_group(self):
+            return None
+
+    moe = TinyMoE(6, 4)
+    with pytest.raises(ValueError, match="6 experts cannot be split over ep = 4"):
+        apply_expert_parallel(moe, FakeMesh(), filter_fn=lambda n, m: isinstance(m, ScaleExperts))
