@@ -66,7 +66,45 @@ def _dispatch_cases(rank: int, world_size: int) -> dict:
     for ep in (2, 4):
         mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rep", "ep"))["ep"]
         out[ep] = _dispatch_cases_on(mesh)
+        for grouped in (True, False):
+            _moe_layer_case(mesh, grouped)
     return out
+
+
+def _moe_layer_case(mesh, grouped: bool) -> None:
+    """The real MoE layer under EP == one process on all ranks' tokens (forward and grads)."""
+    import copy
+
+    from titanext.models.moe import MoE, MoEArgs
+    from titanext.plugins.expert_parallel import apply_expert_parallel
+
+    rank, world, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
+    torch.manual_seed(3)
+    args = MoEArgs(num_experts=8, top_k=3, hidden_dim=12, num_shared_experts=1, route_norm=True,
+                   load_balance_coeff=None, use_grouped_mm=grouped)
+    ref = MoE(16, args)
+    ep = copy.deepcopy(ref)
+    assert apply_expert_parallel(ep, mesh) == ["experts"]
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(2 * world, 5, 16, generator=g).requires_grad_(True)
+    cs = torch.randn(2 * world, 5, 16, generator=g)
+    (ref(xs) * cs).sum().backward()
+    mine = slice(2 * rank, 2 * rank + 2)
+    x = xs.detach()[mine].clone().requires_grad_(True)
+    y = ep(x)
+    (y * cs[mine]).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, ref(xs.detach())[mine], **tol)
+    torch.testing.assert_close(x.grad, xs.grad[mine], **tol)
+    for name, p in ep.named_parameters():
+        want = dict(ref.named_parameters())[name].grad
+        if isinstance(p.grad, DTensor):  # the experts: each rank holds its experts' full grad
+            assert name.startswith("experts."), name
+            got = p.grad.full_tensor()
+        else:  # replicated router / shared experts: each rank has its own tokens' share
+            got = p.grad.clone()
+            dist.all_reduce(got, group=group)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _dispatch_cases_on(mesh) -> dict:
