@@ -96,11 +96,21 @@ BASE = [
 ]
 
 
-def _train_many(rank, world_size, runs, dump_folder):
+def _register_pp8():
+    """An 8-layer debugtiny-width flavor, so pp = 4 with 2 stages per rank splits layers."""
+    from titanext.models import MODEL_FLAVORS, ModelArgs
+
+    MODEL_FLAVORS["llama3"].setdefault("pp8", ModelArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4,
+                                                        vocab_size=264, multiple_of=32))
+
+
+def _train_many(rank, world_size, runs, dump_folder, pp8=False):
     """Several Trainer runs in one spawn (start-up dominates on 2 cores)."""
     from titanext.config import load_config
     from titanext.train import Trainer
 
+    if pp8:
+        _register_pp8()
     out = []
     for i, overrides in enumerate(runs):
         cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
@@ -117,12 +127,16 @@ def _train_many(rank, world_size, runs, dump_folder):
 
 
 def _merge(results):
-    """Per run: (losses of rank 0, every rank's parameters merged)."""
+    """Per run: (losses of rank 0, every rank's parameters merged). A parameter held by two
+    ranks (DualPipe's mirrored copies) must be bitwise equal on both."""
     merged = []
     for i in range(len(results[0])):
         params = {}
         for rank_out in results:
-            params.update(rank_out[i][1])
+            for name, value in rank_out[i][1].items():
+                if name in params:
+                    assert torch.equal(params[name], value), f"run {i}: copies of {name} differ"
+                params[name] = value
         merged.append((results[0][i][0], params))
     return merged
 
@@ -142,7 +156,8 @@ def _check(ref, got, label, param_rtol=1e-5):
 
 
 TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2"]
-MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV", "Auto", "DualPipeV"]
+MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV", "Auto",
+                         "DualPipeV", "DualPipe"]
 
 
 def _runs(flavor, schedules, mb, extra=()):
@@ -194,10 +209,19 @@ def test_parity_check_can_fail(tmp_path):
         _check(ref, got, "wrong lr")
 
 
-def test_dualpipe_is_rejected_at_config_load_until_the_trainer_builds_mirrored_copies():
-    from titanext.config import ConfigError, load_config
+PP4_SCHEDULES = ["ZBH1", "ZBV", "DualPipeV", "DualPipe", "Auto"]
 
-    with pytest.raises(ConfigError, match="'DualPipe' is not supported by the trainer yet"):
-        load_config(None, ["--model.flavor=debugmodel", "--parallelism.pipeline_parallel_degree=2",
-                           "--parallelism.pipeline_parallel_schedule=DualPipe",
-                           "--training.local_batch_size=8"], world_size=2)
+
+@pytest.mark.slow
+def test_pp4_schedules_match_one_process(tmp_path):
+    """pp = 4, 8 micro-batches, an 8-layer model (8 one-layer V stages; DualPipe: two copies of
+    4 two-layer stages), every run in one 4-rank spawn."""
+    flags = ["--model.flavor=pp8", "--training.local_batch_size=8"]
+    ref = run_distributed(_train_many, 1, args=([flags], str(tmp_path / "ref"), True),
+                          timeout_s=120)[0][0]
+    runs = [[*flags, "--parallelism.pipeline_parallel_degree=4",
+             f"--parallelism.pipeline_parallel_schedule={s}",
+             "--parallelism.pipeline_parallel_microbatches=8"] for s in PP4_SCHEDULES]
+    results = run_distributed(_train_many, 4, args=(runs, str(tmp_path), True), timeout_s=300)
+    for name, got in zip(PP4_SCHEDULES, _merge(results), strict=True):
+        _check(ref, got, f"pp4 {name}")

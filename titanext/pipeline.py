@@ -157,12 +157,15 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
-                   costs: dict[str, float] | None = None):
+                   costs: dict[str, float] | None = None,
+                   schedule_kwargs: dict | None = None):
     """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
 
     ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
     schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
-    ``costs`` (f, b, w, comm) go to schedules that use them (Auto). Returns (stages, schedule).
+    ``costs`` (f, b, w, comm) go to schedules that use them (Auto); ``schedule_kwargs`` to the
+    schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). Returns (stages,
+    schedule).
 
     Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
 
@@ -180,7 +183,8 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     stages = [PipelineStage(mod, stage_index=i, num_stages=num_stages, device=device,
                             group=pp_group)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
-    kwargs = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    kwargs = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False,
+              **(schedule_kwargs or {})}
     if costs is not None:  # a schedule generated for measured costs (Auto)
         make = getattr(_schedules, "auto_schedule_class", None)
         if make is not None:
@@ -257,20 +261,13 @@ def pipeline_config_problems(cfg) -> list[str]:
     except ValueError as e:
         return [f"{key}stages_per_rank = {p.pipeline_parallel_stages_per_rank}: {e}"]
     mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
+    cls = get_schedule_class(name)
+    # DualPipe: two copies of a pp-stage model, the others pp x stages_per_rank stages
+    n_stages = _schedules.num_stages_for(cls.placement, pp, n_per_rank)
     compiled = cfg.compile.enable and "model" in cfg.compile.components
-    import inspect
-
-    extra = ({"stages_per_rank": n_per_rank}
-             if "stages_per_rank" in inspect.signature(schedule_problems).parameters else {})
-    problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled, **extra))
-    if pp > 1 and getattr(get_schedule_class(name), "placement", "loop") == "dualpipe":
-        # Two mirrored model copies per rank need their gradients summed and weights tied; the
-        # schedule does that for your own stages, but the trainer does not build the copies yet.
-        problems.append(f"{key}schedule = {name!r} is not supported by the trainer yet (it needs "
-                        "two mirrored model copies per rank); use 'DualPipeV', or run DualPipe "
-                        "with your own stages through titanext.schedules")
-    if compiled and getattr(get_schedule_class(name), "placement", "loop") == "v" \
-            and not hasattr(get_schedule_class(name), "generate") \
+    problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled,
+                                      stages_per_rank=n_per_rank))
+    if compiled and cls.placement == "v" and not hasattr(cls, "generate") \
             and not any("compile" in q for q in problems):
         problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "
                         "'ZBV' or set compile.enable = false")
@@ -280,10 +277,11 @@ def pipeline_config_problems(cfg) -> list[str]:
     if m.name in MODEL_FLAVORS and m.flavor in MODEL_FLAVORS[m.name]:
         n_layers = get_model_args(m.name, m.flavor).n_layers
         try:
-            layers_per_stage(n_layers, pp * n_per_rank,
+            layers_per_stage(n_layers, n_stages,
                              first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
                              last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
                              explicit=p.pipeline_parallel_layers_per_stage)
         except ValueError as e:
-            problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank} stages: {e}")
+            problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank}: {n_stages} "
+                            f"stages: {e}")
     return problems

@@ -59,6 +59,8 @@ from titanext.plugins.context_parallel import apply_context_parallel, shard_batc
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
+from titanext.schedules import get_schedule_class, num_stages_for, stage_ids_for_rank
+from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 from titanext.tokenizer import build_tokenizer
 
 IGNORE_INDEX = -100
@@ -273,7 +275,14 @@ class Trainer:
         self.pp_group, pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
         name = p.pipeline_parallel_schedule
         per_rank = stages_per_rank_of(name, p.pipeline_parallel_stages_per_rank)
-        self.pp_num_stages = n_stages = dims.pp * per_rank
+        placement = get_schedule_class(name).placement
+        # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
+        # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
+        self.pp_mirrored = placement == "dualpipe"
+        self.pp_num_stages = n_stages = num_stages_for(placement, dims.pp, per_rank)
+        # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
+        self._pp_loss_copies = sum(n_stages - 1 in stage_ids_for_rank(placement, r, dims.pp, per_rank)
+                                   for r in range(dims.pp))
         counts = layers_per_stage(len(model.layers), n_stages,
                                   first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
                                   last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
@@ -294,7 +303,9 @@ class Trainer:
         self.pp_stages, self.pp_schedule = build_pipeline(
             parts, self.pp_stage_ids, num_stages=n_stages, pp_group=self.pp_group,
             device=self.device, schedule=name, microbatches=self.pp_microbatches,
-            loss_fn=self._pp_loss)
+            loss_fn=self._pp_loss,
+            # mirrored gradients are summed once per optimizer step (after accumulation)
+            schedule_kwargs={"sum_mirrored_grads": False} if self.pp_mirrored else None)
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         self._pp_timer = StageTimer(self.pp_stages) if name == "Auto" else None
         return parts
@@ -337,9 +348,16 @@ class Trainer:
         loss_sum = self._pp_loss_sum.clone()
         dist.all_reduce(loss_sum, group=self.pp_group)
         dist.all_reduce(loss_sum, group=loss_group)
-        mean_loss = (loss_sum / max(global_tokens, 1.0)).item()
-        params = [q for part in self.model_parts for q in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.pp_group).item()
+        mean_loss = (loss_sum / self._pp_loss_copies / max(global_tokens, 1.0)).item()
+        max_norm = self.cfg.training.max_norm
+        if self.pp_mirrored:  # both copies of a stage get the summed gradient (bitwise equal)
+            sum_mirrored_grads(self.pp_stages)
+            grad_norm = clip_mirrored_grads(list(self.model_parts[0].parameters()),
+                                            list(self.model_parts[1].parameters()), max_norm,
+                                            pp_group=self.pp_group).item()
+        else:
+            params = [q for part in self.model_parts for q in part.parameters()]
+            grad_norm = clip_grad_norm_(params, max_norm, pp_group=self.pp_group).item()
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             raise TrainingDiverged(f"step {self.step + 1}: loss = {mean_loss}, grad norm = "
                                    f"{grad_norm}; stopping without an optimizer step")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import B, F, I, ListRuntime, W, action
+from titanext.schedules.zbv import zbv_candidates
 
 
 def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -185,27 +186,45 @@ def zbh2(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
     return generate(pp=pp, microbatches=microbatches, limits=[2 * pp - 1] * pp, **costs)
 
 
-def zbv(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
-    """ZB-V: two stages per rank in V placement, each rank keeping at most 2pp stage
-    activations (the memory of 1F1B's first rank: pp micro-batches of two half-size stages)."""
-    kw = dict(pp=pp, microbatches=microbatches, limits=[2 * pp] * pp, placement="v",
-              stages_per_rank=2, **costs)
-    try:
-        return generate(**kw)
-    except RuntimeError:  # first-stage forwards filled the memory: admit whole micro-batches
-        return generate(admission=True, **kw)
+def _fastest(orders, pp: int, **costs: float) -> dict[int, list]:
+    """The first of ``orders`` with the smallest simulated makespan (V placement)."""
+    from titanext.schedules.simulator import replay
+
+    best, best_time = None, float("inf")
+    for order in orders:
+        t = replay(order, num_stages=2 * pp, **costs).makespan
+        if t < best_time - 1e-9:
+            best, best_time = order, t
+    return best
+
+
+def zbv(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+        comm: float = 0.0) -> dict[int, list]:
+    """ZB-V: the zero-bubble paper's V order (two stages per rank, at most 2pp stage
+    activations: 1F1B's memory), zero bubble at F = I = W with m >= 2pp. For unequal costs
+    the W's are re-placed into the gaps by simulation (:func:`titanext.schedules.zbv.fill_gaps`)
+    when that is faster, so it is never slower than the paper's (and torch's) fixed order."""
+    costs = dict(f=f, b=b, w=w, comm=comm)
+    return _fastest(zbv_candidates(pp, microbatches, **costs), pp, **costs)
 
 
 def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-         comm: float = 0.0, mem_limit: int | None = None) -> dict[int, list]:
+         comm: float = 0.0, mem_limit: int | None = None, budget: int = 40) -> dict[int, list]:
     """The V-placed schedule with the smallest simulated makespan for these costs.
 
     Costs are per stage (one V stage is half a rank's layers). ``mem_limit`` caps every rank's
     live activations in units of a rank's share of the model, i.e. 2 V stages (default: pp,
-    1F1B's peak). The search follows the zero-bubble paper's heuristic: warm up as far as the
-    limit allows, then 1F1B-like with W in the gaps; it tries every warm-up depth per rank
-    (uniform, and tapering by rank like 1F1B), with backward-first and forward-first
-    priorities, and keeps the fastest. ZB-V's own setting is one of the candidates.
+    1F1B's peak). Candidates:
+
+    - when the limit allows 2pp stage activations, ZB-V's order with its W's re-placed for
+      the costs, plus a local search (``budget`` simulations per gap-filling policy) that runs
+      a later F or I where a rank would wait;
+    - the zero-bubble paper's heuristic as a list scheduler: warm up as far as the limit
+      allows, then 1F1B-like with W in the gaps; every warm-up depth per rank (uniform, and
+      tapering by rank like 1F1B), backward-first and forward-first priorities.
+
+    It keeps the fastest; ties go to the earlier candidate (ZB-V's own order first). The
+    search is deterministic, so every rank derives the same lists.
     """
     from titanext.schedules.simulator import replay
 
@@ -214,8 +233,13 @@ def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float
         raise ValueError(f"mem_limit = {mem_limit} must be >= 1 micro-batch")
     costs = dict(f=f, b=b, w=w, comm=comm)
     best, best_time = None, float("inf")
+    if cap >= 2 * pp:
+        best = _fastest(zbv_candidates(pp, microbatches, budget=budget, **costs), pp, **costs)
+        best_time = replay(best, num_stages=2 * pp, **costs).makespan
     seen = set()
-    for top in range(2, cap + 1):
+    # a few warm-up depths spread over [2, cap] (each costs 12 generations + replays)
+    tops = sorted({cap, cap - 1, (2 + cap) // 2, 2} if cap > 8 else set(range(2, cap + 1)))
+    for top in (t for t in tops if t >= 2):
         for taper in (0, 1, 2):
             limits = tuple(max(2, top - taper * r) for r in range(pp))
             for prefer in ("backward", "forward"):
@@ -232,20 +256,6 @@ def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float
                     t = replay(order, num_stages=2 * pp, **costs).makespan
                     if t < best_time - 1e-9:
                         best, best_time = order, t
-    # torch's hand-written ZB-V order (when this torch has it) competes too, so Auto is never
-    # worse than it; it holds 2pp stage activations, so only when the limit allows that
-    if cap >= 2 * pp:
-        from titanext.schedules._torch_ir import TORCH_SCHEDULES, torch_pipeline_order
-        zbv_cls = getattr(TORCH_SCHEDULES, "ScheduleZBVZeroBubble", None)
-        if zbv_cls is not None:
-            try:
-                order = torch_pipeline_order(zbv_cls, pp, microbatches, 2)
-            except Exception:  # torch refuses this pp / micro-batch count
-                order = None
-            if order is not None:
-                t = replay(order, num_stages=2 * pp, **costs).makespan
-                if t < best_time - 1e-9:
-                    best, best_time = order, t
     if best is None:
         raise ValueError(f"Auto: no schedule fits mem_limit = {mem_limit} at pp = {pp}")
     return best
