@@ -1,13 +1,17 @@
 """Pipeline schedules side by side: simulated bubble and memory, and a real gloo run.
 
     python benchmarks/pipeline_schedules.py [--markdown] [--real-steps 5] [--dim 512]
+        [--rows 128] [--skip-simulated]
 
 1. Simulated (titanext.schedules.simulate, the action lists that execute): bubble and peak
-   activations of every generated schedule for pp in {4, 8} and m in {8, 16, 32}, at F = I = W
-   and at an unequal profile (F = 1, I = 1, W = 0.5, comm = 0.05: W is the cheaper half of the
-   backward, as in the zero-bubble paper's profiles).
-2. Real: pp = 2 on gloo (one rank per core), 8 micro-batches of an MLP pipeline, the step time
-   of torch's 1F1B against titanext's ZBH1, ZBH2 and Auto (median of --real-steps).
+   memory of every schedule, ours and torch's, for pp in {4, 8} and m in {8, 16, 32}, at
+   F = I = W and at an unequal profile (F = 1, I = 1, W = 0.5, comm = 0.03: W is the cheaper
+   half of the backward, the kind of profile the zero-bubble paper measures).
+2. Real: pp = 2 on gloo (one rank per core, one thread each), 8 micro-batches through the same
+   8-block MLP for every schedule: the step time (median of --real-steps), the measured bubble
+   (1 - a rank's time inside the stage's F/I/W/B chunk methods / step time, mean over ranks)
+   and the simulated bubble and step for the F, I, W measured under ZBH1. Auto is generated
+   for those measured costs, as the trainer does after its first step.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from titanext.schedules import (
     get_schedule_class,
     schedule_problems,
     simulate,
-    stage_ids,
+    stage_ids_for_rank,
 )
 
 PROFILES = {"F=I=W": dict(f=1.0, b=1.0, w=1.0, comm=0.0),
-            "F=1 I=1 W=0.5 comm=0.05": dict(f=1.0, b=1.0, w=0.5, comm=0.05)}
+            "F=1 I=1 W=0.5 comm=0.03": dict(f=1.0, b=1.0, w=0.5, comm=0.03)}
 
 
 def simulated_table() -> list[dict]:
@@ -62,44 +66,88 @@ def _loss(out, target):
     return ((out - target) ** 2).mean()
 
 
-def _time_schedules(rank, world, names, microbatches, dim, steps):
+REAL_SCHEDULES = ["1F1B", "ZBH1", "ZBH2", "ZBV", "ZBVZeroBubble", "DualPipeV", "DualPipe", "Auto"]
+
+
+def _time_schedules(rank, world, names, microbatches, dim, rows, steps):
+    """Per schedule: median step time (slowest rank), each rank's busy time inside the stage's
+    F / I / W / B chunk methods (titanext.pipeline.StageTimer), and F, I, W per micro-batch."""
     from torch.distributed.pipelining import PipelineStage
 
-    x = torch.randn(microbatches * 8, dim)
-    y = torch.randn(microbatches * 8, dim)
-    out = {}
+    from titanext.pipeline import StageTimer
+    from titanext.schedules import auto_schedule_class, num_stages_for
+
+    torch.set_num_threads(1)  # one core per rank
+    x = torch.randn(microbatches * rows, dim)
+    y = torch.randn(microbatches * rows, dim)
+    out, measured = {}, None
     for name in names:
         cls = get_schedule_class(name)
         per_rank = cls.stages_per_rank or 1
-        ids = stage_ids(cls.placement, rank, world, per_rank)
-        # The same 8-block model whatever the schedule: V schedules hold two half-size stages.
-        stages = [PipelineStage(_mlp_stage(s, dim, 4 // per_rank), stage_index=s,
-                                num_stages=world * per_rank,
+        n_stages = num_stages_for(cls.placement, world, per_rank)
+        if name == "Auto":  # as the trainer does: generated for the costs measured before
+            cls = auto_schedule_class(**{k: measured[k] / measured["f"] for k in "fbw"})
+        ids = stage_ids_for_rank(cls.placement, rank, world, per_rank)
+        # The same 8-block model whatever the schedule: 4 blocks per pp rank, split over the
+        # stages a rank holds (DualPipe holds 2 copies of a 4-block stage)
+        blocks = 4 * world // n_stages
+        stages = [PipelineStage(_mlp_stage(s, dim, blocks), stage_index=s, num_stages=n_stages,
                                 device=torch.device("cpu"), group=dist.group.WORLD) for s in ids]
-        sched = build_schedule(name, stages, microbatches, loss_fn=_loss)
-        times = []
+        sched = build_schedule(cls, stages, microbatches, loss_fn=_loss)
+        timer = StageTimer(stages)
+        times, busy = [], []
         for i in range(steps + 1):
+            for v in timer.times.values():
+                v.clear()
             dist.barrier()
             t0 = time.perf_counter()
-            if 0 in ids:
-                sched.step(x, target=y) if world * per_rank - 1 in ids else sched.step(x)
+            if any(st.is_first for st in stages):
+                sched.step(x, target=y if any(st.is_last for st in stages) else None)
             else:
-                sched.step(target=y)
+                sched.step(target=y if any(st.is_last for st in stages) else None)
             elapsed = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            mine = torch.tensor([sum(sum(v) for v in timer.times.values())])
+            everyone = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(everyone, mine)
             if i:
                 times.append(elapsed.item())
-        out[name] = statistics.median(times)
+                busy.append([float(b) for b in everyone])
+        if name == "ZBH1":  # one stage per rank: F, I, W of a rank's share, max over ranks
+            mean = {k: sum(timer.times[k]) / max(len(timer.times[k]), 1) for k in ("f", "b", "w")}
+            t = torch.tensor([mean["f"], mean["b"], mean["w"]], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            measured = dict(zip("fbw", t.tolist()))
+        timer.detach()
+        k = times.index(statistics.median(times))
+        out[name] = {"step": times[k], "busy": busy[k]}
+    out["_costs"] = measured
     return out
 
 
-def real_table(steps: int, dim: int) -> list[dict]:
-    names = ["1F1B", "ZBH1", "ZBH2", "Auto"]
-    times = run_distributed(_time_schedules, 2, args=(names, 8, dim, steps), timeout_s=900)[0]
-    base = times["1F1B"]
-    return [{"schedule": n, "step (s)": f"{t:.3f}", "vs 1F1B": f"{t / base:.2f}x",
-             "simulated bubble": f"{simulate(n, pp=2, microbatches=8).bubble_ratio:.3f}"}
-            for n, t in times.items()]
+def real_table(steps: int, dim: int, rows: int, names=REAL_SCHEDULES) -> tuple[list[dict], dict]:
+    """pp = 2 on gloo: step time, measured and simulated bubble per schedule.
+
+    Measured bubble: 1 - mean busy time of a rank / step time (the busy time is spent inside
+    the stage's F, I, W, B chunk methods). Simulated: the same ratio from the simulator's
+    timeline with the F, I, W measured under ZBH1 (comm = 0).
+    """
+    names = [n for n in names if n in _SIMULATED and not schedule_problems(n, pp=2, microbatches=8)]
+    assert names[:2] == ["1F1B", "ZBH1"], "1F1B is the baseline, ZBH1 measures F, I, W"
+    res = run_distributed(_time_schedules, 2, args=(names, 8, dim, rows, steps), timeout_s=1200)[0]
+    costs = res.pop("_costs")
+    base = res["1F1B"]["step"]
+    rows_out = []
+    for name, r in res.items():
+        sim = simulate(name, pp=2, microbatches=8, **costs)
+        ranks = sorted({e.rank for e in sim.events})
+        sim_busy = [sum(e.end - e.start for e in sim.events if e.rank == q) for q in ranks]
+        rows_out.append({
+            "schedule": name, "step (s)": f"{r['step']:.3f}", "vs 1F1B": f"{r['step'] / base:.2f}x",
+            "measured bubble": f"{1 - sum(r['busy']) / len(r['busy']) / r['step']:.3f}",
+            "simulated bubble": f"{1 - sum(sim_busy) / len(sim_busy) / sim.makespan:.3f}",
+            "simulated step (s)": f"{sim.makespan:.3f}"})
+    return rows_out, costs
 
 
 def main(argv=None) -> int:
@@ -107,12 +155,19 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--real-steps", type=int, default=5)
     ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=128, help="rows per micro-batch")
+    ap.add_argument("--skip-simulated", action="store_true")
     a = ap.parse_args(argv)
-    print("1. simulated: bubble / peak activations (in micro-batches of one rank's share)")
-    print(format_table(simulated_table(), markdown=a.markdown), flush=True)
-    print(f"\n2. real: pp=2 on gloo, 8 micro-batches, MLP stages of dim {a.dim} "
-          f"(median of {a.real_steps} steps; a step ends with the slowest rank)", flush=True)
-    print(format_table(real_table(a.real_steps, a.dim), markdown=a.markdown))
+    if not a.skip_simulated:
+        print("1. simulated: bubble / peak memory (in micro-batches of one rank's share)")
+        print(format_table(simulated_table(), markdown=a.markdown), flush=True)
+    print(f"\n2. real: pp=2 on gloo, 8 micro-batches of {a.rows} rows, 8 MLP blocks "
+          f"{a.dim} -> {4 * a.dim} -> {a.dim} (4 per rank), one thread per rank; median of "
+          f"{a.real_steps} steps (a step ends with the slowest rank)", flush=True)
+    table, costs = real_table(a.real_steps, a.dim, a.rows)
+    print(format_table(table, markdown=a.markdown))
+    print("F, I, W per micro-batch of a rank's share (measured under ZBH1): "
+          + ", ".join(f"{k.upper() if k != 'b' else 'I'} = {v * 1e3:.1f} ms" for k, v in costs.items()))
     return 0
 
 

@@ -87,6 +87,39 @@ def test_config_rules():
     assert "stages_per_rank" in msg
 
 
+def test_config_rules_for_what_cannot_work():
+    pp2, pp4 = "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_degree=4"
+
+    def sched(name):
+        return f"--parallelism.pipeline_parallel_schedule={name}"
+
+    def mb(n):
+        return [f"--parallelism.pipeline_parallel_microbatches={n}", "--training.local_batch_size=12"]
+
+    assert _problems(pp2, sched("DualPipe"), *mb(4)) == []                  # 2 stages, 2 copies
+    assert "even number >= 2 x pp = 4" in _problems(pp2, sched("DualPipe"), *mb(3))[0]
+    assert "even number >= 2 x pp = 8" in _problems(pp4, sched("DualPipe"), *mb(6),
+                                                   "--model.flavor=debugmodel", world_size=4)[0]
+    assert "needs an even degree" in " ".join(_problems(
+        "--parallelism.pipeline_parallel_degree=3", sched("DualPipe"), *mb(6),
+        "--model.flavor=debugmodel", world_size=3))
+    assert "needs >= 2 x pp = 4" in _problems(pp2, sched("DualPipeV"), *mb(3),
+                                              "--model.flavor=debugmodel")[0]
+    # 2 layers cannot fill 4 stages (V), DualPipe needs only pp = 2 stages
+    assert "at least one layer" in _problems(pp2, sched("DualPipeV"), *mb(4))[0]
+    for name in ("ZBV", "Auto", "ZBH1", "ZBVZeroBubble", "DualPipeV"):
+        (msg,) = _problems(pp2, sched(name), *mb(4), "--model.flavor=debugmodel",
+                           "--compile.enable=true")
+        assert "torch.compile" in msg, (name, msg)
+    assert _problems(pp2, sched("1F1B"), *mb(4), "--compile.enable=true") == []
+    (msg,) = _problems(pp2, sched("ZBH2"), "--parallelism.zero_stage=1", world_size=4)
+    assert "zero_stage = 1" in msg
+    (msg,) = _problems(pp2, sched("DualPipe"), *mb(4), "--parallelism.tensor_parallel_degree=2",
+                       world_size=4)
+    assert "tensor_parallel_degree = 2" in msg
+    assert "must be divisible" in _problems(pp2, sched("ZBH1"), *mb(5))[0]
+
+
 # -- parity through the Trainer -----------------------------------------------------------------
 BASE = [
     "--training.dataset=synthetic", "--training.seq_len=32", f"--training.steps={STEPS}",

@@ -271,6 +271,14 @@ def pipeline_config_problems(cfg) -> list[str]:
             and not any("compile" in q for q in problems):
         problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "
                         "'ZBV' or set compile.enable = false")
+    if p.zero_stage == 1:
+        problems.append(f"parallelism.zero_stage = 1 with {key}degree = {pp} is not supported (the "
+                        "stages are not wrapped in DDP, so gradients would not be reduced over "
+                        "data parallel ranks); use zero_stage 2 or 3")
+    if cls.placement == "dualpipe" and p.tensor_parallel_degree > 1:
+        problems.append(f"{key}schedule = {name!r} with parallelism.tensor_parallel_degree = "
+                        f"{p.tensor_parallel_degree} is not supported yet (the mirrored-copy "
+                        "gradient sum is untested under TP); use 'DualPipeV' or tp = 1")
     if t.local_batch_size % mb:
         problems.append(f"training.local_batch_size = {t.local_batch_size} must be divisible by "
                         f"{key}microbatches = {mb} (each micro-batch is a slice of the batch)")
