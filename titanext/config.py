@@ -54,6 +54,7 @@ __all__ = [
     "load_config",
     "parse_cli",
     "resolved_dp_shard",
+    "model_args",
     "to_toml",
     "validate",
 ]
@@ -407,6 +408,54 @@ class Float8:
     hardware (CPU, GPUs before compute capability 8.9) and logs it."""
 
 
+def _grouped_mm_value(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "true, false or 'auto'"
+
+
+@dataclass
+class MoE:
+    """Overrides of the model flavor's MoE settings; an unset key keeps the flavor's value.
+    Only for MoE flavors (debugmoe, deepseek_v3_16b, deepseek_v3_671b)."""
+
+    num_experts: int | None = _field(None, ge=1)
+    """Routed experts per MoE block."""
+    top_k: int | None = _field(None, ge=1)
+    """Routed experts each token is sent to (<= num_experts)."""
+    num_shared_experts: int | None = _field(None, ge=0)
+    """Shared experts every token goes through (one SwiGLU of num_shared_experts x the expert
+    hidden size); 0 = none."""
+    score_func: str | None = _field(None, choices=("softmax", "sigmoid"))
+    """Router scores: softmax over experts or a sigmoid per expert (DeepSeek-V3), in fp32."""
+    route_norm: bool | None = _field(None)
+    """Renormalise each token's top-k routing weights to sum to 1."""
+    route_scale: float | None = _field(None, gt=0)
+    """Multiply the routing weights by this (DeepSeek-V3: 2.5)."""
+    num_expert_groups: int | None = _field(None, ge=1)
+    """Group-limited routing: the experts form this many equal groups (must divide
+    num_experts); 1 = no groups."""
+    num_limited_groups: int | None = _field(None, ge=1)
+    """Group-limited routing: each token picks its top_k experts inside its best this-many
+    groups (<= num_expert_groups; the groups must hold at least top_k experts)."""
+    load_balance_coeff: float | None = _field(None, ge=0)
+    """Aux-loss-free balancing: after each optimizer step the selection-only expert bias moves
+    by this x sign(mean load - load); 0 = off."""
+    aux_loss_alpha: float | None = _field(None, ge=0)
+    """Weight of DeepSeek-V3's sequence-wise balance loss (alpha x sum_i f_i P_i per
+    sequence, averaged over the step's sequences); 0 = off."""
+    capacity_factor: float | None = _field(None, gt=0)
+    """Token dropping: each expert takes at most ceil(tokens x top_k / num_experts x this)
+    assignments per forward (lowest router score dropped first); unset = the flavor's
+    (dropless for the built-in flavors)."""
+    use_grouped_mm: bool | str | None = _field(None, check=_grouped_mm_value,
+                                               rule="true, false or 'auto'")
+    """Experts as one torch._grouped_mm per projection (true), a loop over experts (false), or
+    'auto' (grouped where the device and dtype support it; same results)."""
+    n_dense_layers: int | None = _field(None, ge=0)
+    """The first this-many blocks keep a dense feed-forward (DeepSeek's first-k-dense)."""
+    moe_layer_interval: int | None = _field(None, ge=1)
+    """After the dense ones, every this-many-th block is a MoE block (1 = all of them)."""
+
+
 @dataclass
 class JobConfig:
     """The whole job: one attribute per TOML section."""
@@ -435,6 +484,8 @@ class JobConfig:
     """Collective timeouts."""
     float8: Float8 = field(default_factory=Float8)
     """Float8 training of linear layers."""
+    moe: MoE = field(default_factory=MoE)
+    """Mixture-of-Experts settings (overrides of the MoE flavor's)."""
 
 
 #: TOML section name -> its dataclass, in file order.
@@ -941,6 +992,61 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     return problems
 
 
+def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(MoE)
+            if getattr(cfg.moe, f.name) is not None}
+
+
+def model_args(cfg: JobConfig):
+    """The :class:`~titanext.models.ModelArgs` the job trains: the flavor's, with the [moe]
+    overrides applied (call on a validated config).
+
+    >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
+    1
+    """
+    from titanext.models import get_model_args, with_moe_overrides
+
+    return with_moe_overrides(get_model_args(cfg.model.name, cfg.model.flavor), **_moe_overrides(cfg))
+
+
+def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """[moe] against the flavor: only for MoE flavors, and the merged values must fit together."""
+    from titanext.models import MODEL_FLAVORS
+
+    m = cfg.model
+    if skip & {"model.name", "model.flavor"} or m.flavor not in MODEL_FLAVORS.get(m.name, {}):
+        return []
+    given = {k: v for k, v in _moe_overrides(cfg).items() if f"moe.{k}" not in skip}
+    args = MODEL_FLAVORS[m.name][m.flavor]
+    if args.moe is None:
+        if not given:
+            return []
+        moe_flavors = [f for f, a in MODEL_FLAVORS[m.name].items() if a.moe is not None]
+        keys = ", ".join(f"moe.{k}" for k in given)
+        return [f"{keys} set, but model.flavor = {m.flavor!r} is a dense model (no MoE blocks); "
+                f"use a MoE flavor ({', '.join(moe_flavors)}) or remove the [moe] keys"]
+    # The flavor's values where the [moe] key is unset (or failed its own check).
+    v = {**dataclasses.asdict(args.moe), "n_dense_layers": args.n_dense_layers,
+         "moe_layer_interval": args.moe_layer_interval, **given}
+    which = f"model.flavor {m.flavor!r} with [moe]"
+    problems = []
+    e, k, g, lg = v["num_experts"], v["top_k"], v["num_expert_groups"], v["num_limited_groups"]
+    if k > e:
+        problems.append(f"moe.top_k = {k} must be <= num_experts = {e} ({which})")
+    if e % g:
+        problems.append(f"moe.num_expert_groups = {g} must divide num_experts = {e} ({which})")
+    elif lg > g:
+        problems.append(f"moe.num_limited_groups = {lg} must be <= num_expert_groups = {g} ({which})")
+    elif k <= e and k > lg * (e // g):
+        problems.append(f"moe.top_k = {k} does not fit in the limited groups: num_limited_groups "
+                        f"({lg}) x experts per group ({e // g}) = {lg * e // g} ({which})")
+    if v["n_dense_layers"] >= args.n_layers:  # the first MoE block is block n_dense_layers
+        problems.append(f"moe.n_dense_layers = {v['n_dense_layers']} leaves no MoE block among the "
+                        f"model's {args.n_layers} blocks ({which})")
+    # Expert parallelism rules on the merged values (experts % ep, ...) belong here.
+    return problems
+
+
 def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """[float8] combinations that cannot work (checked only with float8.enable)."""
     from titanext.plugins.float8 import FLOAT8_ALL_GATHER_RECIPES
@@ -1020,6 +1126,7 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
 
         problems += pipeline_config_problems(cfg)
     problems += _float8_problems(cfg, skip)
+    problems += _moe_problems(cfg, skip)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
         dp = rep * shard

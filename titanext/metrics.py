@@ -280,8 +280,12 @@ class MetricsLogger:
 
     def log(self, step: int, *, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None,
             lr: float | None = None, extra: Mapping[str, float | torch.Tensor] | None = None,
+            tb_extra: Mapping[str, float | torch.Tensor] | None = None,
             ) -> dict[str, float] | None:
         """Record ``step``; on a log step print a line, write scalars and return them.
+
+        ``extra`` scalars go on the console line and to TensorBoard; ``tb_extra`` (e.g. one
+        value per layer) only to TensorBoard and the returned dict.
 
         Returns None on non-log steps and on non-logging ranks. Tensors are read with ``float()``,
         which synchronises with the device, but only on log steps.
@@ -329,6 +333,7 @@ class MetricsLogger:
         parts.append(paint("35", f"mfu {mfu:.2f}%" if mfu is not None else "mfu n/a"))
         parts.append(paint("90", mem_text))
         parts += [f"{k} {v:.4g}" for k, v in extras.items()]
+        metrics.update({k: float(v) for k, v in (tb_extra or {}).items()})
         self._clear_bar()
         print(self._prefix + "  ".join(parts), file=self.stream, flush=True)
 

@@ -36,12 +36,14 @@ from titanext.config import (
     config_help,
     gradient_accumulation_steps,
     load_config,
+    model_args,
     parse_cli,
     to_toml,
 )
 from titanext.data import build_dataloader
 from titanext.metrics import MetricsLogger
-from titanext.models import build_model, get_model_args
+from titanext.models import build_model
+from titanext.models.moe import MoE, expert_load, set_aux_loss_weight, update_expert_bias
 from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanext.parallel_dims import ParallelDims, init_distributed
 from titanext.pipeline import (
@@ -117,7 +119,7 @@ class Trainer:
         self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
 
         # Model: meta -> parallelize -> materialise -> init.
-        self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
+        self.model_args = model_args(cfg)  # the flavor's, with the [moe] overrides
         model = build_model(cfg.model.name, self.model_args, device="meta")
         f8 = cfg.float8
         if f8.enable:  # converters run first, on the meta model
@@ -141,6 +143,12 @@ class Trainer:
         # ZeRO-1: DDP over replicated parameters + a sharded optimizer state.
         self.train_module: nn.Module = apply_ddp(model, dims.loss_mesh) if zero1 else model
         self._is_ddp = isinstance(self.train_module, nn.parallel.DistributedDataParallel)
+        # MoE sequence aux loss: weight 1/(sequences per rank per step) per sequence, so that
+        # after FSDP's average over dp x cp it is the mean over the global step's sequences
+        # (CP slices count as sequences), next to the token-mean cross-entropy.
+        for part in self.model_parts:
+            set_aux_loss_weight(part, 1.0 / (self.grad_accum_steps * t.local_batch_size))
+        self.moe_load: dict[str, torch.Tensor] = {}
         self.compute_loss = self._loss_fn
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
@@ -260,11 +268,34 @@ class Trainer:
                 "an optimizer step (the last good checkpoint is kept)"
             )
         self.optimizer.step()
+        self._update_moe()
         if self._precompute_float8:  # one all-reduce for every float8 all-gathered weight's scale
             precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mean_loss, grad_norm
+
+    def _update_moe(self) -> None:
+        """After the optimizer step: aux-loss-free bias update of every MoE block, with the
+        loads summed over dp x cp (the ranks that see different tokens); keeps them for the
+        metrics as {block FQN: max/mean load}."""
+        self.moe_load = {}
+        for part in self.model_parts:
+            loads = update_expert_bias(part, group=self.dims.loss_mesh.get_group())
+            if loads is not None:
+                names = [n for n, m in part.named_modules() if isinstance(m, MoE)]
+                self.moe_load.update(zip(names, expert_load(loads)))
+
+    def _moe_metrics(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(console + TensorBoard, TensorBoard only) MoE metrics of the last step."""
+        if not self.moe_load:
+            return {}, {}
+        shown = {"moe_load": torch.stack(list(self.moe_load.values())).max()}
+        aux = [m.aux_loss for part in self.model_parts for m in part.modules()
+               if isinstance(m, MoE) and m.aux_loss is not None]
+        if aux:  # this rank's last micro-batch, summed over blocks
+            shown["moe_aux_loss"] = torch.stack(aux).sum()
+        return shown, {f"moe_load/{name}": v for name, v in self.moe_load.items()}
 
     # -- pipeline parallelism --------------------------------------------------------------
     def _build_pipeline(self, model: nn.Module) -> list[nn.Module]:
@@ -362,6 +393,7 @@ class Trainer:
             raise TrainingDiverged(f"step {self.step + 1}: loss = {mean_loss}, grad norm = "
                                    f"{grad_norm}; stopping without an optimizer step")
         self.optimizer.step()
+        self._update_moe()
         if self._precompute_float8:
             for part in self.model_parts:
                 precompute_float8_scales(part)
@@ -402,7 +434,9 @@ class Trainer:
                     _set_process_group_timeout(cfg.comm.train_timeout_seconds)
                 losses.append(loss)
                 metrics.record_tokens(tokens_per_step)
-                metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr)
+                shown, tb_only = self._moe_metrics()
+                metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown,
+                            tb_extra=tb_only)
                 self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
         finally:
             metrics.close()

@@ -11,9 +11,16 @@ import torch
 from torch import nn
 
 from titanext._hints import did_you_mean
-from titanext.models.args import LLAMA3_FLAVORS, ModelArgs
+import dataclasses
+from typing import Any
 
-MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama3": LLAMA3_FLAVORS}
+from titanext.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
+
+# The MoE flavors are the same decoder with MoE blocks, so they live under "llama3" too.
+MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama3": {**LLAMA3_FLAVORS, **MOE_FLAVORS}}
+
+#: Keys of :func:`with_moe_overrides` that belong to ModelArgs (which blocks are MoE).
+MOE_LAYER_KEYS = ("n_dense_layers", "moe_layer_interval")
 
 
 def _choices(value: str, choices) -> str:
@@ -30,6 +37,23 @@ def get_model_args(name: str, flavor: str) -> ModelArgs:
     return flavors[flavor]
 
 
+def with_moe_overrides(args: ModelArgs, **overrides: Any) -> ModelArgs:
+    """``args`` with MoE settings replaced: :class:`~titanext.models.moe.MoEArgs` fields and
+    ``n_dense_layers`` / ``moe_layer_interval``. ValueError if ``args`` has no MoE or a value
+    is invalid (MoEArgs checks itself).
+
+    >>> a = with_moe_overrides(get_model_args("llama3", "debugmoe"), num_experts=4, top_k=1)
+    >>> a.moe.num_experts, a.moe.top_k
+    (4, 1)
+    """
+    if not overrides:
+        return args
+    if args.moe is None:
+        raise ValueError(f"MoE settings {sorted(overrides)} given for a dense model")
+    layer = {k: overrides.pop(k) for k in MOE_LAYER_KEYS if k in overrides}
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **overrides), **layer)
+
+
 def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta") -> nn.Module:
     """Build model ``name`` with ``args`` on ``device`` (meta by default: no memory is used)."""
     from titanext.models.llama import Transformer
@@ -40,4 +64,4 @@ def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta")
         return Transformer(args)
 
 
-__all__ = ["MODEL_FLAVORS", "ModelArgs", "build_model", "get_model_args"]
+__all__ = ["MODEL_FLAVORS", "ModelArgs", "build_model", "get_model_args", "with_moe_overrides"]

@@ -26,6 +26,7 @@ from torch import nn
 
 from titanext.models.args import ModelArgs
 from titanext.models.init import constant_, init_tensor_, normal_
+from titanext.models.moe import MoE
 
 # q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]
 AttentionFn = Callable[..., torch.Tensor]
@@ -113,22 +114,33 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Attention + FFN block; a MoE block (``args.is_moe_layer``) has ``moe`` instead of
+    ``feed_forward``."""
+
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         # Depth-scaled init of the output projections (as in torchtitan / GPT-2).
         self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
     def init_weights(self, prefix: str, seed: int) -> None:
+        if hasattr(self, "moe"):
+            self.moe.init_weights(seed, f"{prefix}moe.", init_std=0.02, out_init_std=self.out_init_std)
         for name, p in self.named_parameters():
+            if name.startswith("moe."):
+                continue
             if name.endswith("norm.weight"):
                 fill = constant_(1.0)
             elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
@@ -192,7 +204,20 @@ class Transformer(nn.Module):
             n -= self.tok_embeddings.weight.numel()
         return n
 
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (each MoE
+        block runs top_k of its num_experts routed experts; shared experts always run)."""
+        n = self.num_params(exclude_embedding)
+        for layer in self.layers.values():
+            if hasattr(layer, "moe"):
+                m = layer.moe.args
+                n -= (m.num_experts - m.top_k) * 3 * layer.moe.dim * m.hidden_dim
+        return n
+
     def num_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x non-embedding params + attention scores (causal ignored)."""
+        """Training FLOPs per token: 6 x active non-embedding params (see
+        :meth:`num_active_params`; equal to all of them for a dense model) + attention scores
+        (causal ignored)."""
         a = self.args
-        return 6.0 * self.num_params(exclude_embedding=True) + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        return (6.0 * self.num_active_params(exclude_embedding=True)
+                + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len)

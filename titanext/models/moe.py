@@ -55,7 +55,7 @@ class MoEArgs:
     route_scale: float = 1.0         # multiply the routed weights by this
     num_expert_groups: int = 1       # group-limited routing: experts split in this many groups
     num_limited_groups: int = 1      # ... and each token picks experts inside its best groups
-    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias rate; None = off
+    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias rate; None or 0 = off
     aux_loss_alpha: float = 0.0      # sequence-wise auxiliary loss weight; 0 = off
     capacity_factor: float | None = None     # None = dropless
     use_grouped_mm: bool | Literal["auto"] = "auto"
@@ -153,7 +153,7 @@ class Router(nn.Module):
         a = self.args
         logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        biased = scores + self.expert_bias.float() if a.load_balance_coeff is not None else scores
+        biased = scores + self.expert_bias.float() if a.load_balance_coeff else scores
         if a.num_limited_groups < a.num_expert_groups:
             biased = self._limit_groups(biased)
         ids = torch.topk(biased, a.top_k, dim=-1, sorted=False).indices
@@ -307,7 +307,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     For every MoE layer: load = ``tokens_per_expert`` summed over ``group`` (the ranks that see
     different tokens: dp x cp; None = this process only), then
     ``expert_bias += load_balance_coeff * sign(mean(load) - load)``, mean-centred, and the
-    counts reset. Layers with ``load_balance_coeff=None`` only reset. Returns the loads
+    counts reset. Layers with ``load_balance_coeff`` None or 0 only reset. Returns the loads
     [layers, E] (one all-reduce for all layers) or None if the model has no MoE.
 
     >>> loads = update_expert_bias(model, group=None)        # doctest: +SKIP
@@ -319,7 +319,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(loads, group=group)
     for m, load in zip(moes, loads):
-        if m.args.load_balance_coeff is not None:
+        if m.args.load_balance_coeff:
             bias = m.router.expert_bias
             bias.add_(m.args.load_balance_coeff * torch.sign(load.mean() - load).to(bias.dtype))
             bias.sub_(bias.mean())

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -42,6 +43,9 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     dimension (norms run on a slice), and each block all-gathers before attention/FFN and
     reduce-scatters after. With ``loss_parallel`` the logits stay sharded over the vocabulary
     and the cross-entropy must run under ``torch.distributed.tensor.parallel.loss_parallel()``.
+    MoE blocks (a ``moe`` instead of ``feed_forward``) get TP on attention only; their MoE is
+    replicated over tp (every tp rank routes the same tokens through all experts): under SP its
+    input is all-gathered over the sequence and its output sliced back to ``Shard(1)``.
     With ``float8`` the block linears use torchao's float8 TP styles: activations are cast to
     float8 before their all-gathers (needs tensorwise Float8Linear blocks and NCCL).
     """
@@ -88,6 +92,13 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                 **({"fwd_config_submodule_fqn": "w1"} if float8 else {}),
             ),
+            # Gradients flow back through the gather/slice, so the replicated MoE parameters
+            # get identical, complete gradients on every tp rank (no tp reduction needed).
+            "moe": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),), use_local_output=True,
+            ),
         })
     plan.update({f"{layers_prefix}.{k}": v for k, v in block.items()})
     return plan
@@ -104,8 +115,9 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Apply ``plan`` (default: :func:`llama_tp_plan`) to ``model`` over the 1D ``tp_mesh``.
 
-    Modules a plan names but the model lacks (a pipeline stage without embeddings, say) are
-    skipped, so one plan serves every stage. ``float8`` (the model went through
+    Modules a plan names but the model lacks (a pipeline stage without embeddings, a MoE
+    block without ``feed_forward``, say) are skipped, so one plan serves every stage and
+    block kind: ``*`` keys are expanded (one ``*`` per name component) to the modules present. ``float8`` (the model went through
     ``apply_float8``) picks torchao's float8 TP styles for the default plan where they can
     work: tensorwise float8 block linears on a backend with float8 collectives. Otherwise TP
     communicates in high precision and says so; the linears still compute in float8. A custom
@@ -117,13 +129,22 @@ def apply_tensor_parallel(
         float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                              float8=float8)
-    present = {name for name, _ in model.named_modules()}
+    present = [name for name, _ in model.named_modules()]
     kept = {}
     for fqn, style in plan.items():
-        if "*" in fqn or fqn in present:
-            kept[fqn] = style
+        for name in _matching(fqn, present):
+            kept[name] = style
     parallelize_module(model, tp_mesh, kept)
     return model
+
+
+def _matching(pattern: str, names: list[str]) -> list[str]:
+    """The module names matching ``pattern`` component by component (fnmatch per component)."""
+    if "*" not in pattern:
+        return [pattern] if pattern in names else []
+    parts = pattern.split(".")
+    return [n for n in names if len(n.split(".")) == len(parts)
+            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts))]
 
 
 def _float8_comm_possible(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
