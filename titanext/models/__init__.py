@@ -7,13 +7,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from torch import nn
 
 from titanext._hints import did_you_mean
-import dataclasses
-from typing import Any
-
 from titanext.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
 
 # The MoE flavors are the same decoder with MoE blocks, so they live under "llama3" too.
