@@ -326,3 +326,15 @@ def test_debugmoe_layouts_follow_one_process(moe_reference, tmp_path):
             err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
             assert err < 1e-5, f"{case}: {name}: relative error {err:.2e}"
         assert load == pytest.approx(ref_load, rel=1e-6), case
+
+
+def test_moe_layer_example_runs(capsys):
+    """examples/moe_layer.py (the README's MoE example) in this process, a few steps."""
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "moe_layer.py"
+    runpy.run_path(str(path), run_name="example")["main"](steps=10)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["1", "10"]
+    assert all("max/mean expert load" in line for line in lines)
