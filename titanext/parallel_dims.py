@@ -239,6 +239,16 @@ class ParallelDims:
         return self.view("dp_shard_cp")
 
     @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """Where FSDP shards expert weights under EP: the data-parallel ranks ep leaves over,
+        ``dp_shard_mod_ep`` (2D with dp_replicate for HSDP); :attr:`fsdp_mesh` when ep = 1."""
+        if self.ep == 1:
+            return self.fsdp_mesh
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.world_mesh["dp_shard_mod_ep"]
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
         return self.view("dp")
 

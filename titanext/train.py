@@ -58,6 +58,7 @@ from titanext.pipeline import (
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import apply_context_parallel, shard_batch
+from titanext.plugins.expert_parallel import apply_expert_parallel
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
@@ -181,13 +182,16 @@ class Trainer:
         self._resumed = False
 
     def _parallelize(self, model: nn.Module) -> None:
-        """TP -> CP -> AC -> compile -> FSDP on one model (or one pipeline stage), in place."""
+        """TP -> EP -> CP -> AC -> compile -> FSDP on one model (or one pipeline stage), in place."""
         cfg, dims, p, t = self.cfg, self.dims, self.cfg.parallelism, self.cfg.training
         f8 = cfg.float8
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, sequence_parallel=p.enable_sequence_parallel,
                                   float8=f8.enable,
                                   loss_parallel=self.loss_parallel)
+        experts: list[nn.Module] = []
+        if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
+            experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
         if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
             apply_context_parallel(model, dims.cp_mesh, layout=self.cp_layout,
                                    comm=p.context_parallel_comm)
@@ -207,6 +211,11 @@ class Trainer:
                 reshard_after_forward=p.fsdp_reshard_after_forward,
                 zero_stage=max(p.zero_stage, 2),
                 pp_enabled=dims.pp_enabled,
+                # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
+                # gradients are summed over fewer ranks, so divide by the dense reduction size.
+                expert_units=experts,
+                expert_mesh=dims.expert_fsdp_mesh if experts else None,
+                expert_gradient_divide_factor=dims.gradient_reduction_size,
             )
 
     # -- pieces ------------------------------------------------------------------------------

@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titanext.plugins._blocks import find_blocks
 
-__all__ = ["apply_ddp", "apply_fsdp", "resolve_reshard_after_forward"]
+__all__ = ["apply_ddp", "apply_fsdp", "resolve_reshard_after_forward", "set_gradient_divide_factor"]
 
 _RESHARD_POLICIES = ("default", "always", "never")
 
@@ -58,6 +59,9 @@ def apply_fsdp(
     pp_enabled: bool = False,
     blocks: Iterable[nn.Module] | None = None,
     extra_units: Iterable[nn.Module] = (),
+    expert_units: Iterable[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
+    expert_gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh`` (1D: FSDP, 2D: HSDP), in place.
 
@@ -68,12 +72,21 @@ def apply_fsdp(
         reshard_after_forward: "default", "always", "never", or fully_shard's bool/int.
         zero_stage: 2 or 3 (see module docstring).
         extra_units: further submodules to make their own FSDP units (e.g. embeddings).
+        expert_units / expert_mesh / expert_gradient_divide_factor: expert-parallel experts
+            modules (see ``titanext.plugins.expert_parallel``), sharded over ``expert_mesh``
+            (the data-parallel ranks left after ep) with their summed gradients divided by
+            ``expert_gradient_divide_factor`` instead of the mesh size, so that they are scaled
+            like the dense gradients (pass the dense mesh size: dp_replicate x dp_shard x cp).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage = {zero_stage}; allowed: 2, 3 (use apply_ddp for 1)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = resolve_reshard_after_forward(reshard_after_forward, zero_stage=zero_stage,
                                             pp_enabled=pp_enabled)
+    for unit in expert_units:  # before the blocks that contain them
+        fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if expert_gradient_divide_factor is not None:
+            set_gradient_divide_factor(unit, expert_gradient_divide_factor, expert_mesh)
     units = [*extra_units, *find_blocks(model, blocks)]
     for i, unit in enumerate(units):
         # The last unit is needed again right at the start of backward: keep it gathered.
@@ -81,6 +94,21 @@ def apply_fsdp(
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=False if last else reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     return model
+
+
+def set_gradient_divide_factor(unit: nn.Module, factor: float, mesh: DeviceMesh) -> None:
+    """Make an FSDP unit (sharded over ``mesh``) divide its summed gradients by ``factor``,
+    not by its mesh size.
+
+    gloo has no PREMUL_SUM, which FSDP uses for a custom factor, so a sharded unit off NCCL
+    reduces with SUM and divides afterwards. A unit whose shard group has one rank keeps the
+    default path: FSDP then divides once by the factor (forcing SUM there divides twice in
+    torch 2.13).
+    """
+    unit.set_gradient_divide_factor(float(factor))
+    shard_group = mesh.get_group(mesh.ndim - 1)  # FSDP shards over the last dim (HSDP: 2D)
+    if shard_group.size() > 1 and dist.get_backend(shard_group) != "nccl":
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
