@@ -493,11 +493,11 @@ def test_without_world_size_dp_shard_minus_one_counts_as_one():
     assert "local_batch_size(8) x dp(1) = 8" in the_problem(["--training.global_batch_size=12"])
 
 
-@pytest.mark.parametrize("key,what", [("expert_parallel_degree", "expert")])
-def test_not_yet_supported_degrees(key, what):
-    problem = the_problem([f"--parallelism.{key}=2"])
-    assert problem == (f"parallelism.{key} = 2 is not supported yet by the trainer "
-                       "(context/pipeline/expert parallelism land in later releases); set it to 1")
+def test_expert_parallel_needs_a_moe_model():  # the other EP rules: tests/test_expert_parallel.py
+    problem = the_problem(["--parallelism.expert_parallel_degree=2"], world_size=2)
+    assert problem == ("parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor "
+                       "= 'debugmodel' has no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or "
+                       "set it to 1")
 
 
 def _cp_problems(args, world_size=8):

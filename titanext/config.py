@@ -915,22 +915,6 @@ def _constraint_problem(f: dataclasses.Field, value: Any) -> str | None:
     return None
 
 
-def _not_yet_supported(cfg: JobConfig, skip: set[str]) -> list[str]:
-    """NOT YET SUPPORTED: degrees the trainer cannot run yet.
-
-    Everything else (ParallelDims, the planner, the cross-field rules below) already handles
-    these degrees; delete an entry here when the trainer learns that kind of parallelism.
-    """
-    problems = []
-    for key in ("expert_parallel_degree",):
-        value = getattr(cfg.parallelism, key)
-        if f"parallelism.{key}" not in skip and value > 1:
-            problems.append(f"parallelism.{key} = {value} is not supported yet by the trainer "
-                            "(context/pipeline/expert parallelism land in later releases); "
-                            "set it to 1")
-    return problems
-
-
 def _resolve_shard(p: Parallelism, world_size: int | None) -> tuple[int, str | None]:
     """(dp_shard with -1 resolved, the problem if the degrees do not fit ``world_size``)."""
     from titanext.parallel_dims import resolve_dp_shard  # the one owner of degree arithmetic
@@ -1047,6 +1031,38 @@ def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     return problems
 
 
+def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]:
+    """Expert parallelism: a MoE model whose experts split evenly, ranks borrowed from
+    dp_shard x cp (``shard``: the resolved dp_shard, None when the degrees do not fit)."""
+    p = cfg.parallelism
+    ep, cp = p.expert_parallel_degree, p.context_parallel_degree
+    if ep == 1 or skip & {"parallelism.expert_parallel_degree", "model.name", "model.flavor"}:
+        return []
+    try:
+        args = model_args(cfg)
+    except (KeyError, ValueError):  # a bad name, flavor or [moe] value: reported elsewhere
+        return []
+    key = f"parallelism.expert_parallel_degree = {ep}"
+    if args.moe is None:
+        return [f"{key} needs a MoE model, but model.flavor = {cfg.model.flavor!r} has no MoE "
+                "blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"]
+    problems = []
+    if args.moe.num_experts % ep:
+        problems.append(f"{key} must divide moe.num_experts = {args.moe.num_experts} (each ep "
+                        "rank holds the same number of experts)")
+    if shard is not None and (ep % cp or (shard * cp) % ep):
+        problems.append(f"{key} must divide data_parallel_shard_degree({shard}) x "
+                        f"context_parallel_degree({cp}) = {shard * cp} and be a multiple of "
+                        f"context_parallel_degree ({cp}): ep borrows its ranks from dp_shard x cp")
+    if p.zero_stage == 1:
+        problems.append(f"{key} needs FSDP (zero_stage 2 or 3): parallelism.zero_stage = 1 "
+                        "replicates every parameter with DDP, experts included")
+    if p.pipeline_parallel_degree > 1:
+        problems.append(f"{key} with pipeline_parallel_degree = {p.pipeline_parallel_degree} is "
+                        "not supported yet; use one of them")
+    return problems
+
+
 def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """[float8] combinations that cannot work (checked only with float8.enable)."""
     from titanext.plugins.float8 import FLOAT8_ALL_GATHER_RECIPES
@@ -1088,7 +1104,6 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
         return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
 
     p, t = cfg.parallelism, cfg.training
-    problems += _not_yet_supported(cfg, skip)
     degrees_ok = ok("data_parallel_replicate_degree", "data_parallel_shard_degree",
                     "context_parallel_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree")
@@ -1127,6 +1142,7 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
         problems += pipeline_config_problems(cfg)
     problems += _float8_problems(cfg, skip)
     problems += _moe_problems(cfg, skip)
+    problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
         dp = rep * shard
