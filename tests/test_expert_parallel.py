@@ -234,6 +234,9 @@ TRAIN_CASES_4 = {
     "ep2_x_cp2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
                   "--parallelism.context_parallel_degree=2"],
     "fsdp4_no_ep": ["--training.local_batch_size=2"],  # the dense layout of ep*_fsdp4, no EP
+    # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
+    "ep2_x_fsdp4_resume": ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",
+                           "--checkpoint.enable=true", f"--checkpoint.interval={STEPS // 2}"],
 }
 
 
@@ -246,16 +249,18 @@ def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str)
     for name, overrides in cases.items():
         cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}/{name}", *overrides],
                           world_size=world_size)
-        trainer = Trainer(cfg)
-        norms, step = [], trainer.train_step
+        losses, norms = [], []
+        for until in (STEPS // 2, None) if name.endswith("_resume") else (None,):
+            trainer = Trainer(cfg)
+            step = trainer.train_step
 
-        def recording_step(microbatches, step=step, norms=norms):
-            loss, norm = step(microbatches)
-            norms.append(norm)
-            return loss, norm
+            def recording_step(microbatches, step=step, norms=norms):
+                loss, norm = step(microbatches)
+                norms.append(norm)
+                return loss, norm
 
-        trainer.train_step = recording_step
-        losses = trainer.train()
+            trainer.train_step = recording_step
+            losses += trainer.train(until_step=until)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for n, p in trainer.model.named_parameters()}
         out[name] = (losses, norms, params)
@@ -295,6 +300,61 @@ def test_trainer_ep2_matches_one_process(moe_reference, tmp_path):
 def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path):
     got = run_distributed(_train, 4, args=(TRAIN_CASES_4, str(tmp_path)), timeout_s=120)[0]
     for name in TRAIN_CASES_4:
+        assert len(got[name][0]) == STEPS, name
         _assert_matches(got[name], moe_reference, name)
     for name in ("ep2_x_fsdp4", "ep4_fsdp4"):
         _assert_matches(got[name], got["fsdp4_no_ep"], f"{name} vs fsdp4_no_ep", dense_rtol=1e-5)
+    # DCP save + resume of the EP-sharded experts (and their optimizer state): the same curve
+    assert got["ep2_x_fsdp4_resume"][:2] == got["ep2_x_fsdp4"][:2]
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,world_size,problem", [
+    (["--parallelism.expert_parallel_degree=3"], 3,
+     "parallelism.expert_parallel_degree = 3 must divide moe.num_experts = 8 (each ep rank holds "
+     "the same number of experts)"),
+    (["--parallelism.expert_parallel_degree=4"], 2,
+     "parallelism.expert_parallel_degree = 4 must divide data_parallel_shard_degree(2) x "
+     "context_parallel_degree(1) = 2 and be a multiple of context_parallel_degree (1): ep borrows "
+     "its ranks from dp_shard x cp"),
+    (["--parallelism.expert_parallel_degree=2", "--parallelism.context_parallel_degree=4"], 4,
+     "parallelism.expert_parallel_degree = 2 must divide data_parallel_shard_degree(1) x "
+     "context_parallel_degree(4) = 4 and be a multiple of context_parallel_degree (4): ep borrows "
+     "its ranks from dp_shard x cp"),
+    (["--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=1"], 2,
+     "parallelism.expert_parallel_degree = 2 needs FSDP (zero_stage 2 or 3): parallelism.zero_stage "
+     "= 1 replicates every parameter with DDP, experts included"),
+    (["--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2"], 4,
+     "parallelism.expert_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported "
+     "yet; use one of them"),
+    (["--parallelism.expert_parallel_degree=2", "--model.flavor=debugtiny"], 2,
+     "parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor = 'debugtiny' has "
+     "no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"),
+])
+def test_ep_config_problems(overrides, world_size, problem):
+    from titanext.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--model.flavor=debugmoe", *overrides], world_size=world_size)
+    assert problem in e.value.problems
+
+
+def test_ep_config_ok_and_top_k_rule():
+    from titanext.config import ConfigError, load_config
+
+    load_config("train_configs/debug_moe.toml", ["--parallelism.expert_parallel_degree=2"], world_size=2)
+    load_config(None, ["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=4",
+                       "--parallelism.context_parallel_degree=2"], world_size=4)
+    with pytest.raises(ConfigError, match="top_k"):
+        load_config(None, ["--model.flavor=debugmoe", "--moe.top_k=9",
+                           "--parallelism.expert_parallel_degree=2"], world_size=2)
+
+
+def test_bad_ep_config_exits_2_before_anything_starts(capsys):
+    from titanext.train import main
+
+    code = main(["--config", "train_configs/debug_moe.toml", "--parallelism.expert_parallel_degree=3"])
+    assert code == 2
+    assert "expert_parallel_degree = 3 must divide moe.num_experts = 8" in capsys.readouterr().err
