@@ -199,7 +199,9 @@ class Trainer:
         apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
                                        save_ops=ac.selective_op_save_list)
         if cfg.compile.enable and "model" in cfg.compile.components:
-            apply_compile(model, backend=cfg.compile.backend)
+            # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
+            # sizes on the host; both break the graph, so MoE blocks compile in pieces.
+            apply_compile(model, backend=cfg.compile.backend, fullgraph=not experts)
         # ZeRO-1 replicates parameters over every rank that reduces gradients: dp and cp.
         zero1 = p.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
         if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
