@@ -22,6 +22,15 @@ from titanext.models.moe import (
 DIM, HIDDEN = 16, 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread (2 threads on a busy 2-core machine is 10-30x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _experts(dtype=torch.float32, n=4):
     torch.manual_seed(0)
     ex = GroupedExperts(n, DIM, HIDDEN)
@@ -273,7 +282,8 @@ TOML_OVERRIDES = [
 ]
 PARITY_CASES = {
     # name: overrides; every case has a global batch of 4 sequences.
-    "fsdp2_grad_accum": ["--training.local_batch_size=1", "--training.global_batch_size=4"],
+    "fsdp2_grad_accum_full_ac": ["--training.local_batch_size=1", "--training.global_batch_size=4",
+                                 "--activation_checkpoint.mode=full"],
     "tp2_sp": ["--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2"],
 }
 
