@@ -348,3 +348,15 @@ def test_moe_layer_example_runs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines] == ["1", "10"]
     assert all("max/mean expert load" in line for line in lines)
+
+
+def test_float8_leaves_the_router_gate_alone():
+    """The router computes in fp32: float8 conversion skips its gate (a RouterGate, not a
+    plain nn.Linear) but converts the shared experts."""
+    from titanext.models import build_model, get_model_args, with_moe_overrides
+    from titanext.plugins.float8 import apply_float8
+
+    model = build_model("llama3", with_moe_overrides(get_model_args("llama3", "debugmoe"), num_experts=16))
+    converted = apply_float8(model, emulate=True)
+    assert "layers.1.moe.shared_experts.w1" in converted
+    assert not [f for f in converted if "router" in f]

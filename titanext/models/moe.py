@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from titanext.models.init import init_tensor_, normal_
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "expert_load", "grouped_mm_supported",
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load", "grouped_mm_supported",
            "set_aux_loss_weight", "update_expert_bias"]
 
 
@@ -138,20 +138,29 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
+class RouterGate(nn.Linear):
+    """The router's dim -> num_experts projection, computed in fp32 whatever the input and
+    parameter dtypes. A subclass so that converters which take plain ``nn.Linear`` (float8)
+    leave it alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Router(nn.Module):
     """Top-k router with fp32 scores, optional group-limited selection and a selection bias."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = RouterGate(dim, args.num_experts, bias=False)
         # Selection-only bias of aux-loss-free balancing (persistent: it is training state).
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32)."""
         a = self.args
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = self.gate(x)  # fp32
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         biased = scores + self.expert_bias.float() if a.load_balance_coeff else scores
         if a.num_limited_groups < a.num_expert_groups:
