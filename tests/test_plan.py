@@ -32,13 +32,14 @@ FP32 = ["--training.mixed_precision_param=float32"]
 
 # -- model state --------------------------------------------------------------------------------
 
-def test_param_grad_optimizer_bytes_match_the_real_model_exactly():
+@pytest.mark.parametrize("flavor", ["debugtiny", "debugmoe"])
+def test_param_grad_optimizer_bytes_match_the_real_model_exactly(flavor):
     from titanext.models import build_model, get_model_args
 
-    cfg = load_config(None, ["--model.flavor=debugtiny", "--training.seq_len=32", *FP32],
+    cfg = load_config(None, [f"--model.flavor={flavor}", "--training.seq_len=32", *FP32],
                       world_size=1)
     memory = plan_config(cfg, 1).memory
-    model = build_model("llama3", get_model_args("llama3", "debugtiny"), device="cpu")
+    model = build_model("llama3", get_model_args("llama3", flavor), device="cpu")
     model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 264, (2, 32))).sum().backward()
@@ -160,6 +161,10 @@ CASES = {
     "full": (1, ["--activation_checkpoint.mode=full"]),
     "tp2_sp": (2, ["--parallelism.tensor_parallel_degree=2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree=2"]),
+    # MoE blocks (debugmoe: 1 dense + 2 MoE blocks, 8 experts top-2, 1 shared, 4 groups)
+    "moe_none": (1, ["--model.flavor=debugmoe", "--activation_checkpoint.mode=none"]),
+    "moe_selective": (1, ["--model.flavor=debugmoe", "--activation_checkpoint.mode=selective"]),
+    "moe_full": (1, ["--model.flavor=debugmoe", "--activation_checkpoint.mode=full"]),
 }
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -44,6 +45,13 @@ from dataclasses import dataclass
 
 from titanext.config import ConfigError, JobConfig, load_config, parse_cli, resolved_dp_shard
 from titanext.planning.hardware import DEVICES, GB, Device
+from titanext.planning.moe import (
+    MoEShape,
+    all_to_all_bytes,
+    moe_activation_extra,
+    moe_shape,
+    with_ep,
+)
 from titanext.planning.pipeline import pipeline_layout, simulate_times
 from titanext.planning.roofline import Linear, microbatch_time, optimizer_time
 
@@ -90,11 +98,18 @@ class ModelShape:
     flops_per_token: float
     layer_tensors: int  # parameter tensors per layer (Adam keeps a step scalar for each)
     linears: tuple[Linear, ...] = ()  # one layer's matmuls (TP direction from the TP plan)
+    moe: MoEShape | None = None  # the MoE blocks (the fields above describe the dense ones)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe.layer_ids) if self.moe else 0
 
     @property
     def total(self) -> int:
-        return (self.n_layers * (self.layer_sharded + self.layer_replicated) + self.embedding
-                + self.output + self.final_norm)
+        moe = self.n_moe_layers * (self.moe.sharded + self.moe.replicated + self.moe.experts
+                                   ) if self.moe else 0
+        return ((self.n_layers - self.n_moe_layers) * (self.layer_sharded + self.layer_replicated)
+                + moe + self.embedding + self.output + self.final_norm)
 
 
 def model_shape(cfg: JobConfig) -> ModelShape:
@@ -142,8 +157,11 @@ def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
 
     args = get_model_args(name, flavor)
     model = _meta_model(name, flavor)
-    layer = model.layers["0"]
+    # a dense block describes the dense fields (a MoE-only model has none, they count 0 times)
+    layer = next((blk for blk in model.layers.values() if not hasattr(blk, "moe")),
+                 model.layers["0"])
     norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+    linears = _linears(layer)
     return ModelShape(
         dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
         kv_dim=args.kv_heads * args.head_dim, ffn=args.ffn_hidden_dim, vocab=args.vocab_size,
@@ -151,7 +169,8 @@ def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
         embedding=model.tok_embeddings.weight.numel(), output=model.output.weight.numel(),
         final_norm=model.norm.weight.numel(),
         flops_per_token=model.num_flops_per_token(seq_len),
-        layer_tensors=len(list(layer.parameters())), linears=_linears(layer))
+        layer_tensors=len(list(layer.parameters())), linears=linears,
+        moe=moe_shape(model, linears))
 
 
 # -- one layout -----------------------------------------------------------------------------------
@@ -184,9 +203,20 @@ def _level(stride: int, size: int, gpus_per_node: int) -> str:
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
-                                     sp: bool = True, cp: int = 1) -> float:
-    """Saved activation bytes of one layer per token of the *whole* sequence (see module doc)."""
-    h, hkv, f, n = shape.dim, shape.kv_dim, shape.ffn, shape.n_heads
+                                     sp: bool = True, cp: int = 1, moe: bool = False) -> float:
+    """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
+
+    ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
+    :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp)."""
+    if moe:
+        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0)
+                + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
+    return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn)
+
+
+def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
+                      ffn: int) -> float:
+    h, hkv, f, n = shape.dim, shape.kv_dim, ffn, shape.n_heads
     if mode == "full":
         return a * h / (tp if sp else 1) / cp
     attention = a * (2 * h + 2 * hkv) if cp > 1 else a * 4 * h  # q, k, v, out (ring: K/V unexpanded)
@@ -232,8 +262,10 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
 
     p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
     shape = model_shape(cfg)
-    rep, tp, cp, pp = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
-                       p.context_parallel_degree, p.pipeline_parallel_degree)
+    rep, tp, cp, pp, ep = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
+                           p.context_parallel_degree, p.pipeline_parallel_degree,
+                           p.expert_parallel_degree)
+    moe = shape.moe
     shard = resolved_dp_shard(cfg, world_size)
     dp, n_fsdp = rep * shard, shard * cp
     a = _dtype_bytes(t.mixed_precision_param, True)
@@ -261,6 +293,14 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
     gathered_layer = ((1 if f8.enable_fsdp_float8_all_gather else a) * f8_weights
                       + a * (shape.layer_sharded - f8_weights)) / tp + a * shape.layer_replicated
+    gathered_per_element = gathered_layer / (shape.layer_sharded / tp + shape.layer_replicated)
+    if moe:  # a MoE unit gathers its attention, router, shared and this rank's experts
+        gathered_layer = max(gathered_layer, a * (moe.sharded / tp + moe.replicated
+                                                  + moe.experts / ep))
+        moe_linears = with_ep(moe.linears, moe.num_experts, ep)
+
+    def n_moe(rank) -> int:  # MoE blocks among a pp rank's blocks
+        return len(moe.layer_ids.intersection(rank.layer_ids)) if moe else 0
 
     def act(rank_layers: float) -> float:  # one block-boundary activation (p2p, TP collectives)
         return tokens * shape.dim * a / (tp if sp else 1) * rank_layers
@@ -269,12 +309,16 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     tp_fwd = (4 if sp else 2) * (tp > 1)  # SP: 2 all-gathers + 2 reduce-scatters per block
     tp_bytes = tokens * shape.dim * a * (tp - 1) / tp * (1 if sp else 2)  # per collective
     per_rank = []
+    common = dict(tokens=tokens, seq_len=t.seq_len, dim=shape.dim, kv_dim=shape.kv_dim,
+                  vocab=shape.vocab, tp=tp, sp=sp, a=a, ac=ac, efficiency=efficiency)
     for rank in pipe.ranks:
-        mt = microbatch_time(device, tokens=tokens, seq_len=t.seq_len, dim=shape.dim,
-                             kv_dim=shape.kv_dim, ffn=shape.ffn, vocab=shape.vocab,
-                             linears=linears, layers=rank.layers, tp=tp, sp=sp, a=a, ac=ac,
-                             efficiency=efficiency, embedding=rank.embedding, head=rank.head,
-                             head_float8=f8_head)
+        mt = microbatch_time(device, ffn=shape.ffn, linears=linears,
+                             layers=rank.layers - n_moe(rank), embedding=rank.embedding,
+                             head=rank.head, head_float8=f8_head, **common)
+        if n_moe(rank):
+            mt = mt + microbatch_time(device, ffn=0, linears=moe_linears, layers=n_moe(rank),
+                                      ffn_replicated=moe.top_k * moe.hidden + moe.shared_hidden,
+                                      **common)
         per_rank.append(mt)
     level = functools.partial(_level, gpus_per_node=gpus_per_node)
     strides = {"tp": 1, "cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * shard,
@@ -305,6 +349,17 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
         comm.append(c)
         hidden = mt.attention_f * (1 + 2.5 + (1 if ac == "full" else 0))
         mt = dataclasses.replace(mt, i=mt.i + max(0.0, _comm_time(c, device) / passes - hidden))
+    if ep > 1 and n_moe(rank):
+        # dispatch + combine forward, again backward (and in the recompute); one count exchange
+        # per dispatch; on the critical path (the MoE waits for its tokens)
+        n_f = 2 * n_moe(rank)
+        n_i = n_f * (2 if ac == "full" else 1)
+        one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a)
+        c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i) * passes * 3 // 2,
+             "bytes": (n_f + n_i) * one * passes, "level": level(tp, ep), "overlap": "none"}
+        comm.append(c)
+        t_one = _comm_time({**c, "collectives": 1, "bytes": one}, device)
+        mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
     p2p = 0.0
     if pp > 1:
         send = act(1)
@@ -327,40 +382,64 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     per_layer = activation_bytes_per_token_layer(shape, ac, a=a, tp=tp, sp=sp, cp=cp)
     head_act = tokens * (a * 3 * shape.dim / (tp if sp else 1) + 4 * shape.vocab / tp + 16)
     memories, psis = [], []
+    per_moe_layer = (activation_bytes_per_token_layer(shape, ac, a=a, tp=tp, sp=sp, cp=cp, moe=True)
+                     if moe else 0.0)
+    sharded = p.zero_stage >= 2 and n_fsdp * rep > 1
+
+    def per_rank_elements(psi_dense: float, psi_experts: float, ranks: int) -> float:
+        """Elements on one rank when ``ranks`` data-parallel ranks shard the state: the ep
+        ranks already split the experts, the other ``ranks / ep`` shard them further."""
+        return psi_dense / ranks + psi_experts / max(1, ranks // ep)
+
     for r, rk in enumerate(pipe.ranks):
-        psi = (rk.layers * (shape.layer_sharded / tp + shape.layer_replicated)
-               + (shape.embedding / tp if rk.embedding else 0)
-               + (shape.output / tp + shape.final_norm if rk.head else 0))
-        tensors = rk.layers * shape.layer_tensors + rk.embedding + 2 * rk.head
-        sharded = p.zero_stage >= 2 and n_fsdp * rep > 1
-        mem = {"params (fp32 master)": 4 * psi / (n_fsdp if sharded else 1),
-               "grads (fp32)": 4 * psi / (n_fsdp if sharded else 1),
+        n_m = n_moe(rk)
+        psi_dense = ((rk.layers - n_m) * (shape.layer_sharded / tp + shape.layer_replicated)
+                     + n_m * ((moe.sharded / tp + moe.replicated) if moe else 0)
+                     + (shape.embedding / tp if rk.embedding else 0)
+                     + (shape.output / tp + shape.final_norm if rk.head else 0))
+        psi_experts = n_m * moe.experts / ep if moe else 0.0
+        psi = psi_dense + psi_experts
+        tensors = ((rk.layers - n_m) * shape.layer_tensors + n_m * (moe.tensors if moe else 0)
+                   + rk.embedding + 2 * rk.head)
+        state = per_rank_elements(psi_dense, psi_experts, n_fsdp if sharded else 1)
+        mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
                # two fp32 moments per element, and a 4-byte step per parameter tensor
-               "optimizer (Adam)": 8 * psi / zero_n + 4 * tensors}
+               "optimizer (Adam)": 8 * per_rank_elements(psi_dense, psi_experts, zero_n)
+               + 4 * tensors}
         if sharded and n_fsdp > 1:  # gathered units: two in flight, or all without resharding
             mem["gathered params"] = gathered_layer * (2 if reshard else rk.layers)
         else:
             mem["gathered params"] = 0.0
-        layers_per_stage = rk.layers / len(rk.stages)
-        mem["activations"] = (in_flight[r] * tokens_mb * layers_per_stage * per_layer
+        stages = len(rk.stages)
+        mem["activations"] = (in_flight[r] * tokens_mb / stages
+                              * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
                               + (head_act if rk.head else 0.0))
         memories.append(mem)
-        psis.append(psi)
+        psis.append((psi_dense, psi_experts))
     top = max(range(pp), key=lambda r: sum(memories[r].values()))
-    psi = psis[busiest]
+    psi_dense, psi_experts = psis[busiest]
+    psi = psi_dense + psi_experts
 
     # -- data-parallel traffic, hidden behind the step's compute except the first/last unit
     units = rank.layers + 1
     if n_fsdp > 1 and p.zero_stage >= 2:
         gathers = 1 if (p.zero_stage == 2 or not reshard) else 2
         frac = (n_fsdp - 1) / n_fsdp
-        gbytes = gathered_layer / (a * shape.layer_sharded / tp + a * shape.layer_replicated) * a
+        per_element = gathered_per_element * gathers + reduce_bytes
+        dense_only = psi_experts and ep > 1  # experts have their own FSDP group
         comm.append({"parallelism": "FSDP (dp_shard x cp)", "collectives": units * (gathers + 1) * accum,
-                     "bytes": psi * frac * (gbytes * gathers + reduce_bytes) * accum,
+                     "bytes": (psi_dense if dense_only else psi) * frac * per_element * accum,
                      "level": level(strides["dp_shard"], n_fsdp), "overlap": "compute"})
+        n_e = n_fsdp // ep
+        if dense_only and n_e > 1:
+            comm.append({"parallelism": "FSDP experts (dp_shard x cp / ep)",
+                         "collectives": n_moe(rank) * (gathers + 1) * accum,
+                         "bytes": psi_experts * (n_e - 1) / n_e * (a * gathers + reduce_bytes) * accum,
+                         "level": level(tp * ep, n_e), "overlap": "compute"})
     if rep > 1 and p.zero_stage >= 2:
         comm.append({"parallelism": "HSDP all-reduce (dp_replicate)", "collectives": units * accum,
-                     "bytes": 2 * (rep - 1) / rep * reduce_bytes * psi / n_fsdp * accum,
+                     "bytes": 2 * (rep - 1) / rep * reduce_bytes * accum
+                     * per_rank_elements(psi_dense, psi_experts, n_fsdp),
                      "level": level(strides["dp_replicate"], rep), "overlap": "compute"})
     if p.zero_stage == 1 and dp * cp > 1:
         d = dp * cp  # DDP all-reduce once per step, then the sharded optimizer's fp32 all-gather
@@ -370,7 +449,7 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     hidden = sum(_comm_time(c, device) for c in comm if c["overlap"] == "compute")
     step_compute = accum * pass_time
     exposed_dp = max(0.0, hidden - step_compute) + hidden / max(1, units * accum) if hidden else 0.0
-    optimizer = optimizer_time(device, psi / zero_n)
+    optimizer = optimizer_time(device, per_rank_elements(psi_dense, psi_experts, zero_n))
     step = step_compute + exposed_dp + optimizer
     for c in comm:
         c["time_s"] = _comm_time(c, device)
@@ -381,7 +460,7 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
             "bubble": bubble, "optimizer_s": optimizer, "step_s": step, "mfu": mfu,
             "tokens_per_s": tokens_step / step, "microbatch_f_i_w_s": [mt.f, mt.i, mt.w],
             "pp_p2p_s": p2p}
-    layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp,
+    layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep,
               "zero_stage": p.zero_stage, "ac": ac, "local_batch_size": t.local_batch_size,
               "gradient_accumulation": accum, "microbatches": accum,
               "pp_schedule": pipe.schedule if pp > 1 else None, "pp_microbatches": pp_mb,
@@ -411,6 +490,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
         global_batch = base.training.local_batch_size * world_size
+    moe = model_shape(base).moe
     candidates = []
     for tp in _divisors(world_size):
         if tp > 2 * gpus_per_node:
@@ -418,24 +498,30 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
         for pp in _divisors(world_size // tp):
             for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
                 dp = world_size // (tp * pp * cp)
-                for ac in ("none", "selective", "full"):
-                    for local in (1, 2, 4, 8):
-                        if global_batch % (local * dp):
-                            continue
-                        cfg = dataclasses.replace(
-                            base,
-                            parallelism=dataclasses.replace(
-                                base.parallelism, tensor_parallel_degree=tp,
-                                pipeline_parallel_degree=pp, context_parallel_degree=cp,
-                                data_parallel_replicate_degree=1, data_parallel_shard_degree=dp),
-                            activation_checkpoint=dataclasses.replace(base.activation_checkpoint,
-                                                                      mode=ac),
-                            training=dataclasses.replace(base.training, local_batch_size=local,
-                                                         global_batch_size=global_batch))
+                # expert parallelism borrows dp_shard x cp ranks (MoE models only)
+                eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
+                for ep, ac, local in itertools.product(eps, ("none", "selective", "full"),
+                                                       (1, 2, 4, 8)):
+                    if global_batch % (local * dp):
+                        continue
+                    cfg = dataclasses.replace(
+                        base,
+                        parallelism=dataclasses.replace(
+                            base.parallelism, tensor_parallel_degree=tp,
+                            pipeline_parallel_degree=pp, context_parallel_degree=cp,
+                            expert_parallel_degree=ep, data_parallel_replicate_degree=1,
+                            data_parallel_shard_degree=dp),
+                        activation_checkpoint=dataclasses.replace(base.activation_checkpoint,
+                                                                  mode=ac),
+                        training=dataclasses.replace(base.training, local_batch_size=local,
+                                                     global_batch_size=global_batch))
+                    try:
                         plan = plan_config(cfg, world_size, device=device,
                                            gpus_per_node=gpus_per_node, efficiency=efficiency)
-                        if plan.fits:
-                            candidates.append(plan)
+                    except ValueError:  # e.g. fewer layers than stages: validation rejects it
+                        continue
+                    if plan.fits:
+                        candidates.append(plan)
     # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
     candidates.sort(key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
                                     pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
@@ -446,6 +532,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
         cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
                 f"--parallelism.pipeline_parallel_degree={lo['pp']}",
                 f"--parallelism.context_parallel_degree={lo['cp']}",
+                f"--parallelism.expert_parallel_degree={lo['ep']}",
                 "--parallelism.data_parallel_replicate_degree=1",
                 f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
                 f"--activation_checkpoint.mode={lo['ac']}",
@@ -470,6 +557,7 @@ def toml_snippet(plan: Plan) -> str:
         f"tensor_parallel_degree = {lo['tp']}",
         f"context_parallel_degree = {lo['cp']}",
         f"pipeline_parallel_degree = {lo['pp']}",
+        *([f"expert_parallel_degree = {lo['ep']}"] if lo["ep"] > 1 else []),
         "", "[training]", f"local_batch_size = {lo['local_batch_size']}",
         "", "[activation_checkpoint]", f'mode = "{lo["ac"]}"'])
 
@@ -510,7 +598,9 @@ def memory_svg(plans: Sequence[Plan], labels: Sequence[str], hbm: float) -> str:
 
 
 def _layout_name(lo: dict) -> str:
-    return f"dp{lo['dp_shard']} tp{lo['tp']} cp{lo['cp']} pp{lo['pp']} {lo['ac']} mb{lo['local_batch_size']}"
+    ep = f" ep{lo['ep']}" if lo["ep"] > 1 else ""
+    return (f"dp{lo['dp_shard']} tp{lo['tp']} cp{lo['cp']} pp{lo['pp']}{ep} {lo['ac']} "
+            f"mb{lo['local_batch_size']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,6 +31,7 @@ class RankStages:
     embedding: bool
     head: bool
     sends: int
+    layer_ids: tuple[int, ...] = ()  # the model's block indices in this rank's stages
 
 
 @dataclass(frozen=True)
@@ -47,22 +48,29 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
                     last_stage_less_layers: int = 0,
                     layers_per_stage_explicit: tuple[int, ...] = ()) -> PipelineLayout:
     """Stages, blocks and sends of every pp rank under ``schedule`` (the trainer's placement)."""
+    from titanext.schedules import get_schedule_class, num_stages_for
+
     spr = stages_per_rank_of(schedule, stages_per_rank) if pp > 1 else 1
-    n_stages = pp * spr
+    # DualPipe's two copies each have pp stages (rank r holds r of one and pp-1-r of the other)
+    n_stages = num_stages_for(get_schedule_class(schedule).placement, pp, spr) if pp > 1 else 1
     counts = layers_per_stage(n_layers, n_stages, first_stage_less_layers=first_stage_less_layers,
                               last_stage_less_layers=last_stage_less_layers,
                               explicit=list(layers_per_stage_explicit) or None)
     ids = [pipeline_stage_ids(schedule, pp_rank=r, pp=pp, stages_per_rank=spr) if pp > 1 else [0]
            for r in range(pp)]
     owner = {s: r for r, stages in enumerate(ids) for s in stages}
+    # DualPipe: a copy's neighbouring stages always live on other ranks
+    mirrored = pp > 1 and get_schedule_class(schedule).placement == "dualpipe"
+    starts = [sum(counts[:s]) for s in range(n_stages)]
     ranks = []
     for r, stages in enumerate(ids):
         # a stage sends forward to the next stage and backward to the previous one, unless the
         # neighbour lives on the same rank (the V's turn)
-        sends = sum((s + 1 < n_stages and owner[s + 1] != r) + (s > 0 and owner[s - 1] != r)
-                    for s in stages)
-        ranks.append(RankStages(tuple(stages), sum(counts[s] for s in stages), 0 in stages,
-                                n_stages - 1 in stages, sends))
+        sends = sum((s + 1 < n_stages and (mirrored or owner[s + 1] != r))
+                    + (s > 0 and (mirrored or owner[s - 1] != r)) for s in stages)
+        layer_ids = tuple(i for s in stages for i in range(starts[s], starts[s] + counts[s]))
+        ranks.append(RankStages(tuple(stages), len(layer_ids), 0 in stages,
+                                n_stages - 1 in stages, sends, layer_ids))
     return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks))
 
 

@@ -41,13 +41,20 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 @dataclass(frozen=True)
 class Linear:
     """One matmul of a layer: ``in_features`` x ``out_features`` weight; ``rowwise``: TP splits
-    the input dimension (else the output one); ``float8``: runs as a float8 linear."""
+    the input dimension (else the output one); ``float8``: runs as a float8 linear.
+
+    MoE matmuls: ``tp_split=False`` for weights replicated over tp (the router, shared and
+    routed experts); ``token_factor`` rows per token (``top_k`` for the routed experts) and
+    ``weights`` weight matrices read (the rank's local experts)."""
 
     name: str
     in_features: int
     out_features: int
     rowwise: bool = False
     float8: bool = False
+    tp_split: bool = True
+    token_factor: float = 1.0
+    weights: float = 1.0
 
 
 @dataclass
@@ -64,22 +71,29 @@ class MicrobatchTime:
     def total(self) -> float:
         return self.f + self.i + self.w
 
+    def __add__(self, other: MicrobatchTime) -> MicrobatchTime:
+        return MicrobatchTime(self.f + other.f, self.i + other.i, self.w + other.w,
+                              self.attention_f + other.attention_f)
+
 
 def _matmul(tokens: float, k: float, n: float, *, rate: float, bw: float, weight_bytes: float,
-            io_bytes: float) -> float:
+            io_bytes: float, weights: float = 1.0) -> float:
     flops = 2 * tokens * k * n
-    moved = weight_bytes * k * n + io_bytes * tokens * (k + n)
+    moved = weight_bytes * k * n * weights + io_bytes * tokens * (k + n)
     return max(flops / rate, moved / bw)
 
 
 def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv_dim: int,
                     ffn: int, vocab: int, linears: Sequence[Linear], layers: int, tp: int,
                     sp: bool, a: int, ac: str, efficiency: float, embedding: bool = False,
-                    head: bool = False, head_float8: bool = False) -> MicrobatchTime:
+                    head: bool = False, head_float8: bool = False,
+                    ffn_replicated: float = 0.0) -> MicrobatchTime:
     """Roofline time of ``tokens`` tokens (this rank's, after CP) through ``layers`` layers.
 
     ``linears`` are one layer's matmuls; ``embedding`` / ``head``: this rank also runs the
-    token embedding / the final norm, output matmul and loss.
+    token embedding / the final norm, output matmul and loss. ``ffn_replicated``: SwiGLU width
+    per token that TP does not split (a MoE block's routed ``top_k x hidden`` plus shared
+    experts, replicated over tp); pass ``ffn=0`` for such blocks.
 
     >>> from titanext.planning.hardware import DEVICES
     >>> t = microbatch_time(DEVICES["h100"], tokens=8192, seq_len=8192, dim=4096, kv_dim=1024,
@@ -93,19 +107,24 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
     fp8_rate = (device.fp8_flops or device.bf16_flops) * efficiency
     fwd_mm = bwd_mm = cast = 0.0
     for lin in linears:
-        k, n = (lin.in_features / tp, lin.out_features) if lin.rowwise else (
-            lin.in_features, lin.out_features / tp)
+        split = tp if lin.tp_split else 1
+        k, n = (lin.in_features / split, lin.out_features) if lin.rowwise else (
+            lin.in_features, lin.out_features / split)
+        rows = tokens * lin.token_factor
         if lin.float8:
-            fwd_mm += _matmul(tokens, k, n, rate=fp8_rate, bw=bw, weight_bytes=1, io_bytes=1)
+            fwd_mm += _matmul(rows, k, n, rate=fp8_rate, bw=bw, weight_bytes=1, io_bytes=1,
+                              weights=lin.weights)
             # casting the input and the weight: amax read, read, 1-byte write (per pass)
-            cast += (2 * a + 1) * (tokens * k + k * n)
+            cast += (2 * a + 1) * (rows * k + k * n * lin.weights)
         else:
-            fwd_mm += _matmul(tokens, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a)
+            fwd_mm += _matmul(rows, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a,
+                              weights=lin.weights)
     fwd_mm *= layers
     cast *= layers
     bwd_mm = fwd_mm  # dgrad and wgrad each have the forward's shapes
     sp_div = tp if sp else 1
-    elementwise = a * (10 * dim / sp_div + (2 * (dim + kv_dim) + 3 * ffn) / tp) * tokens * layers
+    elementwise = a * (10 * dim / sp_div + (2 * (dim + kv_dim) + 3 * ffn) / tp
+                       + 3 * ffn_replicated) * tokens * layers
     # causal flash attention: 2 T S h FLOPs forward (QK^T and PV, half the square)
     attn_f = layers * 2 * tokens * seq_len * dim / tp / bf16_rate
     f = fwd_mm + attn_f + (elementwise + cast) / bw

@@ -1,0 +1,109 @@
+"""What a MoE block means for the planner: its parameters by sharding role, its matmuls, its
+saved activations and its expert-parallel all-to-all traffic.
+
+Sharding roles of a MoE block's parameters (titanext's TP plan replicates the MoE over tp;
+expert parallelism splits the routed experts over ep, and FSDP shards them over the remaining
+``dp_shard x cp / ep`` ranks):
+
+- ``sharded``: the attention matmuls, split by TP like a dense block's;
+- ``replicated``: norms, the router gate and the shared experts (replicated over tp);
+- ``experts``: the routed experts ``3 x num_experts x dim x hidden`` (split by ep, not by tp).
+
+Saved activations per token of a MoE block (``a`` bytes per value; measured with saved-tensor
+hooks on ``debugmoe``, see tests/test_plan.py), on top of the block's attention part (the dense
+formula with ``f = 0``)::
+
+    none:       a (3 k h + 4 k f_e + 4 f_s) + 4 E + 16 G + 40 k + 16
+                # expert inputs (k h), the weighted outputs before the scatter (2 k h), SwiGLU of
+                # the routed (k f_e) and shared (f_s) experts, fp32 scores, routing indices
+    selective:  a 2 f_s + 4 E        # matmul outputs kept: shared w1/w3, the fp32 router scores
+    full:       0                    # the block input only, already in the dense part
+
+with ``k = top_k``, ``f_e`` the expert hidden size, ``f_s = num_shared_experts x f_e``, ``E``
+experts and ``G`` expert groups (group-limited routing; 0 without). Under expert parallelism a
+rank computes ``k`` expert rows per token on average (balanced routing), so the same formula
+holds; an imbalance of ``max/mean`` load scales the routed terms.
+
+All-to-all bytes per MoE block and micro-batch, per rank: dispatch and combine each move
+``T k (ep-1)/ep x h x a`` (forward), and again in backward (and in the recomputed forward under
+full AC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanext.planning.roofline import Linear
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE block of the reference model, counted on the meta device."""
+
+    layer_ids: frozenset[int]
+    num_experts: int
+    top_k: int
+    hidden: int  # one routed expert's SwiGLU hidden size
+    shared_hidden: int  # the shared experts' SwiGLU hidden size (0 without)
+    groups: int  # expert groups of group-limited routing (1 = off)
+    sharded: int  # attention matmuls (TP-split)
+    replicated: int  # norms, router gate, shared experts
+    experts: int  # routed expert parameters
+    tensors: int  # parameter tensors of the block
+    linears: tuple[Linear, ...]  # attention from the TP plan; router, shared, routed experts
+
+
+def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
+    """The MoE blocks of ``model`` (a titanext Transformer on meta), or None for a dense model."""
+    moe_ids = [int(i) for i, blk in model.layers.items() if hasattr(blk, "moe")]
+    if not moe_ids:
+        return None
+    block = model.layers[str(moe_ids[0])]
+    moe, args = block.moe, block.moe.args
+    experts = sum(p.numel() for p in moe.experts.parameters())
+    attention = sum(p.numel() for p in block.attention.parameters())
+    total = sum(p.numel() for p in block.parameters())
+    dim, shared = moe.dim, args.num_shared_experts * args.hidden_dim
+    attn_linears = tuple(lin for lin in dense_linears if lin.name.startswith("attention."))
+    linears = (*attn_linears,
+               Linear("moe.router.gate", dim, args.num_experts, tp_split=False),
+               *((Linear("moe.shared_experts.w1", dim, shared, tp_split=False),
+                  Linear("moe.shared_experts.w3", dim, shared, tp_split=False),
+                  Linear("moe.shared_experts.w2", shared, dim, tp_split=False)) if shared else ()),
+               # k rows per token; the memory roof reads every local expert's weights (set per
+               # layout by ``with_ep``)
+               Linear("moe.experts.w1", dim, args.hidden_dim, tp_split=False, token_factor=args.top_k,
+                      weights=args.num_experts),
+               Linear("moe.experts.w3", dim, args.hidden_dim, tp_split=False, token_factor=args.top_k,
+                      weights=args.num_experts),
+               Linear("moe.experts.w2", args.hidden_dim, dim, tp_split=False, token_factor=args.top_k,
+                      weights=args.num_experts))
+    return MoEShape(layer_ids=frozenset(moe_ids), num_experts=args.num_experts, top_k=args.top_k,
+                    hidden=args.hidden_dim, shared_hidden=shared, groups=args.num_expert_groups,
+                    sharded=attention, replicated=total - attention - experts, experts=experts,
+                    tensors=len(list(block.parameters())), linears=linears)
+
+
+def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Linear]:
+    """The block's matmuls on one rank of ``ep``: each reads ``num_experts / ep`` experts."""
+    import dataclasses
+
+    return [dataclasses.replace(lin, weights=num_experts / ep) if lin.name.startswith("moe.experts.")
+            else lin for lin in linears]
+
+
+def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> float:
+    """Saved bytes per token of a MoE block's routed part, beyond its attention part (see the
+    module docstring; TP replicates it, CP divides it like everything else)."""
+    k, h_e, h_s, e = shape.top_k, shape.hidden, shape.shared_hidden, shape.num_experts
+    if mode == "full":
+        return 0.0
+    if mode == "selective":
+        return a * 2 * h_s + 4 * e
+    groups = 16 * shape.groups if shape.groups > 1 else 0
+    return a * (3 * k * dim + 4 * k * h_e + 4 * h_s) + 4 * e + groups + 40 * k + 16
+
+
+def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) -> float:
+    """Bytes one rank sends in one all-to-all (dispatch or combine) of ``tokens`` tokens."""
+    return tokens * top_k * (ep - 1) / ep * dim * a
