@@ -64,6 +64,7 @@ def test_grouped_mm_support_rule():
     w = torch.empty(2, 5, 6)  # 6 * 4 bytes is not a multiple of 16
     assert not grouped_mm_supported(torch.empty(3, 6), w)
     assert grouped_mm_supported(torch.empty(3, 8), torch.empty(2, 4, 8))
+    assert not grouped_mm_supported(torch.empty(25)[1:].view(3, 8), torch.empty(2, 4, 8))  # base +4 B
     assert not grouped_mm_supported(torch.empty(3, 8, dtype=torch.float64), torch.empty(2, 4, 8, dtype=torch.float64))
 
 
@@ -360,3 +361,33 @@ def test_float8_leaves_the_router_gate_alone():
     converted = apply_float8(model, emulate=True)
     assert "layers.1.moe.shared_experts.w1" in converted
     assert not [f for f in converted if "router" in f]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--moe.top_k=9"], "moe.top_k = 9 must be <= num_experts = 8"),
+    (["--moe.num_experts=6", "--moe.num_expert_groups=4"], "must divide num_experts = 6"),
+    (["--moe.num_limited_groups=5"], "num_limited_groups = 5 must be <= num_expert_groups = 4"),
+    (["--moe.top_k=5", "--moe.num_limited_groups=1"], "does not fit in the limited groups"),
+    (["--moe.capacity_factor=0"], "moe.capacity_factor = 0.0 is out of range"),
+    (["--moe.score_func=sigmod"], "did you mean 'sigmoid'"),
+    (["--moe.use_grouped_mm=maybe"], "true, false or 'auto'"),
+    (["--moe.n_dense_layers=3"], "leaves no MoE block"),
+    (["--model.flavor=debugtiny"], "is a dense model (no MoE blocks)"),
+])
+def test_moe_config_rules_at_load(overrides, message):
+    from titanext.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("train_configs/debug_moe.toml", overrides, world_size=1)
+    assert any(message in p for p in e.value.problems), e.value.problems
+
+
+def test_moe_config_overrides_reach_the_model():
+    from titanext.config import load_config, model_args
+
+    cfg = load_config("train_configs/debug_moe.toml", [
+        "--moe.num_experts=4", "--moe.top_k=1", "--moe.num_expert_groups=1", "--moe.num_limited_groups=1",
+        "--moe.capacity_factor=1.5", "--moe.use_grouped_mm=false", "--moe.moe_layer_interval=2"])
+    args = model_args(cfg)
+    assert (args.moe.num_experts, args.moe.top_k, args.moe.capacity_factor, args.moe.use_grouped_mm) == (4, 1, 1.5, False)
+    assert [args.is_moe_layer(i) for i in range(args.n_layers)] == [False, True, False]

@@ -86,10 +86,11 @@ class MoEArgs:
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs for these operands here (the ``"auto"`` choice).
 
-    CPU: fp32/bf16/fp16 in eager mode, bf16 under compile. CUDA: bf16 on sm90+. Every row
-    stride must be a multiple of 16 bytes (torch's alignment rule).
+    CPU (torch >= 2.9): fp32/bf16/fp16 in eager mode, bf16 under compile. CUDA: bf16 on sm90+.
+    Every row stride and base pointer must be a multiple of 16 bytes (torch's alignment rule).
     """
-    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+    if (not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights)
+            or x.device.type == "meta"):
         return False
     if torch.compiler.is_compiling() or x.device.type == "cuda":
         if x.dtype != torch.bfloat16:
@@ -98,7 +99,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             return False
     elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return all(s * x.element_size() % 16 == 0 for w in weights for s in w.shape[1:])
+    # torch 2.9-2.13 CPU and CUDA kernels need 16-byte aligned strides and base pointers.
+    return (all(s * x.element_size() % 16 == 0 for w in weights for s in w.shape[1:])
+            and (torch.compiler.is_compiling()  # no data pointers while tracing
+                 or all(t.data_ptr() % 16 == 0 for t in (x, *weights))))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
