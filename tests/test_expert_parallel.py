@@ -207,6 +207,24 @@ def test_apply_rejects_indivisible_experts():
         apply_expert_parallel(moe, FakeMesh(), filter_fn=lambda n, m: isinstance(m, ScaleExperts))
 
 
+def _example(rank: int, world_size: int):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "expert_parallel.py"
+    spec = importlib.util.spec_from_file_location("expert_parallel_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(steps=3)
+
+
+@pytest.mark.slow
+def test_example_runs_and_matches_one_process():
+    """examples/expert_parallel.py (the README's EP example), 2 ranks, 3 steps."""
+    for losses, step1_matches in run_distributed(_example, 2, timeout_s=60):
+        assert step1_matches and len(losses) == 3
+
+
 # -- through the trainer ---------------------------------------------------------------------------
 
 STEPS = 4
@@ -231,8 +249,8 @@ TRAIN_CASES_4 = {
                      "--parallelism.data_parallel_replicate_degree=2"],
     "ep2_x_tp2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
                   "--parallelism.tensor_parallel_degree=2"],
-    "ep2_x_cp2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
-                  "--parallelism.context_parallel_degree=2"],
+    "ep2_x_cp2_full_ac": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+                          "--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"],
     "fsdp4_no_ep": ["--training.local_batch_size=2"],  # the dense layout of ep*_fsdp4, no EP
     # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
     "ep2_x_fsdp4_resume": ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",

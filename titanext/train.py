@@ -459,7 +459,7 @@ class Trainer:
         print(
             f"titanext: {self.cfg.model.name}/{self.cfg.model.flavor} ({n / 1e6:.2f}M params) on "
             f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate={d.dp_replicate} "
-            f"dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} | zero_stage={self.cfg.parallelism.zero_stage} "
+            f"dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep} | zero_stage={self.cfg.parallelism.zero_stage} "
             f"| grad accumulation {self.grad_accum_steps} | {tokens_per_step} tokens/step",
             flush=True,
         )
