@@ -218,13 +218,6 @@ def _example(rank: int, world_size: int):
     return module.main(steps=3)
 
 
-@pytest.mark.slow
-def test_example_runs_and_matches_one_process():
-    """examples/expert_parallel.py (the README's EP example), 2 ranks, 3 steps."""
-    for losses, step1_matches in run_distributed(_example, 2, timeout_s=60):
-        assert step1_matches and len(losses) == 3
-
-
 # -- through the trainer ---------------------------------------------------------------------------
 
 STEPS = 4
@@ -306,11 +299,20 @@ def _assert_matches(got, ref, name, dense_rtol=1e-4):
         assert err < tol, f"{name} {pname}: relative error {err:.2e}"
 
 
+def _two_ranks(rank: int, world_size: int, folder: str):
+    """One 2-rank spawn: the README example, then the trainer at ep = 2."""
+    example = _example(rank, world_size)
+    cases = {"ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2"]}
+    return example, _train(rank, world_size, cases, folder)
+
+
 @pytest.mark.slow
-def test_trainer_ep2_matches_one_process(moe_reference, tmp_path):
-    got = run_distributed(_train, 2, args=({"ep2": ["--training.local_batch_size=4",
-                                                     "--parallelism.expert_parallel_degree=2"]},
-                                           str(tmp_path)), timeout_s=120)[0]
+def test_example_and_trainer_ep2_match_one_process(moe_reference, tmp_path):
+    """examples/expert_parallel.py (3 steps, its own check against one process), then the
+    trainer with ep = 2 on 2 ranks against one process."""
+    (losses, step1_matches), got = run_distributed(_two_ranks, 2, args=(str(tmp_path),),
+                                                   timeout_s=120)[0]
+    assert step1_matches and len(losses) == 3
     _assert_matches(got["ep2"], moe_reference, "ep2")
 
 
