@@ -86,6 +86,15 @@ def test_tensor_values_are_accepted(tmp_path, capsys):
     assert "loss 2.5000" in capsys.readouterr().out
 
 
+def test_tb_extra_goes_to_tensorboard_only(tmp_path, capsys):
+    """Per-layer scalars (e.g. moe_load/<block>) are written and returned but not printed."""
+    out = make_logger(tmp_path).log(1, loss=1.0, extra={"moe_load": 1.5},
+                                    tb_extra={"moe_load/layers.1.moe": torch.tensor(1.25)})
+    assert out["moe_load/layers.1.moe"] == 1.25 and out["moe_load"] == 1.5
+    line = capsys.readouterr().out
+    assert "moe_load 1.5" in line and "layers.1" not in line
+
+
 def test_a_nonzero_logging_rank_prefixes_its_lines(tmp_path, capsys):
     make_logger(tmp_path, rank=3).log(1, loss=1.0, grad_norm=1.0, lr=1e-3)
     assert capsys.readouterr().out.startswith("[rank 3] step")
