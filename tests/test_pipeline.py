@@ -190,7 +190,13 @@ def _check(ref, got, label, param_rtol=1e-5):
 
 TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2"]
 MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV", "Auto",
-                         "DualPipeV", "DualPipe"]
+                         "DualPipeV", "DualPipe", "TorchDualPipeV"]
+
+
+def test_every_schedule_name_is_covered_by_the_trainer_parity_runs():
+    from titanext.schedules import SCHEDULE_NAMES
+
+    assert set(TINY_SCHEDULES + MULTI_STAGE_SCHEDULES) == set(SCHEDULE_NAMES)
 
 
 def _runs(flavor, schedules, mb, extra=()):
@@ -258,3 +264,29 @@ def test_pp4_schedules_match_one_process(tmp_path):
     results = run_distributed(_train_many, 4, args=(runs, str(tmp_path), True), timeout_s=300)
     for name, got in zip(PP4_SCHEDULES, _merge(results), strict=True):
         _check(ref, got, f"pp4 {name}")
+
+
+@pytest.mark.slow
+def test_example_with_own_stages_runs_and_matches(tmp_path):
+    """examples/pipeline_own_stages.py (the README's example) under torchrun, 2 ranks."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    names = ["ZBV", "DualPipe", "ZBH1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(root / "examples" / "pipeline_own_stages.py"),
+         *names], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors = dict(re.findall(r"^(\w+): largest parameter error vs one process: (\S+)$",
+                             out.stdout, re.M))
+    assert sorted(errors) == sorted(names), out.stdout
+    assert all(float(e) < 1e-5 for e in errors.values()), errors
+    for name in names:
+        losses = [float(v) for v in re.findall(rf"^{name} step \d: loss (\S+)$", out.stdout, re.M)]
+        assert len(losses) == 3 and losses[-1] < losses[0], (name, losses)
