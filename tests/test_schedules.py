@@ -87,6 +87,24 @@ def test_zbv_and_auto_beat_torch_zbv_with_unequal_costs(pp, m, costs):
         assert auto.makespan <= ours.makespan + 1e-9 and max(auto.peak_memory) <= pp
 
 
+@pytest.mark.parametrize("costs", [*UNEQUAL, dict(f=1, b=2, w=1), dict(f=1, b=1, w=1)])
+def test_v_lower_bound_and_where_torch_zbv_is_already_optimal(costs):
+    """Every V schedule at 1F1B memory takes at least ``v_lower_bound``; with F=1 I=2 W=1
+    torch's ZBV meets the bound, so nothing at that memory can beat it (Auto ties); with
+    F=2 I=1 W=1.5 our re-timed ZBV meets it while torch's does not."""
+    from titanext.schedules.zbv import v_lower_bound
+
+    pp, m = 4, 8
+    bound = v_lower_bound(pp, m, **{k: (v / 2 if k in "fbw" else v) for k, v in costs.items()})
+    auto = simulate("Auto", pp=pp, microbatches=m, **costs).makespan
+    assert auto >= bound - 1e-9
+    if costs in (dict(f=1, b=2, w=1), dict(f=2, b=1, w=1.5), dict(f=1, b=1, w=1)):
+        assert auto == pytest.approx(bound)
+    if costs == dict(f=1, b=2, w=1) and "ZBVZeroBubble" in SCHEDULE_NAMES:
+        assert simulate("ZBVZeroBubble", pp=pp, microbatches=m, **costs).makespan == \
+            pytest.approx(bound)
+
+
 def test_auto_beats_torch_zbv_at_pp8():
     costs = dict(f=1, b=1, w=0.5, comm=0.03)
     auto = simulate("Auto", pp=8, microbatches=8, **costs)
@@ -119,7 +137,8 @@ def test_timeline_text_and_svg():
     r = simulate("ZBH1", pp=4, microbatches=8)
     lines = r.timeline(60).splitlines()
     assert len(lines) == 4 and all(line.startswith(f"rank {i} |") for i, line in enumerate(lines))
-    assert r.svg("ZBH1").startswith("<svg") and r.svg().count("<rect") == 4 * 8 * 3
+    assert r.svg("ZBH1").startswith("<svg") and r.svg().count("<title>stage") == 4 * 8 * 3
+    assert "I: input grad" in r.svg()  # the legend
 
 
 def test_unknown_schedule_names_the_choices():

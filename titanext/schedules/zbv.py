@@ -161,32 +161,39 @@ def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits:
 def improve(skel: dict[int, list], *, budget: int, num_stages: int, owner: dict[int, int],
             limits: Sequence[int], f: float, b: float, w: float, comm: float, slack: float,
             reach: int = 4):
-    """Local search on F/I lists: where a rank waited before an action, try running one of the
-    next ``reach`` actions of its list there instead; keep a move that lowers the makespan.
-    Deterministic (at most ``budget`` simulations), so every rank derives the same lists.
-    Returns (full lists, makespan)."""
+    """Local search on F/I lists (first improvement, at most ``budget`` simulations, so every
+    rank derives the same lists). Moves, in this order: where a rank waited before an action,
+    run one of the next ``reach`` actions there instead; then swap any two neighbouring
+    actions of a rank. Returns (full lists, makespan)."""
     args = (num_stages, owner, limits, f, b, w, comm, slack)
     skel = {r: list(a) for r, a in skel.items()}
     out, best, waited = _fill(skel, *args)
     evals = 1
+
+    def moves():
+        for r, i in waited:
+            for k in range(i + 1, min(i + 1 + reach, len(skel[r]))):
+                yield r, skel[r][:i] + [skel[r][k]] + skel[r][i:k] + skel[r][k + 1:]
+        for r, acts in skel.items():
+            for i in range(len(acts) - 1):
+                if acts[i].stage_index != acts[i + 1].stage_index or \
+                        acts[i].computation_type != acts[i + 1].computation_type:
+                    yield r, acts[:i] + [acts[i + 1], acts[i]] + acts[i + 2:]
+
     improved = True
     while improved and evals < budget:
         improved = False
-        for r, i in waited:
-            for k in range(i + 1, min(i + 1 + reach, len(skel[r]))):
-                if evals >= budget:
-                    break
-                trial = dict(skel)
-                trial[r] = skel[r][:i] + [skel[r][k]] + skel[r][i:k] + skel[r][k + 1:]
-                evals += 1
-                try:
-                    t_out, t, t_waited = _fill(trial, *args)
-                except RuntimeError:
-                    continue
-                if t < best - 1e-9:
-                    skel, out, best, waited, improved = trial, t_out, t, t_waited, True
-                    break
-            if improved:
+        for r, acts in moves():
+            if evals >= budget:
+                break
+            trial = {**skel, r: acts}
+            evals += 1
+            try:
+                t_out, t, t_waited = _fill(trial, *args)
+            except RuntimeError:
+                continue
+            if t < best - 1e-9:
+                skel, out, best, waited, improved = trial, t_out, t, t_waited, True
                 break
     return out, best
 
@@ -215,3 +222,25 @@ def zbv_candidates(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0
         except RuntimeError:
             continue
     return out
+
+
+def v_lower_bound(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+                  comm: float = 0.0, cap: int | None = None) -> float:
+    """A lower bound on the makespan of ANY V-placed schedule whose ranks hold at most ``cap``
+    stage activations (default 2pp: 1F1B's memory); costs per stage as in :func:`fill_gaps`.
+
+    Rank p-1 (stages p-1 and p) cannot start before (p-1)(f + comm). Its first backward, the I
+    of stage p for micro-batch 0, needs that micro-batch's forwards through stages p..2p-1 and
+    its input gradients back down to stage p+1: it cannot start before a window of
+    2f + (p-1)(f + b) + 2(p-1)comm has passed. Until then the rank can only run forwards (a W
+    needs an I), at most ``cap`` of them, so it idles at least window - cap x f. It then still
+    has 2m(f + b + w) of work.
+
+    >>> v_lower_bound(4, 8, f=0.5, b=1.0, w=0.5)   # F=1, I=2, W=1 per rank share
+    35.0
+    """
+    p, m = pp, microbatches
+    cap = 2 * p if cap is None else cap
+    window = 2 * f + (p - 1) * (f + b) + 2 * (p - 1) * comm
+    idle = max(0.0, window - min(cap, 2 * m) * f)
+    return (p - 1) * (f + comm) + idle + 2 * m * (f + b + w)
