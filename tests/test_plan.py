@@ -274,3 +274,29 @@ def test_planner_pipeline_matches_the_simulator_closed_forms(schedule, closed_fo
         layout = pipeline_layout(schedule, pp=p, microbatches=m, n_layers=2 * p)
         _, sim = simulate_times(layout, f=1.0, i=1.0, w=1.0, comm=0.0)
         assert sim.bubble_ratio == pytest.approx(closed_form(p, m), abs=1e-9)
+
+
+def test_expert_parallel_memory_and_all_to_all():
+    """EP splits the routed experts over ep ranks and FSDP shards them over the rest, so the
+    sharded state per rank is unchanged while a gathered MoE unit holds 1/ep of the experts;
+    the all-to-all moves T k (ep-1)/ep h a bytes per dispatch or combine."""
+    over = ["--model.flavor=deepseek_v3_16b", "--training.seq_len=4096",
+            "--training.local_batch_size=1", "--training.global_batch_size=64",
+            "--activation_checkpoint.mode=selective", "--compile.enable=false"]
+    plans = {ep: plan_config(load_config(None, [*over, f"--parallelism.expert_parallel_degree={ep}"],
+                                         world_size=64), 64) for ep in (1, 8)}
+    one, eight = plans[1], plans[8]
+    shape = model_shape(load_config(None, over, world_size=64))
+    moe = shape.moe
+    assert shape.total == pytest.approx(15.7e9, rel=0.01)  # DeepSeek-V2-Lite size
+    for key in ("params (fp32 master)", "grads (fp32)"):
+        assert eight.memory[key] == pytest.approx(one.memory[key], rel=1e-12)
+    gathered_moe = 2 * (moe.sharded + moe.replicated)  # bf16 attention, router, shared
+    assert one.memory["gathered params"] == 2 * 2 * (gathered_moe / 2 + moe.experts)
+    assert eight.memory["gathered params"] == 2 * 2 * (gathered_moe / 2 + moe.experts / 8)
+    assert not any(c["parallelism"] == "EP all-to-all" for c in one.comm)
+    (a2a,) = [c for c in eight.comm if c["parallelism"] == "EP all-to-all"]
+    n_moe = len(moe.layer_ids)
+    per = 4096 * moe.top_k * 7 / 8 * shape.dim * 2  # tokens x k x (ep-1)/ep x h x bf16
+    assert a2a["bytes"] == pytest.approx(4 * n_moe * per)  # dispatch + combine, fwd + bwd
+    assert a2a["level"] == "intra-node"

@@ -355,7 +355,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
         n_f = 2 * n_moe(rank)
         n_i = n_f * (2 if ac == "full" else 1)
         one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a)
-        c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i) * passes * 3 // 2,
+        counts = n_moe(rank) * (2 if ac == "full" else 1)  # split sizes, once per dispatch
+        c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
              "bytes": (n_f + n_i) * one * passes, "level": level(tp, ep), "overlap": "none"}
         comm.append(c)
         t_one = _comm_time({**c, "collectives": 1, "bytes": one}, device)
@@ -486,7 +487,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     is never proposed; those that do not fit in 90% of HBM are dropped. The global batch of the
     config is kept; the micro-batch size and recompute mode are searched.
     """
-    base = load_config(path, overrides, world_size=None)
+    base = load_config(path, overrides, world_size=world_size)
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
         global_batch = base.training.local_batch_size * world_size
