@@ -530,12 +530,10 @@ def test_seq_len_divisible_by_cp_only_with_contiguous_layout():
         "training.seq_len = 251 must be divisible by context_parallel_degree(2) = 2"]
 
 
-def test_cp_with_pp_is_rejected_at_load():
-    found = problems_of(["--parallelism.context_parallel_degree=2",
-                         "--parallelism.pipeline_parallel_degree=2"], world_size=4)
-    assert ("parallelism.context_parallel_degree = 2 with pipeline_parallel_degree = 2 is not "
-            "supported yet (pipeline stages do not carry the CP position ids); use one of them"
-            ) in found
+def test_cp_with_pp_is_accepted_at_load():
+    # Pipeline stages get the CP-sharded position ids (tests/test_composition.py runs it).
+    assert problems_of(["--parallelism.context_parallel_degree=2",
+                        "--parallelism.pipeline_parallel_degree=2"], world_size=4) == []
 
 
 def test_cp_options_are_validated():

@@ -1116,10 +1116,6 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
             problems.append(problem)
             shard = None  # batch arithmetic on a layout that cannot exist says nothing useful
 
-    if degrees_ok and cp > 1 and p.pipeline_parallel_degree > 1:
-        problems.append(f"parallelism.context_parallel_degree = {cp} with pipeline_parallel_degree = "
-                        f"{p.pipeline_parallel_degree} is not supported yet (pipeline stages do not "
-                        "carry the CP position ids); use one of them")
     if degrees_ok and ok("training.seq_len", "enable_sequence_parallel"):
         sp = tp > 1 and p.enable_sequence_parallel  # SP shards the sequence over tp as well
         zigzag = p.context_parallel_load_balance == "zigzag"

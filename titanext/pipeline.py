@@ -46,6 +46,7 @@ def _stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list
     return list(fn(placement, rank, pp, stages_per_rank))
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
+           "pass_position_ids",
            "stages_per_rank_of", "StageTimer"]
 
 
@@ -152,6 +153,37 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
     for name in last if stage_index != len(counts) - 1 else ():
         setattr(stage, name, None)
     return stage
+
+
+def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None, *,
+                      kwarg: str = "position_ids") -> None:
+    """Call ``stage_module`` with ``position_ids`` from now on (``None`` stops it).
+
+    A pipeline schedule feeds a stage only what the previous stage sent, but every stage runs
+    RoPE and needs the global positions of the tokens its rank holds (a slice of them under
+    context parallelism; hidden states under sequence parallelism are shorter than the
+    sequence, so a stage cannot derive them). Positions are the same for every micro-batch, so
+    they are attached once, as a forward pre-hook that adds ``kwarg=position_ids`` to each call.
+    The module's ``forward`` must accept that keyword.
+
+    >>> from titanext.models import build_model, get_model_args
+    >>> m = build_model("llama3", get_model_args("llama3", "debugtiny"), device="cpu")
+    >>> pass_position_ids(m, torch.arange(8))
+    >>> m(torch.zeros(1, 8, dtype=torch.long)).shape[1]
+    8
+    """
+    old = getattr(stage_module, "_titanext_positions_hook", None)
+    if old is not None:
+        old.remove()
+        stage_module._titanext_positions_hook = None
+    if position_ids is None:
+        return
+
+    def add_positions(module, args, kwargs):
+        return args, {**kwargs, kwarg: position_ids}
+
+    stage_module._titanext_positions_hook = stage_module.register_forward_pre_hook(
+        add_positions, with_kwargs=True)
 
 
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,

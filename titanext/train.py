@@ -50,6 +50,7 @@ from titanext.pipeline import (
     StageTimer,
     build_pipeline,
     layers_per_stage,
+    pass_position_ids,
     pipeline_stage_ids,
     resolve_microbatches,
     split_model,
@@ -57,7 +58,7 @@ from titanext.pipeline import (
 )
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
-from titanext.plugins.context_parallel import apply_context_parallel, shard_batch
+from titanext.plugins.context_parallel import apply_context_parallel, shard_batch, shard_sequence
 from titanext.plugins.expert_parallel import apply_expert_parallel
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
@@ -338,6 +339,15 @@ class Trainer:
             part.to_empty(device=self.device)
             part.init_weights(seed=t.seed)  # FQN-keyed init: same values as the whole model
             parts.append(part)
+        # Every stage runs RoPE, but only the first sees the tokens (later ones get hidden
+        # states, sharded over tp under SP): each stage is handed the positions its rank's slice
+        # of the sequence holds. They depend on the cp rank, layout and seq_len only, so they
+        # are the same for every micro-batch and step.
+        positions = torch.arange(t.seq_len, device=self.device)
+        if dims.cp_enabled:
+            positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
+        for part in parts:
+            pass_position_ids(part, positions)
         self.pp_microbatches = resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
                                                     t.local_batch_size)
         self._pp_loss_scale = 1.0
@@ -353,15 +363,19 @@ class Trainer:
         return parts
 
     def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per micro-batch on the last stage: token-loss sum, scaled once by the global count."""
-        with self._loss_context():
-            loss = self.compute_loss(logits, labels)
-        return loss * self._pp_loss_scale
+        """Per micro-batch on the last stage: token-loss sum, scaled once by the global count.
+
+        Runs inside ``schedule.step``, which ``_pp_train_step`` already wraps in the loss
+        parallel context (a nested context would switch it off on exit, before the backward)."""
+        return self.compute_loss(logits, labels) * self._pp_loss_scale
 
     def _pp_train_step(self, microbatches) -> tuple[float, float]:
         """One optimizer step through the pipeline schedule (see titanext.pipeline)."""
         dims = self.dims
         loss_group = dims.loss_mesh.get_group()
+        # Under CP each rank feeds (and takes the loss of) its own slice of every sequence; the
+        # stages already hold the matching positions (see _build_pipeline).
+        microbatches = [self._shard_for_cp(*mb)[:2] for mb in microbatches]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=loss_group)
@@ -373,7 +387,8 @@ class Trainer:
             args = (inputs.to(self.device),) if first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
-            self.pp_schedule.step(*args, **kwargs)
+            with self._loss_context():  # loss parallel: its backward runs inside step too
+                self.pp_schedule.step(*args, **kwargs)
             for loss in losses:  # the schedule's record of what each micro-batch returned
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 self._pp_loss_sum += loss.detach().to(torch.float64) / self._pp_loss_scale
