@@ -1,9 +1,14 @@
 """Several parallelisms in one job follow the single-process fp32 loss curve (8 CPU ranks).
 
 Each case runs the real Trainer from config overrides for several steps and compares the
-per-step loss with one process on the same global batch. These are the few large cases; the
-per-feature parity tests (test_parity.py, test_context_parallel.py, test_float8_distributed.py)
-cover each axis on 2-4 ranks.
+per-step loss with one process on the same global batch (8 sequences of 64 tokens). These are
+the few large cases, all run in ONE 8-rank spawn (start-up dominates on 2 cores); the
+per-feature parity tests (test_parity.py, test_pipeline.py, test_context_parallel.py,
+test_float8_distributed.py) cover each axis on 2-4 ranks.
+
+Every pipeline case uses a titanext schedule (ZBH1, ZBH2, ZBV, DualPipeV, Auto), and two of
+them activation checkpointing. debugtiny has 2 layers, enough for one stage per rank; the V
+schedules (ZBV, DualPipeV, Auto) hold two stages per rank and use the 6-layer debugmodel.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from tests.distributed import run_distributed
 
 STEPS = 5
 BASE = [
-    "--model.flavor=debugtiny",
     "--training.dataset=synthetic",
     "--training.seq_len=64",
     f"--training.steps={STEPS}",
@@ -26,42 +30,85 @@ BASE = [
     "--metrics.enable_tensorboard=false",
     "--metrics.log_freq=100",
 ]
+P = "--parallelism."
 
 
-def _losses(rank: int, world_size: int, overrides: list[str], dump_folder: str) -> list[float]:
+def _losses_of_runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
+                    ) -> list[list[float]]:
+    """Each run's per-step losses, one Trainer after the other in the same process group."""
     from titanext.config import load_config
     from titanext.train import Trainer
 
-    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
-                      world_size=world_size)
-    return Trainer(cfg).train()
+    out = []
+    for i, overrides in enumerate(runs):
+        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
+                          world_size=world_size)
+        out.append(Trainer(cfg).train())
+    return out
+
+
+def _pp(schedule: str, microbatches: int) -> list[str]:
+    return [P + "pipeline_parallel_degree=2", P + f"pipeline_parallel_schedule={schedule}",
+            P + f"pipeline_parallel_microbatches={microbatches}"]
 
 
 F8 = ["--float8.enable=true"]
+TINY, SMALL = "debugtiny", "debugmodel"
 
-# name: (world size, overrides, the single-process reference's overrides, loss rtol)
+# name: (flavor, overrides, loss rtol); the reference is one process with local_batch_size=8.
 CASES = {
-    "dp2_x_cp2_x_tp2": (8, ["--training.local_batch_size=4",
-                            "--parallelism.data_parallel_shard_degree=2",
-                            "--parallelism.context_parallel_degree=2",
-                            "--parallelism.tensor_parallel_degree=2"],
-                        ["--training.local_batch_size=8"], 1e-5),
+    "pp2_x_dp2_x_tp2_ZBH1_full_ac": (TINY, [
+        "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
+        P + "tensor_parallel_degree=2", *_pp("ZBH1", 2), "--activation_checkpoint.mode=full"],
+        1e-5),
+    "pp2_x_cp2_x_tp2_ZBH2": (TINY, [
+        "--training.local_batch_size=8", P + "context_parallel_degree=2",
+        P + "tensor_parallel_degree=2", *_pp("ZBH2", 4)], 1e-5),
+    "pp2_x_cp2_x_tp2_DualPipeV": (SMALL, [
+        "--training.local_batch_size=8", P + "context_parallel_degree=2",
+        P + "tensor_parallel_degree=2", *_pp("DualPipeV", 4)], 1e-5),
+    "pp2_x_dp2_x_cp2_ZBV_layer_ac": (SMALL, [
+        "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
+        P + "context_parallel_degree=2", *_pp("ZBV", 4),
+        "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
+        1e-5),
+    "pp2_x_hsdp2x2_Auto": (SMALL, [
+        "--training.local_batch_size=2", P + "data_parallel_replicate_degree=2",
+        P + "data_parallel_shard_degree=2", *_pp("Auto", 2)], 1e-5),
+    "dp2_x_cp2_x_tp2": (TINY, [
+        "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
+        P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"], 1e-5),
     # Float8 scales come from what each rank holds: under CP a rank sees half of every
     # sequence, so its activation amax (and float8 rounding) differs from one process's. The
     # curve agrees to float8's rounding noise (measured 2e-5), not to fp32's.
-    "dp2_x_cp2_x_tp2_float8": (8, ["--training.local_batch_size=4",
-                                   "--parallelism.data_parallel_shard_degree=2",
-                                   "--parallelism.context_parallel_degree=2",
-                                   "--parallelism.tensor_parallel_degree=2", *F8],
-                               ["--training.local_batch_size=8", *F8], 1e-4),
+    "dp2_x_cp2_x_tp2_float8": (TINY, [
+        "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
+        P + "context_parallel_degree=2", P + "tensor_parallel_degree=2", *F8], 1e-4),
 }
+# The float8 reference is float8 in one process (its own rounding, not fp32's).
+_REFS = {TINY: [], SMALL: [], "f8": F8}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_composition_follows_the_single_process_curve(case, tmp_path):
-    world_size, overrides, ref_overrides, rtol = CASES[case]
-    ref = run_distributed(_losses, 1, args=(ref_overrides, str(tmp_path / "ref")))[0]
-    losses = run_distributed(_losses, world_size, args=(overrides, str(tmp_path / "run")),
-                             timeout_s=120)[0]
-    assert len(losses) == STEPS and losses[-1] < losses[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=rtol, atol=0)
+def _ref_key(name: str, flavor: str) -> str:
+    return "f8" if name.endswith("float8") else flavor
+
+
+@pytest.mark.slow
+def test_composition_matrix_follows_the_single_process_curve(tmp_path):
+    refs_runs = [[f"--model.flavor={TINY if k == 'f8' else k}", "--training.local_batch_size=8",
+                  *extra] for k, extra in _REFS.items()]
+    refs = dict(zip(_REFS, run_distributed(_losses_of_runs, 1, args=(refs_runs, str(tmp_path / "ref")),
+                                           timeout_s=120)[0], strict=True))
+    names = list(CASES)
+    runs = [[f"--model.flavor={CASES[n][0]}", *CASES[n][1]] for n in names]
+    got = run_distributed(_losses_of_runs, 8, args=(runs, str(tmp_path / "run")), timeout_s=120)[0]
+    failures = []
+    for name, losses in zip(names, got, strict=True):
+        flavor, _, rtol = CASES[name]
+        ref = refs[_ref_key(name, flavor)]
+        assert len(losses) == STEPS and losses[-1] < losses[0], name
+        try:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=rtol, atol=0)
+        except AssertionError as e:
+            failures.append(f"{name}: {losses} vs {ref}\n{e}")
+    assert not failures, "\n\n".join(failures)

@@ -1090,6 +1090,38 @@ def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     return problems
 
 
+def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """Features that cannot run inside pipeline stages (checked only with pp > 1).
+
+    Everything else composes with PP: FSDP/HSDP, TP/SP with loss parallel, CP (the stages get
+    the CP-sharded position ids), float8, full and layer-level AC (tests/test_composition.py).
+    """
+    from titanext.schedules import get_schedule_class
+
+    p, ac = cfg.parallelism, cfg.activation_checkpoint
+    pp = p.pipeline_parallel_degree
+    if pp == 1:
+        return []
+    problems = []
+    if "parallelism.zero_stage" not in skip and p.zero_stage == 1:
+        problems.append(f"parallelism.zero_stage = 1 (DDP) with pipeline_parallel_degree = {pp} is "
+                        "not supported: the schedule runs the stage modules, not a DDP wrapper, so "
+                        "gradients would not be averaged; use zero_stage 2 or 3 (FSDP)")
+    try:
+        splits = getattr(get_schedule_class(p.pipeline_parallel_schedule), "splits_backward", False)
+    except ValueError:  # an unknown schedule is reported by its own check
+        splits = False
+    if splits and ac.mode == "selective" and ac.selective_ac_option == "op" \
+            and not skip & {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"}:
+        problems.append(f"activation_checkpoint.mode = 'selective' with selective_ac_option = 'op' "
+                        f"cannot run under parallelism.pipeline_parallel_schedule = "
+                        f"{p.pipeline_parallel_schedule!r}, which splits the backward into input "
+                        "and weight gradients (torch's op-level checkpoint allows one backward); "
+                        "use mode = 'full', a layer-level selective_ac_option such as '2', or a "
+                        "schedule without split backward (1F1B, Interleaved1F1B, GPipe)")
+    return problems
+
+
 def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[str]:
     """Every problem of ``cfg``; keys in ``skip`` are known bad and left out of the rules."""
     skip = set(skip)
@@ -1139,6 +1171,8 @@ def _problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[st
     problems += _float8_problems(cfg, skip)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
+    if degrees_ok:
+        problems += _pipeline_composition_problems(cfg, skip)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
         dp = rep * shard
