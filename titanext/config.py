@@ -1095,6 +1095,7 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 
     Everything else composes with PP: FSDP/HSDP, TP/SP with loss parallel, CP (the stages get
     the CP-sharded position ids), float8, full and layer-level AC (tests/test_composition.py).
+    ZeRO-1 and DualPipe x TP are rejected by titanext.pipeline.pipeline_config_problems.
     """
     from titanext.schedules import get_schedule_class
 
@@ -1103,10 +1104,6 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     if pp == 1:
         return []
     problems = []
-    if "parallelism.zero_stage" not in skip and p.zero_stage == 1:
-        problems.append(f"parallelism.zero_stage = 1 (DDP) with pipeline_parallel_degree = {pp} is "
-                        "not supported: the schedule runs the stage modules, not a DDP wrapper, so "
-                        "gradients would not be averaged; use zero_stage 2 or 3 (FSDP)")
     try:
         splits = getattr(get_schedule_class(p.pipeline_parallel_schedule), "splits_backward", False)
     except ValueError:  # an unknown schedule is reported by its own check
