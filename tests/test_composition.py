@@ -33,9 +33,12 @@ BASE = [
 P = "--parallelism."
 
 
-def _losses_of_runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
-                    ) -> list[list[float]]:
-    """Each run's per-step losses, one Trainer after the other in the same process group."""
+def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
+          ) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """Each run's per-step losses and final full parameters (from the one rank of each pipeline
+    stage whose other coordinates are 0), one Trainer after the other in one process group."""
+    from torch.distributed.tensor import DTensor
+
     from titanext.config import load_config
     from titanext.train import Trainer
 
@@ -43,7 +46,18 @@ def _losses_of_runs(rank: int, world_size: int, runs: list[list[str]], dump_fold
     for i, overrides in enumerate(runs):
         cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
                           world_size=world_size)
-        out.append(Trainer(cfg).train())
+        trainer = Trainer(cfg)
+        losses = trainer.train()
+        mesh = trainer.dims.world_mesh
+        keep = all(c == 0 for name, c in zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
+                   if name != "pp")
+        params = {}
+        for part in trainer.model_parts:
+            for name, p in part.named_parameters():
+                full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: every rank
+                if keep:
+                    params[name] = full.detach().clone()
+        out.append((losses, params))
     return out
 
 
@@ -97,18 +111,29 @@ def _ref_key(name: str, flavor: str) -> str:
 def test_composition_matrix_follows_the_single_process_curve(tmp_path):
     refs_runs = [[f"--model.flavor={TINY if k == 'f8' else k}", "--training.local_batch_size=8",
                   *extra] for k, extra in _REFS.items()]
-    refs = dict(zip(_REFS, run_distributed(_losses_of_runs, 1, args=(refs_runs, str(tmp_path / "ref")),
+    refs = dict(zip(_REFS, run_distributed(_runs, 1, args=(refs_runs, str(tmp_path / "ref")),
                                            timeout_s=120)[0], strict=True))
     names = list(CASES)
     runs = [[f"--model.flavor={CASES[n][0]}", *CASES[n][1]] for n in names]
-    got = run_distributed(_losses_of_runs, 8, args=(runs, str(tmp_path / "run")), timeout_s=120)[0]
+    per_rank = run_distributed(_runs, 8, args=(runs, str(tmp_path / "run")), timeout_s=120)
     failures = []
-    for name, losses in zip(names, got, strict=True):
+    for i, name in enumerate(names):
         flavor, _, rtol = CASES[name]
-        ref = refs[_ref_key(name, flavor)]
+        ref_losses, ref_params = refs[_ref_key(name, flavor)]
+        losses = per_rank[0][i][0]
+        params = {k: v for rank_out in per_rank for k, v in rank_out[i][1].items()}
         assert len(losses) == STEPS and losses[-1] < losses[0], name
         try:
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=rtol, atol=0)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol,
+                                       atol=0)
         except AssertionError as e:
-            failures.append(f"{name}: {losses} vs {ref}\n{e}")
+            failures.append(f"{name}: losses {losses} vs {ref_losses}\n{e}")
+        assert params.keys() == ref_params.keys(), name
+        # The loss alone is a weak witness (synthetic bigram data barely needs attention, so
+        # wrong RoPE positions move it by ~3e-6); the parameters after 5 Adam steps are not
+        # (the same mistake moves attention weights by ~0.2). Whole-tensor relative error.
+        for key, ref in ref_params.items():
+            err = ((params[key] - ref).norm() / ref.norm()).item()
+            if err > rtol:
+                failures.append(f"{name}: {key}: parameter relative error {err:.2e} > {rtol}")
     assert not failures, "\n\n".join(failures)
