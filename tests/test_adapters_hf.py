@@ -141,3 +141,84 @@ def test_float8_converts_the_hf_linears_and_trains_close_to_high_precision(refer
     loss.backward()
     assert abs(loss.item() - reference[0]) < 0.02 * reference[0]
     assert all(p.grad is not None for p in model.parameters())
+
+
+# -- pipeline parallelism: decoder layers split into stages, a titanext schedule ----------------
+PP_LAYERS = 4
+
+
+def _pp_model():
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=PP_LAYERS,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def _pp_reference():
+    model = _pp_model()
+    tokens, labels = _batch()
+    loss = _loss_sum(model, tokens, labels) / (labels != IGNORE).sum()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _pp_body(rank, world_size, schedules):
+    from titanext.adapters.hf_transformers import hf_pipeline_stage
+    from titanext.pipeline import build_pipeline, layers_per_stage, pipeline_stage_ids
+    from titanext.schedules import get_schedule_class
+
+    tokens, labels = _batch()
+    count = (labels != IGNORE).sum()
+
+    def loss_fn(logits, target):  # per micro-batch: token-loss sum over the global count
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum",
+                               ignore_index=IGNORE) / count
+
+    out = []
+    for name in schedules:
+        model = _pp_model()  # every rank builds it whole here; a real run builds it on meta
+        n_stages = world_size * get_schedule_class(name).stages_per_rank
+        ids = pipeline_stage_ids(name, pp_rank=rank, pp=world_size)
+        counts = layers_per_stage(PP_LAYERS, n_stages)
+        stages = [hf_pipeline_stage(model, counts, i) for i in ids]
+        _, schedule = build_pipeline(stages, ids, num_stages=n_stages, pp_group=dist.group.WORLD,
+                                     device=torch.device("cpu"), schedule=name, microbatches=4,
+                                     loss_fn=loss_fn)
+        losses = []
+        kwargs = {"target": labels, "losses": losses} if n_stages - 1 in ids else {}
+        schedule.step(*((tokens,) if 0 in ids else ()), **kwargs)
+        total = torch.stack(losses).sum() if losses else torch.zeros(())
+        dist.all_reduce(total)  # only the last stage's rank holds the losses
+        grads = {n: p.grad.clone() for st in stages for n, p in st.named_parameters()}
+        out.append((total.item(), grads))
+    return out
+
+
+def test_pipeline_stages_of_hf_llama_match_the_plain_model():
+    ref_loss, ref_grads = _pp_reference()
+    schedules = ["ZBH1", "ZBV"]  # one stage per rank; two per rank in a V
+    results = run_distributed(_pp_body, 2, args=(schedules,), timeout_s=60)
+    for i, name in enumerate(schedules):
+        loss = results[0][i][0]
+        grads = {n: g for rank_out in results for n, g in rank_out[i][1].items()}
+        assert abs(loss - ref_loss) < 1e-5 * ref_loss, name
+        assert grads.keys() == ref_grads.keys(), name  # the library's own parameter names
+        errs = _rel_errors(grads, ref_grads)
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < 1e-5, f"{name}: {worst}: {errs[worst]:.2e}"
+
+
+def test_pipeline_stage_rejects_tied_embeddings_and_bad_counts():
+    from titanext.adapters.hf_transformers import hf_pipeline_stage
+
+    model = _pp_model()
+    with pytest.raises(ValueError, match="sum to the model's 4 decoder layers"):
+        hf_pipeline_stage(model, [1, 2], 0)
+    model.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        hf_pipeline_stage(model, [2, 2], 0)
+    whole = hf_pipeline_stage(model, [4], 0)  # one stage = the model itself
+    tokens, _ = _batch()
+    torch.testing.assert_close(whole(tokens), model(input_ids=tokens).logits)

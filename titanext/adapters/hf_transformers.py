@@ -13,6 +13,10 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
 - CP: ``apply_hf_context_parallel(model, cp_mesh)`` registers a ``transformers`` attention
   function that calls :func:`titanext.plugins.context_parallel.ring_attention`; shard the
   batch with ``shard_batch`` and pass its ``position_ids`` to the model.
+- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM
+  (embedding + rotary on the first stage, its decoder layers, norm + LM head on the last; RoPE
+  computed in every stage from the position ids), to hand to
+  :func:`titanext.pipeline.build_pipeline` with any titanext schedule.
 - float8: ``apply_float8(model, filter_fqns=["lm_head"])`` needs no adapter.
 
 >>> from transformers import LlamaConfig, LlamaForCausalLM           # doctest: +SKIP
@@ -23,14 +27,17 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titanext.plugins.context_parallel import RingAttentionFn, check_options
 
-__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel"]
+__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "HFCausalLMStage",
+           "hf_pipeline_stage"]
 
 _ids = itertools.count()
 
@@ -98,3 +105,85 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
     return name
+
+
+class HFCausalLMStage(nn.Module):
+    """One pipeline stage of a ``transformers`` decoder-only causal LM (Llama family layout:
+    ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``).
+
+    ``forward(x, position_ids=None)`` takes token ids on the first stage and hidden states
+    [batch, seq, hidden] elsewhere; it returns logits on the last stage and hidden states
+    elsewhere. Every stage computes the rotary embeddings itself from ``position_ids``
+    ([seq] or [batch, seq]; default ``arange(seq)``), so no tuple of tensors crosses a stage
+    boundary. Under CP hand each stage the sharded positions once with
+    :func:`titanext.pipeline.pass_position_ids`. Parameter names are the library's own
+    (``model.layers.5.mlp.up_proj.weight``), so a stage loads its slice of a full state dict
+    with ``load_state_dict(sd, strict=False)`` and :func:`hf_llama_tp_plan` applies unchanged.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.config = model.config
+        self.model = nn.Module()  # keeps the library's "model." prefix in parameter names
+        self.model.embed_tokens = inner.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
+        self.model.norm = inner.norm if last else None
+        self.model.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head if last else None
+
+    def reset_rotary_embedding(self, device: torch.device | str) -> None:
+        """Rebuild the rotary module on ``device``: its ``inv_freq`` is a non-persistent buffer,
+        so after a meta-device build and ``to_empty`` no checkpoint restores it."""
+        rotary = self.model.rotary_emb
+        self.model.rotary_emb = type(rotary)(config=self.config, device=device)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        m = self.model
+        h = m.embed_tokens(x) if m.embed_tokens is not None else x  # [batch, seq, hidden]
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        # As the library's own decoder does: None for SDPA's is_causal path, a mask otherwise.
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        cos_sin = m.rotary_emb(h, position_ids=position_ids)
+        for layer in m.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=cos_sin,
+                      position_ids=position_ids)
+        if m.norm is not None:
+            h = m.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int) -> HFCausalLMStage:
+    """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
+    decoder layers each (see :func:`titanext.pipeline.layers_per_stage`).
+
+    The stage shares its modules with ``model`` (no copy): build the model on the meta device,
+    cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
+    initialise the weights. Tied input and output embeddings cannot live on two stages; untie
+    them (``tie_word_embeddings=False``). Tested in
+    tests/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
+
+    >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)     # doctest: +SKIP
+    >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)             # doctest: +SKIP
+    >>> stages = [hf_pipeline_stage(model, counts, i) for i in ids]      # doctest: +SKIP
+    >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)     # doctest: +SKIP
+    """
+    counts = list(counts)
+    n_layers = len(hf_blocks(model))
+    if sum(counts) != n_layers or min(counts) < 1:
+        raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's "
+                         f"{n_layers} decoder layers")
+    if not 0 <= stage_index < len(counts):
+        raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
+    if len(counts) > 1 and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings = True shares one weight between the first and the "
+                         "last stage; build the model with tie_word_embeddings=False for PP")
+    start = sum(counts[:stage_index])
+    return HFCausalLMStage(model, range(start, start + counts[stage_index]),
+                           first=stage_index == 0, last=stage_index == len(counts) - 1)
