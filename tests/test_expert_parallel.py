@@ -244,6 +244,9 @@ TRAIN_CASES_4 = {
                   "--parallelism.tensor_parallel_degree=2"],
     "ep2_x_cp2_full_ac": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
                           "--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"],
+    "pp2_x_ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+                  "--parallelism.pipeline_parallel_degree=2",
+                  "--parallelism.pipeline_parallel_schedule=1F1B"],
     "fsdp4_no_ep": ["--training.local_batch_size=2"],  # the dense layout of ep*_fsdp4, no EP
     # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
     "ep2_x_fsdp4_resume": ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",
@@ -288,14 +291,16 @@ def moe_reference(tmp_path_factory):
 # ranks *without* EP already ends 4.2e-5 from one process in layers.2.attention.wo (measured).
 # So dense parameters are held to 1e-4 against one process and to 1e-5 against that same
 # layout without EP; expert weights, losses and gradient norms to 1e-5 against one process.
-def _assert_matches(got, ref, name, dense_rtol=1e-4):
+def _assert_matches(got, ref, name, dense_rtol=1e-4, expert_rtol=1e-5):
     losses, norms, params = got
     for what, a, b in (("losses", losses, ref[0]), ("grad norms", norms, ref[1])):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0,
                                    msg=lambda m, w=what, a=a, b=b: f"{name} {w} {a} vs {b}: {m}")
     for pname, want in ref[2].items():
+        if name.startswith("pp") and pname not in params:  # on another pipeline stage
+            continue
         err = (params[pname] - want).norm() / want.norm()
-        tol = 1e-5 if ".moe.experts." in pname else dense_rtol
+        tol = expert_rtol if ".moe.experts." in pname else dense_rtol
         assert err < tol, f"{name} {pname}: relative error {err:.2e}"
 
 
@@ -321,7 +326,9 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
     got = run_distributed(_train, 4, args=(TRAIN_CASES_4, str(tmp_path)), timeout_s=120)[0]
     for name in TRAIN_CASES_4:
         assert len(got[name][0]) == STEPS, name
-        _assert_matches(got[name], moe_reference, name)
+        # PP sums the gradients of its micro-batches: 1.1e-5 on an expert after Adam (measured);
+        # tests/test_pipeline.py allows 3e-5 for accumulated micro-batches as well.
+        _assert_matches(got[name], moe_reference, name, expert_rtol=3e-5 if "pp" in name else 1e-5)
     for name in ("ep2_x_fsdp4", "ep4_fsdp4"):
         _assert_matches(got[name], got["fsdp4_no_ep"], f"{name} vs fsdp4_no_ep", dense_rtol=1e-5)
     # DCP save + resume of the EP-sharded experts (and their optimizer state): the same curve
@@ -346,9 +353,6 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
     (["--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=1"], 2,
      "parallelism.expert_parallel_degree = 2 needs FSDP (zero_stage 2 or 3): parallelism.zero_stage "
      "= 1 replicates every parameter with DDP, experts included"),
-    (["--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2"], 4,
-     "parallelism.expert_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported "
-     "yet; use one of them"),
     (["--parallelism.expert_parallel_degree=2", "--model.flavor=debugtiny"], 2,
      "parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor = 'debugtiny' has "
      "no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"),

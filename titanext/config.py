@@ -1033,7 +1033,7 @@ def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 
 def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]:
     """Expert parallelism: a MoE model whose experts split evenly, ranks borrowed from
-    dp_shard x cp (``shard``: the resolved dp_shard, None when the degrees do not fit)."""
+    dp_shard x cp (``shard``: the resolved dp_shard, None when the degrees do not fit), FSDP."""
     p = cfg.parallelism
     ep, cp = p.expert_parallel_degree, p.context_parallel_degree
     if ep == 1 or skip & {"parallelism.expert_parallel_degree", "model.name", "model.flavor"}:
@@ -1057,9 +1057,6 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
     if p.zero_stage == 1:
         problems.append(f"{key} needs FSDP (zero_stage 2 or 3): parallelism.zero_stage = 1 "
                         "replicates every parameter with DDP, experts included")
-    if p.pipeline_parallel_degree > 1:
-        problems.append(f"{key} with pipeline_parallel_degree = {p.pipeline_parallel_degree} is "
-                        "not supported yet; use one of them")
     return problems
 
 
