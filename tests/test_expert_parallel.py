@@ -74,6 +74,7 @@ def _dispatch_cases(rank: int, world_size: int) -> dict:
 def _moe_layer_case(mesh, grouped: bool) -> None:
     """The real MoE layer under EP == one process on all ranks' tokens (forward and grads)."""
     import copy
+    import dataclasses
 
     from titanext.models.moe import MoE, MoEArgs
     from titanext.plugins.expert_parallel import apply_expert_parallel
@@ -105,6 +106,19 @@ def _moe_layer_case(mesh, grouped: bool) -> None:
             got = p.grad.clone()
             dist.all_reduce(got, group=group)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    # Capacity (token dropping) is decided per rank before dispatch: EP == this rank's tokens
+    # through an unsplit copy of the same layer (outputs and input gradients).
+    capped = dataclasses.replace(args, capacity_factor=0.6)  # drops some (checked by hand)
+    torch.manual_seed(3)
+    ref = MoE(16, capped)
+    ep = copy.deepcopy(ref)
+    apply_expert_parallel(ep, mesh)
+    x1, x2 = (xs.detach()[mine].clone().requires_grad_(True) for _ in range(2))
+    y1, y2 = ref(x1), ep(x2)
+    (y1 * cs[mine]).sum().backward()
+    (y2 * cs[mine]).sum().backward()
+    torch.testing.assert_close(y2, y1, **tol)
+    torch.testing.assert_close(x2.grad, x1.grad, **tol)
 
 
 def _dispatch_cases_on(mesh) -> dict:
