@@ -249,7 +249,9 @@ def test_pipeline_bubble_and_in_flight_are_the_simulators(schedule):
     over = ["--parallelism.pipeline_parallel_degree=4", "--parallelism.tensor_parallel_degree=2",
             f"--parallelism.pipeline_parallel_schedule={schedule}",
             "--parallelism.pipeline_parallel_microbatches=8", "--training.local_batch_size=8",
-            "--training.global_batch_size=64", "--compile.enable=false"]
+            "--training.global_batch_size=64", "--compile.enable=false",
+            # op-level selective AC allows one backward; split-backward schedules need full AC
+            "--activation_checkpoint.mode=full"]
     cfg = load_config(path, over, world_size=64)
     plan = plan_config(cfg, 64)
     f, i, w = plan.time["microbatch_f_i_w_s"]
