@@ -102,8 +102,8 @@ def set_gradient_divide_factor(unit: nn.Module, factor: float, mesh: DeviceMesh)
 
     gloo has no PREMUL_SUM, which FSDP uses for a custom factor, so a sharded unit off NCCL
     reduces with SUM and divides afterwards. A unit whose shard group has one rank keeps the
-    default path: FSDP then divides once by the factor (forcing SUM there divides twice in
-    torch 2.13).
+    default path: FSDP divides once by the factor there (since torch 2.10; forcing SUM there
+    divides twice in torch 2.13).
     """
     unit.set_gradient_divide_factor(float(factor))
     shard_group = mesh.get_group(mesh.ndim - 1)  # FSDP shards over the last dim (HSDP: 2D)
