@@ -306,7 +306,9 @@ class Parallelism:
     """Explicit blocks per stage, one entry per stage in stage order (overrides the two
     *_less_layers keys); empty = split evenly."""
     expert_parallel_degree: int = _field(1, ge=1)
-    """Ranks that split the experts of MoE layers (borrowed from dp_shard x cp)."""
+    """Ranks that split the experts of MoE layers, borrowed from dp_shard x cp (tokens go to
+    their experts by all-to-all). Needs a MoE flavor and FSDP (zero_stage 2 or 3); must divide
+    moe.num_experts and dp_shard x cp, and be a multiple of context_parallel_degree."""
 
 
 _DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # the plugin owns the list
