@@ -367,6 +367,11 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
     (["--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=1"], 2,
      "parallelism.expert_parallel_degree = 2 needs FSDP (zero_stage 2 or 3): parallelism.zero_stage "
      "= 1 replicates every parameter with DDP, experts included"),
+    (["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective"], 2,
+     "parallelism.expert_parallel_degree = 2 cannot run with activation_checkpoint.mode = "
+     "'selective' and selective_ac_option = 'op': the experts' own FSDP unit inside the block runs "
+     "different ops in the recomputation than in the forward, which op-level checkpointing "
+     "refuses; use mode = 'full' or a layer-level selective_ac_option such as '2'"),
     (["--parallelism.expert_parallel_degree=2", "--model.flavor=debugtiny"], 2,
      "parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor = 'debugtiny' has "
      "no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"),

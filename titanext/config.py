@@ -1059,6 +1059,14 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
     if p.zero_stage == 1:
         problems.append(f"{key} needs FSDP (zero_stage 2 or 3): parallelism.zero_stage = 1 "
                         "replicates every parameter with DDP, experts included")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op" \
+            and "activation_checkpoint.selective_ac_option" not in skip:
+        problems.append(f"{key} cannot run with activation_checkpoint.mode = 'selective' and "
+                        "selective_ac_option = 'op': the experts' own FSDP unit inside the block "
+                        "runs different ops in the recomputation than in the forward, which "
+                        "op-level checkpointing refuses; use mode = 'full' or a layer-level "
+                        "selective_ac_option such as '2'")
     return problems
 
 
