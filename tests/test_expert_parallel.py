@@ -369,9 +369,9 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
      "= 1 replicates every parameter with DDP, experts included"),
     (["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective"], 2,
      "parallelism.expert_parallel_degree = 2 cannot run with activation_checkpoint.mode = "
-     "'selective' and selective_ac_option = 'op': the experts' own FSDP unit inside the block runs "
-     "different ops in the recomputation than in the forward, which op-level checkpointing "
-     "refuses; use mode = 'full' or a layer-level selective_ac_option such as '2'"),
+     "'selective' and selective_ac_option = 'op': with the all-to-alls and the experts' FSDP unit "
+     "inside the block, the recomputation runs other profiler ops than the forward, which op-level "
+     "checkpointing refuses; use mode = 'full' or a layer-level selective_ac_option such as '2'"),
     (["--parallelism.expert_parallel_degree=2", "--model.flavor=debugtiny"], 2,
      "parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor = 'debugtiny' has "
      "no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"),

@@ -1063,9 +1063,9 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
     if ac.mode == "selective" and ac.selective_ac_option == "op" \
             and "activation_checkpoint.selective_ac_option" not in skip:
         problems.append(f"{key} cannot run with activation_checkpoint.mode = 'selective' and "
-                        "selective_ac_option = 'op': the experts' own FSDP unit inside the block "
-                        "runs different ops in the recomputation than in the forward, which "
-                        "op-level checkpointing refuses; use mode = 'full' or a layer-level "
+                        "selective_ac_option = 'op': with the all-to-alls and the experts' FSDP "
+                        "unit inside the block, the recomputation runs other profiler ops than the "
+                        "forward, which op-level checkpointing refuses; use mode = 'full' or a layer-level "
                         "selective_ac_option such as '2'")
     return problems
 
