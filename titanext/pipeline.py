@@ -217,12 +217,8 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
     kwargs = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False,
               **(schedule_kwargs or {})}
-    if costs is not None:  # a schedule generated for measured costs (Auto)
-        make = getattr(_schedules, "auto_schedule_class", None)
-        if make is not None:
-            cls = make(**costs)
-        else:
-            kwargs["costs"] = costs
+    if costs is not None and hasattr(cls, "with_costs"):  # generated for measured costs (Auto)
+        cls = cls.with_costs(**costs)
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     if issubclass(cls, PipelineScheduleSingle):

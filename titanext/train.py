@@ -359,7 +359,8 @@ class Trainer:
             # mirrored gradients are summed once per optimizer step (after accumulation)
             schedule_kwargs={"sum_mirrored_grads": False} if self.pp_mirrored else None)
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
-        self._pp_timer = StageTimer(self.pp_stages) if name == "Auto" else None
+        measures = getattr(get_schedule_class(name), "measures_costs", False)
+        self._pp_timer = StageTimer(self.pp_stages) if measures else None
         return parts
 
     def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -399,7 +400,8 @@ class Trainer:
             self.pp_costs = costs
             self.pp_stages, self.pp_schedule = build_pipeline(
                 self.model_parts, self.pp_stage_ids, num_stages=self.pp_num_stages,
-                pp_group=self.pp_group, device=self.device, schedule="Auto",
+                pp_group=self.pp_group, device=self.device,
+                schedule=self.cfg.parallelism.pipeline_parallel_schedule,
                 microbatches=self.pp_microbatches, loss_fn=self._pp_loss, costs=costs)
         # Only the last stage saw the loss: sum over pp (others add 0), then over dp.
         loss_sum = self._pp_loss_sum.clone()

@@ -309,6 +309,7 @@ class Auto(GeneratedSchedule):
 
     placement = "v"
     stages_per_rank = 2
+    measures_costs = True  # the trainer times step 1 and rebuilds it for the measured costs
 
     @staticmethod
     def generate(pp: int, microbatches: int, **stage_costs: float) -> dict[int, list]:
