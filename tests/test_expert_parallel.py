@@ -261,6 +261,11 @@ TRAIN_CASES_4 = {
     "pp2_x_ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
                   "--parallelism.pipeline_parallel_degree=2",
                   "--parallelism.pipeline_parallel_schedule=1F1B"],
+    # DualPipe's two copies each count only their direction's tokens: the expert bias must see
+    # the sum (before that fix the routers ended 1e-2 away from one process)
+    "pp2_dualpipe_x_ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+                           "--parallelism.pipeline_parallel_degree=2",
+                           "--parallelism.pipeline_parallel_schedule=DualPipe"],
     "fsdp4_no_ep": ["--training.local_batch_size=2"],  # the dense layout of ep*_fsdp4, no EP
     # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
     "ep2_x_fsdp4_resume": ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",

@@ -64,7 +64,11 @@ from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
 from titanext.schedules import get_schedule_class, num_stages_for, stage_ids_for_rank
-from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
+from titanext.schedules.dualpipe import (
+    clip_mirrored_grads,
+    sum_mirrored_buffers,
+    sum_mirrored_grads,
+)
 from titanext.tokenizer import build_tokenizer
 
 IGNORE_INDEX = -100
@@ -133,6 +137,7 @@ class Trainer:
         self.cp_layout = "zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous"
         # ZeRO-1 replicates parameters over every rank that reduces gradients: dp and cp.
         zero1 = p.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
+        self.pp_mirrored = False  # DualPipe's two copies (set by _build_pipeline)
         if dims.pp_enabled:  # one part per stage this rank holds, each parallelized alone
             self.model_parts = self._build_pipeline(model)
             model = self.model_parts[0]
@@ -292,6 +297,8 @@ class Trainer:
         loads summed over dp x cp (the ranks that see different tokens); keeps them for the
         metrics as {block FQN: max/mean load}."""
         self.moe_load = {}
+        if self.pp_mirrored:  # each DualPipe copy counted only its direction's micro-batches
+            sum_mirrored_buffers(self.pp_stages, "tokens_per_expert")
         for part in self.model_parts:
             loads = update_expert_bias(part, group=self.dims.loss_mesh.get_group())
             if loads is not None:
