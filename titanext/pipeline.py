@@ -46,7 +46,7 @@ def _stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list
     return list(fn(placement, rank, pp, stages_per_rank))
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
-           "pass_position_ids",
+           "pass_position_ids", "ignore_shape_inference_forward",
            "stages_per_rank_of", "StageTimer"]
 
 
@@ -224,6 +224,33 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     if issubclass(cls, PipelineScheduleSingle):
         return stages, cls(stages[0], **kwargs)
     return stages, cls(stages, **kwargs)
+
+
+def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
+                                   reset: Callable[[nn.Module], None]) -> None:
+    """Call ``reset(module)`` just before each stage module's *second* forward call.
+
+    A ``PipelineStage`` built without ``input_args`` learns its shapes on the first
+    ``schedule.step`` by calling its module once before the first micro-batch (torch 2.13: on
+    micro-batch 0 for the first stage and on uninitialised tensors for the others; older
+    torch: on meta tensors). State that forwards accumulate (e.g. the MoE routing counts the
+    expert-bias update uses) must not keep that call: ``reset`` clears it. Call this right
+    after every :func:`build_pipeline` (new stages infer again).
+
+    >>> from titanext.models.moe import MoE
+    >>> ignore_shape_inference_forward(parts, lambda m: [x.tokens_per_expert.zero_()
+    ...     for x in m.modules() if isinstance(x, MoE)])          # doctest: +SKIP
+    """
+    for module in stage_modules:
+        state: dict = {"calls": 0}
+
+        def pre_hook(mod: nn.Module, args, state=state) -> None:
+            state["calls"] += 1
+            if state["calls"] == 2:
+                reset(mod)
+                state["handle"].remove()
+
+        state["handle"] = module.register_forward_pre_hook(pre_hook)
 
 
 class StageTimer:

@@ -49,6 +49,7 @@ from titanext.parallel_dims import ParallelDims, init_distributed
 from titanext.pipeline import (
     StageTimer,
     build_pipeline,
+    ignore_shape_inference_forward,
     layers_per_stage,
     pass_position_ids,
     pipeline_stage_ids,
@@ -64,11 +65,7 @@ from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel
 from titanext.schedules import get_schedule_class, num_stages_for, stage_ids_for_rank
-from titanext.schedules.dualpipe import (
-    clip_mirrored_grads,
-    sum_mirrored_buffers,
-    sum_mirrored_grads,
-)
+from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 from titanext.tokenizer import build_tokenizer
 
 IGNORE_INDEX = -100
@@ -76,6 +73,12 @@ IGNORE_INDEX = -100
 
 class TrainingDiverged(RuntimeError):
     """Raised when the loss or gradient norm becomes NaN or inf."""
+
+
+def _reset_moe_counts(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.tokens_per_expert.zero_()
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -133,6 +136,8 @@ class Trainer:
                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
                          emulate=f8.emulate, device=self.device)
         self._precompute_float8 = f8.enable and f8.precompute_scale
+        # Every MoE block of the whole model (a pipeline rank holds some of them).
+        self._moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
         self.loss_parallel = dims.tp_enabled and p.enable_loss_parallel
         self.cp_layout = "zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous"
         # ZeRO-1 replicates parameters over every rank that reduces gradients: dp and cp.
@@ -294,26 +299,41 @@ class Trainer:
 
     def _update_moe(self) -> None:
         """After the optimizer step: aux-loss-free bias update of every MoE block, with the
-        loads summed over dp x cp (the ranks that see different tokens); keeps them for the
-        metrics as {block FQN: max/mean load}."""
-        self.moe_load = {}
-        if self.pp_mirrored:  # each DualPipe copy counted only its direction's micro-batches
-            sum_mirrored_buffers(self.pp_stages, "tokens_per_expert")
+        loads summed over dp x cp (the ranks that see different tokens) and, under PP, over pp
+        (every rank learns every block's load; DualPipe's two copies of a block add up to the
+        one model's counts); keeps them for the metrics as {block FQN: max/mean load}."""
+        if not self._moe_names:
+            return
+        index = {n: i for i, n in enumerate(self._moe_names)}
+        held = [(index[n], m) for part in self.model_parts for n, m in part.named_modules()
+                if isinstance(m, MoE)]
+        loads = torch.zeros(len(index), self.model_args.moe.num_experts, device=self.device)
+        for i, m in held:
+            loads[i] += m.tokens_per_expert.float()
+        if self.dims.pp_enabled:
+            dist.all_reduce(loads, group=self.pp_group)
+        if self.dims.loss_mesh.size() > 1:
+            dist.all_reduce(loads, group=self.dims.loss_mesh.get_group())
+        for i, m in held:  # the summed counts, then the update of this process's blocks only
+            m.tokens_per_expert.copy_(loads[i])
         for part in self.model_parts:
-            loads = update_expert_bias(part, group=self.dims.loss_mesh.get_group())
-            if loads is not None:
-                names = [n for n, m in part.named_modules() if isinstance(m, MoE)]
-                self.moe_load.update(zip(names, expert_load(loads)))
+            update_expert_bias(part, group=None)
+        self.moe_load = dict(zip(self._moe_names, expert_load(loads), strict=True))
 
     def _moe_metrics(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(console + TensorBoard, TensorBoard only) MoE metrics of the last step."""
         if not self.moe_load:
             return {}, {}
         shown = {"moe_load": torch.stack(list(self.moe_load.values())).max()}
-        aux = [m.aux_loss for part in self.model_parts for m in part.modules()
-               if isinstance(m, MoE) and m.aux_loss is not None]
-        if aux:  # this rank's last micro-batch, summed over blocks
-            shown["moe_aux_loss"] = torch.stack(aux).sum()
+        if self.model_args.moe.aux_loss_alpha:  # the last micro-batch, summed over blocks
+            aux = torch.zeros(len(self._moe_names), device=self.device)
+            for part in self.model_parts:
+                for name, m in part.named_modules():
+                    if isinstance(m, MoE) and m.aux_loss is not None:
+                        aux[self._moe_names.index(name)] = m.aux_loss
+            if self.dims.pp_enabled:  # each block from a rank that holds it (aux >= 0)
+                dist.all_reduce(aux, op=dist.ReduceOp.MAX, group=self.pp_group)
+            shown["moe_aux_loss"] = aux.sum()
         return shown, {f"moe_load/{name}": v for name, v in self.moe_load.items()}
 
     # -- pipeline parallelism --------------------------------------------------------------
@@ -365,6 +385,7 @@ class Trainer:
             loss_fn=self._pp_loss,
             # mirrored gradients are summed once per optimizer step (after accumulation)
             schedule_kwargs={"sum_mirrored_grads": False} if self.pp_mirrored else None)
+        ignore_shape_inference_forward(parts, _reset_moe_counts)
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         measures = getattr(get_schedule_class(name), "measures_costs", False)
         self._pp_timer = StageTimer(self.pp_stages) if measures else None
@@ -410,6 +431,7 @@ class Trainer:
                 pp_group=self.pp_group, device=self.device,
                 schedule=self.cfg.parallelism.pipeline_parallel_schedule,
                 microbatches=self.pp_microbatches, loss_fn=self._pp_loss, costs=costs)
+            ignore_shape_inference_forward(self.model_parts, _reset_moe_counts)
         # Only the last stage saw the loss: sum over pp (others add 0), then over dp.
         loss_sum = self._pp_loss_sum.clone()
         dist.all_reduce(loss_sum, group=self.pp_group)
