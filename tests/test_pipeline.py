@@ -118,6 +118,9 @@ def test_config_rules_for_what_cannot_work():
                        world_size=4)
     assert "tensor_parallel_degree = 2" in msg
     assert "must be divisible" in _problems(pp2, sched("ZBH1"), *mb(5))[0]
+    # torch's 1F1B checks m >= stages only once it holds real stages: caught at load instead
+    (msg,) = _problems(pp2, sched("1F1B"), "--parallelism.pipeline_parallel_microbatches=1")
+    assert "1F1B needs at least one micro-batch per stage (2)" in msg
 
 
 # -- parity through the Trainer -----------------------------------------------------------------

@@ -64,18 +64,20 @@ _OURS: dict[str, type] = {
 
 
 def _torch(cls_name: str, placement: str, stages_per_rank: int | None,
-           splits_backward: bool = False) -> type | None:
+           splits_backward: bool = False, min_microbatches_per_stage: int = 0) -> type | None:
     base = getattr(TORCH_SCHEDULES, cls_name, None)
     if base is None:
         return None
     return type(cls_name.removeprefix("Schedule"), (base,), {
         "placement": placement, "stages_per_rank": stages_per_rank,
-        "splits_backward": splits_backward, "__doc__": base.__doc__})
+        "splits_backward": splits_backward, "__doc__": base.__doc__,
+        # a check torch makes only once it holds real stages (inside Trainer start-up)
+        "min_microbatches_per_stage": min_microbatches_per_stage})
 
 
 _TORCH = {name: cls for name, cls in {
     "GPipe": _torch("ScheduleGPipe", "loop", 1),
-    "1F1B": _torch("Schedule1F1B", "loop", 1),
+    "1F1B": _torch("Schedule1F1B", "loop", 1, min_microbatches_per_stage=1),
     "Interleaved1F1B": _torch("ScheduleInterleaved1F1B", "loop", None),
     "LoopedBFS": _torch("ScheduleLoopedBFS", "loop", None),
     "InterleavedZeroBubble": _torch("ScheduleInterleavedZeroBubble", "loop", None, True),
@@ -208,6 +210,9 @@ def schedule_problems(name: str, *, pp: int, microbatches: int,
     elif name.lower() in ("dualpipev", "torchdualpipev") and microbatches < 2 * pp:
         problems.append(f"{key}_microbatches = {microbatches}: {cls.__name__} needs >= 2 x pp "
                         f"= {2 * pp}")
+    elif microbatches < getattr(cls, "min_microbatches_per_stage", 0) * pp * spr:
+        problems.append(f"{key}_microbatches = {microbatches}: {name} needs at least one "
+                        f"micro-batch per stage ({pp * spr})")
     elif pp > 1:
         try:
             schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr)

@@ -291,29 +291,6 @@ def sum_mirrored_grads(stages) -> None:
     _add_flat(up.submod, their_down)
 
 
-def sum_mirrored_buffers(stages, name: str) -> None:
-    """Sum the buffers called ``name`` (e.g. a MoE block's ``tokens_per_expert``) over the two
-    copies of every stage, so that state derived from them (the expert bias) stays equal in
-    both copies: each copy saw only the micro-batches that ran in its direction."""
-    down, up = stages[0], stages[1]
-
-    def flat(module: nn.Module) -> torch.Tensor:
-        return torch.cat([b.reshape(-1).float() for n, b in module.named_buffers()
-                          if n.rsplit(".", 1)[-1] == name] or [torch.zeros(0)])
-
-    mine = [flat(down.submod), flat(up.submod)]
-    if not mine[0].numel():
-        return
-    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]
-    _exchange(down.group, down.group_size - 1 - down.group_rank, mine, theirs)
-    for module, other in ((down.submod, theirs[1]), (up.submod, theirs[0])):
-        offset = 0
-        for n, b in module.named_buffers():
-            if n.rsplit(".", 1)[-1] == name:
-                b.add_(other[offset:offset + b.numel()].view_as(b).to(b.dtype))
-                offset += b.numel()
-
-
 def _add_flat(module: nn.Module, flat: torch.Tensor) -> None:
     """grad += the partner's flattened gradient (a + b == b + a bitwise: copies stay equal)."""
     offset = 0
