@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext.plugins._attention_kernels import KERNELS, block_backward, block_forward, pick_kernel
+from titanext.plugins._counting import Counters
 
 __all__ = [
     "LAYOUTS", "COMMS", "KERNELS", "ring_attention", "zigzag_shard", "zigzag_unshard",
@@ -65,18 +66,12 @@ class CommCounter:
     collective_bytes: int = 0
 
 
-_COUNTERS: list[CommCounter] = []
+_COUNTERS = Counters(CommCounter)
 
 
-@contextlib.contextmanager
-def count_comm() -> Iterator[CommCounter]:
+def count_comm() -> contextlib.AbstractContextManager[CommCounter]:
     """Count ring-attention traffic issued inside the block (tests and benchmarks use it)."""
-    counter = CommCounter()
-    _COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.remove(counter)
+    return _COUNTERS.open()
 
 
 def _record_send(t: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ Runnable example with a user's own model: ``examples/expert_parallel.py``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from titanext.plugins._counting import Counters
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
@@ -72,18 +74,12 @@ class CommCounter:
     host_syncs: int = 0
 
 
-_COUNTERS: list[CommCounter] = []
+_COUNTERS = Counters(CommCounter)
 
 
-@contextlib.contextmanager
-def count_comm() -> Iterator[CommCounter]:
+def count_comm() -> contextlib.AbstractContextManager[CommCounter]:
     """Count EP traffic issued inside the block (tests and ``benchmarks/moe_dispatch.py``)."""
-    counter = CommCounter()
-    _COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.remove(counter)
+    return _COUNTERS.open()
 
 
 # -- the differentiable all-to-all -----------------------------------------------------------------
