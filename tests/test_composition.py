@@ -17,20 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import fp32_trainer_overrides, run_distributed
 
 STEPS = 5
-BASE = [
-    "--training.dataset=synthetic",
-    "--training.seq_len=64",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param=float32",
-    "--training.mixed_precision_reduce=float32",
-    "--optimizer.lr=3e-3",
-    "--lr_scheduler.warmup_steps=1",
-    "--metrics.enable_tensorboard=false",
-    "--metrics.log_freq=100",
-]
+BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64)
 P = "--parallelism."
 
 

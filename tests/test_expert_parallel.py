@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.distributed import fp32_trainer_overrides, run_distributed
 
 
 class ScaleExperts(nn.Module):
@@ -235,18 +235,7 @@ def _example(rank: int, world_size: int):
 # -- through the trainer ---------------------------------------------------------------------------
 
 STEPS = 4
-BASE = [
-    "--model.flavor=debugmoe",
-    "--training.dataset=synthetic",
-    "--training.seq_len=32",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param=float32",
-    "--training.mixed_precision_reduce=float32",
-    "--optimizer.lr=3e-3",
-    "--lr_scheduler.warmup_steps=1",
-    "--metrics.enable_tensorboard=false",
-    "--metrics.log_freq=100",
-]
+BASE = fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugmoe")
 
 AUX = ["--moe.aux_loss_alpha=0.01"]
 # name: overrides; every case has a global batch of 8 sequences.

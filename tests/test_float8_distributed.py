@@ -14,22 +14,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.distributed import fp32_trainer_overrides, run_distributed
 
 STEPS = 4
-BASE = [
-    "--model.flavor=debugtiny",
-    "--training.dataset=synthetic",
-    "--training.seq_len=32",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param=float32",
-    "--training.mixed_precision_reduce=float32",
-    "--optimizer.lr=3e-3",
-    "--lr_scheduler.warmup_steps=1",
-    "--metrics.enable_tensorboard=false",
-    "--metrics.log_freq=100",
-    "--float8.enable=true",
-]
+BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny"), "--float8.enable=true"]
 AG = ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_scale=true"]
 
 
