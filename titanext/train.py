@@ -304,10 +304,8 @@ class Trainer:
         one model's counts); keeps them for the metrics as {block FQN: max/mean load}."""
         if not self._moe_names:
             return
-        index = {n: i for i, n in enumerate(self._moe_names)}
-        held = [(index[n], m) for part in self.model_parts for n, m in part.named_modules()
-                if isinstance(m, MoE)]
-        loads = torch.zeros(len(index), self.model_args.moe.num_experts, device=self.device)
+        held = self._held_moe_blocks()
+        loads = torch.zeros(len(self._moe_names), self.model_args.moe.num_experts, device=self.device)
         for i, m in held:
             loads[i] += m.tokens_per_expert.float()
         if self.dims.pp_enabled:
@@ -320,6 +318,13 @@ class Trainer:
             update_expert_bias(part, group=None)
         self.moe_load = dict(zip(self._moe_names, expert_load(loads), strict=True))
 
+    def _held_moe_blocks(self) -> list[tuple[int, MoE]]:
+        """(index in ``self._moe_names``, block) of every MoE block this process holds (pipeline
+        stages keep the whole model's FQNs)."""
+        index = {n: i for i, n in enumerate(self._moe_names)}
+        return [(index[n], m) for part in self.model_parts for n, m in part.named_modules()
+                if isinstance(m, MoE)]
+
     def _moe_metrics(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(console + TensorBoard, TensorBoard only) MoE metrics of the last step."""
         if not self.moe_load:
@@ -327,10 +332,9 @@ class Trainer:
         shown = {"moe_load": torch.stack(list(self.moe_load.values())).max()}
         if self.model_args.moe.aux_loss_alpha:  # the last micro-batch, summed over blocks
             aux = torch.zeros(len(self._moe_names), device=self.device)
-            for part in self.model_parts:
-                for name, m in part.named_modules():
-                    if isinstance(m, MoE) and m.aux_loss is not None:
-                        aux[self._moe_names.index(name)] = m.aux_loss
+            for i, m in self._held_moe_blocks():
+                if m.aux_loss is not None:
+                    aux[i] = m.aux_loss
             if self.dims.pp_enabled:  # each block from a rank that holds it (aux >= 0)
                 dist.all_reduce(aux, op=dist.ReduceOp.MAX, group=self.pp_group)
             shown["moe_aux_loss"] = aux.sum()
