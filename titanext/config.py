@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from titanext._hints import did_you_mean as _did_you_mean
+from titanext.errors import ConfigError
 from titanext.plugins.activation_checkpoint import DEFAULT_SAVE_OPS
 from titanext.plugins.float8 import FLOAT8_RECIPES
 
@@ -58,22 +59,6 @@ __all__ = [
     "to_toml",
     "validate",
 ]
-
-
-class ConfigError(ValueError):
-    """Every user-facing config problem; ``problems`` holds one line per problem.
-
-    >>> str(ConfigError(["a.b = 1 is bad", "c.d = 2 is bad"]))
-    'a.b = 1 is bad\\nc.d = 2 is bad'
-    """
-
-    def __init__(self, problems: Sequence[str] | str) -> None:
-        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
-
-    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
-        # Keep the per-problem split when the error crosses a process boundary (spawned tests).
-        return (type(self), (self.problems,))
 
 
 # -- per-field constraints live next to the field ------------------------------------------------

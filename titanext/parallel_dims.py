@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanext.config import ConfigError
+from titanext.errors import ConfigError
 
 __all__ = ["ParallelDims", "device_type", "init_distributed", "resolve_dp_shard"]
 

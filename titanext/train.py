@@ -41,6 +41,7 @@ from titanext.config import (
     to_toml,
 )
 from titanext.data import build_dataloader
+from titanext.errors import TrainingDiverged
 from titanext.metrics import MetricsLogger
 from titanext.models import build_model
 from titanext.models.moe import MoE, expert_load, set_aux_loss_weight, update_expert_bias
@@ -69,10 +70,6 @@ from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 from titanext.tokenizer import build_tokenizer
 
 IGNORE_INDEX = -100
-
-
-class TrainingDiverged(RuntimeError):
-    """Raised when the loss or gradient norm becomes NaN or inf."""
 
 
 def _reset_moe_counts(module: nn.Module) -> None:

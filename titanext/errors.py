@@ -1,0 +1,36 @@
+"""User-facing error types. A leaf module: it imports nothing of titanext's.
+
+- :class:`ConfigError`: every config problem, one line per problem (exit code 2).
+- :class:`TrainingDiverged`: the loss or gradient norm became NaN or inf.
+- :class:`CheckpointError` and its subclasses: a checkpoint that cannot be used, named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["ConfigError", "TrainingDiverged", "CheckpointError"]
+
+
+class ConfigError(ValueError):
+    """Every user-facing config problem; ``problems`` holds one line per problem.
+
+    >>> str(ConfigError(["a.b = 1 is bad", "c.d = 2 is bad"]))
+    'a.b = 1 is bad\\nc.d = 2 is bad'
+    """
+
+    def __init__(self, problems: Sequence[str] | str) -> None:
+        self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        # Keep the per-problem split when the error crosses a process boundary (spawned tests).
+        return (type(self), (self.problems,))
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised when the loss or gradient norm becomes NaN or inf."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded as asked (named in the message)."""
