@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from titanext.models.moe import MoEArgs
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1-style RoPE frequency scaling (Hugging Face ``rope_type = "llama3"``).
+
+    Wavelengths shorter than ``original_max_seq_len / high_freq_factor`` keep their frequency,
+    those longer than ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, and
+    the band between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
 
 
 @dataclass(frozen=True)
@@ -18,6 +34,12 @@ class ModelArgs:
     (:class:`titanext.models.moe.MoE`) instead of ``feed_forward``: the first
     ``n_dense_layers`` stay dense (DeepSeek's first-k-dense), then every
     ``moe_layer_interval``-th block is MoE.
+
+    ``rope_layout`` says how RoPE pairs the features of a head: ``"interleaved"`` rotates
+    (0, 1), (2, 3), ... (Meta's Llama checkpoints, titanext's named flavors); ``"half"`` rotates
+    (i, i + head_dim/2) (Hugging Face's ``rotate_half``; the ``hf`` flavor). The two differ only
+    by a fixed permutation of the rows of ``wq`` and ``wk`` inside each head
+    (:mod:`titanext.hf_checkpoint` applies it when a checkpoint changes convention).
     """
 
     dim: int = 256
@@ -33,6 +55,10 @@ class ModelArgs:
     moe: MoEArgs | None = None
     n_dense_layers: int = 0
     moe_layer_interval: int = 1
+    ffn_hidden_size: int | None = None  # explicit SwiGLU hidden size (HF intermediate_size)
+    tie_embeddings: bool = False  # output.weight is tok_embeddings.weight
+    rope_layout: Literal["interleaved", "half"] = "interleaved"
+    rope_scaling: RopeScaling | None = None
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` is a MoE block."""
@@ -54,6 +80,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

@@ -68,13 +68,37 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] (Llama's convention)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layout: str = "interleaved") -> torch.Tensor:
+    """Rotate feature pairs of ``x`` [batch, seq, heads, head_dim]: pairs (2i, 2i+1) for the
+    ``"interleaved"`` layout (Meta's Llama), (i, i + head_dim/2) for ``"half"`` (HF's)."""
+    xf = x.float()
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    if layout == "half":
+        x0, x1 = xf.chunk(2, dim=-1)
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).type_as(x)
+    xf = xf.unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] (fp32), with Llama-3.1 scaling if configured."""
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    rs = args.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_seq_len / rs.low_freq_factor
+    high_wavelen = rs.original_max_seq_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = ((rs.original_max_seq_len / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor))
+    interpolated = (1 - smooth) * inv / rs.factor + smooth * inv
+    out = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, interpolated, out)
 
 
 class Attention(nn.Module):
@@ -88,6 +112,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.attn_fn: AttentionFn = sdpa_attention
+        self.rope_layout = args.rope_layout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -95,7 +120,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin, self.rope_layout)
+        k = apply_rope(k, cos, sin, self.rope_layout)
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -159,18 +185,26 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        self.tie_weights()
         if self.inv_freq.device.type != "meta":
             self.init_buffers()
 
+    def tie_weights(self) -> None:
+        """With ``args.tie_embeddings``, make ``output.weight`` the embedding's parameter again
+        (``to_empty`` replaces parameters one module at a time, which unties them). A no-op for
+        untied models and for pipeline stages that hold only one of the two."""
+        if (self.args.tie_embeddings and self.tok_embeddings is not None
+                and self.output is not None):
+            self.output.weight = self.tok_embeddings.weight
+
     def init_buffers(self) -> None:
-        hd = self.args.head_dim
         with torch.no_grad():
-            inv = 1.0 / (self.args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            self.inv_freq.copy_(inv.to(self.inv_freq.device))
+            self.inv_freq.copy_(rope_inv_freq(self.args).to(self.inv_freq.device))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise buffers and parameters; identical values under any FSDP/TP layout."""
+        self.tie_weights()
         self.init_buffers()
         if self.tok_embeddings is not None:
             init_tensor_(self.tok_embeddings.weight, "tok_embeddings.weight", seed, normal_(1.0))
@@ -178,7 +212,7 @@ class Transformer(nn.Module):
             layer.init_weights(f"layers.{key}.", seed)
         if self.norm is not None:
             init_tensor_(self.norm.weight, "norm.weight", seed, constant_(1.0))
-        if self.output is not None:
+        if self.output is not None and not self.args.tie_embeddings:
             std = self.args.dim**-0.5
             init_tensor_(self.output.weight, "output.weight", seed, normal_(std, truncate=3.0))
 
@@ -199,8 +233,8 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        n = sum(p.numel() for p in self.parameters())  # a tied weight counts once
+        if exclude_embedding and self.tok_embeddings is not None and not self.args.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n
 
