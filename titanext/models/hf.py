@@ -101,7 +101,8 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * n_heads != dim:
         problems.append(f"{where}: head_dim = {head_dim} with hidden_size {dim} and "
-                        f"{n_heads} heads is not implemented (head_dim must be hidden_size / heads)")
+                        f"{n_heads} heads is not implemented (head_dim must be hidden_size / "
+                        "heads)")
     if cfg.get("pretraining_tp", 1) != 1:
         problems.append(f"{where}: pretraining_tp = {cfg['pretraining_tp']} is not supported; "
                         "use 1")
