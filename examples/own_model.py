@@ -1,4 +1,4 @@
-"""The README's library example: titanext plugins on your own model.
+"""The library example of docs/own_model.md: titanext plugins on your own model.
 
 Run: torchrun --standalone --nproc_per_node 4 examples/own_model.py
 """

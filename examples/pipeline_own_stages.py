@@ -1,5 +1,5 @@
-"""A titanext pipeline schedule driving your own PipelineStage objects (README: "Using a
-titanext schedule with your own stages").
+"""A titanext pipeline schedule driving your own PipelineStage objects (docs/pipeline.md:
+"Using a titanext schedule with your own PipelineStages").
 
 Run: torchrun --standalone --nproc_per_node 2 examples/pipeline_own_stages.py [SCHEDULE ...]
 

@@ -277,7 +277,7 @@ def test_reference_model_loss_and_grads_match_one_process(layout, comm):
 
 
 def test_user_model_example_runs_and_matches(tmp_path):
-    """examples/context_parallel.py (linked from the README) under torchrun, 2 ranks."""
+    """examples/context_parallel.py (docs/context_parallel.md) under torchrun, 2 ranks."""
     import pathlib
     import re
     import subprocess

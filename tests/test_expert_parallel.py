@@ -317,7 +317,7 @@ def _assert_matches(got, ref, name, dense_rtol=1e-4):
 
 
 def _two_ranks(rank: int, world_size: int, folder: str):
-    """One 2-rank spawn: the README example, then the trainer at ep = 2."""
+    """One 2-rank spawn: the docs example (docs/moe_ep.md), then the trainer at ep = 2."""
     example = _example(rank, world_size)
     cases = {"ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2"]}
     return example, _train(rank, world_size, cases, folder)

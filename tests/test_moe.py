@@ -340,7 +340,7 @@ def test_debugmoe_layouts_follow_one_process(moe_reference, tmp_path):
 
 
 def test_moe_layer_example_runs(capsys):
-    """examples/moe_layer.py (the README's MoE example) in this process, a few steps."""
+    """examples/moe_layer.py (the MoE example of docs/moe_ep.md) in this process, a few steps."""
     import pathlib
     import runpy
 

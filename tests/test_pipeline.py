@@ -271,7 +271,7 @@ def test_pp4_schedules_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_example_with_own_stages_runs_and_matches(tmp_path):
-    """examples/pipeline_own_stages.py (the README's example) under torchrun, 2 ranks."""
+    """examples/pipeline_own_stages.py (the example of docs/pipeline.md) under torchrun, 2 ranks."""
     import pathlib
     import re
     import subprocess

@@ -1,4 +1,5 @@
-"""The support matrix is the config validation's own verdict, and the README shows it as is."""
+"""The support matrix is the config validation's own verdict, and docs/support_matrix.md shows it
+as is."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 from titanext.support_matrix import (
     BEGIN_MARK,
     END_MARK,
+    UPDATE_COMMAND,
     check,
     main,
     support_matrix,
     to_markdown,
     to_text,
-    update_readme,
+    update_page,
 )
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "support_matrix.md")
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +31,13 @@ def _cell(m, row, col):
     return m.cells[m.rows.index(row)][m.columns.index(col)]
 
 
-def test_readme_table_is_the_generated_one(matrix):
-    with open(README, encoding="utf-8") as f:
+def test_docs_table_is_the_generated_one(matrix):
+    with open(PAGE, encoding="utf-8") as f:
         text = f.read()
     assert BEGIN_MARK in text and END_MARK in text
-    expected = update_readme(text, to_markdown(matrix))
-    assert text == expected, ("README.md's support matrix is stale: run "
-                              "`python -m titanext.support_matrix --update-readme README.md`")
+    expected = update_page(text, to_markdown(matrix))
+    assert text == expected, ("docs/support_matrix.md is stale: run "
+                              f"`{UPDATE_COMMAND}`")
 
 
 def test_cells_follow_the_validation(matrix):
@@ -63,10 +65,10 @@ def test_a_cell_is_exactly_load_config():
     assert not bad.supported and "tensor_parallel_degree = 3" in " ".join(bad.reasons)
 
 
-def test_update_readme_needs_the_markers():
+def test_update_page_needs_the_markers():
     with pytest.raises(ValueError, match="support-matrix"):
-        update_readme("no markers here", "| t |\n")
-    assert update_readme(f"a\n{BEGIN_MARK}\nold\n{END_MARK}\nb", "new\n") == \
+        update_page("no markers here", "| t |\n")
+    assert update_page(f"a\n{BEGIN_MARK}\nold\n{END_MARK}\nb", "new\n") == \
         f"a\n{BEGIN_MARK}\n\nnew\n\n{END_MARK}\nb"
 
 

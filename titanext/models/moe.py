@@ -15,7 +15,7 @@ expert's capacity; sorts the T x top_k assignments by expert (stable); runs
 assumes the experts are local); scatters the outputs back scaled by the routing weights; adds
 the shared experts.
 
-Load balancing (both switchable, see README "Mixture of Experts"):
+Load balancing (both switchable, see docs/moe_ep.md):
 - aux-loss-free: ``router.expert_bias`` is added to the scores for *selection only*; after each
   optimizer step :func:`update_expert_bias` moves it by ``rate * sign(mean load - load)`` from
   the counts in ``tokens_per_expert`` (all-reduced over the ranks that see different tokens).
