@@ -1,0 +1,318 @@
+"""Deferred weight gradients: a linear's backward computes dX now and queues dW = dY^T X.
+
+Zero-bubble pipeline schedules split a backward into I (input gradient, on the critical path)
+and W (weight gradient, fills bubbles). Autograd has no such split, and torch's
+``stage_backward_input`` / ``stage_backward_weight`` emulate it by walking the stage's graph in
+Python twice and keeping all of it alive until W. Here the split happens inside the GEMMs that
+matter, as the zero-bubble authors and DualPipe do: :func:`defer_weight_grads` converts a model's
+``nn.Linear`` layers (and MoE :class:`~titanext.models.moe.GroupedExperts`); inside
+:func:`weight_grad_deferral` their backward returns dX and the bias gradient at once and appends
+one weight-GEMM closure to a :class:`WeightGradQueue`, which holds only X and dY. Everything
+else (norms, embeddings, the router) gets its gradient during I as usual. Running the queue adds
+dW to ``param.grad`` as autograd would (the first write creates it, later ones add).
+
+>>> import torch
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+>>> defer_weight_grads(model)
+['0', '2']
+>>> queue = WeightGradQueue()
+>>> with weight_grad_deferral(queue):
+...     model(torch.randn(3, 8)).sum().backward()  # I: dX, biases
+>>> model[0].weight.grad is None, model[0].bias.grad is not None, len(queue)
+(True, True, 2)
+>>> queue.run()                                    # W: dW = dY^T X per linear
+>>> model[0].weight.grad.shape, len(queue)
+(torch.Size([16, 8]), 0)
+
+Rules:
+
+- The choice is made at forward time: a converted module run outside any deferral context is
+  exactly ``nn.Linear`` (same class hierarchy, parameters, FQNs, state dict and bitwise
+  numerics). Inside a context (with or without a queue) it records a custom autograd function;
+  its backward queues dW if a queue is active *when the backward runs*, else computes dW at once.
+  So run the forward and the backward of a micro-batch inside contexts (activation
+  checkpointing recomputes the forward during backward: it must see the same mode).
+- Pipeline stages: pass ``dw_builder=queue.take`` to torch's ``PipelineStage``. The stage's
+  input-gradient step then runs one plain autograd backward (no graph walk, no retain_graph)
+  and ``take()`` hands that micro-batch's closures to torch's W step; a full backward runs them
+  at once. ``titanext.pipeline`` does this when ``pipeline_parallel_split_backward =
+  "deferred"``.
+- FSDP2: forward sees the unsharded parameters, so dW accumulates on them (FSDP2 keeps the same
+  unsharded ``nn.Parameter`` across reshard/unshard; W does not need the weight's values). The
+  reduce-scatter must come after the last W: in a pipeline, torch's REDUCE_GRAD action does it
+  after each stage's last W/B. Outside a pipeline, run the earlier micro-batches' queues before
+  the last backward and give that one no queue (its dW is then computed inside autograd, before
+  FSDP's post-backward hook reduce-scatters).
+- TP/SP: DTensor weights and activations go through DTensor ops (dX is Partial where autograd's
+  would be), and dW is redistributed to the parameter's placements if they differ.
+- EP: grouped experts compute on the local expert shard; dW is wrapped back into the DTensor.
+- torch.compile: the deferring function is run eagerly (``torch.compiler.disable``), so each
+  converted linear is a graph break inside a compiled block while deferral is on.
+- float8: torchao's ``Float8Linear`` keeps its own backward (its dW is computed during I); one
+  log line says how many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanext.models.moe import GroupedExperts, grouped_mm_supported
+
+__all__ = ["WeightGradQueue", "defer_weight_grads", "deferral_active", "weight_grad_deferral"]
+
+logger = logging.getLogger("titanext")
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+class _State:
+    """Process-wide (not thread-local: on GPU, autograd runs backward on its own threads)."""
+
+    recording = False
+    queue: WeightGradQueue | None = None
+
+
+_STATE = _State()
+
+
+def deferral_active() -> bool:
+    """Whether converted modules run their forward in deferring mode now."""
+    return _STATE.recording
+
+
+@contextlib.contextmanager
+def weight_grad_deferral(queue: WeightGradQueue | None = None) -> Iterator[WeightGradQueue | None]:
+    """Forwards inside record deferrable linears; backwards inside queue their dW into ``queue``
+    (``None``: compute dW at once, inside autograd). Contexts nest; the innermost wins."""
+    saved = _STATE.recording, _STATE.queue
+    _STATE.recording, _STATE.queue = True, queue
+    try:
+        yield queue
+    finally:
+        _STATE.recording, _STATE.queue = saved
+
+
+class WeightGradQueue:
+    """Pending weight-gradient GEMMs, each holding (parameter, X, dY).
+
+    ``run()`` (or calling the queue) computes them in order and empties it. ``take()`` moves the
+    pending entries into a new queue and returns it: the ``dw_builder`` of a ``PipelineStage``.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Callable, nn.Parameter, torch.Tensor, torch.Tensor, object]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def append(self, fn: Callable, param: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
+               extra: object = None) -> None:
+        self._items.append((fn, param, x, dy, extra))
+
+    def take(self) -> WeightGradQueue:
+        taken = WeightGradQueue()
+        taken._items, self._items = self._items, []
+        return taken
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the queue keeps alive (X and dY of each entry)."""
+        return [t for _, _, x, dy, _ in self._items for t in (x, dy)]
+
+    def clear(self) -> None:
+        self._items = []
+
+    @torch.no_grad()
+    def run(self) -> None:
+        items, self._items = self._items, []
+        for fn, param, x, dy, extra in items:
+            _accumulate(param, fn(x, dy, param, extra))
+
+    __call__ = run
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, creating it on the first write (AccumulateGrad's contract)."""
+    if _is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad if grad.is_contiguous() else grad.contiguous()
+    else:
+        param.grad += grad
+
+
+# -- nn.Linear -------------------------------------------------------------------------------
+
+def _linear_weight_grad(x: torch.Tensor, dy: torch.Tensor, param, extra) -> torch.Tensor:
+    # dW = dY^T X over all leading dims: [out, T] @ [T, in]
+    return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _DeferredLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.param = weight  # the leaf to accumulate into (saved tensors may come back as aliases)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = dy.matmul(weight) if need_x else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
+        dw = None
+        if need_w:
+            queue = _STATE.queue
+            if queue is None or not ctx.param.is_leaf:
+                dw = _linear_weight_grad(x, dy, ctx.param, None)
+            else:
+                queue.append(_linear_weight_grad, ctx.param, x, dy)
+        return dx, dw, db
+
+
+@torch.compiler.disable
+def _deferred_linear(x, weight, bias):
+    return _DeferredLinearFn.apply(x, weight, bias)
+
+
+class DeferredLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient can be deferred (see the module docstring)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _STATE.recording and torch.is_grad_enabled() and (
+                input.requires_grad or self.weight.requires_grad):
+            return _deferred_linear(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias)
+
+
+# -- MoE grouped experts ----------------------------------------------------------------------
+
+def _grouped_linear(x, w, offs, counts):
+    """x [T, in] rows grouped by expert, w [E, out, in] -> [T, out]."""
+    if offs is not None:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
+
+
+def _grouped_input_grad(dy, w, offs, counts):
+    if offs is not None:
+        return torch._grouped_mm(dy, w, offs=offs)
+    outs = [dye.mm(w[e]) for e, dye in enumerate(torch.split(dy, counts))]
+    return torch.cat(outs) if outs else dy.new_zeros(0, w.shape[2])
+
+
+def _grouped_weight_grad(x, dy, param, extra) -> torch.Tensor:
+    offs, counts = extra
+    local = _local(param)
+    if offs is not None:
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]
+    else:
+        dw = torch.zeros_like(local)
+        for e, (xe, dye) in enumerate(zip(torch.split(x, counts), torch.split(dy, counts),
+                                          strict=True)):
+            dw[e] = dye.t().mm(xe)
+    if _is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
+        dw = DTensor.from_local(dw.to(local.dtype), param.device_mesh, param.placements,
+                                run_check=False, shape=param.shape, stride=param.stride())
+    return dw
+
+
+class _DeferredGroupedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offs, counts):
+        ctx.save_for_backward(x)
+        ctx.param, ctx.extra = weight, (offs, counts)
+        return _grouped_linear(x, _local(weight), offs, counts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        offs, counts = ctx.extra
+        dx = _grouped_input_grad(dy, _local(ctx.param), offs, counts) if ctx.needs_input_grad[0] \
+            else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if _STATE.queue is None or not ctx.param.is_leaf:
+                dw = _grouped_weight_grad(x, dy, ctx.param, ctx.extra)
+            else:
+                _STATE.queue.append(_grouped_weight_grad, ctx.param, x, dy, ctx.extra)
+        return dx, dw, None, None
+
+
+@torch.compiler.disable
+def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
+    w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
+    use = module.use_grouped_mm
+    if use == "auto":
+        use = grouped_mm_supported(x, w1, w2, w3)
+    offs, counts = None, None
+    if use:
+        offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
+    else:
+        counts = num_tokens_per_expert.tolist()
+    h = F.silu(_DeferredGroupedFn.apply(x, module.w1, offs, counts))
+    h = h * _DeferredGroupedFn.apply(x, module.w3, offs, counts)
+    return _DeferredGroupedFn.apply(h, module.w2, offs, counts)
+
+
+class DeferredGroupedExperts(GroupedExperts):
+    """:class:`GroupedExperts` whose three weight gradients can be deferred."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if _STATE.recording and torch.is_grad_enabled():
+            return _deferred_experts(self, x, num_tokens_per_expert)
+        return super().forward(x, num_tokens_per_expert)
+
+
+# -- the converter ----------------------------------------------------------------------------
+
+_CONVERSIONS = {nn.Linear: DeferredLinear, GroupedExperts: DeferredGroupedExperts}
+
+
+def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | None = None
+                       ) -> list[str]:
+    """Convert ``model``'s plain ``nn.Linear`` and ``GroupedExperts`` modules, in place, so their
+    weight gradients can be deferred; returns the converted FQNs.
+
+    ``module_filter_fn(module, fqn) -> bool`` keeps a module unconverted when it returns False
+    (the convention of :func:`titanext.plugins.float8.apply_float8`). Only modules whose type is
+    exactly ``nn.Linear`` / ``GroupedExperts`` convert (subclasses such as the MoE router gate
+    or torchao's ``Float8Linear`` override ``forward``); ``isinstance(m, nn.Linear)`` stays True,
+    so TP plans and FSDP apply as before. Run converters such as float8 first. Idempotent.
+    """
+    converted, float8 = [], 0
+    for fqn, module in model.named_modules():
+        if type(module).__name__ == "Float8Linear":
+            float8 += 1
+        target = _CONVERSIONS.get(type(module))
+        if target is None or (module_filter_fn is not None and not module_filter_fn(module, fqn)):
+            continue
+        module.__class__ = target
+        converted.append(fqn)
+    if float8:
+        logger.info("weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
+                    "gradients are computed in the input-gradient step, not deferred", float8)
+    return converted
