@@ -60,7 +60,8 @@ def test_documents_are_packed_with_eos_after_each():
 def test_windows_are_consecutive_seq_len_plus_one_slices_and_labels_are_shifted(small_corpus):
     tokens = pack_documents(load_documents("text", small_corpus), TOK).tolist()
     loader = make("text", small_corpus, seq_len=8, batch=3, shuffle=False)
-    assert loader.num_windows == (len(tokens) - 1) // 8 == 14
+    assert (len(tokens) - 1) // 8 == 14
+    assert loader.num_windows is None  # a stream does not know its length ahead
     assert loader.tokens_per_window == 9
     inputs, labels = loader.next_batch()
     assert inputs.dtype == labels.dtype == torch.long
@@ -127,7 +128,14 @@ def test_state_is_plain_picklable_values_and_only_the_global_position(small_corp
     loader = make("text", small_corpus, seq_len=8, batch=2, rank=1, degree=4)
     loader.next_batch()
     state = pickle.loads(pickle.dumps(loader.state_dict()))
-    assert state == {"position": 8, "dataset": "text", "seq_len": 8, "num_windows": 14}
+    stream = state.pop("stream")
+    assert state == {"position": 8, "dataset": "text", "seq_len": 8, "num_windows": None}
+    # the stream's cursor: the block start (file 0, offset 0, no skip) and what it refers to
+    assert stream["cursor"] == [0, 0, 0, 0] and stream["block_first"] == 0
+    shakespeare = make("shakespeare", seq_len=8, batch=2, rank=1, degree=4)
+    shakespeare.next_batch()
+    assert shakespeare.state_dict() == {"position": 8, "dataset": "shakespeare", "seq_len": 8,
+                                        "num_windows": shakespeare.num_windows}
 
 
 @pytest.mark.parametrize("dataset", ["text", "synthetic"])
@@ -155,8 +163,11 @@ def test_loading_state_from_another_seq_len_dataset_or_corpus_is_refused(small_c
         make("synthetic", seq_len=8).load_state_dict(state)
     other = tmp_path / "other.txt"
     other.write_text("x" * 500, encoding="utf-8")
-    with pytest.raises(ValueError, match=r"had 14 windows per epoch.*corpus changed"):
+    with pytest.raises(ValueError, match=r"read another corpus.*corpus changed"):
         make("text", str(other), seq_len=8).load_state_dict(state)
+    state = make("shakespeare", seq_len=8).state_dict()
+    with pytest.raises(ValueError, match=r"had \d+ windows per epoch.*corpus changed"):
+        make("shakespeare", seq_len=8).load_state_dict({**state, "num_windows": 14})
     for bad in (-1, "3", None):
         with pytest.raises(ValueError, match=r"position = .*non-negative int"):
             make("text", small_corpus, seq_len=8).load_state_dict({**state, "position": bad})
@@ -226,26 +237,26 @@ def test_synthetic_tokens_follow_a_sparse_bigram_table_so_they_are_learnable():
 
 # -- errors a user can cause -----------------------------------------------------------------
 def test_an_unknown_dataset_names_the_value_and_the_choices():
-    with pytest.raises(ValueError, match=r"training\.dataset = 'wiki'.*'shakespeare', 'text', 'synthetic'"):
+    with pytest.raises(ValueError, match=r"training\.dataset = 'wiki'.*'shakespeare', 'text', 'tokens', 'synthetic'"):
         make("wiki")
     with pytest.raises(ValueError, match=r"training\.dataset = 'synthetic' has no documents"):
         load_documents("synthetic")
 
 
 def test_path_errors_name_the_path_and_what_is_allowed(tmp_path):
-    with pytest.raises(ValueError, match=r"needs training\.dataset_path.*\.txt.*\.jsonl"):
+    with pytest.raises(ValueError, match=r"needs training\.dataset_path.*\.txt.*\.jsonl.*\.parquet"):
         make("text", None)
     with pytest.raises(ValueError, match=r"dataset_path = '.*nope\.txt' does not exist"):
         make("text", str(tmp_path / "nope.txt"))
     csv = tmp_path / "data.csv"
     csv.write_text("a,b", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"suffix '\.csv'; allowed: '\.txt', '\.jsonl'"):
+    with pytest.raises(ValueError, match=r"suffix '\.csv'; allowed: '\.txt', '\.jsonl', '\.parquet'"):
         make("text", str(csv))
     folder = tmp_path / "folder"
     folder.mkdir()
-    with pytest.raises(ValueError, match=r"folder with no \.txt or \.jsonl files"):
+    with pytest.raises(ValueError, match=r"folder with no \.txt or \.jsonl or \.parquet files"):
         make("text", str(folder))
-    with pytest.raises(ValueError, match=r"only read with dataset = 'text'.*'shakespeare'"):
+    with pytest.raises(ValueError, match=r"only read with dataset = 'text' or 'tokens'.*'shakespeare'"):
         make("shakespeare", str(csv))
 
 
@@ -258,7 +269,8 @@ def test_empty_and_too_short_corpora_are_refused(tmp_path):
     short.write_text("abc", encoding="utf-8")  # 4 tokens with EOS
     with pytest.raises(ValueError, match=r"has 4 tokens, fewer than training\.seq_len \+ 1 = 9"):
         make("text", str(short), seq_len=8)
-    assert make("text", str(short), seq_len=3).num_windows == 1  # exactly seq_len + 1 is enough
+    assert make("text", str(short), seq_len=3, batch=1).next_batch()[0].tolist() == [[97, 98, 99]]
+    assert make("text", str(short), seq_len=3, batch=2).next_batch()[0].tolist() == [[97, 98, 99]] * 2
 
 
 @pytest.mark.parametrize("line, problem", [
