@@ -149,8 +149,8 @@ def _jsonl_units(path: Path, field: str, offset: int, line: int) -> Iterator[Uni
                                   f"\"{field}\" field (training.dataset_text_field); {hint}")
             text = record[field]
             if not isinstance(text, str):
-                raise ConfigError(f"training.dataset_path file {str(path)!r}{where}: \"{field}\" is "
-                                  f"a {type(text).__name__}, expected a string")
+                raise ConfigError(f"training.dataset_path file {str(path)!r}{where}: "
+                                  f"\"{field}\" is a {type(text).__name__}, expected a string")
             if text.strip():
                 yield Unit(start, lineno - 1, text, True)
 
@@ -179,8 +179,9 @@ def _parquet_column(path: Path, field: str):
 def _parquet_units(path: Path, field: str, row: int) -> Iterator[Unit]:
     pf = _parquet_column(path, field)
     meta = pf.metadata
-    first_group, group_start = 0, 0
-    while first_group < meta.num_row_groups and group_start + meta.row_group(first_group).num_rows <= row:
+    first_group, group_start = 0, 0  # the row group holding `row`
+    while (first_group < meta.num_row_groups
+           and group_start + meta.row_group(first_group).num_rows <= row):
         group_start += meta.row_group(first_group).num_rows
         first_group += 1
     if first_group == meta.num_row_groups:

@@ -138,7 +138,8 @@ class TokenShardWindows:
         self.shards = [_open_shard(f, vocab_size) for f in files]
         self.fingerprint = corpus_fingerprint(files, root)
         sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(sizes)])  # shard k covers [starts[k], starts[k+1])
+        # shard k covers the stream's tokens [starts[k], starts[k + 1])
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.starts[-1])
         if self.num_tokens < seq_len + 1:
             raise ConfigError(f"{label or root} has {self.num_tokens} tokens, fewer than "
@@ -174,7 +175,8 @@ class TokenShardWindows:
         if self.shuffle:
             for e in np.unique(epoch):
                 sel = epoch == e
-                slot[sel] = permute(slot[sel], self.num_windows, mix_seed(SHUFFLE, self.seed, int(e)))
+                key = mix_seed(SHUFFLE, self.seed, int(e))
+                slot[sel] = permute(slot[sel], self.num_windows, key)
         rows = [self._span(int(s) * self.seq_len, self.seq_len + 1) for s in slot]
         return torch.from_numpy(np.stack(rows))
 
