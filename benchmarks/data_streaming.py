@@ -1,7 +1,7 @@
 """Streaming data: peak memory as the corpus grows 10x, and the tokenize CLI's throughput.
 
     python benchmarks/data_streaming.py rss [--mb 10] [--repeats 2]
-    python benchmarks/data_streaming.py tokenize [--copies 20] [--repeats 2]
+    python benchmarks/data_streaming.py tokenize [--copies 20] [--repeats 2] [--tokenizer DIR]
 
 ``rss`` writes a jsonl corpus of ``--mb`` MB and one 10x larger, then reads each to the end of
 its first epoch in a fresh process (``dataset = "text"``, byte tokenizer, seq_len 2048, batch 8)
@@ -76,8 +76,9 @@ def child(mode: str, path: str) -> None:
 
 
 def run_child(mode: str, path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, __file__, "_child", mode, str(path)], check=True,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -106,9 +107,10 @@ def bench_rss(mb: float, repeats: int) -> None:
         print(f"{mode:<10} peak RSS 10x / 1x = {ratio:.3f}")
 
 
-def bench_tokenize(copies: int, repeats: int) -> None:
+def bench_tokenize(copies: int, repeats: int, tokenizer: str) -> None:
     from titanext.data.tokenize import tokenize_corpus
 
+    spec = ("name", "byte") if tokenizer == "byte" else ("path", tokenizer)
     cores = os.cpu_count() or 1
     rates: dict[int, list[float]] = {1: [], cores: []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,12 +123,13 @@ def bench_tokenize(copies: int, repeats: int) -> None:
         for _ in range(repeats):
             for workers in rates:  # interleaved
                 m = tokenize_corpus(str(src), str(Path(tmp) / f"out{run}"),
-                                    tokenizer_spec=("name", "byte"), workers=workers,
+                                    tokenizer_spec=spec, workers=workers,
                                     progress=False)
                 rates[workers].append(m["tokens"] / m["seconds"])
                 run += 1
         tokens = m["tokens"]
-    print(f"tokenize {copies} copies of the shipped corpus ({tokens:,} tokens, byte tokenizer)")
+    print(f"tokenize {copies} copies of the shipped corpus ({tokens:,} tokens, tokenizer "
+          f"{tokenizer})")
     for workers, r in rates.items():
         print(f"  workers={workers}: median {statistics.median(r):,.0f} tokens/s "
               f"(runs: {', '.join(f'{x:,.0f}' for x in r)})")
@@ -141,11 +144,13 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=10.0)
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokenizer", default="byte",
+                        help="'byte' or a tokenizer.json / HF directory (tokenize only)")
     args = parser.parse_args()
     if args.what == "rss":
         bench_rss(args.mb, args.repeats)
     else:
-        bench_tokenize(args.copies, args.repeats)
+        bench_tokenize(args.copies, args.repeats, args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -354,3 +354,24 @@ def test_document_masking_adds_ids_and_leaves_inputs_and_labels_alone(corpus, tm
             assert row_ids[0] == 0
             for t in range(1, len(row)):
                 assert row_ids[t] - row_ids[t - 1] == (row[t - 1] == EOS)
+
+
+def test_hf_tokenizer_shards_match_the_text_stream_and_refuse_the_byte_tokenizer(corpus, tmp_path):
+    from tests.hf_artifacts import make_bpe_tokenizer
+    from titanext.tokenizer import HFTokenizer
+
+    hf_dir = make_bpe_tokenizer(str(tmp_path / "hf"))
+    hf = HFTokenizer(hf_dir)
+    out = tmp_path / "tok"
+    manifest = tokenize_corpus(str(corpus), str(out), tokenizer_spec=("path", hf_dir), workers=1,
+                               progress=False)
+    assert (manifest["vocab_size"], manifest["eos_id"]) == (hf.vocab_size, hf.eos_id)
+    kw = dict(tokenizer=hf, seq_len=SEQ, local_batch_size=4, dp_rank=0, dp_degree=1,
+              shuffle=False)
+    text = build_dataloader(dataset="text", dataset_path=str(corpus), **kw)
+    tokens = build_dataloader(dataset="tokens", dataset_path=str(out), **kw)
+    for _ in range(5):
+        assert torch.equal(text.next_batch()[0], tokens.next_batch()[0])
+    with pytest.raises(ConfigError, match=r"tokens\.json' was written by a tokenizer with vocab "
+                                          rf"{hf.vocab_size} and EOS {hf.eos_id}"):
+        make("tokens", out)

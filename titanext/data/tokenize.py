@@ -42,19 +42,19 @@ _worker_counter: Any = None
 
 
 def load_tokenizer(spec: tuple[str, ...]) -> Any:
-    """The tokenizer for ``spec``: ``("name", "byte")``, ``("path", DIR_OR_JSON)`` or
-    ``("config", FILE, *overrides)`` (the config's ``[model] tokenizer``)."""
-    from titanext.tokenizer import build_tokenizer
+    """The tokenizer for ``spec``: ``("name", "byte")``, ``("path", DIR_OR_JSON)`` (a Hugging
+    Face tokenizer.json or the directory holding it) or ``("config", FILE, *overrides)`` (the
+    config's ``[model] tokenizer`` and ``hf_assets_path``)."""
+    from titanext.tokenizer import HFTokenizer, build_tokenizer
 
     kind, *rest = spec
     if kind == "config":
         from titanext.config import load_config
 
         cfg = load_config(rest[0], list(rest[1:]))
-        return build_tokenizer(cfg.model.tokenizer)
+        return build_tokenizer(cfg.model.tokenizer, getattr(cfg.model, "hf_assets_path", None))
     if kind == "path":
-        raise ConfigError(f"--tokenizer {rest[0]!r}: loading a tokenizer file needs the 'hf' "
-                          "tokenizer, which this titanext does not have yet; use --tokenizer byte")
+        return HFTokenizer(rest[0])
     return build_tokenizer(rest[0])
 
 
