@@ -60,8 +60,8 @@ def test_zbv_golden_order_p4():
         "4W2 3F6 3I2 3W2 4F6 4I3 4W3 3F7 3I3 3W3 4F7 4I4 4W4 3I4 4I5 3I5 4I6 3I6 4I7 3I7 3W4 "
         "4W5 4W6 4W7 3W5 3W6 3W7")
     if "ZBVZeroBubble" in SCHEDULE_NAMES:  # torch implements the same published order
-        from titanext.schedules._torch_ir import TORCH_SCHEDULES, torch_pipeline_order
-        theirs = torch_pipeline_order(TORCH_SCHEDULES.ScheduleZBVZeroBubble, 4, 8, 2)
+        from titanext.schedules import schedule_order
+        theirs = schedule_order("ZBVZeroBubble", pp=4, microbatches=8)
         assert {r: " ".join(str(a) for a in acts if a is not None)
                 for r, acts in theirs.items()} == text
 

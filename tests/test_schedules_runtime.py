@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.distributed import run_distributed
 from titanext.schedules import (
+    build_schedule,
     get_schedule_class,
-    make_schedule,
     num_stages_for,
     resolved_stages_per_rank,
     stage_ids_for_rank,
@@ -51,7 +51,7 @@ def _run(rank, world_size, cases):
         mods = [_block(s) for s in ids]
         stages = [PipelineStage(mod, stage_index=s, num_stages=n, device=torch.device("cpu"),
                                 group=dist.group.WORLD) for mod, s in zip(mods, ids)]
-        sched = make_schedule(cls, stages, m, loss_fn=_loss, scale_grads=False)
+        sched = build_schedule(cls, stages, m, loss_fn=_loss, scale_grads=False)
         x, y = _data(m)
         losses: list = []
         if any(st.is_first for st in stages):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from titanext.schedules import SCHEDULE_NAMES, schedule_problems, simulate
-from titanext.schedules._torch_ir import leaves, validate
+from titanext.schedules import SCHEDULE_NAMES, leaves, schedule_problems, simulate, validate_order
 from titanext.schedules.dualpipe import dualpipe_order, dualpipev_order
 
 
@@ -38,13 +37,13 @@ def test_dualpipe_directions_and_validity():
             for r, acts in order.items()}
     remap = {r: [type(a)(a.stage_index, a.computation_type, a.microbatch_index) for a in acts]
              for r, acts in down.items()}
-    validate(remap, pp, pp, m // 2)
+    validate_order(remap, pp=pp, num_stages=pp, microbatches=m // 2)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 12), (8, 16)])
 def test_dualpipev_lists_pass_torch_validator(pp, m):
     order = dualpipev_order(pp, m)
-    validate({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp, 2 * pp, m)
+    validate_order(order, pp=pp, num_stages=2 * pp, microbatches=m)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])

@@ -36,34 +36,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from titanext import schedules as _schedules
-from titanext.schedules import get_schedule_class
-
-
-def _stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    # The registry's placement helper ("loop", "v", "dualpipe"): one source of truth.
-    fn = getattr(_schedules, "stage_ids_for_rank", None) or _schedules.stage_ids
-    return list(fn(placement, rank, pp, stages_per_rank))
+from titanext import schedules as _schedules  # pipeline_config_problems
+from titanext.schedules import (
+    build_schedule,
+    get_schedule_class,
+    stage_ids_for_rank,
+)
+from titanext.schedules import resolved_stages_per_rank as stages_per_rank_of
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
            "stages_per_rank_of", "StageTimer"]
-
-
-def stages_per_rank_of(schedule: str | type, requested: int | None = None) -> int:
-    """Stages each rank holds: the schedule's own count, or ``requested`` where it has none
-    (torch's interleaved schedules take any count >= 2)."""
-    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-    own = getattr(cls, "stages_per_rank", 1)
-    if own is None:
-        n = requested if requested and requested > 0 else 2
-        if n < 2:
-            raise ValueError(f"{cls.__name__} needs stages_per_rank >= 2, got {n}")
-        return n
-    if requested and requested > 0 and requested != own:
-        raise ValueError(f"{cls.__name__} places {own} stage(s) per rank; "
-                         f"stages_per_rank = {requested} is not allowed (use -1 or {own})")
-    return own
 
 
 def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
@@ -77,7 +60,7 @@ def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
     """
     cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
     n = stages_per_rank_of(cls, stages_per_rank)
-    return _stage_ids(getattr(cls, "placement", "loop"), pp_rank, pp, n)
+    return stage_ids_for_rank(getattr(cls, "placement", "loop"), pp_rank, pp, n)
 
 
 def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: int = 0,
@@ -145,7 +128,8 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
         setattr(model, blocks, src)
     if isinstance(src, nn.ModuleDict):
         names = list(src.keys())
-        setattr(stage, blocks, nn.ModuleDict({names[i]: copy.deepcopy(src[names[i]]) for i in keep}))
+        kept = {names[i]: copy.deepcopy(src[names[i]]) for i in keep}
+        setattr(stage, blocks, nn.ModuleDict(kept))
     else:
         setattr(stage, blocks, nn.ModuleList([copy.deepcopy(src[i]) for i in keep]))
     for name in first if stage_index != 0 else ():
@@ -211,19 +195,11 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
                                        microbatches=4, loss_fn=my_loss)
         sched.step(tokens, target=labels, losses=[])   # first / last rank pass what they own
     """
-    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
     stages = [PipelineStage(mod, stage_index=i, num_stages=num_stages, device=device,
                             group=pp_group)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
-    kwargs = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False,
-              **(schedule_kwargs or {})}
-    if costs is not None and hasattr(cls, "with_costs"):  # generated for measured costs (Auto)
-        cls = cls.with_costs(**costs)
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
-    if issubclass(cls, PipelineScheduleSingle):
-        return stages, cls(stages[0], **kwargs)
-    return stages, cls(stages, **kwargs)
+    return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
+                                  scale_grads=False, **(schedule_kwargs or {}))
 
 
 def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],

@@ -158,9 +158,9 @@ class Trainer:
         for part in self.model_parts:
             set_aux_loss_weight(part, 1.0 / (self.grad_accum_steps * t.local_batch_size))
         self.moe_load: dict[str, torch.Tensor] = {}
-        self.compute_loss = self._loss_fn
+        self.compute_loss = self._token_loss_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.compute_loss = torch.compile(self._loss_fn, backend=cfg.compile.backend)
+            self.compute_loss = torch.compile(self._token_loss_sum, backend=cfg.compile.backend)
 
         o = cfg.optimizer
         self.optimizer = build_optimizer(
@@ -230,7 +230,7 @@ class Trainer:
 
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
-    def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token cross-entropies (fp32); normalised by the caller."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                reduction="sum", ignore_index=IGNORE_INDEX)

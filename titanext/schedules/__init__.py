@@ -22,13 +22,25 @@ from __future__ import annotations
 
 from titanext._hints import did_you_mean
 from titanext.schedules import dualpipe, zero_bubble
-from titanext.schedules._torch_ir import TORCH_SCHEDULES, leaves, validate, with_comms
+from titanext.schedules._torch_ir import (
+    is_single_stage,
+    leaves,
+    torch_pipeline_order,
+    torch_schedule_class,
+    validate,
+)
 from titanext.schedules.simulator import SimResult, replay
-from titanext.schedules.zero_bubble import GeneratedSchedule, auto_schedule_class, stage_ids
+from titanext.schedules.zero_bubble import (
+    GeneratedSchedule,
+    auto_schedule_class,
+    one_f_one_b,
+    stage_ids,
+)
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "get_schedule_class", "make_schedule", "num_stages_for", "schedule_order", "schedule_problems", "simulate",
-           "stage_ids_for_rank"]
+           "get_schedule_class", "leaves", "num_stages_for", "resolved_stages_per_rank",
+           "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank",
+           "validate_order"]
 
 
 def stage_ids_for_rank(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -63,27 +75,38 @@ _OURS: dict[str, type] = {
 }
 
 
+def _gpipe_order(pp: int, m: int) -> dict[int, list]:
+    from titanext.schedules._torch_ir import B, F, action
+    return {r: [action(r, F, j) for j in range(m)] + [action(r, B, j) for j in range(m)]
+            for r in range(pp)}
+
+
 def _torch(cls_name: str, placement: str, stages_per_rank: int | None,
-           splits_backward: bool = False, min_microbatches_per_stage: int = 0) -> type | None:
-    base = getattr(TORCH_SCHEDULES, cls_name, None)
+           splits_backward: bool = False, min_microbatches_per_stage: int = 0,
+           min_microbatches_per_rank: int = 0, textbook_order=None) -> type | None:
+    base = torch_schedule_class(cls_name)
     if base is None:
         return None
-    return type(cls_name.removeprefix("Schedule"), (base,), {
-        "placement": placement, "stages_per_rank": stages_per_rank,
-        "splits_backward": splits_backward, "__doc__": base.__doc__,
-        # a check torch makes only once it holds real stages (inside Trainer start-up)
-        "min_microbatches_per_stage": min_microbatches_per_stage})
+    attrs = {"placement": placement, "stages_per_rank": stages_per_rank,
+             "splits_backward": splits_backward, "__doc__": base.__doc__,
+             # checks torch makes only once it holds real stages (inside Trainer start-up)
+             "min_microbatches_per_stage": min_microbatches_per_stage,
+             "min_microbatches_per_rank": min_microbatches_per_rank}
+    if textbook_order is not None:  # single-stage runtimes keep no action lists
+        attrs["textbook_order"] = staticmethod(textbook_order)
+    return type(cls_name.removeprefix("Schedule"), (base,), attrs)
 
 
 _TORCH = {name: cls for name, cls in {
-    "GPipe": _torch("ScheduleGPipe", "loop", 1),
-    "1F1B": _torch("Schedule1F1B", "loop", 1, min_microbatches_per_stage=1),
+    "GPipe": _torch("ScheduleGPipe", "loop", 1, textbook_order=_gpipe_order),
+    "1F1B": _torch("Schedule1F1B", "loop", 1, min_microbatches_per_stage=1,
+                   textbook_order=one_f_one_b),
     "Interleaved1F1B": _torch("ScheduleInterleaved1F1B", "loop", None),
     "LoopedBFS": _torch("ScheduleLoopedBFS", "loop", None),
     "InterleavedZeroBubble": _torch("ScheduleInterleavedZeroBubble", "loop", None, True),
     "ZBVZeroBubble": _torch("ScheduleZBVZeroBubble", "v", 2, True),
     # torch's DualPipeV; "DualPipeV" is titanext's (overlapped F&B chunks)
-    "TorchDualPipeV": _torch("ScheduleDualPipeV", "v", 2, True),
+    "TorchDualPipeV": _torch("ScheduleDualPipeV", "v", 2, True, min_microbatches_per_rank=2),
 }.items() if cls is not None}
 
 SCHEDULE_NAMES: tuple[str, ...] = (*_TORCH, *_OURS)
@@ -100,39 +123,60 @@ def get_schedule_class(name: str) -> type:
     """
     canonical = _BY_LOWER.get(name.lower()) if isinstance(name, str) else None
     if canonical is None:
-        raise ValueError(f"pipeline schedule {name!r} is not known{did_you_mean(name, SCHEDULE_NAMES)}"
+        hint = did_you_mean(name, SCHEDULE_NAMES)
+        raise ValueError(f"pipeline schedule {name!r} is not known{hint}"
                          f"; choose one of {', '.join(SCHEDULE_NAMES)}")
     return _OURS.get(canonical) or _TORCH[canonical]
 
 
-def resolved_stages_per_rank(cls: type, stages_per_rank: int | None = None) -> int:
-    """The class's fixed count, else ``stages_per_rank``, else 2 (interleaved default)."""
-    return cls.stages_per_rank or stages_per_rank or _DEFAULT_INTERLEAVE
+def resolved_stages_per_rank(schedule: str | type, requested: int | None = None) -> int:
+    """Stages each rank holds under ``schedule`` (a name or class): the class's own count, or
+    ``requested`` where it has none (torch's interleaved schedules take any count >= 2; 2 when
+    ``requested`` is None or <= 0). Raises ValueError for a count the schedule cannot run.
 
-
-def make_schedule(cls: type, stages: list, n_microbatches: int, **kwargs):
-    """Instantiate ``cls`` with this rank's stages (torch's single-stage GPipe/1F1B take the
-    one stage object, every other class the list).
-
-    >>> # schedule = make_schedule(get_schedule_class("ZBH1"), [stage], 8, loss_fn=loss_fn)
+    >>> resolved_stages_per_rank("ZBV"), resolved_stages_per_rank("Interleaved1F1B", 4)
+    (2, 4)
     """
-    if issubclass(cls, TORCH_SCHEDULES.PipelineScheduleSingle):
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    own = getattr(cls, "stages_per_rank", 1)
+    if own is None:
+        n = requested if requested and requested > 0 else _DEFAULT_INTERLEAVE
+        if n < 2:
+            raise ValueError(f"{cls.__name__} needs stages_per_rank >= 2, got {n}")
+        return n
+    if requested and requested > 0 and requested != own:
+        raise ValueError(f"{cls.__name__} places {own} stage(s) per rank; "
+                         f"stages_per_rank = {requested} is not allowed (use -1 or {own})")
+    return own
+
+
+def build_schedule(schedule: str | type, stages: list, n_microbatches: int, loss_fn=None, *,
+                   costs: dict[str, float] | None = None, **kwargs):
+    """The schedule ``schedule`` (a name or class) over this rank's ``PipelineStage`` objects.
+
+    torch's single-stage GPipe / 1F1B take the one stage object, every other class the list.
+    ``costs`` (f, b, w, comm) regenerate a schedule that uses them (Auto) for measured times;
+    ``kwargs`` go to the constructor (e.g. ``scale_grads=False``). The one schedule factory:
+    :func:`titanext.pipeline.build_pipeline` and the trainer's pipeline call it.
+
+    >>> # schedule = build_schedule("ZBH1", [stage], 8, loss_fn=loss_fn, scale_grads=False)
+    """
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    if costs is not None and hasattr(cls, "with_costs"):  # generated for measured costs (Auto)
+        cls = cls.with_costs(**costs)
+    if is_single_stage(cls):
         if len(stages) != 1:
             raise ValueError(f"{cls.__name__} runs one stage per rank, got {len(stages)}")
-        return cls(stages[0], n_microbatches, **kwargs)
-    return cls(list(stages), n_microbatches, **kwargs)
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, **kwargs)
+    return cls(list(stages), n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
-def build_schedule(name, stages: list, n_microbatches: int, loss_fn=None, **kwargs):
-    """``make_schedule`` from a schedule name or class."""
-    cls = get_schedule_class(name) if isinstance(name, str) else name
-    return make_schedule(cls, stages, n_microbatches, loss_fn=loss_fn, **kwargs)
-
-
-def _gpipe_order(pp: int, m: int) -> dict[int, list]:
-    from titanext.schedules._torch_ir import B, F, action
-    return {r: [action(r, F, j) for j in range(m)] + [action(r, B, j) for j in range(m)]
-            for r in range(pp)}
+def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbatches: int
+                   ) -> None:
+    """torch's own check of per-rank compute lists (overlapped F&B pairs counted as their two
+    actions); raises on an invalid schedule."""
+    validate({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
+             num_stages, microbatches)
 
 
 def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None,
@@ -145,15 +189,12 @@ def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: in
     """
     cls = get_schedule_class(name)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
-    if name.lower() == "gpipe":
-        return _gpipe_order(pp, microbatches)
-    if name.lower() == "1f1b":
-        return zero_bubble.one_f_one_b(pp, microbatches)
+    if hasattr(cls, "textbook_order"):
+        return cls.textbook_order(pp, microbatches)
     if issubclass(cls, GeneratedSchedule):
         return (cls.with_costs(**costs) if costs else cls).order(pp, microbatches)
     if hasattr(cls, "generate"):
         return cls.generate(pp, microbatches)
-    from titanext.schedules._torch_ir import torch_pipeline_order
     return torch_pipeline_order(cls, pp, microbatches, spr)
 
 
@@ -178,8 +219,7 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
                            f=f, b=b, w=w, comm=comm)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
-        validate({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
-                 chain, microbatches)
+        validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
     return replay(order, num_stages=chain, stage_size=share, **costs)
 
 
@@ -199,7 +239,12 @@ def schedule_problems(name: str, *, pp: int, microbatches: int,
     if cls.stages_per_rank is not None and stages_per_rank not in (None, cls.stages_per_rank):
         problems.append(f"{key}_stages_per_rank = {stages_per_rank}: schedule {name!r} places "
                         f"exactly {cls.stages_per_rank} stage(s) per rank; remove the key")
-    spr = resolved_stages_per_rank(cls, stages_per_rank)
+        spr = cls.stages_per_rank
+    else:
+        try:
+            spr = resolved_stages_per_rank(cls, stages_per_rank)
+        except ValueError as e:
+            return [f"{key}_stages_per_rank = {stages_per_rank}: {e}"]
     if microbatches < 1:
         problems.append(f"{key}_microbatches = {microbatches} must be >= 1")
     elif cls.placement == "dualpipe" and pp % 2:
@@ -207,9 +252,10 @@ def schedule_problems(name: str, *, pp: int, microbatches: int,
     elif cls.placement == "dualpipe" and (microbatches < 2 * pp or microbatches % 2):
         problems.append(f"{key}_microbatches = {microbatches}: DualPipe needs an even number "
                         f">= 2 x pp = {2 * pp}")
-    elif name.lower() in ("dualpipev", "torchdualpipev") and microbatches < 2 * pp:
-        problems.append(f"{key}_microbatches = {microbatches}: {cls.__name__} needs >= 2 x pp "
-                        f"= {2 * pp}")
+    elif microbatches < getattr(cls, "min_microbatches_per_rank", 0) * pp:
+        need = cls.min_microbatches_per_rank
+        problems.append(f"{key}_microbatches = {microbatches}: {cls.__name__} needs >= {need} x pp "
+                        f"= {need * pp}")
     elif microbatches < getattr(cls, "min_microbatches_per_stage", 0) * pp * spr:
         problems.append(f"{key}_microbatches = {microbatches}: {name} needs at least one "
                         f"micro-batch per stage ({pp * spr})")
@@ -224,12 +270,3 @@ def schedule_problems(name: str, *, pp: int, microbatches: int,
                         "gradients, which torch does not support on torch.compile'd stages; "
                         "set compile.enable = false or use 1F1B / Interleaved1F1B / GPipe")
     return problems
-
-
-def with_comm_actions(name: str, pp: int, microbatches: int) -> dict[int, list]:
-    """Our loop/V schedule's full per-rank lists including torch's send/recv actions."""
-    cls = get_schedule_class(name)
-    order = cls.order(pp, microbatches)
-    mapping = {s: r for r in range(pp)
-               for s in stage_ids_for_rank(cls.placement, r, pp, cls.stages_per_rank)}
-    return with_comms(order, mapping.__getitem__, pp * cls.stages_per_rank)

@@ -33,7 +33,43 @@ OVERLAP = Kind.OVERLAP_F_B
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 COMPUTE_KINDS = (F, I, W, B)
 Runtime = _s._PipelineScheduleRuntime
-TORCH_SCHEDULES = _s
+
+
+def torch_schedule_class(name: str) -> type | None:
+    """torch's schedule class ``name`` (e.g. ``"ScheduleZBVZeroBubble"``), None if this torch
+    lacks it."""
+    return getattr(_s, name, None)
+
+
+def is_single_stage(cls: type) -> bool:
+    """Whether schedule class ``cls`` runs one stage object per rank (GPipe, 1F1B)."""
+    return issubclass(cls, _s.PipelineScheduleSingle)
+
+
+def stages_of(schedule) -> list:
+    """The ``PipelineStage`` objects a schedule instance runs on this rank."""
+    return schedule._stages
+
+
+def microbatch_count(schedule) -> int:
+    """How many micro-batches one ``schedule.step`` splits the batch into."""
+    return schedule._n_microbatches
+
+
+def schedule_loss_fn(schedule):
+    """The ``loss_fn`` a schedule instance was built with (None: no loss)."""
+    return schedule._loss_fn
+
+
+def set_pipeline_order(schedule, order: dict[int, list], stage_to_rank: dict[int, int]) -> None:
+    """Make a runtime schedule run the compute-only per-rank lists ``order`` on stages placed by
+    ``stage_to_rank``: torch lowers them (adds send/recv, unshard and reduce-grad actions) into
+    ``schedule.pipeline_order_with_comms``."""
+    for stage in schedule._stages:
+        stage.stage_index_to_group_rank = stage_to_rank
+    schedule.stage_index_to_group_rank = stage_to_rank
+    schedule.pipeline_order = order
+    schedule._prepare_schedule_with_comms(order)
 
 
 def action(stage: int, kind: Kind, microbatch: int) -> Action:
@@ -50,12 +86,6 @@ def leaves(a: Action) -> tuple[Action, ...]:
     return tuple(a.sub_actions) if a.sub_actions is not None else (a,)
 
 
-def with_comms(compute: dict[int, list], stage_to_rank, num_stages: int) -> dict[int, list]:
-    """Add torch's send/recv actions to compute-only per-rank lists."""
-    return _s._add_send_recv({r: list(a) for r, a in compute.items()},
-                             stage_to_rank=stage_to_rank, num_stages=num_stages)
-
-
 def validate(compute: dict[int, list], pp: int, num_stages: int, microbatches: int) -> None:
     """torch's own check of a compute-only schedule (raises on an invalid one)."""
     _s._validate_schedule(compute, pp, num_stages, microbatches)
@@ -70,11 +100,7 @@ class ListRuntime(Runtime):
     """torch's runtime with ``pipeline_order`` set from generated compute-only lists."""
 
     def _set_order(self, order: dict[int, list], mapping: dict[int, int]) -> None:
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = mapping
-        self.stage_index_to_group_rank = mapping
-        self.pipeline_order = order
-        self._prepare_schedule_with_comms(order)
+        set_pipeline_order(self, order, mapping)
 
 
 class ChainRuntime(Runtime):

@@ -50,7 +50,11 @@ from titanext.schedules._torch_ir import (
     W,
     action,
     add_comms,
+    microbatch_count,
     overlapped,
+    schedule_loss_fn,
+    set_pipeline_order,
+    stages_of,
 )
 
 
@@ -173,26 +177,24 @@ class DualPipeV(ChainRuntime):
     placement = "v"
     stages_per_rank = 2
     splits_backward = True  # phases 6-7 split B into I and a deferred W
+    min_microbatches_per_rank = 2  # m >= 2pp
     generate = staticmethod(dualpipev_order)
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, **kwargs):
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
         pp = stages[0].group_size
         mapping = {s: r for r in range(pp) for s in (r, 2 * pp - 1 - r)}
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = mapping
-        self.stage_index_to_group_rank = mapping
         self._install_handlers()
         order = dualpipev_order(pp, n_microbatches)
-        self._prepare_schedule_with_comms(order)
+        set_pipeline_order(self, order, mapping)
         self._set_lowered(order, self.pipeline_order_with_comms)
 
     def _chain(self, s: int, j: int):
-        mine = {st.stage_index for st in self._stages}
+        mine = {st.stage_index for st in stages_of(self)}
         return (s - 1 if s - 1 in mine else None), (s + 1 if s + 1 in mine else None)
 
     def _seen(self, s: int) -> int:
-        return self._n_microbatches
+        return microbatch_count(self)
 
 
 class DualPipe(ChainRuntime):
@@ -230,24 +232,25 @@ class DualPipe(ChainRuntime):
         return None, None  # neighbours along either direction always live on another rank
 
     def _seen(self, s: int) -> int:
-        return self._n_microbatches // 2
+        return microbatch_count(self) // 2
 
     def _step_microbatches(self, *args, **kwargs):
         out = super()._step_microbatches(*args, **kwargs)
         if self._sum_grads:
-            sum_mirrored_grads(self._stages)
+            sum_mirrored_grads(stages_of(self))
         return out
 
     def _merge_losses(self, mine):
         """Rank 0 computed the up copy's losses, rank pp-1 the down copy's: swap them."""
-        stage = self._stages[0]
+        stage = stages_of(self)[0]
         pp, rank = stage.group_size, stage.group_rank
-        if rank not in (0, pp - 1) or self._loss_fn is None:
+        if rank not in (0, pp - 1) or schedule_loss_fn(self) is None:
             return mine
         if pp == 1:
             return mine
-        half = self._n_microbatches // 2
-        theirs_ids = range(half) if rank == 0 else range(half, self._n_microbatches)
+        m = microbatch_count(self)
+        half = m // 2
+        theirs_ids = range(half) if rank == 0 else range(half, m)
         send = torch.stack([mine[j].detach().float() for j in sorted(mine)])
         recv = torch.empty(len(theirs_ids), dtype=send.dtype)
         _exchange(stage.group, pp - 1 - rank, [send], [recv])
@@ -304,26 +307,6 @@ def _add_flat(module: nn.Module, flat: torch.Tensor) -> None:
             p.grad = piece.clone()
         else:
             _local(p.grad).add_(piece)
-
-
-def copy_mirrored_weights(stages) -> None:
-    """Make the up copy on every rank equal its partner's down copy (call once after init).
-
-    Rank r's up stage pp-1-r takes the weights of rank pp-1-r's down stage (the owner of that
-    stage's primary copy, the one to checkpoint and to count once in gradient norms).
-    """
-    down, up = stages[0], stages[1]
-    pp, rank = down.group_size, down.group_rank
-    send = torch.cat([_local(p).detach().reshape(-1).float() for p in down.submod.parameters()])
-    recv = torch.cat([_local(p).detach().reshape(-1).float() for p in up.submod.parameters()])
-    recv = torch.empty_like(recv)
-    _exchange(down.group, pp - 1 - rank, [send], [recv])
-    offset = 0
-    with torch.no_grad():
-        for p in up.submod.parameters():
-            local = _local(p)
-            local.copy_(recv[offset:offset + local.numel()].view_as(local))
-            offset += local.numel()
 
 
 def clip_mirrored_grads(down: list, up: list, max_norm: float, *, pp_group=None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Replay per-rank pipeline action lists with costs: makespan, bubble, memory, timeline.
 
-The simulator reads the same compute lists that torch's runtime executes (``_Action`` per
+The simulator reads the same compute lists that torch's runtime executes (torch actions per
 rank). An action starts when its rank is free and its inputs have arrived: F after the
 previous stage's F (+ ``comm`` across ranks), I (or B) after the next stage's I and its own F,
 W after its I.

@@ -43,7 +43,7 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
              placement: str = "loop", stages_per_rank: int = 1, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0, prefer: str = "backward",
              admission: bool = False) -> dict[int, list]:
-    """Per-rank compute action lists (torch ``_Action``) for the list-scheduling heuristic.
+    """Per-rank compute action lists (torch pipelining actions) for the list-scheduling heuristic.
 
     ``limits[r]`` caps rank r's live stage activations (at least 1). ``split_backward=False``
     runs B = I + W as one action (1F1B-style).
