@@ -11,6 +11,12 @@ gradients exact. Kernels:
 
 The ATen ops are the ones ``F.scaled_dot_product_attention`` dispatches to; they are reached
 through ``torch.ops.aten`` here and nowhere else.
+
+Both functions take an optional ``mask`` ([batch, Lq, Lk] bool, True = may attend; the same for
+every head) for document masking. ``math`` applies it to the scores and ``flash_cpu`` passes it
+as an additive mask; the CUDA flash kernel has no mask argument, so masked blocks run ``math``
+there. A query row with no visible key in the block gets lse = -inf and a zero output (the
+ring's merge then ignores the block for that row).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _scores(q, k, scale, causal):
+def _scores(q, k, scale, causal, mask=None):
     """S = q k^T * scale in the accumulation dtype, grouped: [B, KVH, G, Lq, Lk]."""
     b, h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
@@ -60,30 +66,44 @@ def _scores(q, k, scale, causal):
     qg = q.reshape(b, kvh, h // kvh, lq, d).to(acc)
     s = torch.matmul(qg * scale, k.to(acc).unsqueeze(2).transpose(-1, -2))
     if causal:  # only diagonal blocks are causal, and those are square
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        upper = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(upper, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return qg, s
 
 
-def block_forward(q, k, v, *, causal: bool, scale: float, kernel: str):
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Lq, Lk] bool -> [B, 1, Lq, Lk] additive mask (0 or -inf) for the ATen kernels."""
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, float("-inf")).unsqueeze(1)
+
+
+def block_forward(q, k, v, *, causal: bool, scale: float, kernel: str, mask=None):
     """(out [B, H, Lq, D], lse [B, H, Lq] in the accumulation dtype) of one block."""
     b, h, lq, d = q.shape
     if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand(k, h), _expand(v, h), 0.0, causal, scale=scale)
-        return out, lse.to(_acc(q.dtype))
-    if kernel == "flash_cuda":
+            q, _expand(k, h), _expand(v, h), 0.0, causal, scale=scale,
+            attn_mask=None if mask is None else _additive(mask, q.dtype))
+        lse = lse.to(_acc(q.dtype))
+        if mask is not None:  # the kernel reports lse = 0 for a row with nothing visible
+            lse = lse.masked_fill(~mask.any(-1).unsqueeze(1), float("-inf"))
+        return out, lse
+    if kernel == "flash_cuda" and mask is None:
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q, _expand(k, h), _expand(v, h), 0.0, causal, False, scale=scale)
         return res[0], res[1].to(_acc(q.dtype))
-    _, s = _scores(q, k, scale, causal)
+    _, s = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    # a fully masked row has lse = -inf: exponentiate against 0 instead, which gives p = 0
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     out = torch.matmul(p, v.to(s.dtype).unsqueeze(2))
     return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
 
 
-def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float, kernel: str):
+def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float, kernel: str,
+                   mask=None):
     """(dq [B, H, Lq, D], dk, dv [B, KVH, Lk, D]) of one block, given the merged out and lse.
 
     ``delta`` is rowsum(dout * out) [B, H, Lq], shared by all blocks (used by ``math``; the
@@ -91,20 +111,21 @@ def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float
     """
     b, h, lq, d = q.shape
     kvh = k.shape[1]
-    if kernel in ("flash_cpu", "flash_cuda"):
+    if kernel == "flash_cpu" or (kernel == "flash_cuda" and mask is None):
         ke, ve = _expand(k, h), _expand(v, h)
         o = out.to(q.dtype)
         if kernel == "flash_cpu":
             lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, ke, ve, o, lse_k, 0.0, causal, scale=scale)
+                dout, q, ke, ve, o, lse_k, 0.0, causal, scale=scale,
+                attn_mask=None if mask is None else _additive(mask, q.dtype))
         else:
             empty = torch.empty(0, device=q.device, dtype=torch.int64)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout, q, ke, ve, o, lse.float().contiguous(), empty, empty, lq, k.shape[2], 0.0,
                 causal, empty, empty, scale=scale)
         return dq, _fold(dk, kvh), _fold(dv, kvh)
-    qg, s = _scores(q, k, scale, causal)
+    qg, s = _scores(q, k, scale, causal, mask)
     acc = s.dtype
     p = torch.exp(s - lse.reshape(b, kvh, h // kvh, lq, 1).to(acc))
     dout_g = dout.reshape(b, kvh, h // kvh, lq, d).to(acc)

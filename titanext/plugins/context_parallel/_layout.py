@@ -1,0 +1,86 @@
+"""Sequence layouts: which global positions each CP rank holds, and sharding helpers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titanext.plugins.context_parallel._comm import Group, as_group
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _chunks_for(layout: str, rank: int, world: int) -> tuple[int, int, list[int]]:
+    """(number of chunks, chunks per rank, this rank's chunk ids)."""
+    if layout == "zigzag":
+        return 2 * world, 2, [rank, 2 * world - 1 - rank]
+    if layout == "contiguous":
+        return world, 1, [rank]
+    raise ValueError(f"layout = {layout!r} is not one of {LAYOUTS}")
+
+
+def layout_positions(layout: str, rank: int, world: int, local_seq: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions ([local_seq], int64, ascending) of the tokens rank ``rank`` of ``world``
+    holds in ``layout``. With world = 1 every layout is the plain order."""
+    n, per_rank, mine = _chunks_for(layout, rank, world)
+    size = local_seq // per_rank
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in mine])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group: Group, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` in ``layout`` order (differentiable slicing)."""
+    pg = as_group(group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    n, _, mine = _chunks_for(layout, rank, world)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot shard a length-{x.shape[dim]} dimension {dim} into {n} equal "
+                         f"{layout} chunks for {world} CP ranks; make it a multiple of {n}")
+    chunks = x.chunk(n, dim)
+    return torch.cat([chunks[i] for i in mine], dim)
+
+
+def unshard_sequence(x: torch.Tensor, dim: int, group: Group,
+                     layout: str = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: all-gather the shards and restore the order.
+    Not differentiable (for outputs, checks and logging)."""
+    pg = as_group(group)
+    world = dist.get_world_size(pg)
+    n, per_rank, _ = _chunks_for(layout, 0, world)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    ordered: list[torch.Tensor | None] = [None] * n
+    for rank, part in enumerate(parts):
+        ids = _chunks_for(layout, rank, world)[2]
+        for i, piece in zip(ids, part.chunk(per_rank, dim)):
+            ordered[i] = piece
+    return torch.cat(ordered, dim)
+
+
+def zigzag_shard(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Rank r of W keeps chunks r and 2W-1-r of the 2W equal chunks of ``x`` along ``dim``.
+
+    >>> # W = 2, x = [c0 c1 c2 c3] -> rank 0: [c0 c3], rank 1: [c1 c2]   # doctest: +SKIP
+    """
+    return shard_sequence(x, dim, group, "zigzag")
+
+
+def zigzag_unshard(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """The full tensor back from every rank's :func:`zigzag_shard` part (all-gather)."""
+    return unshard_sequence(x, dim, group, "zigzag")
+
+
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor | None, group: Group, *,
+                layout: str = "zigzag", seq_dim: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Shard a batch for CP: (inputs, labels, position_ids), all in the same order.
+
+    ``position_ids`` ([local_seq], int64) are the global positions of the kept tokens, so RoPE
+    rotates each token by its true position. Pass them to the model's forward. With document
+    masking, shard the document ids and the per-document positions the same way
+    (``shard_sequence(t, 1, group, layout)``) and pass those instead.
+    """
+    positions = torch.arange(inputs.shape[seq_dim], device=inputs.device)
+    shard = [shard_sequence(t, seq_dim if t is not positions else 0, group, layout)
+             if t is not None else None for t in (inputs, labels, positions)]
+    return shard[0], shard[1], shard[2]

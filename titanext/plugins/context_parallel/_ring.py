@@ -1,0 +1,299 @@
+"""Ring attention: KV blocks travel round the CP group, partial results merge with an online
+softmax, and with document ids only the (query, key) tiles that share a document are computed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from titanext.plugins._attention_kernels import block_backward, block_forward, pick_kernel
+from titanext.plugins.context_parallel._comm import (
+    Group,
+    Ring,
+    all_gather,
+    as_group,
+    record_work,
+    reduce_scatter,
+    wait,
+)
+from titanext.plugins.context_parallel._layout import LAYOUTS, layout_positions
+
+COMMS = ("p2p", "allgather")
+# Document-masked blocks are cut into tiles of at most this many queries x keys: a tile in which
+# no pair shares a document is skipped, and the masks stay small.
+_DOC_TILE = 1024
+
+# (query rows, key rows, causal, mask [batch, rows, keys] or None): one kernel call
+Item = tuple[slice, slice, bool, torch.Tensor | None]
+
+
+def _step_slices(layout: str, causal: bool, rank: int, source: int, seq: int
+                 ) -> tuple[slice, slice, bool] | None:
+    """(query rows, KV rows, causal) of the work at one ring step, or None to skip it.
+
+    ``source`` is the rank whose KV block is at hand. Zigzag: rank r holds chunks (r, 2W-1-r),
+    so an earlier source's first chunk is fully visible to all our rows and its second chunk
+    to none, while a later source's whole block is visible to our second chunk only.
+    """
+    whole = slice(0, seq)
+    if not causal:
+        return whole, whole, False
+    if source == rank:
+        return whole, whole, True
+    if layout == "contiguous":
+        return (whole, whole, False) if source < rank else None
+    half = seq // 2
+    if source < rank:
+        return whole, slice(0, half), False
+    return slice(half, seq), whole, False
+
+
+class RingPlan:
+    """The kernel calls of rank ``rank`` for each source's KV block.
+
+    Without document ids this is :func:`_step_slices`. With them (``docs``: every rank's ids,
+    [world, batch, local_seq]) a block is cut into tiles; a tile is skipped when no query-key
+    pair in it shares a document (and, if causal, comes in order), runs unmasked when every pair
+    does, runs causal when it is a diagonal tile of one document, and runs masked otherwise.
+    Pure function of its arguments: forward and backward build the same plan.
+    """
+
+    def __init__(self, layout: str, causal: bool, rank: int, world: int, local_seq: int,
+                 docs: torch.Tensor | None = None, tile: int | None = None):
+        self.layout, self.causal, self.rank, self.world = layout, causal, rank, world
+        self.local_seq, self.docs, self.tile = local_seq, docs, tile or _DOC_TILE
+        if docs is not None:
+            self.pos = [layout_positions(layout, s, world, local_seq, docs.device)
+                        for s in range(world)]
+
+    def items(self, source: int) -> list[Item]:
+        step = _step_slices(self.layout, self.causal, self.rank, source, self.local_seq)
+        if step is None:
+            return []
+        if self.docs is None:
+            return [(*step, None)]
+        qp, kp = self.pos[self.rank], self.pos[source]
+        qd, kd = self.docs[self.rank], self.docs[source]
+        items = []
+        for qs in _tiles(step[0], self.tile):
+            q_lo, q_hi = int(qp[qs.start]), int(qp[qs.stop - 1])
+            qdoc = qd[:, qs]
+            d_lo, d_hi = int(qdoc.min()), int(qdoc.max())
+            for ks in _tiles(step[1], self.tile):
+                if self.causal and int(kp[ks.start]) > q_hi:
+                    continue  # every key comes after every query
+                kdoc = kd[:, ks]
+                if int(kdoc.min()) > d_hi or int(kdoc.max()) < d_lo:
+                    continue  # no document id in common
+                mask = qdoc[:, :, None] == kdoc[:, None, :]
+                if self.causal and int(kp[ks.stop - 1]) > q_lo:
+                    mask &= kp[None, None, ks] <= qp[None, qs, None]
+                if not mask.any():
+                    continue
+                if mask.all():
+                    items.append((qs, ks, False, None))
+                elif self.causal and torch.equal(qp[qs], kp[ks]) and torch.equal(
+                        mask, torch.ones_like(mask[0]).tril().expand_as(mask)):
+                    items.append((qs, ks, True, None))
+                else:
+                    items.append((qs, ks, False, mask))
+        return items
+
+
+def _tiles(s: slice, tile: int) -> Iterator[slice]:
+    for a in range(s.start, s.stop, tile):
+        yield slice(a, min(a + tile, s.stop))
+
+
+def _pairs(items: list[Item]) -> int:
+    return sum((q.stop - q.start) * (k.stop - k.start) for q, k, _, _ in items)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, docs, group, causal, layout, comm, scale, kernel):
+        ring = Ring(group)
+        B, H, L, D = q.shape
+        if docs is not None:  # ids are tiny next to K/V: gather them once
+            docs = torch.stack(all_gather(docs, group, "all_gather_document_ids"))
+        plan = RingPlan(layout, causal, ring.rank, ring.size, L, docs)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(B, H, L, D, dtype=acc, device=q.device)
+        # The running log-sum-exps are merged in fp64: they are only [B, H, L], and logits in
+        # the thousands would otherwise lose ~1e-4 of relative accuracy in every rescaling.
+        lse = torch.full((B, H, L), -math.inf, dtype=torch.float64, device=q.device)
+        kv = torch.stack([k, v])  # [2, batch, kv_heads, local_seq, head_dim]: one message
+        for source, kv_block in _kv_blocks(ring, kv, comm):
+            items = plan.items(source)
+            record_work(bool(items), len(items), _pairs(items))
+            for qs, ks, blk_causal, mask in items:
+                o_blk, lse_blk = block_forward(q[:, :, qs], kv_block[0, :, :, ks],
+                                               kv_block[1, :, :, ks], causal=blk_causal,
+                                               scale=scale, kernel=kernel, mask=mask)
+                _merge(out[:, :, qs], lse[:, :, qs], o_blk, lse_blk)
+        out, lse = out.to(q.dtype), lse.to(acc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.args = plan, (group, comm, scale, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, comm, scale, kernel = ctx.args
+        plan: RingPlan = ctx.plan
+        ring = Ring(group)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dout = dout.contiguous()
+        # rowsum(dO * O) is the same for every KV block: compute it once.
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+
+        def grads_for(source: int, kv_block: torch.Tensor) -> torch.Tensor:
+            """This rank's contribution to dK/dV of ``source``'s block (fp32/fp64)."""
+            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            for qs, ks, blk_causal, mask in plan.items(source):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, qs], q[:, :, qs], kv_block[0, :, :, ks], kv_block[1, :, :, ks],
+                    out[:, :, qs], lse[:, :, qs], delta[:, :, qs],
+                    causal=blk_causal, scale=scale, kernel=kernel, mask=mask)
+                dq[:, :, qs] += dq_b
+                dkv[0, :, :, ks] += dk_b
+                dkv[1, :, :, ks] += dv_b
+            return dkv
+
+        if ring.size == 1:
+            dkv = grads_for(0, kv)
+        elif comm == "allgather":
+            blocks = all_gather(kv, ring.group)
+            dkv_all = torch.stack([grads_for(s, blocks[s]) for s in range(ring.size)])
+            dkv = torch.empty(kv.shape, dtype=acc, device=q.device)
+            reduce_scatter(dkv, dkv_all.flatten(0, 1), ring.group)
+        else:
+            dkv = _backward_ring(ring, kv, grads_for, acc)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _kv_blocks(ring: Ring, kv: torch.Tensor, comm: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (source rank, its KV block), own block first. p2p posts the next block's
+    transfer before yielding the current one, so the transfer overlaps its compute."""
+    W, r = ring.size, ring.rank
+    if comm == "allgather" and W > 1:
+        blocks = all_gather(kv, ring.group)
+        for step in range(W):
+            source = (r - step) % W
+            yield source, blocks[source]
+        return
+    current = kv
+    for step in range(W):
+        works, incoming = [], None
+        if step < W - 1:
+            incoming = torch.empty_like(kv)
+            works = ring.start([(current, incoming)])
+        yield (r - step) % W, current
+        wait(works)
+        current = incoming
+
+
+def _backward_ring(ring: Ring, kv: torch.Tensor, grads_for, acc: torch.dtype) -> torch.Tensor:
+    """KV goes round again; each block's dK/dV accumulator follows it one step behind and is
+    back at its owner after W sends. Step i posts, in one batch, the KV for step i+1 and the
+    accumulator finished at step i-1, then computes while they travel."""
+    W, r = ring.size, ring.rank
+    current, finished = kv, None
+    for step in range(W):
+        pairs, incoming_kv, incoming_acc = [], None, None
+        if step < W - 1:
+            incoming_kv = torch.empty_like(kv)
+            pairs.append((current, incoming_kv))
+        if finished is not None:
+            incoming_acc = torch.empty(kv.shape, dtype=acc, device=kv.device)
+            pairs.append((finished, incoming_acc))
+        works = ring.start(pairs)
+        contribution = grads_for((r - step) % W, current)
+        wait(works)
+        finished = contribution if incoming_acc is None else incoming_acc.add_(contribution)
+        current = incoming_kv
+    own = torch.empty(kv.shape, dtype=acc, device=kv.device)
+    wait(ring.start([(finished, own)]))  # the last accumulator goes home
+    return own
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
+           lse_blk: torch.Tensor) -> None:
+    """Fold a block's (output, log-sum-exp) into the running ones, in place and in fp32.
+
+    Only differences of log-sum-exps are exponentiated, so large logits cannot overflow. A row
+    that has seen nothing yet (lse = -inf on both sides, possible with document masks) stays
+    empty instead of turning into NaN.
+    """
+    new = torch.logaddexp(lse, lse_blk.to(lse.dtype))
+    base = new.nan_to_num(neginf=0.0)
+    out.mul_(torch.exp(lse - base).unsqueeze(-1))
+    out.add_(o_blk.to(out.dtype) * torch.exp(lse_blk.to(lse.dtype) - base).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              document_ids: torch.Tensor | None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"{name}: q must be [batch, heads, local_seq, head_dim] and k, v "
+                         f"[batch, kv_heads, local_seq, head_dim]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"{name}: heads ({q.shape[1]}) must be a multiple of kv_heads "
+                         f"({k.shape[1]}) and q, k must share batch and local_seq; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    want = (q.shape[0], q.shape[2])
+    if document_ids is not None and (tuple(document_ids.shape) != want
+                                     or document_ids.is_floating_point()):
+        raise ValueError(f"{name}: document_ids must be integers of shape [batch, local_seq] = "
+                         f"{list(want)} in q's layout; got {document_ids.dtype} "
+                         f"{list(document_ids.shape)}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group | None, *,
+                   causal: bool = True, layout: str = "zigzag", comm: str = "p2p",
+                   scale: float | None = None, kernel: str = "auto",
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``. Differentiable.
+
+    q: [batch, heads, local_seq, head_dim]; k, v: [batch, kv_heads, local_seq, head_dim] with
+    heads % kv_heads == 0; returns [batch, heads, local_seq, head_dim]. Every rank must hold its
+    shard in ``layout`` order (see :func:`zigzag_shard`). ``kernel`` picks the block kernel:
+    "auto", "math", "flash_cpu", "flash_cuda" (see titanext.plugins._attention_kernels).
+
+    ``document_ids`` ([batch, local_seq] integers, in q's layout) restrict attention to tokens
+    of the same document (causal within it when ``causal``); the ring then skips every block
+    and tile in which no pair of tokens shares a document. ``group=None`` runs on one rank.
+
+    >>> import torch, torch.distributed as dist
+    >>> from titanext.plugins.context_parallel import ring_attention, zigzag_shard
+    >>> # inside each rank of a CP group `g` of size W, with full q, k, v of shape [B, H, S, D]:
+    >>> # out = ring_attention(*(zigzag_shard(t, 2, g) for t in (q, k, v)), g)  # doctest: +SKIP
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"ring_attention: layout = {layout!r} is not one of {LAYOUTS}")
+    if comm not in COMMS:
+        raise ValueError(f"ring_attention: comm = {comm!r} is not one of {COMMS}")
+    check_qkv("ring_attention", q, k, v, document_ids)
+    pg = as_group(group)
+    if causal and layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: the zigzag layout holds two equal chunks per rank, so "
+                         f"local_seq must be even; got {q.shape[2]}")
+    kernel = pick_kernel(kernel, q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    docs = None if document_ids is None else document_ids.to(torch.int64).contiguous()
+    return _RingAttention.apply(q, k, v, docs, pg, causal, layout, comm, scale, kernel)
+
+
+def plan_work(layout: str, causal: bool, world: int, document_ids: torch.Tensor | None,
+              local_seq: int) -> list[list[list[Item]]]:
+    """Every rank's kernel calls for every source block, without processes (for benchmarks):
+    ``document_ids`` are the shards of all ranks, [world, batch, local_seq], or None."""
+    return [[RingPlan(layout, causal, r, world, local_seq, document_ids).items(s)
+             for s in range(world)] for r in range(world)]
+
