@@ -1,18 +1,25 @@
-"""Context parallelism, measured side by side: load balance, attention-layer time, training tokens/s.
+"""Context parallelism, measured side by side: load balance, attention-layer time and bytes,
+document-masked work, training tokens/s.
 
-    python benchmarks/context_parallel.py [--seq 8192] [--iters 5] [--markdown]
+    python benchmarks/context_parallel.py [--seq 8192] [--iters 5] [--markdown] [--skip-train]
 
 1. Attention work per rank (unmasked FLOPs, from the same step plan ring_attention runs) for
    zigzag against contiguous sharding at W = 2, 4, 8: max/mean over ranks.
-2. Forward+backward time of one causal attention layer on a long sequence at cp=2 (one rank
-   per core) for zigzag-p2p, contiguous-p2p and zigzag-allgather, plus torch's built-in ring
-   attention where it can run (it needs CUDA SDPA kernels).
-3. Training tokens/s of the debug model at cp=1 (dp=2) and cp=2 on 2 ranks, same global batch.
+2. Work per rank for packed batches of documents (a realistic mix of lengths): unmasked FLOPs
+   (query-key pairs that share a document, causal) max/mean over ranks, zigzag against
+   contiguous, and the pairs the ring's tiles actually compute as a share of dense causal.
+3. Forward+backward time and bytes sent per rank of one causal attention layer on a long
+   sequence: ring (zigzag/contiguous, p2p/allgather) and Ulysses at cp=2; ring, Ulysses and
+   hybrid 2x2 at cp=4; ring and Ulysses with document masks. Variants take turns (A B C A B C)
+   so machine drift hits all alike; medians, and ratios against the first row of each block.
+4. Training tokens/s of the debug model at cp=1 (dp=2) and cp=2 on 2 ranks, same global batch,
+   runs alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -23,9 +30,19 @@ import torch.distributed as dist
 
 from titanext.local_launch import run_distributed
 from titanext.metrics import format_table
-from titanext.plugins.context_parallel import _step_slices, ring_attention, shard_sequence
+from titanext.plugins.context_parallel import (
+    _step_slices,
+    count_comm,
+    count_work,
+    hybrid_attention,
+    layout_positions,
+    plan_work,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
 
-# -- 1. work per rank -------------------------------------------------------------------------------
+# -- 1. work per rank -----------------------------------------------------------------------------
 
 def work_per_rank(layout: str, world: int, local_seq: int = 1024) -> list[float]:
     """Unmasked query-key pairs each rank computes over the whole ring (causal)."""
@@ -56,58 +73,162 @@ def balance_table() -> list[dict]:
     return rows
 
 
-# -- 2. one attention layer -------------------------------------------------------------------------
+# -- 2. work per rank with documents --------------------------------------------------------------
 
-VARIANTS = {"zigzag-p2p": ("zigzag", "p2p"), "contiguous-p2p": ("contiguous", "p2p"),
-            "zigzag-allgather": ("zigzag", "allgather")}
+def packed_documents(batch: int, seq: int, seed: int = 0, median: int = 600) -> torch.Tensor:
+    """[batch, seq] document ids of rows packed from documents with log-normally distributed
+    lengths (median ``median`` tokens, sigma 1.2: mostly short documents, a few longer than
+    the row), the last one cut at the row's end as a packing loader does."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        lengths, total = [], 0
+        while total < seq:
+            n = torch.empty(()).log_normal_(math.log(median), 1.2, generator=g)
+            n = int(n.clamp(1, 4 * seq))
+            lengths.append(min(n, seq - total))
+            total += lengths[-1]
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(rows)
+
+
+def document_work(docs: torch.Tensor, layout: str, world: int) -> list[int]:
+    """Unmasked (same document, causal) query-key pairs of each rank's queries: a token at
+    position p of a document starting at s sees p - s + 1 keys."""
+    seq = docs.shape[1]
+    pos = torch.arange(seq)
+    first = torch.ones(docs.shape[0], 1, dtype=torch.bool)
+    starts = torch.cat([first, docs[:, 1:] != docs[:, :-1]], dim=1)
+    start_pos = torch.cummax(torch.where(starts, pos, 0), dim=1).values
+    seen = pos - start_pos + 1  # [batch, seq]
+    return [int(seen[:, layout_positions(layout, r, world, seq // world)].sum())
+            for r in range(world)]
+
+
+def document_table(seq: int = 32768, batch: int = 4, tile: int = 1024) -> tuple[list[dict], float]:
+    """Rows: W. Unmasked work balance for zigzag and contiguous, and what the zigzag ring's
+    plan computes (one packed row per rank batch, as long-context runs use)."""
+    rows = []
+    docs = packed_documents(batch, seq)
+    dense = batch * seq * (seq + 1) / 2
+    for world in (2, 4, 8):
+        row = {"W": world}
+        for layout in ("zigzag", "contiguous"):
+            w = document_work(docs, layout, world)
+            row[f"{layout} max/mean"] = f"{max(w) / statistics.mean(w):.3f}"
+        row["unmasked / dense causal"] = f"{sum(document_work(docs, 'zigzag', world)) / dense:.3f}"
+        local, computed, skipped = seq // world, [0] * world, 0
+        for b in range(batch):
+            shards = torch.stack([docs[b:b + 1, layout_positions("zigzag", r, world, local)]
+                                  for r in range(world)])
+            for rank, per_source in enumerate(plan_work("zigzag", True, world, shards, local,
+                                                        tile=tile)):
+                computed[rank] += sum((q.stop - q.start) * (k.stop - k.start)
+                                      for items in per_source for q, k, _, _ in items)
+                skipped += sum(not items for items in per_source)
+        row["computed (tiles) / dense causal"] = f"{sum(computed) / dense:.3f}"
+        row["computed max/mean"] = f"{max(computed) / statistics.mean(computed):.3f}"
+        row["ring blocks skipped"] = f"{skipped / batch:.1f} of {world * world}"
+        rows.append(row)
+    lengths = torch.cat([torch.unique_consecutive(r, return_counts=True)[1] for r in docs])
+    return rows, float(lengths.float().mean())
+
+
+# -- 3. one attention layer -----------------------------------------------------------------------
+
+def _groups(world: int, ulysses: int):
+    """(Ulysses group, ring group) with cp rank = ring_rank * u + ulysses_rank."""
+    ring = world // ulysses
+    mine_u = mine_r = None
+    for j in range(ring):
+        g = dist.new_group(list(range(j * ulysses, (j + 1) * ulysses)))
+        mine_u = g if dist.get_rank() // ulysses == j else mine_u
+    for i in range(ulysses):
+        g = dist.new_group(list(range(i, world, ulysses)))
+        mine_r = g if dist.get_rank() % ulysses == i else mine_r
+    return mine_u, mine_r
+
+
+def _variants(world: int) -> dict[str, tuple[str, str, str, bool]]:
+    """name -> (kind, layout, comm, document masks)."""
+    if world == 2:
+        return {"ring zigzag-p2p": ("ring", "zigzag", "p2p", False),
+                "ring contiguous-p2p": ("ring", "contiguous", "p2p", False),
+                "ring zigzag-allgather": ("ring", "zigzag", "allgather", False),
+                "ulysses zigzag": ("ulysses", "zigzag", "p2p", False),
+                "ring zigzag-p2p, documents": ("ring", "zigzag", "p2p", True),
+                "ulysses, documents": ("ulysses", "zigzag", "p2p", True)}
+    return {"ring zigzag-p2p": ("ring", "zigzag", "p2p", False),
+            "ulysses zigzag": ("ulysses", "zigzag", "p2p", False),
+            "hybrid 2x2 zigzag-p2p": ("hybrid", "zigzag", "p2p", False),
+            "hybrid 2x2, documents": ("hybrid", "zigzag", "p2p", True)}
 
 
 def _time_layer(rank, world, seq, heads, kv_heads, dim, iters):
+    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, h, seq, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
+    docs = packed_documents(1, seq, median=max(seq // 16, 1))
     group = dist.group.WORLD
-    results = {}
-    for name, (layout, comm) in VARIANTS.items():
+    hybrid_groups = _groups(world, 2) if world == 4 else None
+    variants = _variants(world)
+    inputs, times, sent = {}, {name: [] for name in variants}, {}
+    for name, (kind, layout, comm, masked) in variants.items():
         q, k, v = (shard_sequence(t, 2, group, layout).clone().requires_grad_() for t in full)
-        times = []
-        for i in range(iters + 1):
+        ids = shard_sequence(docs, 1, group, layout) if masked else None
+        inputs[name] = (kind, layout, comm, q, k, v, ids)
+
+    def step(name):
+        kind, layout, comm, q, k, v, ids = inputs[name]
+        if kind == "ring":
+            out = ring_attention(q, k, v, group, layout=layout, comm=comm, document_ids=ids)
+        elif kind == "ulysses":
+            out = ulysses_attention(q, k, v, group, layout=layout, document_ids=ids)
+        else:
+            out = hybrid_attention(q, k, v, *hybrid_groups, layout=layout, comm=comm,
+                                   document_ids=ids)
+        out.sum().backward()
+
+    for name in variants:  # warm-up, and the bytes of one fwd+bwd
+        with count_comm() as c, count_work() as w:
+            step(name)
+        sent[name] = (c.send_bytes + c.collective_bytes, w.blocks_skipped)
+    for _ in range(iters):
+        for name in variants:  # A B C A B C: drift hits every variant alike
             dist.barrier()
             t0 = time.perf_counter()
-            ring_attention(q, k, v, group, layout=layout, comm=comm).sum().backward()
+            step(name)
             elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank does
-            if i:  # the first iteration warms up allocators and threads
-                times.append(elapsed.item())
-        results[name] = statistics.median(times)
-    results["torch context_parallel"] = _torch_ring(full, group)
-    return results
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with the slowest rank
+            times[name].append(elapsed.item())
+    skipped = torch.tensor([sent[name][1] for name in variants])
+    dist.all_reduce(skipped)
+    return {name: (statistics.median(times[name]), sent[name][0], int(skipped[i]))
+            for i, name in enumerate(variants)}
 
 
-def _torch_ring(full, group) -> float | str:
-    """torch's built-in CP on the same problem: it only intercepts CUDA SDPA kernels."""
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
-        rep = full[0].shape[1] // full[1].shape[1]
-        q, k, v = full[0].clone(), full[1].repeat_interleave(rep, 1), full[2].repeat_interleave(rep, 1)
-        w = torch.ones((), requires_grad=True)  # gradients flow to a parameter, as in a model
-        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-            torch.nn.functional.scaled_dot_product_attention(q * w, k, v, is_causal=True).sum().backward()
-        return "ran (untimed)"
-    except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
-        return "fails: " + str(e).splitlines()[0][:110]
+def layer_rows(world, seq, heads, kv_heads, dim, iters) -> list[dict]:
+    res = run_distributed(_time_layer, world, args=(seq, heads, kv_heads, dim, iters),
+                          timeout_s=1200)
+    base = res[0][next(iter(res[0]))][0]
+    rows = []
+    for name in res[0]:
+        t = res[0][name][0]
+        rows.append({"variant": name, "time (s)": f"{t:.3f}", "vs first row": f"{base / t:.2f}x",
+                     "MB sent / rank (max)": f"{max(r[name][1] for r in res) / 2**20:.1f}",
+                     "blocks skipped (all ranks)": res[0][name][2]})
+    return rows
 
 
-# -- 3. training tokens/s ---------------------------------------------------------------------------
+# -- 4. training tokens/s -------------------------------------------------------------------------
 
 def _train_tps(rank, world, overrides, steps):
     from titanext.config import load_config
     from titanext.train import Trainer
 
-    base = ["--model.flavor=debugmodel", "--training.dataset=synthetic", f"--training.steps={steps}",
-            "--training.seq_len=2048", "--metrics.enable_tensorboard=false",
+    base = ["--model.flavor=debugmodel", "--training.dataset=synthetic",
+            f"--training.steps={steps}", "--training.seq_len=2048",
+            "--metrics.enable_tensorboard=false",
             "--metrics.log_freq=1000", "--metrics.progress_bar=false",
             f"--job.dump_folder=/tmp/titanext_cp_bench_{os.getpid()}"]
     trainer = Trainer(load_config(None, [*base, *overrides], world_size=world))
@@ -128,31 +249,41 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--train-steps", type=int, default=6)
+    ap.add_argument("--train-repeats", type=int, default=2, help="alternating runs per layout")
+    ap.add_argument("--skip-train", action="store_true", help="leave out table 4")
     ap.add_argument("--markdown", action="store_true", help="print tables as Markdown")
     a = ap.parse_args(argv)
 
     print("1. attention work per rank, causal (max/mean over ranks; 1.000 is balanced)")
     print(format_table(balance_table(), markdown=a.markdown), flush=True)
 
-    print(f"\n2. one attention layer, fwd+bwd, seq {a.seq}, heads {a.heads}/{a.kv_heads}, head_dim "
-          f"{a.head_dim}, cp=2, fp32 (median of {a.iters}; a step is the slowest rank's)", flush=True)
-    times = run_distributed(_time_layer, 2, args=(a.seq, a.heads, a.kv_heads, a.head_dim, a.iters),
-                            timeout_s=600)[0]
-    base = times["contiguous-p2p"]
-    rows = [{"variant": k, "time (s)": f"{v:.3f}" if isinstance(v, float) else v,
-             "speed-up vs contiguous": f"{base / v:.2f}x" if isinstance(v, float) else "n/a"}
-            for k, v in times.items()]
+    rows, mean_len = document_table()
+    print(f"\n2. work per rank with document masks: 4 packed rows of 32768 tokens, log-normal "
+          f"document lengths (median 600, mean {mean_len:.0f}); ring tiles of 1024 "
+          "(Ulysses: every rank attends the whole sequence for its heads, 1.000)", flush=True)
     print(format_table(rows, markdown=a.markdown), flush=True)
 
-    print(f"\n3. training the debug model, seq 2048, global batch 4, 2 ranks ({a.train_steps - 1} "
-          "timed steps)", flush=True)
-    rows = []
-    for name, overrides in (("cp=1 (dp_shard=2)", ["--training.local_batch_size=2"]),
-                            ("cp=2", ["--training.local_batch_size=4",
-                                      "--parallelism.context_parallel_degree=2"])):
-        tps = run_distributed(_train_tps, 2, args=(overrides, a.train_steps), timeout_s=900)[0]
-        rows.append({"layout": name, "tokens/s": f"{tps:,.0f}"})
-    print(format_table(rows, markdown=a.markdown))
+    for world in (2, 4):
+        print(f"\n3. one attention layer, fwd+bwd, seq {a.seq}, heads {a.heads}/{a.kv_heads}, "
+              f"head_dim {a.head_dim}, cp={world}, fp32, one thread per rank (median of "
+              f"{a.iters}, variants interleaved; documents: median {a.seq // 16} tokens)",
+              flush=True)
+        print(format_table(layer_rows(world, a.seq, a.heads, a.kv_heads, a.head_dim, a.iters),
+                           markdown=a.markdown), flush=True)
+
+    if a.skip_train:
+        return 0
+    print(f"\n4. training the debug model, seq 2048, global batch 4, 2 ranks ({a.train_steps - 1} "
+          f"timed steps, median of {a.train_repeats} alternating runs)", flush=True)
+    layouts = {"cp=1 (dp_shard=2)": ["--training.local_batch_size=2"],
+               "cp=2": ["--training.local_batch_size=4", "--parallelism.context_parallel_degree=2"]}
+    tps = {name: [] for name in layouts}
+    for _ in range(a.train_repeats):
+        for name, overrides in layouts.items():
+            tps[name].append(run_distributed(_train_tps, 2, args=(overrides, a.train_steps),
+                                             timeout_s=900)[0])
+    print(format_table([{"layout": n, "tokens/s": f"{statistics.median(v):,.0f}"}
+                        for n, v in tps.items()], markdown=a.markdown))
     return 0
 
 

@@ -1,10 +1,10 @@
 """Ulysses, hybrid Ulysses x ring, and document masking are exact: out, dq, dk and dv match
 single-process attention with the equivalent mask (causal within a document, nothing across).
 
-Every rank builds the same full q, k, v, upstream gradient and document ids from a seed, runs the
-CP attention on its shard, and compares with the matching shard of ``F.scaled_dot_product_attention``
-given the full boolean mask, computed the simplest way (K/V expanded to all heads). One spawn per
-world size runs every case of that size.
+Every rank builds the same full q, k, v, upstream gradient and document ids from a seed, runs
+the CP attention on its shard, and compares with the matching shard of
+``F.scaled_dot_product_attention`` given the full boolean mask, computed the simplest way (K/V
+expanded to all heads). One spawn per world size runs every case of that size.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def _reference(q, k, v, dout, causal, docs):
         mask &= docs[:, :, None] == docs[:, None, :]
     if causal:
         mask &= torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                         attn_mask=mask[:, None])
+    k_all, v_all = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None])
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -79,13 +79,13 @@ def _groups(world, ulysses):
 
 def _errors(case, groups):
     """Max relative error of (out, dq, dk, dv) of one case on this rank."""
+    from titanext.plugins.context_parallel import _ring as ring_module
     from titanext.plugins.context_parallel import (
         hybrid_attention,
         ring_attention,
         shard_sequence,
         ulysses_attention,
     )
-    from titanext.plugins.context_parallel import _ring as ring_module
 
     kind, (heads, kv_heads), layout, comm, causal, with_docs, dtype, kernel, tile = case
     ring_module._DOC_TILE = tile
@@ -136,17 +136,51 @@ def _cases(world):
     return cases
 
 
+def _traffic(world_size):
+    """count_comm / count_work of Ulysses (fwd, bwd) and of a ring over chunk-aligned documents."""
+    from titanext.plugins.context_parallel import (
+        count_comm,
+        count_work,
+        ring_attention,
+        shard_sequence,
+        ulysses_attention,
+    )
+
+    g = dist.group.WORLD
+    result = {}
+    for kv_heads, docs in ((2, False), (1, True)) if world_size != 3 else ():
+        q, k, v, dout = (shard_sequence(t, 2, g) for t in _inputs(4, kv_heads, torch.float32))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        ids = shard_sequence(document_ids(SEQ), 1, g) if docs else None
+        with count_comm() as fwd:
+            out = ulysses_attention(q, k, v, g, document_ids=ids)
+        with count_comm() as bwd:
+            out.backward(dout)
+        result["ulysses", kv_heads, docs] = (dict(fwd.collectives), fwd.collective_bytes,
+                                             dict(bwd.collectives), bwd.collective_bytes)
+    chunked = torch.arange(2 * world_size).repeat_interleave(SEQ // (2 * world_size))
+    for layout in ("zigzag", "contiguous"):
+        q, k, v, _ = (shard_sequence(t, 2, g, layout) for t in _inputs(4, 2, torch.float32))
+        ids = shard_sequence(chunked.expand(BATCH, SEQ), 1, g, layout)
+        with count_work() as work:
+            ring_attention(q, k, v, g, layout=layout, document_ids=ids)
+        result["ring-work", layout] = (work.blocks, work.blocks_skipped)
+    return result
+
+
 def _body(rank, world_size):
     torch.set_num_threads(1)
     groups = _groups(world_size, 2) if world_size == 4 else (None, None)
-    return {case: _errors(case, groups) for case in _cases(world_size)}
+    errors = {case: _errors(case, groups) for case in _cases(world_size)}
+    return errors, _traffic(world_size)
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"W{w}")
-def errors(request):
+def spawned(request):
     world = request.param
     per_rank = run_distributed(_body, world, timeout_s=120)
-    return {c: [max(r[c][i] for r in per_rank) for i in range(4)] for c in _cases(world)}
+    errors = {c: [max(r[0][c][i] for r in per_rank) for i in range(4)] for c in _cases(world)}
+    return world, errors, [r[1] for r in per_rank]
 
 
 def _name(case):
@@ -155,10 +189,47 @@ def _name(case):
             f"-{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{kernel}-tile{tile}")
 
 
-def test_out_and_grads_match_full_attention_with_the_document_mask(errors):
+def test_out_and_grads_match_full_attention_with_the_document_mask(spawned):
+    world, errors, _ = spawned
     bad = {_name(c): dict(zip(("out", "dq", "dk", "dv"), e)) for c, e in errors.items()
            if max(e) > BOUND[c[6]]}
     assert not bad, bad
+
+
+def test_ulysses_moves_q_k_v_and_out_in_four_all_to_alls(spawned):
+    world, _, traffic = spawned
+    local = SEQ // world * BATCH * DIM * 4  # bytes of one head's local shard, fp32
+    for per_rank in traffic:
+        for kv_heads, docs in ((2, False), (1, True)):
+            if world == 3:
+                continue  # 4 heads do not split over 3 ranks
+            kv_sent = max(kv_heads, world)  # fewer kv heads than ranks: replicated first
+            fwd, fwd_bytes, bwd, bwd_bytes = per_rank["ulysses", kv_heads, docs]
+            ids = {"all_gather_document_ids": 1} if docs else {}
+            assert fwd == {"all_to_all": 2, **ids} and bwd == {"all_to_all": 2}
+            ids_bytes = SEQ // world * BATCH * 8 if docs else 0
+            assert fwd_bytes == (4 + 2 * kv_sent + 4) * local + ids_bytes
+            assert bwd_bytes == (4 + 4 + 2 * kv_sent) * local
+
+
+def test_ring_skips_blocks_that_share_no_document(spawned):
+    """Each of the 2W chunks is its own document: every rank computes its own block only."""
+    world, _, traffic = spawned
+    for per_rank in traffic:
+        for layout in ("zigzag", "contiguous"):
+            assert per_rank["ring-work", layout] == (1, world - 1), layout
+
+
+def test_tiles_without_a_shared_document_are_skipped_offline():
+    from titanext.plugins.context_parallel import layout_positions, plan_work
+
+    world, local = 4, 16
+    docs = torch.arange(2 * world * 4).repeat_interleave(2).view(1, -1)  # 2-token documents
+    shards = torch.stack([docs[:, layout_positions("zigzag", r, world, local)]
+                          for r in range(world)])
+    plan = plan_work("zigzag", True, world, shards, local)
+    for rank, per_source in enumerate(plan):
+        assert [bool(items) for items in per_source] == [s == rank for s in range(world)]
 
 
 def test_document_ids_cover_the_required_shapes():

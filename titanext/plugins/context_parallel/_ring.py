@@ -85,10 +85,19 @@ class RingPlan:
                 if self.causal and int(kp[ks.start]) > q_hi:
                     continue  # every key comes after every query
                 kdoc = kd[:, ks]
-                if int(kdoc.min()) > d_hi or int(kdoc.max()) < d_lo:
+                k_lo, k_hi = int(kdoc.min()), int(kdoc.max())
+                if k_lo > d_hi or k_hi < d_lo:
                     continue  # no document id in common
+                before = not self.causal or int(kp[ks.stop - 1]) <= q_lo
+                if d_lo == d_hi == k_lo == k_hi:  # one document fills the tile in every row
+                    if before:
+                        items.append((qs, ks, False, None))
+                        continue
+                    if torch.equal(qp[qs], kp[ks]):
+                        items.append((qs, ks, True, None))
+                        continue
                 mask = qdoc[:, :, None] == kdoc[:, None, :]
-                if self.causal and int(kp[ks.stop - 1]) > q_lo:
+                if not before:
                     mask &= kp[None, None, ks] <= qp[None, qs, None]
                 if not mask.any():
                     continue
@@ -291,9 +300,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
 
 def plan_work(layout: str, causal: bool, world: int, document_ids: torch.Tensor | None,
-              local_seq: int) -> list[list[list[Item]]]:
+              local_seq: int, tile: int | None = None) -> list[list[list[Item]]]:
     """Every rank's kernel calls for every source block, without processes (for benchmarks):
     ``document_ids`` are the shards of all ranks, [world, batch, local_seq], or None."""
-    return [[RingPlan(layout, causal, r, world, local_seq, document_ids).items(s)
+    return [[RingPlan(layout, causal, r, world, local_seq, document_ids, tile).items(s)
              for s in range(world)] for r in range(world)]
 
