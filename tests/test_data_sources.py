@@ -186,9 +186,9 @@ def test_a_resume_seeks_to_the_saved_unit_instead_of_rereading(corpus, monkeypat
     calls = []
     real = readers.read_units
 
-    def spy(path, field="text", offset=0, line=0):
+    def spy(path, field="text", offset=0, line=0, **kw):
         calls.append((path.name, offset))
-        return real(path, field, offset, line)
+        return real(path, field, offset, line, **kw)
 
     fresh = make("text", corpus, batch=8, seed=1)
     monkeypatch.setattr("titanext.data.streaming.read_units", spy)
@@ -291,6 +291,8 @@ def test_check_dataset_lists_problems_before_training(tmp_path):
     [problem] = check_dataset("text", str(tmp_path))
     assert "a.jsonl' line 1 has no \"text\" field" in problem
     assert check_dataset("text", str(tmp_path), text_field="body") == []
+    [problem] = check_dataset("text", str(tmp_path), section="validation")
+    assert problem.startswith(f"validation.dataset_path file {str(tmp_path / 'a.jsonl')!r}")
     np.save(tmp_path / "t.npy", np.zeros(4, dtype=np.uint8))
     [problem] = check_dataset("tokens", str(tmp_path), vocab_size=258)
     assert "t.npy' has dtype uint8" in problem

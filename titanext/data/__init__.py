@@ -27,6 +27,7 @@ document_ids)``: :func:`document_ids` numbers the documents of each row (a new o
 every EOS and at every BOS) and :func:`document_positions` turns them into positions that
 restart at 0 at each document. Labels are unchanged.
 
+>>> from titanext.data import build_dataloader
 >>> from titanext.tokenizer import ByteTokenizer
 >>> loader = build_dataloader(dataset="shakespeare", dataset_path=None, tokenizer=ByteTokenizer(),
 ...                           seq_len=64, local_batch_size=2, dp_rank=0, dp_degree=1)
@@ -37,32 +38,29 @@ restart at 0 at each document. Labels are unchanged.
 2
 """
 
-from titanext.data.loader import (
-    DATASETS,
-    TokenDataLoader,
-    build_dataloader,
-    check_dataset,
-    document_ids,
-    document_positions,
-    load_documents,
-)
-from titanext.data.readers import TEXT_SUFFIXES
-from titanext.data.sources import SyntheticWindows, TokenWindows, pack_documents
-from titanext.data.streaming import StreamingTextWindows
-from titanext.data.tokens import TokenShardWindows
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "TEXT_SUFFIXES",
-    "StreamingTextWindows",
-    "SyntheticWindows",
-    "TokenDataLoader",
-    "TokenShardWindows",
-    "TokenWindows",
-    "build_dataloader",
-    "check_dataset",
-    "document_ids",
-    "document_positions",
-    "load_documents",
-    "pack_documents",
-]
+import importlib
+from typing import Any
+
+# Names load on first use, so that torch-free parts (readers, checks, tokens) can be imported
+# (by the config loader) without importing torch.
+_EXPORTS = {
+    "DATASETS": "loader", "TokenDataLoader": "loader", "build_dataloader": "loader",
+    "document_ids": "loader", "document_positions": "loader", "load_documents": "loader",
+    "check_dataset": "checks", "TEXT_SUFFIXES": "readers", "SyntheticWindows": "sources",
+    "TokenWindows": "sources", "pack_documents": "sources",
+    "StreamingTextWindows": "streaming", "TokenShardWindows": "tokens",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'titanext.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"titanext.data.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from titanext.data.readers import check_text_file, list_files, read_units
+from titanext.data.checks import check_dataset
+from titanext.data.readers import list_files, read_units
 from titanext.data.sources import (
     SyntheticWindows,
     Tokenizer,
@@ -16,7 +17,7 @@ from titanext.data.sources import (
     shakespeare_documents,
 )
 from titanext.data.streaming import StreamingTextWindows
-from titanext.data.tokens import TokenShardWindows, check_token_shards
+from titanext.data.tokens import TokenShardWindows
 from titanext.errors import ConfigError
 
 __all__ = ["DATASETS", "TokenDataLoader", "build_dataloader", "document_ids",
@@ -185,23 +186,25 @@ def _check_positive(name: str, value: int) -> None:
 def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer,
                      seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                      seed: int = 0, shuffle: bool = True, text_field: str = "text",
-                     document_masking: bool = False,
-                     block_tokens: int | None = None) -> TokenDataLoader:
+                     document_masking: bool = False, block_tokens: int | None = None,
+                     section: str = "training") -> TokenDataLoader:
     """A loader for ``dataset``: 'shakespeare', 'text' (streamed from ``dataset_path``),
     'tokens' (memory-mapped shards at ``dataset_path``) or 'synthetic'.
 
     ``text_field``: the jsonl key / parquet column holding the text. ``document_masking``: also
     yield document ids. ``block_tokens``: the streaming source's shuffle block (tokens).
+    ``section``: the config section named in errors ('validation' for the held-out source).
     See :mod:`titanext.data` for the global order contract and a runnable example.
     """
+    key = f"{section}.dataset_path"
     if dataset not in DATASETS:
-        raise ConfigError(f"training.dataset = {dataset!r} is not a known dataset; allowed: "
+        raise ConfigError(f"{section}.dataset = {dataset!r} is not a known dataset; allowed: "
                           f"{_ALLOWED_DATASETS}")
     if dataset_path and dataset not in ("text", "tokens"):
-        raise ConfigError(f"training.dataset_path = {dataset_path!r} is only read with dataset = "
-                          f"'text' or 'tokens', but training.dataset = {dataset!r}")
+        raise ConfigError(f"{key} = {dataset_path!r} is only read with dataset = 'text' or "
+                          f"'tokens', but {section}.dataset = {dataset!r}")
     _check_positive("training.seq_len", seq_len)
-    _check_positive("training.local_batch_size", local_batch_size)
+    _check_positive(f"{section}.local_batch_size", local_batch_size)
     _check_positive("dp_degree", dp_degree)
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
         raise ConfigError(f"dp_rank = {dp_rank!r}; expected 0 <= dp_rank < dp_degree = "
@@ -210,7 +213,7 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
         what = ("a .txt, .jsonl (field training.dataset_text_field) or .parquet file, or a "
                 "folder of them" if dataset == "text" else
                 "a folder of .npy token shards from python -m titanext.data tokenize")
-        raise ConfigError(f"training.dataset = {dataset!r} needs training.dataset_path: {what}")
+        raise ConfigError(f"{section}.dataset = {dataset!r} needs {key}: {what}")
 
     source: Source
     if dataset == "synthetic":
@@ -219,11 +222,11 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
         block = None if block_tokens is None else max(1, block_tokens // seq_len)
         source = StreamingTextWindows.open(dataset_path, tokenizer=tokenizer, seq_len=seq_len,
                                            seed=seed, shuffle=shuffle, text_field=text_field,
-                                           block_windows=block)
+                                           block_windows=block, key=key)
     elif dataset == "tokens":
         source = TokenShardWindows.open(dataset_path, vocab_size=tokenizer.vocab_size,
                                         eos_id=tokenizer.eos_id, seq_len=seq_len, seed=seed,
-                                        shuffle=shuffle)
+                                        shuffle=shuffle, key=key)
     else:
         tokens = pack_documents(shakespeare_documents(), tokenizer)
         if len(tokens) < seq_len + 1:
@@ -234,27 +237,3 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
                            local_batch_size=local_batch_size, dp_rank=dp_rank,
                            dp_degree=dp_degree, document_masking=document_masking,
                            eos_id=tokenizer.eos_id, bos_id=getattr(tokenizer, "bos_id", None))
-
-
-def check_dataset(dataset: str, dataset_path: str | None, *, text_field: str = "text",
-                  vocab_size: int | None = None, eos_id: int | None = None) -> list[str]:
-    """Problems a run would hit reading ``dataset_path``, found cheaply before training: a
-    missing path, a parquet file without the text column, a jsonl file whose first record
-    lacks the field, a tokens shard whose dtype cannot hold the vocab. One line each.
-
-    >>> check_dataset("text", "no/such/file.txt")
-    ["training.dataset_path = 'no/such/file.txt' does not exist; give a .txt or .jsonl or \
-.parquet file or a folder of them"]
-    """
-    problems = []
-    try:
-        if dataset == "text":
-            for f in list_files(dataset_path):
-                check_text_file(f, text_field)
-        elif dataset == "tokens" and vocab_size is not None:
-            check_token_shards(dataset_path, vocab_size, eos_id)
-        elif dataset == "tokens":
-            list_files(dataset_path, suffixes=(".npy",))
-    except ConfigError as e:
-        problems.extend(e.problems)
-    return problems

@@ -16,6 +16,7 @@ few integers instead of a buffer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,13 +24,14 @@ from pathlib import Path
 
 from titanext.errors import ConfigError
 
-__all__ = ["TEXT_SUFFIXES", "TXT_CHUNK_BYTES", "Unit", "check_text_file", "import_pyarrow",
-           "list_files", "read_units"]
+__all__ = ["TEXT_SUFFIXES", "TXT_CHUNK_BYTES", "Unit", "check_text_file", "corpus_fingerprint",
+           "import_pyarrow", "list_files", "read_units"]
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_CHUNK_BYTES = 1 << 20
 _PARQUET_BATCH_ROWS = 256
 _WHITESPACE = b" \t\r\n\x0b\x0c"
+_KEY = "training.dataset_path"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def import_pyarrow():
     return pq
 
 
-def list_files(dataset_path: str | None, *, key: str = "training.dataset_path",
+def list_files(dataset_path: str | None, *, key: str = _KEY,
                suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
     """The files under ``dataset_path`` with one of ``suffixes``, sorted by relative path (so
     every rank and every resume sees one order); a single file is a list of one."""
@@ -76,11 +78,11 @@ def list_files(dataset_path: str | None, *, key: str = "training.dataset_path",
     return [path]
 
 
-def _decode(data: bytes, path: Path, where: str, base: int = 0) -> str:
+def _decode(data: bytes, path: Path, where: str, base: int = 0, key: str = _KEY) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"training.dataset_path file {str(path)!r}{where} is not valid UTF-8 "
+        raise ConfigError(f"{key} file {str(path)!r}{where} is not valid UTF-8 "
                           f"(byte {base + e.start}); re-encode it as UTF-8") from e
 
 
@@ -101,11 +103,11 @@ def _txt_cut(chunk: bytes) -> int:
     return j if j + width > len(chunk) and j > 0 else len(chunk)
 
 
-def _txt_units(path: Path, offset: int) -> Iterator[Unit]:
+def _txt_units(path: Path, offset: int, key: str) -> Iterator[Unit]:
     size = path.stat().st_size
     with path.open("rb") as f:
         if size <= TXT_CHUNK_BYTES:  # the common small file: one unit, dropped when blank
-            text = _decode(f.read(), path, "")
+            text = _decode(f.read(), path, "", key=key)
             if text.strip():
                 yield Unit(0, 0, text, True)
             return
@@ -119,13 +121,13 @@ def _txt_units(path: Path, offset: int) -> Iterator[Unit]:
                 return
             last = offset + len(data) >= size
             cut = len(data) if last else _txt_cut(data)
-            yield Unit(offset, 0, _decode(data[:cut], path, "", offset), last)
+            yield Unit(offset, 0, _decode(data[:cut], path, "", offset, key), last)
             offset, pending = offset + cut, data[cut:]
             if last:
                 return
 
 
-def _jsonl_units(path: Path, field: str, offset: int, line: int) -> Iterator[Unit]:
+def _jsonl_units(path: Path, field: str, offset: int, line: int, key: str) -> Iterator[Unit]:
     hint = f'each line must be an object like {{"{field}": "..."}}'
     with path.open("rb") as f:
         f.seek(offset)
@@ -139,23 +141,23 @@ def _jsonl_units(path: Path, field: str, offset: int, line: int) -> Iterator[Uni
             try:
                 record = json.loads(raw)
             except UnicodeDecodeError:
-                _decode(raw, path, where)
+                _decode(raw, path, where, key=key)
                 raise
             except json.JSONDecodeError as e:
-                raise ConfigError(f"training.dataset_path file {str(path)!r}{where} is not valid "
+                raise ConfigError(f"{key} file {str(path)!r}{where} is not valid "
                                   f"JSON ({e.msg}); {hint}") from e
             if not isinstance(record, dict) or field not in record:
-                raise ConfigError(f"training.dataset_path file {str(path)!r}{where} has no "
+                raise ConfigError(f"{key} file {str(path)!r}{where} has no "
                                   f"\"{field}\" field (training.dataset_text_field); {hint}")
             text = record[field]
             if not isinstance(text, str):
-                raise ConfigError(f"training.dataset_path file {str(path)!r}{where}: "
+                raise ConfigError(f"{key} file {str(path)!r}{where}: "
                                   f"\"{field}\" is a {type(text).__name__}, expected a string")
             if text.strip():
                 yield Unit(start, lineno - 1, text, True)
 
 
-def _parquet_column(path: Path, field: str):
+def _parquet_column(path: Path, field: str, key: str):
     """The open ParquetFile after checking that ``field`` is a string column."""
     pq = import_pyarrow()
     import pyarrow as pa
@@ -163,21 +165,21 @@ def _parquet_column(path: Path, field: str):
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise ConfigError(f"training.dataset_path file {str(path)!r} is not a readable parquet "
+        raise ConfigError(f"{key} file {str(path)!r} is not a readable parquet "
                           f"file ({e})") from e
     schema = pf.schema_arrow
     if field not in schema.names:
-        raise ConfigError(f"training.dataset_path file {str(path)!r} has no column {field!r} "
+        raise ConfigError(f"{key} file {str(path)!r} has no column {field!r} "
                           f"(training.dataset_text_field); its columns: {', '.join(schema.names)}")
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"training.dataset_path file {str(path)!r}: column {field!r} has type "
+        raise ConfigError(f"{key} file {str(path)!r}: column {field!r} has type "
                           f"{kind}, expected a string column")
     return pf
 
 
-def _parquet_units(path: Path, field: str, row: int) -> Iterator[Unit]:
-    pf = _parquet_column(path, field)
+def _parquet_units(path: Path, field: str, row: int, key: str) -> Iterator[Unit]:
+    pf = _parquet_column(path, field, key)
     meta = pf.metadata
     first_group, group_start = 0, 0  # the row group holding `row`
     while (first_group < meta.num_row_groups
@@ -196,18 +198,30 @@ def _parquet_units(path: Path, field: str, row: int) -> Iterator[Unit]:
             index += 1
 
 
-def read_units(path: Path, field: str = "text", offset: int = 0, line: int = 0) -> Iterator[Unit]:
-    """The non-blank units of ``path`` from ``offset`` on (``line``: the jsonl line there)."""
+def read_units(path: Path, field: str = "text", offset: int = 0, line: int = 0, *,
+               key: str = _KEY) -> Iterator[Unit]:
+    """The non-blank units of ``path`` from ``offset`` on (``line``: the jsonl line there);
+    errors name the file as ``key`` (the config key that pointed at it)."""
     if path.suffix == ".jsonl":
-        return _jsonl_units(path, field, offset, line)
+        return _jsonl_units(path, field, offset, line, key)
     if path.suffix == ".parquet":
-        return _parquet_units(path, field, offset)
-    return _txt_units(path, offset)
+        return _parquet_units(path, field, offset, key)
+    return _txt_units(path, offset, key)
 
 
-def check_text_file(path: Path, field: str = "text") -> None:
+def check_text_file(path: Path, field: str = "text", *, key: str = _KEY) -> None:
     """Cheap checks before training: a parquet file's schema, a jsonl file's first record."""
     if path.suffix == ".parquet":
-        _parquet_column(path, field)
+        _parquet_column(path, field, key)
     elif path.suffix == ".jsonl":
-        next(_jsonl_units(path, field, 0, 1), None)
+        next(_jsonl_units(path, field, 0, 1, key), None)
+
+
+def corpus_fingerprint(files: list[Path], root: Path) -> str:
+    """A short hash of the files' relative names and sizes: a moved corpus still matches, an
+    edited one (almost always) does not."""
+    h = hashlib.sha256()
+    for f in files:
+        name = f.name if f == root else f.relative_to(root).as_posix()
+        h.update(f"{name}\0{f.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]

@@ -28,7 +28,6 @@ text; pre-tokenize with ``python -m titanext.data tokenize`` when that costs too
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,23 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanext.data.readers import check_text_file, list_files, read_units
+from titanext.data.readers import check_text_file, corpus_fingerprint, list_files, read_units
 from titanext.data.sources import FILES, SHUFFLE, Tokenizer, mix_seed
 from titanext.errors import ConfigError
 
-__all__ = ["BLOCK_TOKENS", "StreamingTextWindows", "corpus_fingerprint"]
+__all__ = ["BLOCK_TOKENS", "StreamingTextWindows"]
 
 BLOCK_TOKENS = 1 << 20  # default tokens per block: the shuffle buffer and the resume granularity
-
-
-def corpus_fingerprint(files: list[Path], root: Path) -> str:
-    """A short hash of the files' relative names and sizes: a moved corpus still matches, an
-    edited one (almost always) does not."""
-    h = hashlib.sha256()
-    for f in files:
-        name = f.name if f == root else f.relative_to(root).as_posix()
-        h.update(f"{name}\0{f.stat().st_size}\n".encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -72,8 +61,9 @@ class _TokenReader:
     """The token stream of one epoch from a cursor on, read into a bounded buffer."""
 
     def __init__(self, files: list[Path], order: list[int], field: str, tokenizer: Tokenizer,
-                 cursor: tuple[int, int, int, int]):
+                 cursor: tuple[int, int, int, int], key: str):
         self.files, self.order, self.field, self.tokenizer = files, order, field, tokenizer
+        self.key = key
         self.start = cursor
         self.segments: deque[_Segment] = deque()
         self.exhausted = False
@@ -85,7 +75,8 @@ class _TokenReader:
         for pos in range(file_pos, len(self.order)):
             path = self.files[self.order[pos]]
             first = pos == file_pos
-            for unit in read_units(path, self.field, offset if first else 0, line if first else 0):
+            for unit in read_units(path, self.field, offset if first else 0,
+                                   line if first else 0, key=self.key):
                 ids = self.tokenizer.encode(unit.text, eos=unit.ends_document)
                 seg = _Segment(pos, unit.offset, unit.line, np.asarray(ids, dtype=np.int64), skip)
                 skip = 0
@@ -147,23 +138,26 @@ class StreamingTextWindows:
 
     def __init__(self, files: list[Path], *, root: Path, tokenizer: Tokenizer, seq_len: int,
                  seed: int, shuffle: bool, text_field: str = "text",
-                 block_windows: int | None = None, label: str = ""):
+                 block_windows: int | None = None, label: str = "",
+                 key: str = "training.dataset_path"):
         self.files, self.tokenizer, self.seq_len = files, tokenizer, seq_len
         self.seed, self.shuffle, self.text_field = seed, shuffle, text_field
         self.block_windows = block_windows or max(1, BLOCK_TOKENS // seq_len)
         self.fingerprint = corpus_fingerprint(files, root)
-        self.label = label or str(root)
+        self.label, self.key = label or str(root), key
         for f in files:
-            check_text_file(f, text_field)
+            check_text_file(f, text_field, key=key)
         self._load(epoch=0, epoch_start=0, block=0, block_first=0, cursor=(0, 0, 0, 0))
 
     @classmethod
-    def open(cls, dataset_path: str, **kw: Any) -> StreamingTextWindows:
-        """The source for ``dataset_path`` (a file or a folder searched recursively)."""
-        files = list_files(dataset_path)
+    def open(cls, dataset_path: str, *, key: str = "training.dataset_path",
+             **kw: Any) -> StreamingTextWindows:
+        """The source for ``dataset_path`` (a file or a folder searched recursively); errors
+        name it as ``key``."""
+        files = list_files(dataset_path, key=key)
         root = Path(dataset_path)
         return cls(files, root=root if root.is_dir() else root.parent,
-                   label=f"training.dataset_path = {dataset_path!r}", **kw)
+                   label=f"{key} = {dataset_path!r}", key=key, **kw)
 
     # -- reading -----------------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -177,14 +171,14 @@ class StreamingTextWindows:
         self.epoch, self.epoch_start, self.block_index = epoch, epoch_start, block
         self.block_first = block_first
         self._reader = _TokenReader(self.files, self._order(epoch), self.text_field,
-                                    self.tokenizer, cursor)
+                                    self.tokenizer, cursor, self.key)
         self._fill()
 
     def _new_epoch(self) -> None:
         self.epoch += 1
         self.epoch_start, self.block_index = self.block_first, 0
         self._reader = _TokenReader(self.files, self._order(self.epoch), self.text_field,
-                                    self.tokenizer, (0, 0, 0, 0))
+                                    self.tokenizer, (0, 0, 0, 0), self.key)
 
     def _fill(self) -> None:
         while True:

@@ -25,11 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from titanext.data.readers import list_files
-from titanext.data.sources import SHUFFLE, mix_seed
-from titanext.data.streaming import corpus_fingerprint
+from titanext.data._seed import SHUFFLE, mix_seed
+from titanext.data.readers import corpus_fingerprint, list_files
 from titanext.errors import ConfigError
 
 __all__ = ["MANIFEST", "TokenShardWindows", "check_token_shards", "permute", "token_dtype"]
@@ -118,10 +116,10 @@ def _check_manifest(folder: Path, vocab_size: int, eos_id: int | None) -> None:
                           "tokenized the shards, or re-tokenize them")
 
 
-def check_token_shards(dataset_path: str | None, vocab_size: int,
-                       eos_id: int | None = None) -> list[Path]:
+def check_token_shards(dataset_path: str | None, vocab_size: int, eos_id: int | None = None, *,
+                       key: str = "training.dataset_path") -> list[Path]:
     """The shard files, after checking each dtype (header only) and the manifest."""
-    files = list_files(dataset_path, suffixes=(".npy",))
+    files = list_files(dataset_path, suffixes=(".npy",), key=key)
     root = Path(str(dataset_path))
     _check_manifest(root if root.is_dir() else root.parent, vocab_size, eos_id)
     for f in files:
@@ -149,11 +147,11 @@ class TokenShardWindows:
 
     @classmethod
     def open(cls, dataset_path: str, *, vocab_size: int, eos_id: int | None = None,
-             **kw: Any) -> TokenShardWindows:
-        files = check_token_shards(dataset_path, vocab_size, eos_id)
+             key: str = "training.dataset_path", **kw: Any) -> TokenShardWindows:
+        files = check_token_shards(dataset_path, vocab_size, eos_id, key=key)
         root = Path(dataset_path)
         return cls(files, root=root if root.is_dir() else root.parent, vocab_size=vocab_size,
-                   label=f"training.dataset_path = {dataset_path!r}", **kw)
+                   label=f"{key} = {dataset_path!r}", **kw)
 
     def _span(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the concatenated shards."""
@@ -168,8 +166,10 @@ class TokenShardWindows:
             k += 1
         return np.concatenate(parts).astype(np.int64)
 
-    def windows(self, first: int, count: int) -> torch.Tensor:
+    def windows(self, first: int, count: int):
         """Global windows ``[first, first + count)`` as a long tensor [count, seq_len + 1]."""
+        import torch  # not at import time: config checks read shard headers without torch
+
         g = np.arange(first, first + count, dtype=np.int64)
         epoch, slot = np.divmod(g, self.num_windows)
         if self.shuffle:
