@@ -13,6 +13,14 @@ Layout of one checkpoint, ``<folder>/step-<N>/``:
   size.
 - ``zero1_optimizer.pt``: with a ``ZeroRedundancyOptimizer`` (ZeRO-1), whose state DCP's
   helpers cannot read, the consolidated optimizer state dict instead of DCP's "optimizer".
+- ``manifest.json`` (rank 0, written last): the resolved config, the model name, flavor and
+  every tensor's global shape, the layout it was saved under, the titanext and torch versions,
+  and the size of every other file. Resuming checks it first: a missing or truncated file
+  raises :class:`~titanext.errors.CheckpointCorrupt` naming the step folder and the file, and
+  another model raises :class:`~titanext.errors.CheckpointMismatch` naming both flavors.
+
+Which step ``load_step = "latest"`` resumes is the newest ``step-<N>`` folder; a damaged one
+is an error, never silently skipped (its message names ``--checkpoint.load_step=<older step>``).
 
 A save is written into ``step-<N>.tmp/`` and renamed to ``step-<N>`` by rank 0 only after
 every rank has finished writing, so an interrupted save never looks like a checkpoint. Stale
@@ -29,6 +37,8 @@ every rank has finished writing, so an interrupted save never looks like a check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -43,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,7 +62,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointManager"]
+from titanext.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointNotFound,
+)
+
+__all__ = ["CheckpointManager", "manifest_info", "read_manifest", "resume_problems"]
 
 logger = logging.getLogger("titanext")
 
@@ -61,6 +79,10 @@ _STALE_DIR = re.compile(r"^step-\d+\.(tmp|old)$")
 _METADATA = ".metadata"  # written last by DCP's coordinator
 _TRAINER_STATE = "trainer_state.pt"
 _ZERO1_OPTIMIZER = "zero1_optimizer.pt"
+_MANIFEST = "manifest.json"
+_MANIFEST_FORMAT = 1
+_ERRORS = {cls.__name__: cls for cls in (CheckpointCorrupt, CheckpointMismatch,
+                                         CheckpointNotFound, CheckpointError)}
 # The flattened form keys optimizer state by parameter FQN, not by param-group position, so it
 # survives layouts that group parameters differently (TP alone puts DTensors and plain
 # tensors in separate groups; FSDP puts everything in one).
@@ -111,6 +133,160 @@ def _load_file(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+# -- manifest and the checks made before loading (local, not collective) ---------------------------
+def manifest_info(cfg: Any, layout: dict[str, int] | None = None) -> dict[str, Any]:
+    """What a trainer adds to every checkpoint's manifest: the resolved config (a dict), the
+    model's name and flavor, and the parallel layout (degrees by name).
+
+    >>> from titanext.config import JobConfig
+    >>> manifest_info(JobConfig(), {"tp": 2})["model"]
+    {'name': 'llama3', 'flavor': 'debugmodel'}
+    """
+    config = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    return {"config": config, "model": {"name": cfg.model.name, "flavor": cfg.model.flavor},
+            "layout": dict(layout or {})}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        titanext_version = version("titanext")
+    except PackageNotFoundError:
+        titanext_version = "unknown"
+    return {"titanext": titanext_version, "torch": torch.__version__}
+
+
+def read_manifest(step_dir: str) -> dict[str, Any] | None:
+    """The manifest of a step folder; None for a checkpoint saved before manifests existed.
+
+    Raises :class:`CheckpointCorrupt` when the file exists but cannot be read.
+    """
+    path = os.path.join(step_dir, _MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("not a titanext manifest")
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"checkpoint {step_dir!r}: file {_MANIFEST!r} is unreadable "
+                                f"({e})") from None
+    return manifest
+
+
+def step_folders(folder: str) -> list[int]:
+    """Every committed ``step-<N>`` folder, complete or not, ascending (``.tmp`` never counts)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m)
+
+
+def _damage(step_dir: str) -> str | None:
+    """How a committed step folder is incomplete ("file X is missing", ...), or None if intact.
+
+    With a manifest every file is checked against the size recorded at save time (a truncated
+    shard is caught here, before DCP reads it); without one (an older checkpoint) only the two
+    files a load needs first.
+    """
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointCorrupt:
+        return f"file {_MANIFEST!r} is unreadable"
+    if manifest is None:
+        for name in (_METADATA, _TRAINER_STATE):
+            if not os.path.exists(os.path.join(step_dir, name)):
+                return f"file {name!r} is missing"
+        return None
+    for name, size in sorted(manifest["files"].items()):
+        path = os.path.join(step_dir, name)
+        if not os.path.isfile(path):
+            return f"file {name!r} is missing"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return (f"file {name!r} has {actual} bytes, {size} were saved"
+                    + (" (truncated)" if actual < size else ""))
+    return None
+
+
+def _flavor_of(model: dict[str, Any] | None) -> str:
+    return f"{model['name']}/{model['flavor']}" if model else "an unrecorded model"
+
+
+def _resolve(folder: str, load_step: int | str) -> tuple[int | None, str | None, str | None]:
+    """(step to load or None, error class name, message) from this process's view of ``folder``.
+
+    "latest" is the newest committed step folder: if it is damaged that is an error naming the
+    folder, the file and the explicit fallback, never a silent step back to an older one.
+    """
+    if load_step == "none":
+        return None, None, None
+    steps = step_folders(folder)
+    latest = load_step == "latest" or int(load_step) == -1
+    if latest and not steps:
+        return None, None, None
+    step = steps[-1] if latest else int(load_step)
+    shown = "'latest'" if latest else str(step)
+    intact = [s for s in steps if _damage(os.path.join(folder, f"step-{s}")) is None]
+    if step not in steps:
+        return None, "CheckpointNotFound", (
+            f"checkpoint.load_step = {shown}: there is no checkpoint step-{step} in {folder!r}; "
+            f"available steps: {', '.join(map(str, intact)) if intact else 'none'}")
+    path = os.path.join(folder, f"step-{step}")
+    damage = _damage(path)
+    if damage:
+        older = [s for s in intact if s < step]
+        fallback = (f"resume from an older step with --checkpoint.load_step={older[-1]}" if older
+                    else "there is no older complete step: start fresh with "
+                         "--checkpoint.load_step=none")
+        return None, "CheckpointCorrupt", (
+            f"checkpoint.load_step = {shown}: checkpoint {path!r} is incomplete or damaged: "
+            f"{damage}; nothing was loaded. Either {fallback}, or move {path!r} aside")
+    return step, None, None
+
+
+def resume_problems(cfg: Any) -> list[str]:
+    """What can be checked about the checkpoint to resume before any process starts: the step
+    exists, its files are intact, and it was saved for the same model name and flavor.
+
+    One line per problem (empty when there is nothing to resume); ``titanext.run`` and
+    ``titanext.train`` exit 2 on them.
+    """
+    c = cfg.checkpoint
+    if not c.enable or c.load_step == "none":
+        return []
+    folder = os.path.join(cfg.job.dump_folder, c.folder)
+    step, error, message = _resolve(folder, c.load_step)
+    if error:
+        return [message]
+    if step is None:
+        return []
+    path = os.path.join(folder, f"step-{step}")
+    saved = (read_manifest(path) or {}).get("model")
+    current = {"name": cfg.model.name, "flavor": cfg.model.flavor}
+    if saved and saved != current:
+        return [f"model.flavor = {cfg.model.flavor!r}: {_mismatch(path, saved, current)}"]
+    return []
+
+
+def _mismatch(path: str, saved: dict[str, Any] | None, current: dict[str, Any] | None,
+              detail: str = "") -> str:
+    return (f"checkpoint {path!r} was saved for {_flavor_of(saved)} and this run builds "
+            f"{_flavor_of(current)}{detail}; resume with the [model] it was saved with, or start "
+            "fresh with --checkpoint.load_step=none (or another --checkpoint.folder)")
+
+
+def _saved_shapes(path: str, manifest: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Global shape of every saved model tensor, from the manifest or else DCP's metadata."""
+    if manifest is not None and "shapes" in manifest:
+        return manifest["shapes"]
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key[len("model."):]: list(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+
 class CheckpointManager:
     """Save every ``interval`` steps (and after the last one with ``last_save``); resume on load.
 
@@ -130,6 +306,8 @@ class CheckpointManager:
             Their state must be the same on every rank: only rank 0's copy is saved.
         extra_states: more such objects by name (same rule).
         process_group: the ranks that save and load together (default: the world).
+        manifest: what to record about the run in each checkpoint's manifest and check on
+            load (see :func:`manifest_info`): ``config``, ``model`` (name, flavor), ``layout``.
 
     Every method except :meth:`latest_step` / :meth:`complete_steps` is collective: all ranks
     of ``process_group`` call it.
@@ -139,13 +317,15 @@ class CheckpointManager:
                  last_save: bool, enable: bool, model_parts: list[nn.Module],
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
                  extra_states: dict[str, Any] | None = None,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None,
+                 manifest: dict[str, Any] | None = None):
         self.folder, self.interval, self.keep_latest_k = folder, interval, keep_latest_k
         self.load_step, self.last_save, self.enable = load_step, last_save, enable
         self.model_parts = list(model_parts)
         self.optimizer, self.lr_scheduler, self.dataloader = optimizer, lr_scheduler, dataloader
         self.extra_states = dict(extra_states or {})
         self.process_group = process_group
+        self.manifest = dict(manifest or {})
         if not enable:
             return
         if interval < 1:
@@ -158,7 +338,8 @@ class CheckpointManager:
         # A container lets DCP's optimizer helpers map one optimizer over several parts to
         # FQNs; the "<part index>." prefix it adds is stripped again (see _optimizer_state).
         self._parts = nn.ModuleList(self.model_parts)
-        if _is_zero1(optimizer) and self._world_size() != dist.get_world_size(optimizer.process_group):
+        zero1_size = dist.get_world_size(optimizer.process_group) if _is_zero1(optimizer) else 0
+        if zero1_size and self._world_size() != zero1_size:
             raise ValueError(
                 "a ZeroRedundancyOptimizer is checkpointed through one consolidated file, so its "
                 "process group must span the checkpoint's process group (got "
@@ -183,18 +364,10 @@ class CheckpointManager:
         return os.path.join(self.folder, f"step-{step}")
 
     def complete_steps(self) -> list[int]:
-        """Steps with a complete (committed) checkpoint, ascending; ``.tmp`` folders never count."""
-        if not os.path.isdir(self.folder):
-            return []
-        steps = []
-        for name in os.listdir(self.folder):
-            m = _STEP_DIR.match(name)
-            # The rename already makes step-<N> complete; the file checks also reject a folder
-            # that was copied or deleted only in part by hand.
-            if m and all(os.path.exists(os.path.join(self.folder, name, f))
-                         for f in (_METADATA, _TRAINER_STATE)):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Steps with a complete (committed, intact) checkpoint, ascending (never ``.tmp``)."""
+        # The rename already makes step-<N> complete; the file checks also reject a folder
+        # that was copied, truncated or deleted only in part by hand.
+        return [s for s in step_folders(self.folder) if _damage(self._path(s)) is None]
 
     def latest_step(self) -> int | None:
         """The highest complete step, or None when there is none."""
@@ -282,10 +455,30 @@ class CheckpointManager:
 
         self._barrier()  # every rank's files are in tmp: commit
         if rank == 0:
+            self._write_manifest(tmp, step)
             self._commit(tmp, final)
             self._prune()
             logger.info("saved checkpoint %s in %.1fs", final, time.monotonic() - start)
         self._barrier()  # nobody reads the folder (or saves again) before the commit
+
+    def _write_manifest(self, tmp: str, step: int) -> None:
+        """Rank 0, after every rank has written: sizes of all files (so a truncated copy is
+        caught before DCP reads it), the saved tensor shapes and the run's description."""
+        files = {}
+        for root, _dirs, names in os.walk(tmp):
+            for name in names:
+                full = os.path.join(root, name)
+                files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+        manifest = {"format": _MANIFEST_FORMAT, "step": step, "versions": _versions(),
+                    "model": self.manifest.get("model"),
+                    "layout": {"world_size": self._world_size(), **self.manifest.get("layout", {})},
+                    "shapes": _saved_shapes(tmp, None), "config": self.manifest.get("config"),
+                    "files": files}
+        path = os.path.join(tmp, _MANIFEST)
+        with open(path, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _commit(self, tmp: str, final: str) -> None:
         if os.path.exists(final):
@@ -322,40 +515,85 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.load_step = {load_step!r}; use 'latest', 'none' or a "
                              "step number")
 
-    def _resolve_load_step_locally(self) -> tuple[int | None, str | None]:
-        """(step to load or None, error message or None), from this rank's view of the folder."""
-        if self.load_step == "none":
-            return None, None
-        steps = self.complete_steps()
-        if self.load_step == "latest" or int(self.load_step) == -1:
-            return (steps[-1] if steps else None), None
-        step = int(self.load_step)
-        if step not in steps:
-            return None, (f"checkpoint.load_step = {step}: there is no complete checkpoint "
-                          f"step-{step} in {self.folder!r}; available steps: "
-                          f"{', '.join(map(str, steps)) if steps else 'none'}")
-        return step, None
+    def _resolve_load_step(self) -> tuple[int | None, dict[str, Any] | None]:
+        """(step to load, its manifest); raises the same named error on every rank.
 
-    def _resolve_load_step(self) -> int | None:
-        # Rank 0 decides for everyone, so that ranks with a lagging view of a network file
-        # system cannot pick different steps.
-        decision = [self._resolve_load_step_locally() if self._rank() == 0 else None]
+        Rank 0 decides for everyone, so that ranks with a lagging view of a network file system
+        cannot pick different steps, and a damaged checkpoint fails every rank at once.
+        """
+        decision: list[Any] = [None]
+        if self._rank() == 0:
+            try:
+                step, error, message = _resolve(self.folder, self.load_step)
+                manifest = None
+                if step is not None:
+                    path = self._path(step)
+                    manifest = read_manifest(path) or {}
+                    saved, current = manifest.get("model"), self.manifest.get("model")
+                    if saved and current and saved != current:
+                        error, message = "CheckpointMismatch", _mismatch(path, saved, current)
+                    else:
+                        manifest["shapes"] = _saved_shapes(path, manifest or None)
+                decision = [(step, error, message, manifest)]
+            except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
+                decision = [(None, "CheckpointCorrupt", f"reading {self.folder!r} failed: "
+                             f"{type(e).__name__}: {e}", None)]
         if self._distributed():
             src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
             dist.broadcast_object_list(decision, src=src, group=self.process_group)
-        step, error = decision[0]
+        step, error, message, manifest = decision[0]
         if error is not None:
-            raise ValueError(error)
-        return step
+            raise _ERRORS[error](message)
+        return step, manifest
+
+    def _check_shapes(self, path: str, manifest: dict[str, Any]) -> None:
+        """Every rank compares its tensors' global shapes with the saved ones; the union of
+        the differences (pipeline ranks hold different tensors) fails every rank alike."""
+        saved = manifest["shapes"]
+        problems = []
+        for name, value in self._model_state().items():
+            shape = list(value.shape)
+            if name not in saved:
+                problems.append(f"{name} is not in the checkpoint")
+            elif list(saved[name]) != shape:
+                problems.append(f"{name} has shape {list(saved[name])} in the checkpoint and "
+                                f"{shape} in this model")
+        if self._distributed():
+            gathered: list[Any] = [None] * self._world_size()
+            dist.all_gather_object(gathered, problems, group=self.process_group)
+            problems = sorted({p for rank_problems in gathered for p in rank_problems})
+        if problems:
+            detail = f": {len(problems)} tensors differ, e.g. {problems[0]}"
+            raise CheckpointMismatch(_mismatch(path, manifest.get("model"),
+                                               self.manifest.get("model"), detail))
 
     def load(self) -> int:
-        """Restore the checkpoint chosen by ``load_step``; returns its step (0 if none was loaded)."""
+        """Restore the checkpoint chosen by ``load_step``; its step (0 if none was loaded).
+
+        Raises :class:`CheckpointNotFound`, :class:`CheckpointCorrupt` or
+        :class:`CheckpointMismatch` before anything is loaded, alike on every rank.
+        """
         if not self.enable:
             return 0
-        step = self._resolve_load_step()
+        step, manifest = self._resolve_load_step()
         if step is None:
             return 0
         path = self._path(step)
+        self._check_shapes(path, manifest)
+        try:
+            return self._load(path)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            # The files were all there with their saved sizes, yet reading failed: damaged
+            # content. DCP raises on every rank when one rank's read fails.
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointCorrupt(
+                f"checkpoint {path!r} could not be read ({type(e).__name__}: {first_line}); "
+                "resume from an older step with --checkpoint.load_step=<step>, or start fresh "
+                "with --checkpoint.load_step=none") from e
+
+    def _load(self, path: str) -> int:
         trainer = _load_file(os.path.join(path, _TRAINER_STATE))
 
         zero1 = _is_zero1(self.optimizer)
@@ -374,8 +612,10 @@ class CheckpointManager:
             # another data-parallel size works too.
             self.optimizer.load_state_dict(_load_file(os.path.join(path, _ZERO1_OPTIMIZER)))
         else:
-            optim_state = {original_keys[name]: value for name, value in state["optimizer"].items()}
-            set_optimizer_state_dict(self._parts, self.optimizer, optim_state, options=_OPTIM_OPTIONS)
+            optim_state = {original_keys[name]: value
+                           for name, value in state["optimizer"].items()}
+            set_optimizer_state_dict(self._parts, self.optimizer, optim_state,
+                                     options=_OPTIM_OPTIONS)
 
         if self.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer["lr_scheduler"])

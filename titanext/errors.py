@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ConfigError", "TrainingDiverged", "CheckpointError"]
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "CheckpointNotFound",
+    "ConfigError",
+    "TrainingDiverged",
+]
 
 
 class ConfigError(ValueError):
@@ -33,4 +40,22 @@ class TrainingDiverged(RuntimeError):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked (named in the message)."""
+    """A checkpoint that cannot be loaded as asked (named in the message).
+
+    ``titanext.train`` prints the message once and exits 2, on every rank alike: the checks run
+    on rank 0 and their verdict is broadcast, so no rank waits for another that has given up.
+    """
+
+
+class CheckpointNotFound(CheckpointError, ValueError):
+    """``checkpoint.load_step = N`` names a step without a checkpoint; lists the available ones."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The chosen checkpoint is incomplete or damaged (a missing ``.metadata``, a truncated
+    shard); names the step folder and the file, and the explicit fallback
+    ``--checkpoint.load_step=<an older step>``."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint was saved for another model (flavor or tensor shapes differ)."""

@@ -11,8 +11,11 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
 - TP: ``apply_tensor_parallel(model, tp_mesh, plan=hf_llama_tp_plan())`` (Llama, Mistral,
   Qwen2 and other models with the same module names).
 - CP: ``apply_hf_context_parallel(model, cp_mesh)`` registers a ``transformers`` attention
-  function that calls :func:`titanext.plugins.context_parallel.ring_attention`; shard the
-  batch with ``shard_batch`` and pass its ``position_ids`` to the model.
+  function that calls :func:`titanext.plugins.context_parallel.ring_attention` and records the
+  layout on the model; shard the batch with ``hf_shard_batch(model, input_ids, labels)`` (the
+  recorded layout) and pass its ``position_ids``. Every forward checks them: missing positions,
+  or positions of another layout (a batch sharded with ``shard_batch(..., layout=other)``),
+  raise a ValueError instead of silently wrong gradients.
 - PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM
   (embedding + rotary on the first stage, its decoder layers, norm + LM head on the last; RoPE
   computed in every stage from the position ids), to hand to
@@ -30,6 +33,7 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 
@@ -38,10 +42,16 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from titanext.plugins.context_parallel import RingAttentionFn, check_options
+from titanext.plugins.context_parallel import (
+    LAYOUTS,
+    RingAttentionFn,
+    check_options,
+    shard_batch,
+    shard_sequence,
+)
 
-__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "HFCausalLMStage",
-           "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
+__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
+           "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
 
 _ids = itertools.count()
 
@@ -84,10 +94,15 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
 
     Registers an attention function with ``transformers.AttentionInterface`` (the library's own
     hook for custom kernels) and switches ``model`` to it; returns the registered name. Inputs
-    must be sharded with ``shard_batch(input_ids, labels, cp_mesh, layout=layout)`` and the
-    returned ``position_ids`` passed as ``model(input_ids, position_ids=position_ids[None])``,
-    so RoPE uses the global positions. Causal attention without padding only: an explicit
+    must be sharded with :func:`hf_shard_batch` (or ``shard_batch`` with the same ``layout``)
+    and the returned positions passed as ``model(input_ids, position_ids=position_ids)``, so
+    RoPE uses the global positions. Causal attention without padding only: an explicit
     padding mask cannot be split across ranks, so a non-causal mask raises.
+
+    The layout is recorded on the model (``model.titanext_cp_layout``) and every forward checks
+    that ``position_ids`` are present and are this rank's positions in that layout, so a batch
+    sharded in another layout or a forgotten ``position_ids`` raises a ValueError (it would
+    otherwise train on silently wrong gradients). The check compares ``local_seq`` integers.
     """
     from transformers import AttentionInterface
 
@@ -108,7 +123,70 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     name = f"titanext_ring_{next(_ids)}"
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
+    model.titanext_cp_layout = layout
+    model.titanext_cp_group = cp_mesh
+    model.register_forward_pre_hook(_PositionCheck(model, cp_mesh, layout), with_kwargs=True)
     return name
+
+
+def hf_shard_batch(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """This CP rank's slice of a batch in the layout ``model`` was set up with.
+
+    Returns (input_ids, labels, position_ids [1, local_seq]); pass the positions to the model.
+
+    >>> ids, labels, position_ids = hf_shard_batch(model, ids, labels)   # doctest: +SKIP
+    >>> model(input_ids=ids, position_ids=position_ids).logits           # doctest: +SKIP
+    """
+    layout = getattr(model, "titanext_cp_layout", None)
+    if layout is None:
+        raise ValueError(f"{type(model).__name__} has no context parallelism: call "
+                         "apply_hf_context_parallel(model, cp_mesh) first")
+    ids, labels, positions = shard_batch(input_ids, labels, model.titanext_cp_group, layout=layout)
+    return ids, labels, positions[None]
+
+
+class _PositionCheck:
+    """Forward pre-hook: ``position_ids`` must be this rank's global positions in ``layout``."""
+
+    def __init__(self, model: nn.Module, group, layout: str):
+        self.group, self.layout = group, layout
+        self.signature = inspect.signature(model.forward)
+        self._expected: dict[tuple[int, str, torch.device], torch.Tensor] = {}
+
+    def positions(self, local_seq: int, layout: str, device: torch.device) -> torch.Tensor:
+        key = (local_seq, layout, device)
+        if key not in self._expected:
+            world = torch.distributed.get_world_size(_process_group(self.group))
+            full = torch.arange(local_seq * world, device=device)
+            self._expected[key] = shard_sequence(full, 0, self.group, layout)
+        return self._expected[key]
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = self.signature.bind_partial(*args, **kwargs).arguments
+        position_ids = bound.get("position_ids")
+        hint = ("shard the batch with hf_shard_batch(model, input_ids, labels) and pass its "
+                "position_ids")
+        if position_ids is None:
+            raise ValueError("context parallelism: position_ids is missing; each rank holds a "
+                             "slice of every sequence, so RoPE needs the global positions: "
+                             f"{hint}")
+        local = position_ids.shape[-1]
+        if bool((position_ids == self.positions(local, self.layout, position_ids.device)).all()):
+            return
+        for other in LAYOUTS:
+            if other != self.layout and bool(
+                    (position_ids == self.positions(local, other, position_ids.device)).all()):
+                raise ValueError(
+                    f"context parallelism: the batch was sharded with layout = {other!r}, but "
+                    f"apply_hf_context_parallel set up the attention with layout = "
+                    f"{self.layout!r}; {hint} (it uses the model's layout)")
+        raise ValueError(f"context parallelism: position_ids are not this rank's global "
+                         f"positions in layout {self.layout!r}; {hint}")
+
+
+def _process_group(group):
+    return group.get_group() if hasattr(group, "get_group") else group
 
 
 class HFCausalLMStage(nn.Module):
