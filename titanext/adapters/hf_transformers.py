@@ -27,7 +27,7 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
 - float8: ``apply_float8(model, filter_fqns=["lm_head"])`` needs no adapter.
 
 >>> from transformers import LlamaConfig, LlamaForCausalLM           # doctest: +SKIP
->>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, ...))  # doctest: +SKIP
+>>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, ...))  # doctest: +SKIP
 >>> apply_tensor_parallel(model, mesh["tp"], plan=hf_llama_tp_plan())  # doctest: +SKIP
 """
 
@@ -112,8 +112,8 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query [B, H, S, D], key/value [B, KVH, S, D] (un-expanded), as the ring wants them.
         if dropout:
-            raise ValueError(f"context parallelism: attention dropout = {dropout} is not supported; "
-                             "set the model's attention_dropout to 0")
+            raise ValueError(f"context parallelism: attention dropout = {dropout} is not "
+                             "supported; set the model's attention_dropout to 0")
         if attention_mask is not None and not getattr(module, "is_causal", True):
             raise ValueError("context parallelism supports causal attention without a padding "
                              "mask; got a non-causal attention mask")
@@ -319,7 +319,8 @@ class HFExpertParallel(nn.Module):
             outs.append(F.linear(self.act_fn(gate) * up, down[e]))
         back = combine_tokens(torch.cat(outs), route)        # rows in `order`, home again
         back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
-        return torch.zeros_like(hidden_states).index_add_(0, order // k, back.to(hidden_states.dtype))
+        return torch.zeros_like(hidden_states).index_add_(0, order // k,
+                                                          back.to(hidden_states.dtype))
 
 
 def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:

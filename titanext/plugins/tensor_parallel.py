@@ -9,17 +9,24 @@ model can be parallelized with a dict written for it (FQNs may use ``*`` wildcar
 
 ``llama_tp_plan`` is the plan of titanext's reference model (Megatron-style TP with sequence
 parallelism on the norms, and a vocab-sharded output for loss parallelism).
+
+A fused projection (one Linear computing ``[q; k; v]`` or ``[gate; up]``) needs
+:class:`FusedColwiseParallel`: a plain ``ColwiseParallel`` there gives rank r rows r/tp of the
+stacked weight (all of q and half of k, say), which runs without error and computes the wrong
+thing. A plan cannot be checked for this (the module does not say that it is fused).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -30,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["apply_tensor_parallel", "llama_tp_plan"]
+__all__ = ["FusedColwiseParallel", "apply_tensor_parallel", "llama_tp_plan"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -117,9 +124,10 @@ def apply_tensor_parallel(
 
     Modules a plan names but the model lacks (a pipeline stage without embeddings, a MoE
     block without ``feed_forward``, say) are skipped, so one plan serves every stage and
-    block kind: ``*`` keys are expanded (one ``*`` per name component) to the modules present. ``float8`` (the model went through
-    ``apply_float8``) picks torchao's float8 TP styles for the default plan where they can
-    work: tensorwise float8 block linears on a backend with float8 collectives. Otherwise TP
+    block kind: ``*`` keys are expanded (one ``*`` per name component) to the modules present.
+    ``float8`` (the model went through ``apply_float8``) picks torchao's float8 TP styles for
+    the default plan where they can work: tensorwise float8 block linears on a backend with
+    float8 collectives. Otherwise TP
     communicates in high precision and says so; the linears still compute in float8. A custom
     ``plan`` is used as given (put torchao's ``Float8ColwiseParallel`` etc. in it yourself).
     """
@@ -136,6 +144,100 @@ def apply_tensor_parallel(
             kept[name] = style
     parallelize_module(model, tp_mesh, kept)
     return model
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a Linear whose output stacks several parts, each split separately.
+
+    ``split_sizes`` are the parts' output sizes in order, e.g. ``(n_heads * head_dim,
+    n_kv_heads * head_dim, n_kv_heads * head_dim)`` for a fused qkv projection or
+    ``(hidden, hidden)`` for a fused gate+up; each must be divisible by the tp degree. Rank r
+    holds rows r/tp of *every* part, so its local output is ``[q_r | k_r | v_r]`` and the module
+    splits it locally with the sizes divided by tp::
+
+        plan = {"layers.*.attn.qkv": FusedColwiseParallel(split_sizes=(q, kv, kv)),
+                "layers.*.attn.out": RowwiseParallel()}
+        ...
+        q, k, v = self.qkv(x).split([q // tp, kv // tp, kv // tp], dim=-1)   # in forward
+
+    How: the rows are permuted into rank-major order (``[q_0; k_0; v_0; q_1; k_1; v_1]``) before
+    the ``Shard(0)`` distribution. ``state_dict`` un-permutes (the saved weight is the plain
+    ``[q; k; v]`` one, loadable by any layout, at the cost of one all-gather per fused weight)
+    and ``load_state_dict`` permutes back. A parameter's or gradient's ``full_tensor()`` is in
+    rank-major order: :meth:`to_original` maps it back. Only a local output is allowed
+    (``output_layouts=Shard(-1)``, ``use_local_output=True``): a gathered output would be in
+    rank-major order too.
+    """
+
+    def __init__(self, split_sizes: Sequence[int], *, input_layouts=None):
+        super().__init__(input_layouts=input_layouts)
+        self.split_sizes = tuple(int(n) for n in split_sizes)
+        if not self.split_sizes or min(self.split_sizes) < 1:
+            raise ValueError(f"FusedColwiseParallel: split_sizes = {split_sizes!r}; give the "
+                             "output size of every fused part, each >= 1")
+
+    def _blocks(self, tp: int, to_rank_major: bool) -> list[tuple[int, int]]:
+        """(start, length) row ranges whose concatenation reorders the rows."""
+        chunks = [n // tp for n in self.split_sizes]
+        part_starts = [sum(self.split_sizes[:i]) for i in range(len(chunks))]
+        rank_starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        per_rank = sum(chunks)
+        if to_rank_major:  # rank r's chunk of every part, rank by rank
+            return [(part_starts[i] + r * c, c) for r in range(tp) for i, c in enumerate(chunks)]
+        return [(r * per_rank + rank_starts[i], c) for i, c in enumerate(chunks) for r in range(tp)]
+
+    def _reorder(self, t: torch.Tensor, tp: int, to_rank_major: bool) -> torch.Tensor:
+        return torch.cat([t.narrow(0, start, n) for start, n in self._blocks(tp, to_rank_major)])
+
+    def to_original(self, full: torch.Tensor, tp: int) -> torch.Tensor:
+        """A full (gathered) weight, bias or gradient of the fused Linear in ``[q; k; v]`` order."""
+        return self._reorder(full, tp, to_rank_major=False)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if not isinstance(module, nn.Linear):
+            raise ValueError("FusedColwiseParallel applies to nn.Linear, got "
+                             f"{type(module).__name__}")
+        if sum(self.split_sizes) != module.out_features or any(n % tp for n in self.split_sizes):
+            raise ValueError(
+                f"FusedColwiseParallel(split_sizes={self.split_sizes}) on a Linear with "
+                f"out_features = {module.out_features} over tp = {tp}: the sizes must add up to "
+                "out_features and each be divisible by tp")
+        if self.output_layouts != (Shard(-1),) and self.output_layouts != Shard(-1):
+            raise ValueError("FusedColwiseParallel keeps its output local (Shard(-1))")
+        with torch.no_grad():
+            for name, param in list(module.named_parameters(recurse=False)):
+                moved = nn.Parameter(self._reorder(param, tp, to_rank_major=True),
+                                     requires_grad=param.requires_grad)
+                module.register_parameter(name, moved)
+        module.register_state_dict_post_hook(self._state_dict_hook(tp))
+        module.register_load_state_dict_pre_hook(self._load_hook(tp))
+        return super()._apply(module, device_mesh)
+
+    def _convert(self, value: torch.Tensor, tp: int, to_rank_major: bool) -> torch.Tensor:
+        if isinstance(value, DTensor):
+            full = self._reorder(value.full_tensor(), tp, to_rank_major)
+            return distribute_tensor(full, value.device_mesh, value.placements)
+        return self._reorder(value, tp, to_rank_major)
+
+    def _state_dict_hook(self, tp: int):
+        def hook(module, state_dict, prefix, local_metadata):
+            for name, _ in module.named_parameters(recurse=False):
+                if prefix + name in state_dict:
+                    value = state_dict[prefix + name].detach()
+                    state_dict[prefix + name] = self._convert(value, tp, to_rank_major=False)
+        return hook
+
+    def _load_hook(self, tp: int):
+        def hook(module, state_dict, prefix, *args):
+            for name, _ in module.named_parameters(recurse=False):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = self._convert(state_dict[prefix + name], tp,
+                                                              to_rank_major=True)
+        return hook
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(split_sizes={self.split_sizes})"
 
 
 def _matching(pattern: str, names: list[str]) -> list[str]:
