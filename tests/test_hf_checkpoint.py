@@ -12,8 +12,10 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.hf_artifacts import make_bpe_tokenizer, make_tiny_llama, make_tiny_mixtral
+from titanext.convert import hf_to_dcp
 from titanext.convert import main as convert_main
-from titanext.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from titanext.errors import ConfigError
+from titanext.hf_checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
 from titanext.models.hf import model_args_from_hf
 from titanext.tokenizer import build_tokenizer
@@ -30,6 +32,8 @@ def hf_dirs(tmp_path_factory):
     make_tiny_llama(dirs["bf16"], dtype=torch.bfloat16)
     make_tiny_mixtral(dirs["mixtral"])
     make_bpe_tokenizer(dirs["mixtral"])
+    dirs["plain_dcp"] = str(root / "plain_dcp")
+    hf_to_dcp(dirs["plain"], dirs["plain_dcp"], progress=False)
     return dirs
 
 
@@ -63,6 +67,19 @@ def test_convert_bad_input_exits_2(hf_dirs, tmp_path, capsys):
     assert "config.json does not exist" in capsys.readouterr().err
     assert convert_main(["dcp-to-hf", hf_dirs["plain"], str(tmp_path / "y")]) == 2
     assert "not a DCP checkpoint" in capsys.readouterr().err
+
+
+def test_initial_load_from_mismatched_dcp_names_tensor_and_shapes(hf_dirs):
+    from titanext.models import get_model_args
+
+    args = get_model_args("llama3", "debugtiny")
+    model = build_model("llama3", args, device="cpu")
+    with pytest.raises(ConfigError) as e:
+        load_initial_weights([model], hf_dirs["plain_dcp"], args, in_hf=False)
+    assert "model.tok_embeddings.weight has shape [320, 64]" in str(e.value)
+    assert "needs [264, 64]" in str(e.value)
+    with pytest.raises(ConfigError, match="initial_load_in_hf = true"):
+        load_initial_weights([model], hf_dirs["plain"], args, in_hf=False)
 
 
 @pytest.mark.parametrize("which", ["plain", "mixtral"])
@@ -104,16 +121,18 @@ def test_named_flavor_export_permutes_rope_rows(tmp_path):
 
 
 # -- initial load under every layout ----------------------------------------------------------
-# name: (hf dir, ParallelDims degrees, rope layout); 4 ranks each.
+# name: (hf dir, ParallelDims degrees, rope layout, source); 4 ranks each. "hf" reads the
+# safetensors, "dcp" the titanext DCP checkpoint that hf-to-dcp made of them.
 LAYOUTS = {
-    "fsdp4": ("plain", dict(dp_shard=4), "half"),
-    "fsdp4_tied": ("tied", dict(dp_shard=4), "half"),
-    "fsdp2_tp2": ("plain", dict(dp_shard=2, tp=2), "half"),
+    "fsdp4": ("plain", dict(dp_shard=4), "half", "hf"),
+    "fsdp4_tied": ("tied", dict(dp_shard=4), "half", "hf"),
+    "fsdp2_tp2": ("plain", dict(dp_shard=2, tp=2), "half", "hf"),
     # the named flavors' RoPE pairing: q/k rows permuted while reading TP x FSDP shards
-    "fsdp2_tp2_interleaved": ("plain", dict(dp_shard=2, tp=2), "interleaved"),
-    "pp2_fsdp2": ("plain", dict(pp=2, dp_shard=2), "half"),
-    "ep2_fsdp4_mixtral": ("mixtral", dict(dp_shard=4, ep=2), "half"),
-    "ep4_mixtral": ("mixtral", dict(dp_shard=4, ep=4), "half"),
+    "fsdp2_tp2_interleaved": ("plain", dict(dp_shard=2, tp=2), "interleaved", "hf"),
+    "pp2_fsdp2": ("plain", dict(pp=2, dp_shard=2), "half", "hf"),
+    "ep2_fsdp4_mixtral": ("mixtral", dict(dp_shard=4, ep=2), "half", "hf"),
+    "ep4_mixtral": ("mixtral", dict(dp_shard=4, ep=4), "half", "hf"),
+    "pp2_tp2_from_dcp": ("plain", dict(pp=2, tp=2), "half", "dcp"),
 }
 
 
@@ -128,7 +147,7 @@ def _load_layouts(rank: int, world_size: int, dirs: dict[str, str]
     from titanext.plugins.tensor_parallel import apply_tensor_parallel
 
     out = {}
-    for name, (which, degrees, layout) in LAYOUTS.items():
+    for name, (which, degrees, layout, source) in LAYOUTS.items():
         args = dataclasses.replace(model_args_from_hf(dirs[which]), rope_layout=layout)
         dims = ParallelDims(**{"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1,
                                "ep": 1, **degrees}, world_size=world_size)
@@ -146,7 +165,8 @@ def _load_layouts(rank: int, world_size: int, dirs: dict[str, str]
                    expert_mesh=dims.expert_fsdp_mesh if experts else None)
         model.to_empty(device="cpu")
         model.init_weights(seed=0)
-        load_hf_weights([model], dirs[which], args)
+        path = dirs[which] if source == "hf" else dirs[which + "_dcp"]
+        load_initial_weights([model], path, args, in_hf=source == "hf")
         mesh = dims.world_mesh
         keep = all(c == 0 for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate())
                    if n != "pp")
@@ -164,7 +184,7 @@ def _load_layouts(rank: int, world_size: int, dirs: dict[str, str]
 @pytest.mark.slow
 def test_initial_load_under_every_layout_equals_single_process(hf_dirs):
     per_rank = run_distributed(_load_layouts, world_size=4, args=(hf_dirs,), timeout_s=120)
-    for name, (which, _, layout) in LAYOUTS.items():
+    for name, (which, _, layout, _) in LAYOUTS.items():
         args = dataclasses.replace(model_args_from_hf(hf_dirs[which]), rope_layout=layout)
         ref = build_model("llama3", args, device="cpu")
         load_hf_weights([ref], hf_dirs[which], args)

@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from titanext.errors import ConfigError
 from titanext.models.args import ModelArgs
 
-__all__ = ["check_hf_checkpoint", "hf_names", "hf_tensor_index", "load_hf_weights",
+__all__ = ["check_dcp_checkpoint", "check_hf_checkpoint", "hf_names", "hf_tensor_index",
+           "load_hf_weights", "load_initial_weights",
            "permute_for_rope", "save_hf_checkpoint", "to_hf_state_dict"]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -371,3 +372,52 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
         os.replace(tmp, out)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# -- initial weights ------------------------------------------------------------------------
+def check_dcp_checkpoint(path: str, args: ModelArgs) -> None:
+    """ConfigError unless the titanext DCP checkpoint ``path`` holds every model tensor of
+    ``args`` with the right shape (names the first mismatched tensor and both shapes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titanext.models import build_model
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint (no "
+                          ".metadata file); for a Hugging Face directory set "
+                          "checkpoint.initial_load_in_hf = true")
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for fqn, t in build_model("llama3", args, device="meta").state_dict().items():
+        meta = saved.get(f"model.{fqn}")
+        if meta is None:
+            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} is "
+                              "missing; the checkpoint does not match model.flavor")
+        if list(meta.size) != list(t.shape):
+            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} has "
+                              f"shape {list(meta.size)}, but the model needs {list(t.shape)}; "
+                              "the checkpoint does not match model.flavor")
+
+
+@torch.no_grad()
+def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs, *,
+                         in_hf: bool) -> None:
+    """Start from ``path`` (``[checkpoint] initial_load_path``): an HF directory with
+    ``in_hf`` (:func:`load_hf_weights`), else the model of a titanext DCP checkpoint (a
+    training ``step-N`` folder or ``python -m titanext.convert hf-to-dcp`` output; optimizer
+    and trainer state are not read). Collective; any layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if in_hf:
+        load_hf_weights(model_parts, path, args)
+        return
+    check_dcp_checkpoint(path, args)
+    states = [get_model_state_dict(part) for part in model_parts]
+    merged = {fqn: t for state in states for fqn, t in state.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        dcp.load({"model": merged}, checkpoint_id=path)
+    for part, state in zip(model_parts, states):
+        set_model_state_dict(part, {fqn: merged[fqn] for fqn in state})
+        if hasattr(part, "tie_weights"):
+            part.tie_weights()

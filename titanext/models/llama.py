@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanext.models.args import ModelArgs
 from titanext.models.init import constant_, init_tensor_, normal_
@@ -194,7 +195,13 @@ class Transformer(nn.Module):
         (``to_empty`` replaces parameters one module at a time, which unties them). A no-op for
         untied models and for pipeline stages that hold only one of the two."""
         if (self.args.tie_embeddings and self.tok_embeddings is not None
-                and self.output is not None):
+                and self.output is not None
+                and self.output.weight is not self.tok_embeddings.weight):
+            if isinstance(self.output.weight, DTensor):
+                # TP gave each its own sharded parameter; tying them again would bypass the
+                # plugins' bookkeeping (the config rejects tied embeddings under TP and PP).
+                raise ValueError("tied embeddings were untied by parallelization (tensor "
+                                 "parallelism); use untied embeddings with TP")
             self.output.weight = self.tok_embeddings.weight
 
     def init_buffers(self) -> None:
