@@ -163,10 +163,16 @@ class Job:
 class Model:
     name: str = _field("llama3", rule="a key of titanext.models.MODEL_FLAVORS")
     """Model family (a key of titanext.models.MODEL_FLAVORS)."""
-    flavor: str = _field("debugmodel", rule="a flavor of the chosen model")
-    """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B."""
-    tokenizer: str = _field("byte", choices=("byte",))
-    """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed)."""
+    flavor: str = _field("debugmodel", rule="a flavor of the chosen model, or 'hf'")
+    """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B; 'hf'
+    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral; see
+    docs/hf_checkpoints.md)."""
+    tokenizer: str = _field("byte", choices=("byte", "hf"))
+    """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed); 'hf'
+    reads hf_assets_path/tokenizer.json (BOS/EOS from tokenizer_config.json)."""
+    hf_assets_path: str | None = _field(None)
+    """A Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json) for
+    flavor = 'hf' and tokenizer = 'hf'; its files are copied into HF exports."""
 
 
 @dataclass
@@ -340,6 +346,16 @@ class Checkpoint:
     """Keep only the newest k checkpoints; 0 keeps all."""
     last_save: bool = _field(True)
     """Also save after the final step, whatever the interval."""
+    initial_load_path: str | None = _field(None)
+    """Weights to start from while the checkpoint folder holds no checkpoint: a titanext DCP
+    checkpoint (a step-N folder, or `python -m titanext.convert hf-to-dcp` output), or with
+    initial_load_in_hf an HF safetensors directory. Only the model is read."""
+    initial_load_in_hf: bool = _field(False)
+    """initial_load_path is a Hugging Face directory (*.safetensors); each rank reads only its
+    shards, under any layout."""
+    last_save_in_hf: bool = _field(False)
+    """The final save also writes <folder>/step-N-hf/ (safetensors, config.json, tokenizer
+    files), loadable by transformers' AutoModelForCausalLM / AutoTokenizer."""
 
 
 @dataclass
@@ -934,12 +950,20 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
                 f"{', '.join(map(repr, MODEL_FLAVORS))}"
                 f"{_did_you_mean(m.name, list(MODEL_FLAVORS), fallback=False)}"]
     flavors = list(MODEL_FLAVORS[m.name])
-    if m.flavor not in flavors:
+    if m.flavor not in (*flavors, "hf"):
         return [f"model.flavor = {m.flavor!r} is not a flavor of model {m.name!r}; choose one "
-                f"of {', '.join(map(repr, flavors))}{_did_you_mean(m.flavor, flavors, fallback=False)}"]
-    args = get_model_args(m.name, m.flavor)
+                f"of {', '.join(map(repr, flavors))} or 'hf' (shapes from "
+                f"model.hf_assets_path){_did_you_mean(m.flavor, flavors, fallback=False)}"]
+    problems = _hf_rule_problems(cfg, skip)
+    if m.flavor == "hf":
+        if problems or not m.hf_assets_path:
+            return problems
+        from titanext.models.hf import model_args_from_hf
+
+        args = model_args_from_hf(m.hf_assets_path)
+    else:
+        args = get_model_args(m.name, m.flavor)
     which = f"{m.name} {m.flavor}"
-    problems = []
     tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
     if degrees_ok and tp > 1:
         n_kv_heads = args.n_kv_heads or args.n_heads  # None means multi-head, not grouped
@@ -954,12 +978,42 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if degrees_ok and pp > args.n_layers:
         problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
                         f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
-    if "model.tokenizer" not in skip:
+    if "model.tokenizer" not in skip and m.tokenizer != "hf":  # 'hf': in _hf_rule_problems
         vocab = _tokenizer_vocab(m.tokenizer)
         if args.vocab_size < vocab:
             problems.append(f"model.tokenizer = {m.tokenizer!r} produces {vocab} token ids but "
                             f"the model's vocab_size = {args.vocab_size} ({which}); pick a flavor "
                             f"with vocab_size >= {vocab}")
+    return problems
+
+
+def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
+    model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
+    from titanext.models import get_model_args
+    from titanext.models.hf import hf_config_from_model_args, hf_problems
+
+    m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
+    problems = []
+    if c.initial_load_in_hf and not c.initial_load_path:
+        problems.append("checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path "
+                        "(a Hugging Face model directory)")
+    if c.last_save_in_hf and not c.enable:
+        problems.append("checkpoint.last_save_in_hf = true needs checkpoint.enable = true (the "
+                        "HF copy is written next to the final checkpoint)")
+    named = None if m.flavor == "hf" else get_model_args(m.name, m.flavor)
+    found = hf_problems(
+        flavor=m.flavor, tokenizer=m.tokenizer, hf_assets_path=m.hf_assets_path,
+        model_vocab=None if named is None else named.vocab_size,
+        tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        initial_load_path=c.initial_load_path, initial_load_in_hf=c.initial_load_in_hf,
+        model_args=named)
+    problems.extend(found)
+    if c.last_save_in_hf and not found:
+        try:
+            hf_config_from_model_args(model_args(cfg))
+        except ValueError as e:
+            problems.append(f"checkpoint.last_save_in_hf = true: {e}")
     return problems
 
 
@@ -976,8 +1030,13 @@ def model_args(cfg: JobConfig):
     1
     """
     from titanext.models import get_model_args, with_moe_overrides
+    from titanext.models.hf import model_args_from_hf
 
-    return with_moe_overrides(get_model_args(cfg.model.name, cfg.model.flavor), **_moe_overrides(cfg))
+    if cfg.model.flavor == "hf":
+        base = model_args_from_hf(cfg.model.hf_assets_path)
+    else:
+        base = get_model_args(cfg.model.name, cfg.model.flavor)
+    return with_moe_overrides(base, **_moe_overrides(cfg))
 
 
 def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:

@@ -42,6 +42,7 @@ from titanext.config import (
 )
 from titanext.data import build_dataloader
 from titanext.errors import TrainingDiverged
+from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.metrics import MetricsLogger
 from titanext.models import build_model
 from titanext.models.moe import MoE, expert_load, set_aux_loss_weight, update_expert_bias
@@ -173,7 +174,7 @@ class Trainer:
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor,
         )
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
         self.dataloader = build_dataloader(
             dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer,
             seq_len=t.seq_len, local_batch_size=t.local_batch_size,
@@ -471,6 +472,9 @@ class Trainer:
         if not self._resumed:  # a second train() call continues in memory
             self.step = self.checkpointer.load()
             self._resumed = True
+            if self.step == 0 and cfg.checkpoint.initial_load_path:  # nothing to resume yet
+                load_initial_weights(self.model_parts, cfg.checkpoint.initial_load_path,
+                                     self.model_args, in_hf=cfg.checkpoint.initial_load_in_hf)
         tokens_per_step = self.grad_accum_steps * t.local_batch_size * self.dims.dp * t.seq_len
         metrics = MetricsLogger(
             job_dir=cfg.job.dump_folder, rank=self.rank, is_logging_rank=self.rank == 0,
@@ -496,6 +500,12 @@ class Trainer:
                 metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown,
                             tb_extra=tb_only)
                 self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+                if self.step == t.steps and cfg.checkpoint.last_save_in_hf and cfg.checkpoint.enable:
+                    save_hf_checkpoint(
+                        self.model_parts, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder,
+                                                       f"step-{self.step}-hf"),
+                        self.model_args, tokenizer=self.tokenizer,
+                        hf_assets_path=cfg.model.hf_assets_path)
         finally:
             metrics.close()
         return losses
