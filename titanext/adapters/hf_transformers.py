@@ -44,8 +44,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from titanext.plugins.context_parallel import (
     LAYOUTS,
-    RingAttentionFn,
-    check_options,
+    cp_attention_fn,
+    cp_world_size,
     shard_batch,
     shard_sequence,
 )
@@ -89,8 +89,14 @@ def hf_llama_tp_plan() -> dict[str, ParallelStyle]:
 
 
 def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigzag",
-                              comm: str = "p2p", kernel: str = "auto") -> str:
-    """Make a ``transformers`` model's attention run as ring attention over ``cp_mesh``.
+                              comm: str = "p2p", kernel: str = "auto",
+                              ulysses_degree: int | None = None) -> str:
+    """Make a ``transformers`` model's attention run as CP attention over ``cp_mesh``.
+
+    The options are :func:`titanext.plugins.context_parallel.apply_context_parallel`'s: a 1D
+    ``cp_mesh`` runs the ring (``comm`` "p2p" / "allgather") or Ulysses (``comm="alltoall"``),
+    a 2D (ring, Ulysses) mesh runs hybrid. A ``document_ids=`` keyword of the model call
+    ([batch, local_seq], sharded like the inputs) reaches the attention and masks documents.
 
     Registers an attention function with ``transformers.AttentionInterface`` (the library's own
     hook for custom kernels) and switches ``model`` to it; returns the registered name. Inputs
@@ -106,8 +112,8 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     """
     from transformers import AttentionInterface
 
-    check_options(layout, comm, kernel)
-    ring = RingAttentionFn(cp_mesh, layout, comm, kernel)
+    ring = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
+                           ulysses_degree=ulysses_degree)
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query [B, H, S, D], key/value [B, KVH, S, D] (un-expanded), as the ring wants them.
@@ -117,7 +123,8 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
         if attention_mask is not None and not getattr(module, "is_causal", True):
             raise ValueError("context parallelism supports causal attention without a padding "
                              "mask; got a non-causal attention mask")
-        out = ring(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling)
+        out = ring(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
+                   document_ids=kwargs.get("document_ids"))
         return out.transpose(1, 2).contiguous(), None  # [B, S, H, D], no attention weights
 
     name = f"titanext_ring_{next(_ids)}"
@@ -157,7 +164,7 @@ class _PositionCheck:
     def positions(self, local_seq: int, layout: str, device: torch.device) -> torch.Tensor:
         key = (local_seq, layout, device)
         if key not in self._expected:
-            world = torch.distributed.get_world_size(_process_group(self.group))
+            world = cp_world_size(self.group)
             full = torch.arange(local_seq * world, device=device)
             self._expected[key] = shard_sequence(full, 0, self.group, layout)
         return self._expected[key]
@@ -171,6 +178,8 @@ class _PositionCheck:
             raise ValueError("context parallelism: position_ids is missing; each rank holds a "
                              "slice of every sequence, so RoPE needs the global positions: "
                              f"{hint}")
+        if kwargs.get("document_ids") is not None:
+            return  # packed documents: positions restart at each document start
         local = position_ids.shape[-1]
         if bool((position_ids == self.positions(local, self.layout, position_ids.device)).all()):
             return
@@ -183,10 +192,6 @@ class _PositionCheck:
                     f"{self.layout!r}; {hint} (it uses the model's layout)")
         raise ValueError(f"context parallelism: position_ids are not this rank's global "
                          f"positions in layout {self.layout!r}; {hint}")
-
-
-def _process_group(group):
-    return group.get_group() if hasattr(group, "get_group") else group
 
 
 class HFCausalLMStage(nn.Module):

@@ -34,14 +34,25 @@ AttentionFn = Callable[..., torch.Tensor]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
-    """The default attention: ``F.scaled_dot_product_attention`` with GQA."""
+                   scale: float | None = None,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The default attention: ``F.scaled_dot_product_attention`` with GQA.
+
+    ``document_ids`` ([batch, seq] integers) keep attention inside each packed document
+    (causal within it): SDPA gets the boolean mask. A token always sees itself, so no row is
+    fully masked.
+    """
     if k.shape[1] != q.shape[1]:
         # Expanding here (rather than enable_gqa) keeps every SDPA backend and DTensor path usable.
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    mask = document_ids[:, :, None] == document_ids[:, None, :]  # [batch, seq, seq]
+    if causal:
+        mask &= torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +126,8 @@ class Attention(nn.Module):
         self.attn_fn: AttentionFn = sdpa_attention
         self.rope_layout = args.rope_layout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1 heads: under TP each rank holds n_heads / tp of them.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -123,7 +135,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q = apply_rope(q, cos, sin, self.rope_layout)
         k = apply_rope(k, cos, sin, self.rope_layout)
-        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        # document_ids only when given: an attn_fn without document masking keeps working
+        docs = {} if document_ids is None else {"document_ids": document_ids}
+        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                           **docs)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -157,8 +172,10 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of the output projections (as in torchtitan / GPT-2).
         self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # document_ids by keyword: TP's PrepareModuleInput describes the positional (x, cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids=document_ids)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -223,9 +240,13 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             init_tensor_(self.output.weight, "output.weight", seed, normal_(std, truncate=3.0))
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline stage).
 
+        ``position_ids`` ([seq] or [batch, seq]) feed RoPE; ``document_ids`` ([batch, seq]
+        integers) restrict attention to tokens of the same packed document (pass positions that
+        restart at each document with them, e.g. ``titanext.data.document_positions``).
         Returns logits [batch, seq, vocab] (or hidden states if this part has no output head).
         """
         if position_ids is None:
@@ -233,8 +254,9 @@ class Transformer(nn.Module):
             position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, **docs)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -42,6 +42,8 @@ from titanext.plugins.context_parallel._comm import (
 )
 from titanext.plugins.context_parallel._layout import (
     LAYOUTS,
+    cp_rank,
+    cp_world_size,
     layout_positions,
     shard_batch,
     shard_sequence,
@@ -50,9 +52,11 @@ from titanext.plugins.context_parallel._layout import (
     zigzag_unshard,
 )
 from titanext.plugins.context_parallel._models import (
+    MODEL_COMMS,
     RingAttentionFn,
     apply_context_parallel,
     check_options,
+    cp_attention_fn,
     ring_attention_sdpa,
 )
 from titanext.plugins.context_parallel._ring import (
@@ -74,5 +78,6 @@ __all__ = [
     "zigzag_shard", "zigzag_unshard", "shard_sequence", "unshard_sequence", "shard_batch",
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
-    "RingPlan", "plan_work", "ulysses_order", "_step_slices",
+    "RingPlan", "plan_work", "ulysses_order", "_step_slices", "MODEL_COMMS", "cp_attention_fn",
+    "cp_rank", "cp_world_size",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanext.plugins.context_parallel._comm import Group, as_group
 
@@ -28,10 +29,27 @@ def layout_positions(layout: str, rank: int, world: int, local_seq: int,
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in mine])
 
 
+def _is_2d(group: Group) -> bool:
+    return isinstance(group, DeviceMesh) and group.ndim == 2
+
+
+def cp_world_size(group: Group) -> int:
+    """Ranks of a CP group, 1D or a 2D (ring, Ulysses) mesh."""
+    return group.size() if isinstance(group, DeviceMesh) else dist.get_world_size(group)
+
+
+def cp_rank(group: Group) -> int:
+    """This rank's index in a CP group; on a 2D (ring, Ulysses) mesh ring_rank * u + ulysses_rank,
+    the order in which hybrid attention expects the shards."""
+    if _is_2d(group):
+        return group.get_local_rank(0) * group.size(1) + group.get_local_rank(1)
+    return dist.get_rank(as_group(group))
+
+
 def shard_sequence(x: torch.Tensor, dim: int, group: Group, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's part of ``x`` along ``dim`` in ``layout`` order (differentiable slicing)."""
-    pg = as_group(group)
-    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    """This rank's part of ``x`` along ``dim`` in ``layout`` order (differentiable slicing).
+    ``group`` is the CP group, or a 2D (ring, Ulysses) mesh for hybrid attention."""
+    world, rank = cp_world_size(group), cp_rank(group)
     n, _, mine = _chunks_for(layout, rank, world)
     if x.shape[dim] % n:
         raise ValueError(f"cannot shard a length-{x.shape[dim]} dimension {dim} into {n} equal "
@@ -44,17 +62,26 @@ def unshard_sequence(x: torch.Tensor, dim: int, group: Group,
                      layout: str = "zigzag") -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: all-gather the shards and restore the order.
     Not differentiable (for outputs, checks and logging)."""
-    pg = as_group(group)
-    world = dist.get_world_size(pg)
+    world = cp_world_size(group)
     n, per_rank, _ = _chunks_for(layout, 0, world)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=pg)
+    parts = _gather(x.contiguous(), group)
     ordered: list[torch.Tensor | None] = [None] * n
     for rank, part in enumerate(parts):
         ids = _chunks_for(layout, rank, world)[2]
         for i, piece in zip(ids, part.chunk(per_rank, dim)):
             ordered[i] = piece
     return torch.cat(ordered, dim)
+
+
+def _gather(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every CP rank's ``x`` in CP-rank order; a 2D mesh gathers Ulysses-axis first, then ring."""
+    if _is_2d(group):
+        inner = torch.stack(_gather(x, group[group.mesh_dim_names[1]]))
+        return [part for block in _gather(inner, group[group.mesh_dim_names[0]]) for part in block]
+    pg = as_group(group)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(parts, x, group=pg)
+    return parts
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -5,58 +5,102 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanext.plugins._attention_kernels import KERNELS
 from titanext.plugins.context_parallel._comm import Group, as_group
 from titanext.plugins.context_parallel._layout import LAYOUTS
 from titanext.plugins.context_parallel._ring import COMMS, ring_attention
+from titanext.plugins.context_parallel._ulysses import hybrid_attention
 
-# -- plugging into models -------------------------------------------------------------------------
+MODEL_COMMS = (*COMMS, "alltoall")
+
 
 class RingAttentionFn:
-    """An ``attn_fn(q, k, v, *, causal, scale)`` that runs ring attention on a CP group."""
+    """An ``attn_fn(q, k, v, *, causal, scale, document_ids=None)`` running CP attention: the
+    ring on ``group``, Ulysses on ``ulysses_group`` (``group=None``), or both (hybrid)."""
 
-    def __init__(self, group: Group, layout: str, comm: str, kernel: str):
-        self.group, self.layout, self.comm, self.kernel = as_group(group), layout, comm, kernel
+    def __init__(self, group: Group | None, layout: str, comm: str, kernel: str,
+                 ulysses_group: Group | None = None):
+        self.group, self.ulysses_group = as_group(group), as_group(ulysses_group)
+        self.layout, self.comm, self.kernel = layout, comm, kernel
 
-    def __call__(self, q, k, v, *, causal: bool = True, scale: float | None = None):
-        return ring_attention(q, k, v, self.group, causal=causal, layout=self.layout,
-                              comm=self.comm, scale=scale, kernel=self.kernel)
+    def __call__(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+                 document_ids=None):
+        if self.ulysses_group is None:
+            return ring_attention(q, k, v, self.group, causal=causal, layout=self.layout,
+                                  comm=self.comm, scale=scale, kernel=self.kernel,
+                                  document_ids=document_ids)
+        return hybrid_attention(q, k, v, self.ulysses_group, self.group, causal=causal,
+                                scale=scale, layout=self.layout, comm=self.comm,
+                                kernel=self.kernel, document_ids=document_ids)
 
     def __repr__(self) -> str:
-        return (f"RingAttentionFn(layout={self.layout!r}, comm={self.comm!r}, "
+        kind = ("ring" if self.ulysses_group is None else
+                "ulysses" if self.group is None else "hybrid")
+        return (f"RingAttentionFn({kind}, layout={self.layout!r}, comm={self.comm!r}, "
                 f"kernel={self.kernel!r})")
 
 
 def check_options(layout: str, comm: str, kernel: str) -> None:
     """Raise a ValueError naming the option, the value and the choices, for any bad option."""
-    for name, value, allowed in (("layout", layout, LAYOUTS), ("comm", comm, COMMS),
+    for name, value, allowed in (("layout", layout, LAYOUTS), ("comm", comm, MODEL_COMMS),
                                  ("kernel", kernel, KERNELS)):
         if value not in allowed:
             raise ValueError(f"{name} = {value!r} is not allowed; choose one of "
                              f"{', '.join(map(repr, allowed))}")
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: Group, *, layout: str = "zigzag",
-                           comm: str = "p2p", kernel: str = "auto",
-                           attr: str = "attn_fn") -> int:
-    """Make every attention module of ``model`` run ring attention on ``cp_mesh``.
+def cp_attention_fn(cp_mesh: Group, *, layout: str = "zigzag", comm: str = "p2p",
+                    kernel: str = "auto", ulysses_degree: int | None = None) -> RingAttentionFn:
+    """The attention function for ``cp_mesh``: a 1D mesh or group runs the ring (``comm`` "p2p"
+    or "allgather") or pure Ulysses (``comm="alltoall"``); a 2D mesh (ring axis, Ulysses axis),
+    such as ``world_mesh["cp_ring", "cp_ulysses"]``, runs hybrid Ulysses x ring."""
+    check_options(layout, comm, kernel)
+    ring_comm = "p2p" if comm == "alltoall" else comm
+    if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim == 2:
+        u = cp_mesh.size(1)
+        if ulysses_degree not in (None, u):
+            raise ValueError(f"ulysses_degree = {ulysses_degree} does not match the Ulysses axis "
+                             f"of the 2D cp mesh {cp_mesh.mesh_dim_names} (size {u})")
+        ring, ulysses = cp_mesh[cp_mesh.mesh_dim_names[0]], cp_mesh[cp_mesh.mesh_dim_names[1]]
+        if cp_mesh.size(0) == 1:  # all of cp is Ulysses
+            return RingAttentionFn(None, layout, ring_comm, kernel, ulysses)
+        return RingAttentionFn(ring, layout, ring_comm, kernel, None if u == 1 else ulysses)
+    world = None if cp_mesh is None else (cp_mesh.size() if isinstance(cp_mesh, DeviceMesh)
+                                          else dist.get_world_size(as_group(cp_mesh)))
+    if ulysses_degree not in (None, 1) and ulysses_degree != world:
+        raise ValueError(f"ulysses_degree = {ulysses_degree} < cp = {world} needs a 2D cp mesh "
+                         "(ring axis, Ulysses axis), e.g. world_mesh['cp_ring', 'cp_ulysses']")
+    if comm == "alltoall" or (ulysses_degree or 1) > 1:
+        return RingAttentionFn(None, layout, ring_comm, kernel, cp_mesh)
+    return RingAttentionFn(cp_mesh, layout, comm, kernel)
 
-    The protocol: an attention module exposes an attribute ``attn_fn`` (name set by ``attr``)
-    that it calls as ``attn_fn(q, k, v, causal=..., scale=...)`` with q [B, H, S, D] and k, v
-    [B, KVH, S, D]. The reference model does; so can yours. Returns how many modules were
-    switched. Inputs must be sharded with :func:`shard_batch` (and ``position_ids`` passed on).
-    For models that call ``F.scaled_dot_product_attention`` directly, use
-    :func:`ring_attention_sdpa` instead.
+
+def apply_context_parallel(model: nn.Module, cp_mesh: Group, *, layout: str = "zigzag",
+                           comm: str = "p2p", kernel: str = "auto", attr: str = "attn_fn",
+                           ulysses_degree: int | None = None) -> int:
+    """Make every attention module of ``model`` run CP attention on ``cp_mesh``.
+
+    ``cp_mesh`` is 1D (ring with ``comm`` "p2p" or "allgather"; pure Ulysses with
+    ``comm="alltoall"`` or ``ulysses_degree`` = its size) or 2D (ring axis, Ulysses axis) for
+    hybrid Ulysses x ring. The protocol: an attention module exposes an attribute ``attn_fn``
+    (name set by ``attr``) that it calls as ``attn_fn(q, k, v, causal=..., scale=...)`` with
+    q [B, H, S, D] and k, v [B, KVH, S, D], adding ``document_ids=`` ([B, S]) for packed
+    documents. The reference model does; so can yours. Returns how many modules were switched.
+    Inputs must be sharded with :func:`shard_batch` over the flattened cp ranks (and
+    ``position_ids`` passed on). For models that call ``F.scaled_dot_product_attention``
+    directly, use :func:`ring_attention_sdpa` instead.
 
     >>> # apply_context_parallel(model, mesh["cp"])                       # doctest: +SKIP
     >>> # tokens, labels, pos = shard_batch(tokens, labels, mesh["cp"])   # doctest: +SKIP
     >>> # loss = loss_fn(model(tokens, position_ids=pos), labels)         # doctest: +SKIP
     """
-    check_options(layout, comm, kernel)
-    fn = RingAttentionFn(cp_mesh, layout, comm, kernel)
+    fn = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
+                         ulysses_degree=ulysses_degree)
     count = 0
     for module in model.modules():
         current = getattr(module, attr, None)
@@ -85,8 +129,7 @@ def ring_attention_sdpa(cp_mesh: Group, *, layout: str = "zigzag", comm: str = "
     >>> # with ring_attention_sdpa(mesh["cp"]):                           # doctest: +SKIP
     >>> #     loss = loss_fn(model(tokens, position_ids=pos), labels)      # doctest: +SKIP
     """
-    check_options(layout, comm, kernel)
-    fn = RingAttentionFn(cp_mesh, layout, comm, kernel)
+    fn = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel)
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
