@@ -122,7 +122,8 @@ def test_named_flavor_export_permutes_rope_rows(tmp_path):
 
 # -- initial load under every layout ----------------------------------------------------------
 # name: (hf dir, ParallelDims degrees, rope layout, source); 4 ranks each. "hf" reads the
-# safetensors, "dcp" the titanext DCP checkpoint that hf-to-dcp made of them.
+# safetensors, "dcp" the titanext DCP checkpoint that hf-to-dcp made of them, "slices" the
+# safetensors without DCP.
 LAYOUTS = {
     "fsdp4": ("plain", dict(dp_shard=4), "half", "hf"),
     "fsdp4_tied": ("tied", dict(dp_shard=4), "half", "hf"),
@@ -133,6 +134,8 @@ LAYOUTS = {
     "ep2_fsdp4_mixtral": ("mixtral", dict(dp_shard=4, ep=2), "half", "hf"),
     "ep4_mixtral": ("mixtral", dict(dp_shard=4, ep=4), "half", "hf"),
     "pp2_tp2_from_dcp": ("plain", dict(pp=2, tp=2), "half", "dcp"),
+    # every tensor by safetensors slice reads (the path without DCP's HuggingFaceStorageReader)
+    "fsdp2_tp2_slices": ("plain", dict(dp_shard=2, tp=2), "half", "slices"),
 }
 
 
@@ -165,8 +168,11 @@ def _load_layouts(rank: int, world_size: int, dirs: dict[str, str]
                    expert_mesh=dims.expert_fsdp_mesh if experts else None)
         model.to_empty(device="cpu")
         model.init_weights(seed=0)
-        path = dirs[which] if source == "hf" else dirs[which + "_dcp"]
-        load_initial_weights([model], path, args, in_hf=source == "hf")
+        if source == "slices":
+            load_hf_weights([model], dirs[which], args, use_dcp=False)
+        else:
+            path = dirs[which] if source == "hf" else dirs[which + "_dcp"]
+            load_initial_weights([model], path, args, in_hf=source == "hf")
         mesh = dims.world_mesh
         keep = all(c == 0 for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate())
                    if n != "pp")

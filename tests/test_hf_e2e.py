@@ -1,7 +1,7 @@
 """End to end: start from an HF directory on 2 ranks (FSDP), train a few steps with its
 tokenizer on a JSON-lines corpus, export with last_save_in_hf, and load the export in
 transformers: its loss on a batch equals titanext's (1e-4), and the first step's loss equals
-the source model's loss in transformers on that step's batch."""
+the source model's loss in transformers on that step's batch, also under TP 2 and PP 2."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def job(tmp_path_factory):
         "--training.local_batch_size=2", "--parallelism.data_parallel_shard_degree=2",
         "--checkpoint.enable=true", "--checkpoint.interval=100",
         f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf=true",
-        "--checkpoint.last_save_in_hf=true", f"--job.dump_folder={root / 'run'}",
-        "--optimizer.lr=1e-2",
+        "--checkpoint.last_save_in_hf=true", "--optimizer.lr=1e-2",
+        f"--job.dump_folder={root / 'run'}",  # last: _train_and_probe derives other folders
     ]
     return {"hf": hf, "corpus": str(corpus), "overrides": overrides, "root": root}
 
@@ -61,15 +61,33 @@ def _mean_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
 
 
+# More layouts starting from the same HF weights (no export): TP and PP through the trainer.
+OTHER_LAYOUTS = {
+    "tp2": ["--parallelism.tensor_parallel_degree=2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.pipeline_parallel_schedule=1F1B",
+            "--parallelism.pipeline_parallel_microbatches=2"],
+}
+
+
 def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str
-                     ) -> tuple[list[float], float]:
+                     ) -> tuple[list[float], float, dict[str, list[float]]]:
     from titanext.train import Trainer
 
     trainer = Trainer(load_config(None, overrides, world_size=world_size))
     losses = trainer.train()
     tokens = _probe_batch(hf)
     with torch.no_grad():  # FSDP forward: every rank runs it on the same batch
-        return losses, _mean_loss(trainer.model(tokens), tokens)
+        probe = _mean_loss(trainer.model(tokens), tokens)
+    others = {}
+    for name, extra in OTHER_LAYOUTS.items():
+        cfg = load_config(None, [*overrides, "--parallelism.data_parallel_shard_degree=1",
+                                 "--training.local_batch_size=4", "--training.steps=1",
+                                 "--checkpoint.enable=false", "--checkpoint.last_save_in_hf=false",
+                                 f"--job.dump_folder={overrides[-1]}-{name}", *extra],
+                          world_size=world_size)
+        others[name] = Trainer(cfg).train()
+    return losses, probe, others
 
 
 @pytest.mark.slow
@@ -79,7 +97,7 @@ def test_hf_start_train_export_reload(job):
     from titanext.data import build_dataloader
     from titanext.tokenizer import build_tokenizer
 
-    (losses, ours), _ = run_distributed(_train_and_probe, world_size=2,
+    (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
                                         args=(job["overrides"], job["hf"]), timeout_s=120)
     export = os.path.join(job["root"], "run", "checkpoint", f"step-{STEPS}-hf")
     assert sorted(os.listdir(export)) == ["config.json", "generation_config.json",
@@ -102,6 +120,8 @@ def test_hf_start_train_export_reload(job):
         logits = source(inputs).logits
     first = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
     assert abs(first - losses[0]) < 1e-5, (first, losses[0])
+    for name, other in others.items():  # TP and PP start from the same weights
+        assert abs(first - other[0]) < 1e-5, (name, first, other[0])
     assert abs(theirs - _mean_loss(source(tokens).logits.detach(), tokens)) > 1e-3  # it trained
 
 

@@ -210,13 +210,16 @@ def _load_by_slices(fqn: str, param: torch.Tensor, args: ModelArgs, index: dict,
             local[i].copy_(_read_slice(handles, index, names[e], rest))
         return
     heads = _permuted_heads(fqn, args)
+    if heads is None:  # a 1:1 tensor (the reader when DCP's HF reader is not used)
+        chunk = [slice(o, o + s) for o, s in zip(offsets, sizes)]
+        local.copy_(_read_slice(handles, index, names[0], chunk))
+        return
     head_dim = args.head_dim
     first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
     cols = [slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:])]
     rows = _read_slice(handles, index, names[0], [slice(first * head_dim, last * head_dim), *cols])
     rows = permute_for_rope(rows, last - first, to_hf=False)
     start = offsets[0] - first * head_dim
-    assert heads is not None
     local.copy_(rows[start:start + sizes[0]])
 
 
@@ -229,12 +232,27 @@ def _dcp_load(state: dict[str, torch.Tensor], path: str) -> None:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
 
 
+def _dcp_hf_reader_available() -> bool:
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @torch.no_grad()
-def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs) -> None:
+def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs, *,
+                    use_dcp: bool | None = None) -> None:
     """Load the HF checkpoint at ``path`` into ``model_parts`` (this rank's model or pipeline
     stages, already parallelized and materialised). Collective when torch.distributed is
     initialised: every rank calls it. ConfigError (the same on every rank) if the checkpoint
-    does not match ``args``."""
+    does not match ``args``.
+
+    ``use_dcp`` (default: when torch has it) reads the 1:1 tensors through DCP's
+    ``HuggingFaceStorageReader``; with False every tensor goes through this module's
+    safetensors slice reads of the rank's chunk (the same bytes, without DCP's planner)."""
+    if use_dcp is None:
+        use_dcp = _dcp_hf_reader_available()
     index = check_hf_checkpoint(path, args)
     direct: dict[str, torch.Tensor] = {}
     sliced: list[tuple[str, torch.Tensor]] = []
@@ -243,11 +261,12 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs
             names = hf_names(fqn, args)
             if names is None:
                 continue
-            if _is_stacked(fqn) or _permuted_heads(fqn, args) is not None:
+            if not use_dcp or _is_stacked(fqn) or _permuted_heads(fqn, args) is not None:
                 sliced.append((fqn, param))
             else:
                 direct[names[0]] = param.data if isinstance(param, nn.Parameter) else param
-    _dcp_load(direct, path)  # in place into each rank's shards
+    if use_dcp:
+        _dcp_load(direct, path)  # in place into each rank's shards
     handles: dict[str, Any] = {}
     for fqn, param in sliced:
         _load_by_slices(fqn, param.data if isinstance(param, nn.Parameter) else param, args,
