@@ -152,3 +152,47 @@ def test_every_rank_raises_the_same_error_without_waiting(tmp_path):
         out = run_distributed(_both_ranks_fail_alike, 2, args=(str(tmp_path / case), case),
                               timeout_s=20)
         assert out == [expected, expected]
+
+
+def _scheduled(folder, steps: int, lr: float, load_step="latest"):
+    from titanext.optim import build_lr_scheduler
+
+    model = Transformer(SMALL)
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = build_lr_scheduler(opt, warmup_steps=2, total_steps=steps, decay_type="linear")
+    cfg = _cfg("debugtiny")
+    cfg.training.steps, cfg.optimizer.lr = steps, lr
+    ckpt = CheckpointManager(folder=str(folder), interval=1, keep_latest_k=0, load_step=load_step,
+                             last_save=True, enable=True, model_parts=[model], optimizer=opt,
+                             lr_scheduler=sched, dataloader=None, manifest=manifest_info(cfg))
+    return opt, sched, ckpt
+
+
+def test_resume_follows_the_current_configs_schedule_and_names_the_changes(tmp_path, capsys):
+    opt, sched, ckpt = _scheduled(tmp_path, steps=10, lr=8e-4)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    ckpt.save(10)
+    assert sched.get_last_lr()[0] == 0.0  # the end of a 10-step linear decay
+    # The reference: a 20-step run at lr 1e-3, at the start of step 11.
+    ref_opt, ref_sched, _ = _scheduled(tmp_path / "ref", steps=20, lr=1e-3)
+    for _ in range(10):
+        ref_opt.step()
+        ref_sched.step()
+    expected = ref_sched.get_last_lr()[0]
+    assert expected > 0
+    capsys.readouterr()
+    opt2, sched2, ckpt2 = _scheduled(tmp_path, steps=20, lr=1e-3)
+    assert ckpt2.load() == 10
+    assert sched2.get_last_lr() == [expected]
+    assert [g["lr"] for g in opt2.param_groups] == [expected]
+    opt2.step()
+    sched2.step()
+    ref_opt.step()
+    ref_sched.step()
+    assert sched2.get_last_lr() == ref_sched.get_last_lr()  # and the schedule continues alike
+    out = capsys.readouterr().out
+    assert "with a changed config" in out
+    assert "optimizer.lr 0.0008 -> 0.001" in out and "training.steps 10 -> 20" in out

@@ -69,7 +69,8 @@ from titanext.errors import (
     CheckpointNotFound,
 )
 
-__all__ = ["CheckpointManager", "manifest_info", "read_manifest", "resume_problems"]
+__all__ = ["CheckpointManager", "config_changes", "manifest_info", "read_manifest",
+           "resume_problems"]
 
 logger = logging.getLogger("titanext")
 
@@ -275,6 +276,39 @@ def _mismatch(path: str, saved: dict[str, Any] | None, current: dict[str, Any] |
     return (f"checkpoint {path!r} was saved for {_flavor_of(saved)} and this run builds "
             f"{_flavor_of(current)}{detail}; resume with the [model] it was saved with, or start "
             "fresh with --checkpoint.load_step=none (or another --checkpoint.folder)")
+
+
+def config_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
+    """``section.key old -> new`` for every value that differs between two config dicts.
+
+    >>> config_changes({"training": {"steps": 10}}, {"training": {"steps": 20}})
+    ['training.steps 10 -> 20']
+    """
+    if not saved or not current:
+        return []
+    changes = []
+    for section in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            continue
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) != new.get(key):
+                changes.append(f"{section}.{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return changes
+
+
+def _follow_current_schedule(scheduler: Any, optimizer: Any, current_lrs: list[float]) -> None:
+    """After loading a LambdaLR's state: the current config's peak LRs and schedule at the saved
+    step, so that the first resumed step runs at the LR an uninterrupted run with the current
+    config would use (the saved LRs would otherwise win until the scheduler's next step)."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None or len(current_lrs) != len(optimizer.param_groups):
+        return
+    scheduler.base_lrs = list(current_lrs)
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(current_lrs, lambdas, strict=True)]
+    for group, base, lr in zip(optimizer.param_groups, current_lrs, lrs, strict=True):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (no public setter)
 
 
 def _saved_shapes(path: str, manifest: dict[str, Any] | None) -> dict[str, list[int]]:
@@ -581,7 +615,7 @@ class CheckpointManager:
         path = self._path(step)
         self._check_shapes(path, manifest)
         try:
-            return self._load(path)
+            step = self._load(path)
         except CheckpointError:
             raise
         except Exception as e:
@@ -592,9 +626,16 @@ class CheckpointManager:
                 f"checkpoint {path!r} could not be read ({type(e).__name__}: {first_line}); "
                 "resume from an older step with --checkpoint.load_step=<step>, or start fresh "
                 "with --checkpoint.load_step=none") from e
+        changes = config_changes(manifest.get("config"), self.manifest.get("config"))
+        if changes and self._rank() == 0:
+            print(f"titanext: resuming {path} with a changed config (the current values apply, "
+                  f"the LR schedule too): {'; '.join(changes)}", flush=True)
+        return step
 
     def _load(self, path: str) -> int:
         trainer = _load_file(os.path.join(path, _TRAINER_STATE))
+        # The current config's peak LRs, before the saved scheduler and param groups overwrite them.
+        current_lrs = list(getattr(self.lr_scheduler, "base_lrs", []))
 
         zero1 = _is_zero1(self.optimizer)
         # DCP loads in place into a state dict of the current layout: it reads each rank's
@@ -619,6 +660,7 @@ class CheckpointManager:
 
         if self.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+            _follow_current_schedule(self.lr_scheduler, self.optimizer, current_lrs)
         if self.dataloader is not None and trainer["dataloader"] is not None:
             self.dataloader.load_state_dict(trainer["dataloader"])
         for name, obj in self.extra_states.items():
