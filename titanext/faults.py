@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -24,7 +25,8 @@ from typing import NoReturn
 
 from titanext.errors import CheckpointError, ConfigError, TrainingDiverged
 
-__all__ = ["abort_process_group", "exit_process", "inject_test_fault", "run_guarded"]
+__all__ = ["abort_process_group", "elastic_store", "exit_process", "inject_test_fault",
+           "run_guarded"]
 
 # Errors raised by a collective because a peer is gone: the peer has printed its own error.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -59,6 +61,24 @@ def abort_process_group() -> None:
             abort()
     except Exception:  # noqa: BLE001 - best effort: exiting closes the connections anyway
         pass
+
+
+def elastic_store(timeout: datetime.timedelta):
+    """The store for ``init_process_group`` in a torchrun restart, or None (use the default).
+
+    torchrun's workers share the agent's TCPStore, and its keys outlive a failed attempt: a
+    restarted rank could read a dead peer's gloo address from the previous attempt and fail in
+    ``connectFullMesh`` ("Connection refused"). A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps every attempt's keys apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"titanext/attempt-{restart}", store)
 
 
 def exit_process(code: int) -> NoReturn:
