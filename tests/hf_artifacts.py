@@ -74,3 +74,22 @@ def make_tiny_mixtral(directory: str, *, experts: int = 4, seed: int = 0):
     model = MixtralForCausalLM(cfg).float()
     model.save_pretrained(directory)
     return model
+
+
+def make_tiny_qwen3(directory: str, *, moe: bool = False, seed: int = 0, **extra):
+    """A random tiny Qwen3ForCausalLM (QK-norm, head_dim 32 != 64 / 4) or Qwen3MoeForCausalLM
+    (4 experts, top-2) saved to ``directory``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  vocab_size=MODEL_VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6)
+    if moe:
+        cfg = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, **extra)
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **extra))
+    model.float().save_pretrained(directory)
+    return model

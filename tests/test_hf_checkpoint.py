@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.hf_artifacts import make_bpe_tokenizer, make_tiny_llama, make_tiny_mixtral
+from tests.hf_artifacts import (
+    make_bpe_tokenizer,
+    make_tiny_llama,
+    make_tiny_mixtral,
+    make_tiny_qwen3,
+)
 from titanext.convert import hf_to_dcp
 from titanext.convert import main as convert_main
 from titanext.errors import ConfigError
@@ -26,12 +31,13 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfck")
-    dirs = {name: str(root / name) for name in ("plain", "tied", "bf16", "mixtral")}
+    dirs = {name: str(root / name) for name in ("plain", "tied", "bf16", "mixtral", "qwen3_moe")}
     make_tiny_llama(dirs["plain"], rope_scaling=True, layers=4)
     make_tiny_llama(dirs["tied"], tie=True, layers=4)
     make_tiny_llama(dirs["bf16"], dtype=torch.bfloat16)
     make_tiny_mixtral(dirs["mixtral"])
     make_bpe_tokenizer(dirs["mixtral"])
+    make_tiny_qwen3(dirs["qwen3_moe"], moe=True, mlp_only_layers=[0], norm_topk_prob=True)
     dirs["plain_dcp"] = str(root / "plain_dcp")
     hf_to_dcp(dirs["plain"], dirs["plain_dcp"], progress=False)
     return dirs
@@ -47,7 +53,7 @@ def _tensors(directory: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("which", ["plain", "tied", "bf16", "mixtral"])
+@pytest.mark.parametrize("which", ["plain", "tied", "bf16", "mixtral", "qwen3_moe"])
 def test_convert_round_trip_is_bitwise(hf_dirs, tmp_path, capsys, which):
     src = hf_dirs[which]
     assert convert_main(["hf-to-dcp", src, str(tmp_path / "dcp")]) == 0
@@ -82,7 +88,7 @@ def test_initial_load_from_mismatched_dcp_names_tensor_and_shapes(hf_dirs):
         load_initial_weights([model], hf_dirs["plain"], args, in_hf=False)
 
 
-@pytest.mark.parametrize("which", ["plain", "mixtral"])
+@pytest.mark.parametrize("which", ["plain", "mixtral", "qwen3_moe"])
 def test_export_loads_in_transformers_with_equal_logits(hf_dirs, tmp_path, which):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,6 +139,7 @@ LAYOUTS = {
     "pp2_fsdp2": ("plain", dict(pp=2, dp_shard=2), "half", "hf"),
     "ep2_fsdp4_mixtral": ("mixtral", dict(dp_shard=4, ep=2), "half", "hf"),
     "ep4_mixtral": ("mixtral", dict(dp_shard=4, ep=4), "half", "hf"),
+    "ep2_fsdp4_qwen3_moe": ("qwen3_moe", dict(dp_shard=4, ep=2), "half", "hf"),
     "pp2_tp2_from_dcp": ("plain", dict(pp=2, tp=2), "half", "dcp"),
     # every tensor by safetensors slice reads (the path without DCP's HuggingFaceStorageReader)
     "fsdp2_tp2_slices": ("plain", dict(dp_shard=2, tp=2), "half", "slices"),

@@ -10,7 +10,14 @@ import os
 import pytest
 import torch
 
-from tests.hf_artifacts import BOS, EOS, TOKENIZER_VOCAB, make_tiny_llama, make_tiny_mixtral
+from tests.hf_artifacts import (
+    BOS,
+    EOS,
+    TOKENIZER_VOCAB,
+    make_tiny_llama,
+    make_tiny_mixtral,
+    make_tiny_qwen3,
+)
 from titanext.errors import ConfigError
 from titanext.hf_checkpoint import check_hf_checkpoint, load_hf_weights
 from titanext.models import build_model
@@ -30,6 +37,13 @@ def hf_dirs(tmp_path_factory):
         make_tiny_llama(dirs[name], **kw)
     dirs["mixtral"] = str(root / "mixtral")
     make_tiny_mixtral(dirs["mixtral"])
+    dirs["qwen3"] = str(root / "qwen3")
+    make_tiny_qwen3(dirs["qwen3"], tie_word_embeddings=True)
+    dirs["qwen3_moe"] = str(root / "qwen3_moe")
+    make_tiny_qwen3(dirs["qwen3_moe"], moe=True)
+    # layer 0 dense, norm_topk_prob: titanext's n_dense_layers = 1 and route_norm
+    dirs["qwen3_moe_dense0"] = str(root / "qwen3_moe_dense0")
+    make_tiny_qwen3(dirs["qwen3_moe_dense0"], moe=True, mlp_only_layers=[0], norm_topk_prob=True)
     return dirs
 
 
@@ -49,7 +63,8 @@ def _max_logit_error(directory: str, **replace) -> float:
         return (ref(tokens).logits - _ours(directory, **replace)(tokens)).abs().max().item()
 
 
-@pytest.mark.parametrize("which", ["plain", "tied", "scaled", "mixtral"])
+@pytest.mark.parametrize("which", ["plain", "tied", "scaled", "mixtral", "qwen3", "qwen3_moe",
+                                   "qwen3_moe_dense0"])
 def test_logits_equal_transformers(hf_dirs, which):
     # 96 positions > original_max_position_embeddings = 32: llama3 rope scaling is exercised
     assert _max_logit_error(hf_dirs[which]) < 1e-5
@@ -74,6 +89,9 @@ def test_model_args_from_config(hf_dirs):
     moe = model_args_from_hf(hf_dirs["mixtral"]).moe
     assert (moe.num_experts, moe.top_k, moe.hidden_dim, moe.score_func, moe.route_norm) == (
         4, 2, 32, "softmax", True)
+    qwen = model_args_from_hf(hf_dirs["qwen3_moe_dense0"])
+    assert (qwen.head_dim, qwen.qk_norm, qwen.n_dense_layers, qwen.moe_layer_interval,
+            qwen.ffn_hidden_dim, qwen.moe.route_norm) == (32, True, 1, 1, 96, True)
 
 
 def _write_config(hf_dir: str, tmp_path, **changes) -> str:
@@ -92,8 +110,10 @@ def _write_config(hf_dir: str, tmp_path, **changes) -> str:
     ({"sliding_window": 4096}, "sliding_window"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": 33}, "head_dim"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "DeepseekV3"),
     ({"hidden_size": None}, "hidden_size"),
 ])
 def test_unsupported_config_is_config_error_naming_field_and_file(hf_dirs, tmp_path, changes,
@@ -102,6 +122,12 @@ def test_unsupported_config_is_config_error_naming_field_and_file(hf_dirs, tmp_p
     with pytest.raises(ConfigError) as e:
         model_args_from_hf(directory)
     assert field in str(e.value) and os.path.join(directory, "config.json") in str(e.value)
+
+
+def test_qwen3_moe_sparse_pattern_titanext_cannot_express(hf_dirs, tmp_path):
+    directory = _write_config(hf_dirs["qwen3_moe"], tmp_path, mlp_only_layers=[2])
+    with pytest.raises(ConfigError, match=r"makes layers \[0, 1\] sparse"):
+        model_args_from_hf(directory)
 
 
 def test_missing_or_malformed_config_json(tmp_path):

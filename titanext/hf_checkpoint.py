@@ -57,9 +57,15 @@ _PER_LAYER = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.gate.weight": "block_sparse_moe.gate.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _EXPERTS = {"moe.experts.w1": "w1", "moe.experts.w2": "w2", "moe.experts.w3": "w3"}
+# MoE names per family: Mixtral's, and Qwen3-MoE's (the models with QK-norm).
+_ROUTER = {False: "block_sparse_moe.gate.weight", True: "mlp.gate.weight"}
+_EXPERT_NAME = {False: "block_sparse_moe.experts.{e}.{w}.weight",
+                True: "mlp.experts.{e}.{w}.weight"}
+_QWEN_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # titanext state with no HF counterpart: the aux-loss-free routing bias (zero unless trained
 # with load_balance_coeff) is skipped, with a warning on export when it is not zero.
 _NO_HF = ("moe.router.expert_bias",)
@@ -87,9 +93,13 @@ def hf_names(fqn: str, args: ModelArgs) -> list[str] | None:
     prefix = f"model.layers.{layer}."
     if rest in _PER_LAYER:
         return [prefix + _PER_LAYER[rest]]
+    if rest == "moe.router.gate.weight":
+        return [prefix + _ROUTER[args.qk_norm]]
     if rest in _EXPERTS:
-        n = args.moe.num_experts
-        return [f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(n)]
+        w = _EXPERTS[rest]
+        w = _QWEN_EXPERT_W[w] if args.qk_norm else w
+        template = _EXPERT_NAME[args.qk_norm]
+        return [prefix + template.format(e=e, w=w) for e in range(args.moe.num_experts)]
     if rest in _NO_HF:
         return None
     raise KeyError(f"{fqn!r} has no Hugging Face name")

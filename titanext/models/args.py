@@ -59,6 +59,8 @@ class ModelArgs:
     tie_embeddings: bool = False  # output.weight is tok_embeddings.weight
     rope_layout: Literal["interleaved", "half"] = "interleaved"
     rope_scaling: RopeScaling | None = None
+    attn_head_dim: int | None = None  # per-head size when it is not dim // n_heads (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` is a MoE block."""
@@ -76,7 +78,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -7,8 +7,12 @@ different model is never built silently). :func:`hf_config_from_model_args` goes
 for exports.
 
 Supported architectures: ``LlamaForCausalLM`` and ``MistralForCausalLM`` without a sliding
-window (dense), and ``MixtralForCausalLM`` (MoE: softmax top-k routing renormalised over the
-chosen experts, which is titanext's ``score_func="softmax", route_norm=True``). The model uses
+window, ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim), and the MoE models
+``MixtralForCausalLM`` (softmax top-k renormalised over the chosen experts: titanext's
+``score_func="softmax", route_norm=True``) and ``Qwen3MoeForCausalLM`` (``norm_topk_prob`` is
+``route_norm``; dense layers from ``mlp_only_layers`` / ``decoder_sparse_step`` when they
+form titanext's "first k dense, then every n-th" pattern). DeepSeek-V2/V3 (multi-head latent
+attention) is not supported. The model uses
 HF's RoPE pairing (``rope_layout="half"``), so HF weights load without any permutation.
 
 >>> from titanext.models.hf import model_args_from_hf
@@ -30,7 +34,8 @@ __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "hf_problems", "load
 
 #: architecture -> model_type of the HF configs the ``hf`` flavor builds.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "MixtralForCausalLM": "mixtral"}
+                    "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
+                    "Qwen3MoeForCausalLM": "qwen3_moe"}
 _ROPE_TYPES = ("default", "llama3")
 
 
@@ -100,10 +105,13 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
     if act not in ("silu", "swish"):
         problems.append(f"{where}: hidden_act = {act!r} is not implemented; supported: 'silu'")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * n_heads != dim:
-        problems.append(f"{where}: head_dim = {head_dim} with hidden_size {dim} and "
-                        f"{n_heads} heads is not implemented (head_dim must be hidden_size / "
-                        "heads)")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim % 2):
+        problems.append(f"{where}: head_dim = {head_dim!r} must be an even integer")
+        head_dim = None
+    layer_types = cfg.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        problems.append(f"{where}: layer_types = {sorted(set(layer_types))} is not implemented "
+                        "(full causal attention only)")
     if cfg.get("pretraining_tp", 1) != 1:
         problems.append(f"{where}: pretraining_tp = {cfg['pretraining_tp']} is not supported; "
                         "use 1")
@@ -116,6 +124,9 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
         moe = MoEArgs(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                       hidden_dim=ffn, score_func="softmax", route_norm=True,
                       load_balance_coeff=None)
+    layers = {}
+    if model_type == "qwen3_moe":
+        moe, layers = _qwen3_moe(cfg, where, problems)
     if problems:
         raise ConfigError(problems)
     return ModelArgs(
@@ -124,7 +135,36 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
         ffn_hidden_size=ffn, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_layout="half",
-        rope_scaling=scaling, moe=moe)
+        rope_scaling=scaling, moe=moe,
+        attn_head_dim=head_dim if head_dim and head_dim * n_heads != dim else None,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), **layers)
+
+
+def _qwen3_moe(cfg: dict[str, Any], where: str, problems: list[str]
+               ) -> tuple[MoEArgs | None, dict[str, int]]:
+    """Qwen3-MoE routing and which layers are sparse, as (MoEArgs, ModelArgs layer fields).
+
+    HF makes layer i sparse unless it is in ``mlp_only_layers`` and when (i + 1) is a multiple
+    of ``decoder_sparse_step``; titanext's pattern is "dense first k, then every interval-th",
+    so other patterns are a ConfigError."""
+    n_layers = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0]
+    if not experts or not sparse:
+        return None, {}
+    first = sparse[0]
+    interval = sparse[1] - sparse[0] if len(sparse) > 1 else 1
+    if sparse != list(range(first, n_layers, interval)):
+        problems.append(f"{where}: decoder_sparse_step = {step} with mlp_only_layers = "
+                        f"{sorted(dense_only)} makes layers {sparse} sparse, which is not 'the "
+                        "first k dense, then every n-th' (the pattern titanext implements)")
+        return None, {}
+    moe = MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                  hidden_dim=cfg["moe_intermediate_size"], score_func="softmax",
+                  route_norm=bool(cfg.get("norm_topk_prob", False)), load_balance_coeff=None)
+    return moe, {"n_dense_layers": first, "moe_layer_interval": interval}
 
 
 def hf_config_from_model_args(args: ModelArgs, *, dtype: str = "float32",
@@ -136,19 +176,21 @@ def hf_config_from_model_args(args: ModelArgs, *, dtype: str = "float32",
     fields and ``dtype`` are always written from ``args``. ValueError for models transformers'
     Llama / Mixtral cannot express (DeepSeek-style routing, shared experts, dense+MoE mixes).
     """
-    moe = args.moe
+    moe, qwen = args.moe, args.qk_norm
+    family = ("Qwen3Moe" if moe else "Qwen3") if qwen else ("Mixtral" if moe else "Llama")
     if moe is not None:
         unsupported = []
-        if args.n_dense_layers or args.moe_layer_interval != 1:
+        if not qwen and (args.n_dense_layers or args.moe_layer_interval != 1):
             unsupported.append("dense layers between MoE layers")
         if moe.num_shared_experts:
             unsupported.append("shared experts")
-        if moe.score_func != "softmax" or not moe.route_norm or moe.route_scale != 1.0:
-            unsupported.append("routing other than softmax with route_norm")
+        if moe.score_func != "softmax" or moe.route_scale != 1.0 or not (moe.route_norm or qwen):
+            unsupported.append("routing other than softmax top-k"
+                               + ("" if qwen else " with route_norm"))
         if moe.num_expert_groups != 1:
             unsupported.append("group-limited routing")
         if unsupported:
-            raise ValueError("this MoE model has no transformers equivalent (Mixtral): "
+            raise ValueError(f"this MoE model has no transformers equivalent ({family}): "
                              + ", ".join(unsupported))
     cfg = dict(base or {})
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
@@ -159,17 +201,28 @@ def hf_config_from_model_args(args: ModelArgs, *, dtype: str = "float32",
                     original_max_position_embeddings=rs.original_max_seq_len)
     cfg.pop("rope_scaling", None)
     cfg.pop("torch_dtype", None)
+    model_type = {"Qwen3Moe": "qwen3_moe", "Qwen3": "qwen3", "Mixtral": "mixtral",
+                  "Llama": "llama"}[family]
     cfg.update(
-        architectures=["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
-        model_type="mixtral" if moe else "llama",
-        hidden_size=args.dim, intermediate_size=moe.hidden_dim if moe else args.ffn_hidden_dim,
+        architectures=[f"{family}ForCausalLM"], model_type=model_type,
+        hidden_size=args.dim,
+        intermediate_size=moe.hidden_dim if moe and not qwen else args.ffn_hidden_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, vocab_size=args.vocab_size,
         rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, rope_parameters=rope,
         max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
         hidden_act="silu", attention_bias=False, dtype=dtype)
+    if qwen:
+        cfg.update(use_sliding_window=False, sliding_window=None)
+        cfg.pop("layer_types", None)
     if moe is None:
         cfg["mlp_bias"] = False
+    elif qwen:
+        dense = [i for i in range(args.n_layers) if not args.is_moe_layer(i)]
+        cfg.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   moe_intermediate_size=moe.hidden_dim, norm_topk_prob=moe.route_norm,
+                   decoder_sparse_step=1, mlp_only_layers=dense)
+        cfg.pop("num_local_experts", None)
     else:
         cfg.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                    sliding_window=None, router_jitter_noise=0.0)
@@ -219,6 +272,10 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
                 problems.append(f"{tok.file}: the tokenizer has {tok.vocab_size} token ids, more "
                                 f"than the model's vocab_size = {vocab}; use a model whose "
                                 "embedding holds the tokenizer's vocabulary")
+    if args is not None and args.qk_norm and tp > 1:
+        problems.append(f"parallelism.tensor_parallel_degree = {tp}: the model normalises each "
+                        "head of q and k (Qwen3's q_norm / k_norm), which titanext's TP plan does "
+                        "not shard yet; use FSDP / HSDP / CP / PP / EP")
     if args is not None and args.tie_embeddings:
         for key, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
             if degree > 1:

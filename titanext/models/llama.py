@@ -125,6 +125,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.attn_fn: AttentionFn = sdpa_attention
         self.rope_layout = args.rope_layout
+        if args.qk_norm:  # per-head RMSNorm of q and k (Qwen3); weights shared by all heads
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,6 +136,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, self.rope_layout)
         k = apply_rope(k, cos, sin, self.rope_layout)
         # document_ids only when given: an attn_fn without document masking keeps working
