@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titanext.config.rules import degree_problems, resolve_dp_shard
 from titanext.errors import ConfigError
 
 __all__ = ["ParallelDims", "device_type", "init_distributed", "resolve_dp_shard"]
@@ -81,39 +82,6 @@ def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     return mesh[dims]._flatten(mesh_dim_name=name)
 
 
-_DEGREE_KEYS = ("data_parallel_replicate_degree", "data_parallel_shard_degree",
-                "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree")
-
-
-def resolve_dp_shard(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
-                     world_size: int | None) -> int:
-    """dp_shard with -1 resolved to the rest of ``world_size``; ConfigError if they do not fit.
-
-    The one place the degree product is checked (the config's validation calls it too).
-    Without a world size only -1 -> 1 is done. Positive degrees are assumed.
-    """
-    others = dp_replicate * cp * tp * pp
-    if world_size is None:
-        return 1 if dp_shard == -1 else dp_shard
-
-    def spelled(shard: int | None) -> str:
-        values = (dp_replicate, shard, cp, tp, pp)
-        return " x ".join(f"{k}({v})" for k, v in zip(_DEGREE_KEYS, values) if v is not None)
-
-    if dp_shard == -1:
-        if world_size % others:
-            raise ConfigError([
-                f"parallelism.data_parallel_shard_degree = -1 cannot fill the rest of the world "
-                f"size {world_size}: it is not divisible by {spelled(None)} = {others}"])
-        return world_size // others
-    if dp_shard * others != world_size:
-        raise ConfigError([
-            f"parallelism degrees multiply to {dp_shard * others}, not the world size "
-            f"{world_size}: {spelled(dp_shard)} = {dp_shard * others}; set "
-            "data_parallel_shard_degree = -1 to fill the rest"])
-    return dp_shard
-
-
 @dataclass
 class ParallelDims:
     """Parallel degrees; ``dp_shard = -1`` means "whatever is left of the world"."""
@@ -132,30 +100,12 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        problems = []
-        names = {
-            "data_parallel_replicate_degree": self.dp_replicate,
-            "context_parallel_degree": self.cp,
-            "tensor_parallel_degree": self.tp,
-            "pipeline_parallel_degree": self.pp,
-            "expert_parallel_degree": self.ep,
-        }
-        for key, value in names.items():
-            if value < 1:
-                problems.append(f"parallelism.{key} = {value} must be >= 1")
-        if self.dp_shard == 0 or self.dp_shard < -1:
-            problems.append(f"parallelism.data_parallel_shard_degree = {self.dp_shard} must be -1 or >= 1")
+        # The config checks the same rules at load (titanext.config.rules owns them).
+        self.dp_shard, problems = degree_problems(
+            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
+            pp=self.pp, ep=self.ep, world_size=self.world_size)
         if problems:
             raise ConfigError(problems)
-        self.dp_shard = resolve_dp_shard(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                                         cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
-        if self.ep > 1:
-            if self.ep % self.cp or (self.dp_shard * self.cp) % self.ep:
-                raise ConfigError([
-                    f"parallelism.expert_parallel_degree = {self.ep} must be a multiple of "
-                    f"context_parallel_degree ({self.cp}) and divide dp_shard x cp = "
-                    f"{self.dp_shard * self.cp}"
-                ])
 
     # -- derived degrees -------------------------------------------------------------------
     @property

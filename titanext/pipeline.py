@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from titanext import schedules as _schedules  # pipeline_config_problems
+from titanext.config.rules import resolve_microbatches  # noqa: F401  (re-export)
 from titanext.schedules import (
     build_schedule,
     get_schedule_class,
@@ -272,55 +272,3 @@ class StageTimer:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
         f, b, w = (max(float(x), 1e-6) for x in t)
         return {"f": 1.0, "b": b / f, "w": w / f}
-
-
-def resolve_microbatches(pp: int, requested: int, local_batch_size: int) -> int:
-    """``pipeline_parallel_microbatches`` with -1 resolved: 2 x pp, capped at the batch size."""
-    return requested if requested > 0 else max(1, min(2 * pp, local_batch_size))
-
-
-def pipeline_config_problems(cfg) -> list[str]:
-    """Config-load rules for pipeline parallelism (one line per problem)."""
-    from titanext.models import MODEL_FLAVORS, get_model_args
-    from titanext.schedules import schedule_problems
-
-    p, t, m = cfg.parallelism, cfg.training, cfg.model
-    pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
-    key = "parallelism.pipeline_parallel_"
-    try:
-        n_per_rank = stages_per_rank_of(name, p.pipeline_parallel_stages_per_rank)
-    except ValueError as e:
-        return [f"{key}stages_per_rank = {p.pipeline_parallel_stages_per_rank}: {e}"]
-    mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
-    cls = get_schedule_class(name)
-    # DualPipe: two copies of a pp-stage model, the others pp x stages_per_rank stages
-    n_stages = _schedules.num_stages_for(cls.placement, pp, n_per_rank)
-    compiled = cfg.compile.enable and "model" in cfg.compile.components
-    problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled,
-                                      stages_per_rank=n_per_rank))
-    if compiled and cls.placement == "v" and not hasattr(cls, "generate") \
-            and not any("compile" in q for q in problems):
-        problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "
-                        "'ZBV' or set compile.enable = false")
-    if p.zero_stage == 1:
-        problems.append(f"parallelism.zero_stage = 1 with {key}degree = {pp} is not supported (the "
-                        "stages are not wrapped in DDP, so gradients would not be reduced over "
-                        "data parallel ranks); use zero_stage 2 or 3")
-    if cls.placement == "dualpipe" and p.tensor_parallel_degree > 1:
-        problems.append(f"{key}schedule = {name!r} with parallelism.tensor_parallel_degree = "
-                        f"{p.tensor_parallel_degree} is not supported yet (the mirrored-copy "
-                        "gradient sum is untested under TP); use 'DualPipeV' or tp = 1")
-    if t.local_batch_size % mb:
-        problems.append(f"training.local_batch_size = {t.local_batch_size} must be divisible by "
-                        f"{key}microbatches = {mb} (each micro-batch is a slice of the batch)")
-    if m.name in MODEL_FLAVORS and m.flavor in MODEL_FLAVORS[m.name]:
-        n_layers = get_model_args(m.name, m.flavor).n_layers
-        try:
-            layers_per_stage(n_layers, n_stages,
-                             first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                             last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                             explicit=p.pipeline_parallel_layers_per_stage)
-        except ValueError as e:
-            problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank}: {n_stages} "
-                            f"stages: {e}")
-    return problems

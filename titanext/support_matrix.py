@@ -62,7 +62,7 @@ ROWS: dict[str, dict[str, str]] = {
     "TP without SP": {**_TP, P + "enable_sequence_parallel": "false"},
     "CP zigzag, p2p": _CP,
     "CP zigzag, allgather": {**_CP, P + "context_parallel_comm": "allgather"},
-    "CP contiguous": {**_CP, P + "context_parallel_load_balance": "none"},
+    "CP contiguous": {**_CP, P + "context_parallel_load_balance": "contiguous"},
     **{f"PP {name}": _pp(name) for name in SCHEDULE_NAMES},
     "EP": _EP,
     **{f"float8 {r}": _f8(r) for r in FLOAT8_RECIPES},

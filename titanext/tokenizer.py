@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the config builds a tokenizer to check its vocabulary; keep that torch-free
+    import torch
 
 from titanext.errors import ConfigError
 
@@ -73,8 +75,8 @@ class ByteTokenizer:
         >>> ByteTokenizer().decode([0xC3])  # half of a 2-byte character
         '\ufffd'
         """
-        if isinstance(ids, torch.Tensor):
-            ids = ids.flatten().tolist()  # one conversion, not one per element
+        if hasattr(ids, "flatten"):  # a tensor: one conversion, not one per element
+            ids = ids.flatten().tolist()
         data = bytes(i for i in map(int, ids) if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 

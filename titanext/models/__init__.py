@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from titanext._hints import did_you_mean
 from titanext.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
+
+if TYPE_CHECKING:  # the registry stays torch-free: the config reads it while loading
+    import torch
+    from torch import nn
 
 # The MoE flavors are the same decoder with MoE blocks, so they live under "llama3" too.
 MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama3": {**LLAMA3_FLAVORS, **MOE_FLAVORS}}
@@ -56,6 +57,8 @@ def with_moe_overrides(args: ModelArgs, **overrides: Any) -> ModelArgs:
 
 def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta") -> nn.Module:
     """Build model ``name`` with ``args`` on ``device`` (meta by default: no memory is used)."""
+    import torch
+
     from titanext.models.llama import Transformer
 
     if name not in MODEL_FLAVORS:

@@ -25,8 +25,7 @@ import os
 from typing import Any
 
 from titanext.errors import ConfigError
-from titanext.models.args import ModelArgs, RopeScaling
-from titanext.models.moe import MoEArgs
+from titanext.models.args import ModelArgs, MoEArgs, RopeScaling
 from titanext.tokenizer import _read_json
 
 __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "hf_problems", "load_hf_config",

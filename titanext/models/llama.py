@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from titanext.models.args import ModelArgs
 from titanext.models.init import constant_, init_tensor_, normal_
+from titanext.models.layers import FeedForward
 from titanext.models.moe import MoE
 
 # q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]
@@ -145,19 +146,6 @@ class Attention(nn.Module):
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                            **docs)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

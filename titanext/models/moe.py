@@ -27,7 +27,6 @@ Load balancing (both switchable, see docs/moe_ep.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -36,51 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
+from titanext.models.layers import FeedForward
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load", "grouped_mm_supported",
            "set_aux_loss_weight", "update_expert_bias"]
-
-
-@dataclass(frozen=True)
-class MoEArgs:
-    """Hyper-parameters of one MoE layer."""
-
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 256            # hidden size of each routed (and each shared) SwiGLU expert
-    num_shared_experts: int = 0      # shared experts: one SwiGLU of num_shared_experts * hidden_dim
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    route_norm: bool = False         # renormalise the top-k weights of a token to sum to 1
-    route_scale: float = 1.0         # multiply the routed weights by this
-    num_expert_groups: int = 1       # group-limited routing: experts split in this many groups
-    num_limited_groups: int = 1      # ... and each token picks experts inside its best groups
-    load_balance_coeff: float | None = 1e-3  # aux-loss-free bias rate; None or 0 = off
-    aux_loss_alpha: float = 0.0      # sequence-wise auxiliary loss weight; 0 = off
-    capacity_factor: float | None = None     # None = dropless
-    use_grouped_mm: bool | Literal["auto"] = "auto"
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 1 <= self.top_k <= self.num_experts:
-            problems.append(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-        if self.score_func not in ("softmax", "sigmoid"):
-            problems.append(f"score_func={self.score_func!r}; allowed: 'softmax', 'sigmoid'")
-        if self.num_expert_groups < 1 or self.num_experts % self.num_expert_groups:
-            problems.append(f"num_experts={self.num_experts} must be divisible by "
-                            f"num_expert_groups={self.num_expert_groups}")
-        elif not 1 <= self.num_limited_groups <= self.num_expert_groups:
-            problems.append(f"num_limited_groups={self.num_limited_groups} must be in "
-                            f"[1, num_expert_groups={self.num_expert_groups}]")
-        elif self.top_k > self.num_limited_groups * (self.num_experts // self.num_expert_groups):
-            problems.append(f"top_k={self.top_k} exceeds the experts in the limited groups "
-                            f"({self.num_limited_groups} x {self.num_experts // self.num_expert_groups})")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            problems.append(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
-        if self.use_grouped_mm not in (True, False, "auto"):
-            problems.append(f"use_grouped_mm={self.use_grouped_mm!r}; allowed: 'auto', True, False")
-        if problems:
-            raise ValueError("MoEArgs: " + "; ".join(problems))
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -226,8 +186,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.num_experts, dim, args.hidden_dim, args.use_grouped_mm)
         self.shared_experts: nn.Module | None = None
         if args.num_shared_experts > 0:
-            from titanext.models.llama import FeedForward
-
             self.shared_experts = FeedForward(dim, args.num_shared_experts * args.hidden_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None

@@ -26,17 +26,9 @@ from torch.utils.checkpoint import (
 )
 
 from titanext.plugins._blocks import find_blocks
+from titanext.plugins.options import DEFAULT_SAVE_OPS
 
 __all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing"]
-
-DEFAULT_SAVE_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
 
 
 def _resolve_ops(names: Iterable[str]) -> set:

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
+
 __all__ = [
     "FLOAT8_ALL_GATHER_RECIPES",
     "FLOAT8_RECIPES",
@@ -53,11 +55,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("titanext")
-
-#: Recipe names accepted by :func:`apply_float8` and ``[float8] recipe``.
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
-#: Recipes whose weights FSDP2 can all-gather in float8 (one scale per weight tensor).
-FLOAT8_ALL_GATHER_RECIPES = ("tensorwise",)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 

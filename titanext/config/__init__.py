@@ -1,0 +1,76 @@
+"""Typed job configuration: TOML files + CLI overrides -> :class:`JobConfig`.
+
+The package has three parts, each with one job:
+
+- :mod:`~titanext.config.schema`: one documented dataclass per TOML section; every key's
+  attribute docstring is its ``--help`` text, and its own constraints sit next to it.
+- :mod:`~titanext.config.loader`: TOML reading with ``[job] extends``, command-line overrides,
+  ``--help`` (:func:`config_help`) and ``--print-config`` (:func:`to_toml`).
+- :mod:`~titanext.config.rules`: every cross-field rule, one owner per rule;
+  :class:`~titanext.parallel_dims.ParallelDims`, the pipeline and the planner call the same
+  functions.
+
+Importing the package does not import torch.
+
+>>> cfg = load_config("train_configs/debug_model.toml", ["--training.steps=10"], world_size=4)
+>>> cfg.training.steps
+10
+>>> resolved_dp_shard(cfg, 4), gradient_accumulation_steps(cfg, 4)
+(4, 1)
+"""
+
+from __future__ import annotations
+
+from titanext.config.loader import config_help, field_docs, load_config, parse_cli, to_toml
+from titanext.config.rules import (
+    gradient_accumulation_steps,
+    model_args,
+    resolved_dp_shard,
+    validate,
+)
+from titanext.config.schema import (
+    SECTIONS,
+    ActivationCheckpoint,
+    Checkpoint,
+    Comm,
+    Compile,
+    Float8,
+    Job,
+    JobConfig,
+    LRSchedulerConfig,
+    Metrics,
+    Model,
+    MoEConfig,
+    OptimizerConfig,
+    Parallelism,
+    Training,
+)
+from titanext.errors import ConfigError
+
+__all__ = [
+    "SECTIONS",
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Comm",
+    "Compile",
+    "ConfigError",
+    "Float8",
+    "Job",
+    "JobConfig",
+    "LRSchedulerConfig",
+    "Metrics",
+    "MoEConfig",
+    "Model",
+    "OptimizerConfig",
+    "Parallelism",
+    "Training",
+    "config_help",
+    "field_docs",
+    "gradient_accumulation_steps",
+    "load_config",
+    "model_args",
+    "parse_cli",
+    "resolved_dp_shard",
+    "to_toml",
+    "validate",
+]

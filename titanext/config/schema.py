@@ -1,0 +1,559 @@
+"""The config schema: one documented dataclass per TOML section, and the per-field checks.
+
+Each TOML section is a dataclass below, and every key carries an attribute docstring (the
+string literal under the field) that doubles as ``--help`` text
+(:func:`titanext.config.loader.config_help` reads them from this file's source). A field's own
+constraints (choices, bounds, a custom check) sit in its metadata next to it, and
+:func:`field_problems` checks them one field at a time; rules that involve several keys live in
+:mod:`titanext.config.rules`.
+
+A section class is named after its section with a ``Config`` suffix where the bare name would
+shadow a runtime class (``MoEConfig`` is ``[moe]``, not :class:`titanext.models.moe.MoE`).
+
+>>> JobConfig().parallelism.context_parallel_load_balance
+'zigzag'
+>>> SECTIONS["moe"].__name__
+'MoEConfig'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from titanext._hints import did_you_mean as _did_you_mean
+from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
+from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
+
+__all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
+           "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
+           "Parallelism", "Training", "field_problems", "field_rule"]
+
+
+# -- per-field constraints live next to the field ------------------------------------------------
+
+# A custom check returns None when the value is fine, else what is allowed (for the message).
+_Check = Callable[[Any], Union[str, None]]
+
+
+def _field(
+    default: Any,
+    *,
+    choices: Sequence[Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    check: _Check | None = None,
+    rule: str | None = None,
+    aliases: dict[str, str] | None = None,
+) -> Any:
+    """A dataclass field whose constraints are stored in its metadata for :func:`field_problems`.
+
+    ``rule`` describes a custom ``check`` for ``--help``; choices and bounds describe themselves.
+    ``aliases`` maps other accepted spellings to a choice; the loader replaces them while reading
+    TOML and command-line values, so code only ever sees the canonical choice.
+    """
+    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "check": check,
+            "rule": rule, "aliases": aliases or {}}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _minus_one_or_positive(value: int) -> str | None:
+    return None if value == -1 or value >= 1 else "-1 or an integer >= 1"
+
+
+# Schedules that titanext provides with every supported torch. Only another name asks
+# titanext.schedules (which imports torch's pipelining), so a plain load stays torch-free;
+# tests/test_config.py checks that these are all in titanext.schedules.SCHEDULE_NAMES.
+_KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                    "ZBVZeroBubble", "ZBH1", "ZBH2", "ZBV", "DualPipe", "DualPipeV", "Auto")
+
+
+def _pp_schedule(value: str) -> str | None:
+    if value in _KNOWN_SCHEDULES:
+        return None
+    from titanext.schedules import SCHEDULE_NAMES
+
+    if value in SCHEDULE_NAMES:
+        return None
+    hint = _did_you_mean(value, list(SCHEDULE_NAMES), fallback=False)
+    return f"one of {', '.join(SCHEDULE_NAMES)}{hint}"
+
+
+def _ac_option(value: str) -> str | None:
+    # isdecimal() rejects '²' and similar, which int() would not parse anyway.
+    if value == "op" or (value.isdecimal() and int(value) >= 1):
+        return None
+    return "'op' or a positive integer written as a string, such as '2'"
+
+
+def _aten_ops(names: list[str]) -> str | None:
+    names = [n for n in names if n not in DEFAULT_SAVE_OPS]  # the defaults are known aten ops
+    if not names:
+        return None
+    import torch  # lazy: --help and TOML parsing should not pay for importing torch
+
+    for name in names:
+        if not hasattr(torch.ops.aten, name):
+            return f"aten op names only; {name!r} is not torch.ops.aten.{name}{_aten_hint(name)}"
+    return None
+
+
+def _aten_hint(name: str) -> str:
+    try:  # private, but only feeds a hint; losing it loses nothing else
+        import torch
+
+        known = {n.split("::", 1)[1].split(".", 1)[0]
+                 for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    except (AttributeError, RuntimeError):
+        return ""
+    return _did_you_mean(name, sorted(known), fallback=False)
+
+
+_COMPILE_COMPONENTS = ("model", "loss")
+
+
+def _compile_components(names: list[str]) -> str | None:
+    for name in names:
+        if name not in _COMPILE_COMPONENTS:
+            return (f"any of 'model', 'loss'; {name!r} is not one of them"
+                    f"{_did_you_mean(name, _COMPILE_COMPONENTS, fallback=False)}")
+    return None
+
+
+def _load_step(value: int | str) -> str | None:
+    if value in ("latest", "none") or (isinstance(value, int) and value >= 0):
+        return None
+    hint = "; write the step number without quotes" if str(value).isdecimal() else ""
+    return f"'latest', 'none' or a step number >= 0{hint}"
+
+
+
+# -- the sections ---------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    dump_folder: str = _field("./outputs")
+    """Folder for this job's outputs: checkpoints and TensorBoard events go below it."""
+    description: str = _field("")
+    """Free text describing the job; kept with the config, used nowhere else."""
+    extends: str | None = _field(None)
+    """Path of a base TOML file (relative to this file) whose values this file overrides,
+    section by section and key by key. Only valid in a file, not on the command line."""
+
+
+@dataclass
+class Model:
+    name: str = _field("llama3", rule="a key of titanext.models.MODEL_FLAVORS")
+    """Model family (a key of titanext.models.MODEL_FLAVORS)."""
+    flavor: str = _field("debugmodel", rule="a flavor of the chosen model, or 'hf'")
+    """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B; 'hf'
+    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral; see
+    docs/hf_checkpoints.md)."""
+    tokenizer: str = _field("byte", choices=("byte", "hf"))
+    """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed); 'hf'
+    reads hf_assets_path/tokenizer.json (BOS/EOS from tokenizer_config.json)."""
+    hf_assets_path: str | None = _field(None)
+    """A Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json) for
+    flavor = 'hf' and tokenizer = 'hf'; its files are copied into HF exports."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = _field(8, ge=1)
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = _field(-1, check=_minus_one_or_positive, rule="-1 or >= 1")
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size x dp. A larger
+    multiple of local_batch_size x dp gives gradient accumulation over global / (local x dp)
+    micro-batches."""
+    seq_len: int = _field(256, ge=1)
+    """Tokens per sequence; at most the model's max_seq_len."""
+    steps: int = _field(1000, ge=1)
+    """Optimizer steps to train for."""
+    max_norm: float = _field(1.0, ge=0)
+    """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
+    mixed_precision_param: str = _field("auto", choices=("auto", "bfloat16", "float32"))
+    """Parameter dtype for compute under FSDP: auto = bfloat16 on CUDA, float32 on CPU (CPU
+    kernels gain little from bfloat16)."""
+    mixed_precision_reduce: str = _field("float32", choices=("float32", "bfloat16"))
+    """Gradient reduce-scatter / all-reduce dtype; float32 keeps the sum exact enough."""
+    seed: int = _field(0, ge=0)
+    """Seed for initialisation and data order; the same seed gives the same model in any layout."""
+    deterministic: bool = _field(False)
+    """Use deterministic algorithms only (slower; bitwise-repeatable runs)."""
+    dataset: str = _field("shakespeare", choices=("shakespeare", "text", "synthetic"))
+    """Data source: the built-in Shakespeare corpus, your own files ('text', see dataset_path),
+    or synthetic random tokens (for benchmarks and parity tests)."""
+    dataset_path: str | None = _field(None)
+    """For dataset = 'text': a .txt or .jsonl file (field 'text'), or a folder of them; relative
+    to the working directory. Leave unset (or "") for the other datasets."""
+    shuffle: bool = _field(True)
+    """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _field("AdamW", choices=("AdamW", "Adam"))
+    """Optimizer class: AdamW (decoupled weight decay) or Adam (L2 weight decay)."""
+    lr: float = _field(8e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    beta1: float = _field(0.9, ge=0, lt=1)
+    """Adam beta1: decay of the running mean of gradients."""
+    beta2: float = _field(0.95, ge=0, lt=1)
+    """Adam beta2: decay of the running mean of squared gradients."""
+    eps: float = _field(1e-8, gt=0)
+    """Adam epsilon, added to the denominator for numerical stability."""
+    weight_decay: float = _field(0.1, ge=0)
+    """Weight decay; norms and biases are excluded (see titanext.optim)."""
+    implementation: str = _field("foreach", choices=("for-loop", "foreach", "fused"))
+    """Kernel implementation of the optimizer step: for-loop (one kernel per tensor), foreach
+    (batched) or fused (one kernel, where the device supports it)."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = _field(2, ge=0)
+    """Steps of linear warmup from near zero to the peak learning rate."""
+    decay_ratio: float | None = _field(None, ge=0, le=1)
+    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset = decay
+    over every step after warmup."""
+    decay_type: str = _field("linear", choices=("linear", "sqrt", "cosine"))
+    """Shape of the decay from the peak to min_lr_factor x peak."""
+    min_lr_factor: float = _field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _field(1, ge=1)
+    """Replicas of the model (DDP-style; with FSDP this is HSDP's replicate dimension)."""
+    data_parallel_shard_degree: int = _field(-1, check=_minus_one_or_positive,
+                                             rule="-1 or >= 1")
+    """Ranks that shard parameters (FSDP); -1 means the rest of the world size after the other
+    degrees."""
+    fsdp_reshard_after_forward: str = _field("default", choices=("default", "always", "never"))
+    """Free gathered parameters after forward: default = yes, except with pipeline parallelism
+    (where each micro-batch would gather them again)."""
+    zero_stage: int = _field(3, choices=(1, 2, 3))
+    """ZeRO stage: 1 = replicated params (DDP) + sharded optimizer state, 2 = FSDP without
+    resharding after forward, 3 = full FSDP."""
+    tensor_parallel_degree: int = _field(1, ge=1)
+    """Ranks that split each layer's matmuls (Megatron-style TP); keep it inside a node."""
+    enable_sequence_parallel: bool = _field(True)
+    """With TP, shard norms and residual activations along the sequence (SP)."""
+    enable_loss_parallel: bool = _field(True)
+    """With TP, keep logits sharded over the vocabulary and compute the loss in parallel."""
+    context_parallel_degree: int = _field(1, ge=1)
+    """Ranks that split each sequence (context parallelism with exact ring attention, see
+    titanext.plugins.context_parallel). CP ranks also shard parameters: FSDP runs over
+    dp_shard x cp."""
+    context_parallel_load_balance: str = _field("zigzag", choices=("zigzag", "contiguous"),
+                                                aliases={"none": "contiguous"})
+    """How CP splits a sequence: zigzag (rank r of W holds chunks r and 2W-1-r of 2W, so causal
+    attention costs every rank the same) or contiguous (rank r holds slice r; the last rank does
+    the most work). These are the `layout` names of titanext.plugins.context_parallel; 'none'
+    (no load balancing) is accepted as another name for contiguous and read as 'contiguous'."""
+    context_parallel_comm: str = _field("p2p", choices=("p2p", "allgather"))
+    """How CP moves keys and values: p2p (a ring of send/recv overlapped with compute; memory of
+    two KV blocks) or allgather (one all-gather forward and one reduce-scatter of their
+    gradients backward; memory of the whole sequence's KV, fewer and larger messages)."""
+    pipeline_parallel_degree: int = _field(1, ge=1)
+    """Ranks the pipeline spans (pp); each holds pipeline_parallel_stages_per_rank stages."""
+    pipeline_parallel_schedule: str = _field("1F1B", check=_pp_schedule,
+                                             rule="a name from titanext.schedules")
+    """Pipeline schedule: torch's (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble) or titanext's (ZBH1, ZBH2, ZBV, Auto, ...). Auto
+    measures F, I and W on the first step, then runs the schedule generated for those costs."""
+    pipeline_parallel_microbatches: int = _field(-1, check=_minus_one_or_positive,
+                                                 rule="-1 or >= 1")
+    """Micro-batches per pipeline step (local_batch_size must be divisible by it); -1 means
+    2 x pipeline_parallel_degree, capped at local_batch_size."""
+    pipeline_parallel_stages_per_rank: int = _field(-1, check=_minus_one_or_positive,
+                                                    rule="-1 or >= 1")
+    """Stages each pp rank holds; -1 = the schedule's own (1 for 1F1B/ZBH1/ZBH2, 2 for ZBV
+    and the V schedules, 2 for torch's interleaved schedules, which accept any count >= 2)."""
+    pipeline_parallel_first_stage_less_layers: int = _field(0, ge=0)
+    """How many fewer transformer blocks the first stage holds than the others (it also runs
+    the embedding)."""
+    pipeline_parallel_last_stage_less_layers: int = _field(0, ge=0)
+    """How many fewer transformer blocks the last stage holds than the others (it also runs
+    the norm, the output head and the loss)."""
+    pipeline_parallel_layers_per_stage: list[int] = _field([])
+    """Explicit blocks per stage, one entry per stage in stage order (overrides the two
+    *_less_layers keys); empty = split evenly."""
+    expert_parallel_degree: int = _field(1, ge=1)
+    """Ranks that split the experts of MoE layers, borrowed from dp_shard x cp (tokens go to
+    their experts by all-to-all). Needs a MoE flavor and FSDP (zero_stage 2 or 3); must divide
+    moe.num_experts and dp_shard x cp, and be a multiple of context_parallel_degree."""
+
+
+_DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.options owns the list
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _field("none", choices=("none", "selective", "full"))
+    """Recompute activations in backward: none, selective (see selective_ac_option) or full
+    (every transformer block)."""
+    selective_ac_option: str = _field("op", check=_ac_option, rule="'op' or a positive integer")
+    """For selective mode: 'op' (save the outputs of selective_op_save_list, recompute the
+    rest) or a positive integer n written as a string (fully checkpoint every n-th block)."""
+    selective_op_save_list: list[str] = _field(_DEFAULT_SAVE_OPS, check=_aten_ops,
+                                               rule="names of torch.ops.aten ops")
+    """aten op names whose outputs op-level selective AC keeps (matmuls and attention by
+    default: expensive to recompute, cheap to store)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = _field(False)
+    """torch.compile each transformer block (and the loss, see components)."""
+    components: list[str] = _field(["model"], check=_compile_components,
+                                   rule="any of 'model', 'loss'")
+    """What to compile: any of model, loss."""
+    backend: str = _field("inductor", choices=("inductor", "aot_eager", "eager"))
+    """torch.compile backend; aot_eager and eager help to tell compiler bugs from model bugs."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _field(False)
+    """Save and resume distributed checkpoints (torch.distributed.checkpoint)."""
+    folder: str = _field("checkpoint")
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = _field(100, ge=1)
+    """Save every this many steps."""
+    load_step: int | str = _field("latest", check=_load_step,
+                                  rule="'latest', 'none' or a step >= 0")
+    """Step to resume from: 'latest' (the newest complete checkpoint, if any), 'none' (start
+    fresh) or a step number."""
+    keep_latest_k: int = _field(0, ge=0)
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    last_save: bool = _field(True)
+    """Also save after the final step, whatever the interval."""
+    initial_load_path: str | None = _field(None)
+    """Weights to start from while the checkpoint folder holds no checkpoint: a titanext DCP
+    checkpoint (a step-N folder, or `python -m titanext.convert hf-to-dcp` output), or with
+    initial_load_in_hf an HF safetensors directory. Only the model is read."""
+    initial_load_in_hf: bool = _field(False)
+    """initial_load_path is a Hugging Face directory (*.safetensors); each rank reads only its
+    shards, under any layout."""
+    last_save_in_hf: bool = _field(False)
+    """The final save also writes <folder>/step-N-hf/ (safetensors, config.json, tokenizer
+    files), loadable by transformers' AutoModelForCausalLM / AutoTokenizer."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _field(10, ge=1)
+    """Log a metrics line every this many steps (and at the first and last)."""
+    enable_tensorboard: bool = _field(True)
+    """Write TensorBoard event files under job.dump_folder/save_tb_folder."""
+    save_tb_folder: str = _field("tb")
+    """TensorBoard folder, relative to job.dump_folder."""
+    disable_color_printing: bool = _field(False)
+    """Plain log lines without ANSI colours."""
+    progress_bar: bool = _field(True)
+    """Draw a progress bar with ETA (only when stdout is a terminal, so logs stay clean)."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _field(300, ge=1)
+    """Collective timeout during start-up (model build, checkpoint load, compile)."""
+    train_timeout_seconds: int = _field(100, ge=1)
+    """Collective timeout once training runs: a dead or stuck rank fails the job after this."""
+
+
+def _emulate(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "true, false or 'auto'"
+
+
+@dataclass
+class Float8:
+    enable: bool = _field(False)
+    """Train the model's linear layers in float8 (torchao float8 linears; see
+    titanext.plugins.float8). Converted on the meta model before any parallelism."""
+    recipe: str = _field("tensorwise", choices=FLOAT8_RECIPES)
+    """Scaling recipe: tensorwise (one scale per tensor; fastest), rowwise (one per row),
+    rowwise_with_gw_hp (rowwise, weight gradient in high precision) or blockwise
+    (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks)."""
+    filter_fqns: list[str] = _field(["output"])
+    """Module names kept in high precision: an entry matches that FQN, FQNs ending in
+    '.entry', modules under it, or a glob. Linears with a dimension not divisible by 16 are
+    always kept."""
+    auto_filter: bool = _field(False)
+    """Also keep linears too small to run faster in float8 (torchao's H100 thresholds, e.g.
+    tensorwise skips K <= 4096 with N <= 1024)."""
+    enable_fsdp_float8_all_gather: bool = _field(False)
+    """FSDP2 all-gathers weights in float8 (half the bytes of bf16); tensorwise only. On gloo
+    the float8 bytes travel as uint8."""
+    precompute_scale: bool = _field(False)
+    """With float8 all-gather: compute all weight scales with one all-reduce after each
+    optimizer step instead of one per layer in the all-gather."""
+    emulate: bool | str = _field("auto", check=_emulate, rule="true, false or 'auto'")
+    """Emulate float8 matmuls in high precision: 'auto' emulates where there is no float8
+    hardware (CPU, GPUs before compute capability 8.9) and logs it."""
+
+
+def _grouped_mm_value(value: bool | str) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "true, false or 'auto'"
+
+
+@dataclass
+class MoEConfig:
+    """Overrides of the model flavor's MoE settings; an unset key keeps the flavor's value.
+    Only for MoE flavors (debugmoe, deepseek_v3_16b, deepseek_v3_671b)."""
+
+    num_experts: int | None = _field(None, ge=1)
+    """Routed experts per MoE block."""
+    top_k: int | None = _field(None, ge=1)
+    """Routed experts each token is sent to (<= num_experts)."""
+    num_shared_experts: int | None = _field(None, ge=0)
+    """Shared experts every token goes through (one SwiGLU of num_shared_experts x the expert
+    hidden size); 0 = none."""
+    score_func: str | None = _field(None, choices=("softmax", "sigmoid"))
+    """Router scores: softmax over experts or a sigmoid per expert (DeepSeek-V3), in fp32."""
+    route_norm: bool | None = _field(None)
+    """Renormalise each token's top-k routing weights to sum to 1."""
+    route_scale: float | None = _field(None, gt=0)
+    """Multiply the routing weights by this (DeepSeek-V3: 2.5)."""
+    num_expert_groups: int | None = _field(None, ge=1)
+    """Group-limited routing: the experts form this many equal groups (must divide
+    num_experts); 1 = no groups."""
+    num_limited_groups: int | None = _field(None, ge=1)
+    """Group-limited routing: each token picks its top_k experts inside its best this-many
+    groups (<= num_expert_groups; the groups must hold at least top_k experts)."""
+    load_balance_coeff: float | None = _field(None, ge=0)
+    """Aux-loss-free balancing: after each optimizer step the selection-only expert bias moves
+    by this x sign(mean load - load); 0 = off."""
+    aux_loss_alpha: float | None = _field(None, ge=0)
+    """Weight of DeepSeek-V3's sequence-wise balance loss (alpha x sum_i f_i P_i per
+    sequence, averaged over the step's sequences); 0 = off."""
+    capacity_factor: float | None = _field(None, gt=0)
+    """Token dropping: each expert takes at most ceil(tokens x top_k / num_experts x this)
+    assignments per forward (lowest router score dropped first); unset = the flavor's
+    (dropless for the built-in flavors)."""
+    use_grouped_mm: bool | str | None = _field(None, check=_grouped_mm_value,
+                                               rule="true, false or 'auto'")
+    """Experts as one torch._grouped_mm per projection (true), a loop over experts (false), or
+    'auto' (grouped where the device and dtype support it; same results)."""
+    n_dense_layers: int | None = _field(None, ge=0)
+    """The first this-many blocks keep a dense feed-forward (DeepSeek's first-k-dense)."""
+    moe_layer_interval: int | None = _field(None, ge=1)
+    """After the dense ones, every this-many-th block is a MoE block (1 = all of them)."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one attribute per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    """Where outputs go and what this file inherits from."""
+    model: Model = field(default_factory=Model)
+    """Which model and tokenizer to train."""
+    training: Training = field(default_factory=Training)
+    """Batch, sequence length, steps, precision and data."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer and its hyper-parameters."""
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    """Learning-rate warmup and decay."""
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    """Parallel degrees; their product is the world size."""
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    """Trade compute for memory by recomputing activations in backward."""
+    compile: Compile = field(default_factory=Compile)
+    """torch.compile."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Distributed checkpoints: saving, resuming and retention."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """Console logging and TensorBoard."""
+    comm: Comm = field(default_factory=Comm)
+    """Collective timeouts."""
+    float8: Float8 = field(default_factory=Float8)
+    """Float8 training of linear layers."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts settings (overrides of the MoE flavor's)."""
+
+
+#: TOML section name -> its dataclass, in file order.
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(JobConfig)  # type: ignore[misc]
+}
+
+
+# -- per-field validation -------------------------------------------------------------------------
+
+_BOUND_OPS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+_BOUND_WORDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _bounds_rule(meta: typing.Mapping[str, Any]) -> str:
+    return " and ".join(f"{_BOUND_WORDS[k]} {meta[k]:g}" for k in _BOUND_WORDS
+                        if meta.get(k) is not None)
+
+
+def field_rule(f: dataclasses.Field) -> str:
+    """What a field allows, in words ("" when any value of its type is fine)."""
+    m = f.metadata
+    if m.get("choices") is not None:
+        aliases = "".join(f" ({_show(a)} means {_show(c)})" for a, c in m["aliases"].items())
+        return "one of " + ", ".join(_show(c) for c in m["choices"]) + aliases
+    return m.get("rule") or _bounds_rule(m)
+
+
+def field_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """Type, enum, range and custom checks of each field on its own; failed keys join ``skip``."""
+    problems: list[str] = []
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            if key in skip:
+                continue
+            value = getattr(obj, f.name)
+            try:  # a config built in Python never went through the TOML type check
+                _coerce(value, hints[f.name])
+            except TypeError:
+                problems.append(f"{key} = {_show(value)} has the wrong type: expected "
+                                f"{_type_name(hints[f.name])}, got {_value_type_name(value)}")
+                skip.add(key)
+                continue
+            problem = _constraint_problem(f, value)
+            if problem:
+                problems.append(f"{key} = {_show(value)} {problem}")
+                skip.add(key)
+    return problems
+
+
+def _constraint_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with a well-typed ``value`` of field ``f`` and what it allows, or None."""
+    m = f.metadata
+    if value is None:  # an unset optional key has nothing to check
+        return None
+    if m.get("choices") is not None:
+        if value in m["choices"]:  # types are already checked, so True never passes for 1
+            return None
+        if value in m["aliases"]:  # the loader translates aliases; code built in Python must not
+            return (f"is an alias that only TOML files and the command line accept; set "
+                    f"{_show(m['aliases'][value])}")
+        hint = (_did_you_mean(value, m["choices"], fallback=False)
+                if isinstance(value, str) and all(isinstance(c, str) for c in m["choices"]) else "")
+        return f"is not allowed; choose {field_rule(f)}{hint}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if any(m.get(k) is not None and not op(value, m[k]) for k, op in _BOUND_OPS.items()):
+            return f"is out of range; it must be {_bounds_rule(m)}"
+    if m.get("check") is not None:
+        allowed = m["check"](value)
+        if allowed:
+            return f"is not allowed; allowed: {allowed}"
+    return None
+
