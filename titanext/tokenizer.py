@@ -166,7 +166,7 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
         """The text of ``ids``, special tokens dropped."""
-        if isinstance(ids, torch.Tensor):
+        if hasattr(ids, "flatten"):  # a tensor: one conversion, not one per element
             ids = ids.flatten().tolist()
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
