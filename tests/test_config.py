@@ -242,6 +242,42 @@ def test_missing_and_malformed_files(tmp_path):
     assert "bad.toml" in problem and "not valid TOML" in problem
 
 
+def test_a_key_given_twice_is_named_with_its_table_and_lines(tmp_path):
+    # tomllib alone says "Cannot overwrite a value (at line 10, column 6)".
+    path = write(tmp_path, "twice.toml", '[job]\ndump_folder = "out"\n\n[training]\nsteps = 10\n'
+                 'seq_len = 128\nnotes = """\nsteps = 3\n"""\nsteps = 20\n')
+    assert the_problem(path=path) == (f"{path}: line 10: key 'steps' in [training] is given "
+                                      "twice (first on line 5); keep one")
+    # quoted and bare spellings are the same key; the last line needs no newline
+    path = write(tmp_path, "quoted.toml", '[parallelism]\n"zero_stage" = 2\nzero_stage = 3')
+    assert "line 3: key 'zero_stage' in [parallelism] is given twice (first on line 2)" \
+        in the_problem(path=path)
+    path = write(tmp_path, "tables.toml", "[training]\nsteps = 1\n\n[training]\nseq_len = 64\n")
+    assert the_problem(path=path) == (f"{path}: line 4: table [training] is given twice (first "
+                                      "on line 1); merge the two into one [training]")
+    # the same key in two tables is fine
+    path = write(tmp_path, "ok.toml", "[float8]\nenable = false\n[compile]\nenable = false\n")
+    assert problems_of(path=path) == []
+
+
+def test_a_key_given_twice_in_a_base_file_names_the_extends_entry(tmp_path):
+    write(tmp_path, "base.toml", "[training]\nsteps = 1\nsteps = 2\n")
+    child = write(tmp_path, "child.toml", '[job]\nextends = "base.toml"\n')
+    problem = the_problem(path=child)
+    assert problem.startswith("job.extends = 'base.toml' in ")
+    assert "line 3: key 'steps' in [training] is given twice" in problem
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n", "\n\n"])
+def test_an_empty_config_file_is_an_error_not_a_run_on_the_defaults(tmp_path, text):
+    path = write(tmp_path, "empty.toml", text)
+    problem = the_problem(path=path)
+    assert problem.startswith(f"config file {str(path)!r} is empty: it sets no [section]")
+    # an empty base file is as suspicious as an empty child
+    child = write(tmp_path, "child.toml", '[job]\nextends = "empty.toml"\n')
+    assert "is empty" in the_problem(path=child)
+
+
 # -- CLI overrides ------------------------------------------------------------------------------
 
 def test_override_both_syntaxes():

@@ -192,15 +192,28 @@ def _read_toml(path: str, problems: list[str], chain: tuple[tuple[str, str], ...
     where = f"{via}: " if via else ""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read()
+        data = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         problems.append(f"{where}config file {path!r} does not exist")
         return {}
     except OSError as e:
         problems.append(f"{where}config file {path!r} cannot be read: {e.strerror or e}")
         return {}
+    except UnicodeDecodeError as e:
+        problems.append(f"{where}config file {path!r} is not UTF-8 text: {e.reason} at byte "
+                        f"{e.start}")
+        return {}
     except tomllib.TOMLDecodeError as e:
-        problems.append(f"{where}config file {path!r} is not valid TOML: {e}")
+        # tomllib names only a position for a repeated key or table; name the key instead.
+        twice = _given_twice(raw.decode("utf-8"), path)
+        problems.append(f"{where}{twice}" if twice
+                        else f"{where}config file {path!r} is not valid TOML: {e}")
+        return {}
+    if not data:
+        problems.append(f"{where}config file {path!r} is empty: it sets no [section], so the run "
+                        "would silently train on the defaults; write the sections to change "
+                        "(e.g. [training] steps = 10), or [job] extends = \"base.toml\"")
         return {}
     job = data.get("job")
     base_ref = job.get("extends") if isinstance(job, dict) else None
@@ -214,6 +227,51 @@ def _read_toml(path: str, problems: list[str], chain: tuple[tuple[str, str], ...
     base = _read_toml(base_path, problems, (*chain, (real, path)),
                       via=f"job.extends = {base_ref!r} in {path!r}")
     return _deep_merge(base, data)
+
+
+_TOML_KEY = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+_KEY_LINE = re.compile(rf"^\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*=")
+_TABLE_LINE = re.compile(rf"^\s*\[\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*\]\s*(?:#.*)?$")
+
+
+def _dotted(text: str) -> str:
+    """A TOML key as written (``a."b c"``) -> its parts joined by dots (``a.b c``)."""
+    parts = re.findall(_TOML_KEY, text)
+    return ".".join(p[1:-1] if p[:1] in "\"'" else p for p in parts)
+
+
+def _given_twice(text: str, path: str) -> str | None:
+    """The first key or table that ``text`` gives twice, as one problem line, or None.
+
+    A line-based scan that knows tables, keys and multi-line strings, enough to name what
+    tomllib reports only as "Cannot overwrite a value (at line N, column M)".
+    """
+    table, seen_keys, seen_tables = "", {}, {}
+    in_string = None  # the delimiter of an open multi-line string
+    for n, line in enumerate(text.splitlines(), 1):
+        if in_string:
+            in_string = None if line.count(in_string) % 2 else in_string
+            continue
+        header = _TABLE_LINE.match(line)
+        if header:
+            table = _dotted(header.group(1))
+            if table in seen_tables:
+                return (f"{path}: line {n}: table [{table}] is given twice (first on line "
+                        f"{seen_tables[table]}); merge the two into one [{table}]")
+            seen_tables[table] = n
+            continue
+        key = _KEY_LINE.match(line)
+        if key:
+            name = _dotted(key.group(1))
+            where = f"[{table}]" if table else "the top level (outside any [section])"
+            if (table, name) in seen_keys:
+                return (f"{path}: line {n}: key {name!r} in {where} is given twice (first on "
+                        f"line {seen_keys[table, name]}); keep one")
+            seen_keys[table, name] = n
+        for quote in ('"""', "'''"):
+            if line.count(quote) % 2:
+                in_string = quote
+    return None
 
 
 def _unknown_key_message(section: str, key: str) -> str:
