@@ -188,3 +188,6 @@ def test_example_builder_and_config(tmp_path, monkeypatch):
     cfg = load_config(str(root / "train_configs" / "hf_llama_example.toml"), world_size=2)
     assert (cfg.model.flavor, cfg.model.tokenizer, cfg.checkpoint.last_save_in_hf) == (
         "hf", "hf", True)
+    from titanext.plan import model_shape
+
+    assert (model_shape(cfg).n_layers, model_shape(cfg).dim) == (4, 128)  # the planner reads it

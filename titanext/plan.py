@@ -113,14 +113,15 @@ class ModelShape:
 
 
 def model_shape(cfg: JobConfig) -> ModelShape:
-    return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len)
+    return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len,
+                        cfg.model.hf_assets_path)
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, flavor: str):
+def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None):
     from titanext.models import build_model, get_model_args
 
-    return build_model(name, get_model_args(name, flavor), device="meta")
+    return build_model(name, get_model_args(name, flavor, hf_assets_path), device="meta")
 
 
 def _linears(layer) -> tuple[Linear, ...]:
@@ -138,25 +139,27 @@ def _linears(layer) -> tuple[Linear, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
-                  auto_filter: bool) -> tuple[tuple[bool, ...], bool]:
+                  auto_filter: bool, hf_assets_path: str | None = None
+                  ) -> tuple[tuple[bool, ...], bool]:
     """Which of layer 0's linears, and whether the output head, the float8 converter swaps."""
     from torch import nn
 
     from titanext.plugins.float8 import float8_module_filter
 
     keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter)
-    model = _meta_model(name, flavor)
+    model = _meta_model(name, flavor, hf_assets_path)
     layer = tuple(keep(m, f"layers.0.{fqn}") for fqn, m in model.layers["0"].named_modules()
                   if isinstance(m, nn.Linear))
     return layer, keep(model.output, "output")
 
 
 @functools.lru_cache(maxsize=16)
-def _model_shape(name: str, flavor: str, seq_len: int) -> ModelShape:
+def _model_shape(name: str, flavor: str, seq_len: int,
+                 hf_assets_path: str | None = None) -> ModelShape:
     from titanext.models import get_model_args
 
-    args = get_model_args(name, flavor)
-    model = _meta_model(name, flavor)
+    args = get_model_args(name, flavor, hf_assets_path)  # flavor 'hf': its config.json
+    model = _meta_model(name, flavor, hf_assets_path)
     # a dense block describes the dense fields (a MoE-only model has none, they count 0 times)
     layer = next((blk for blk in model.layers.values() if not hasattr(blk, "moe")),
                  model.layers["0"])
@@ -284,7 +287,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len  # one micro-batch, the whole sequence
     tokens = tokens_mb / cp  # what this rank's matmuls see (SP gathers the sequence back)
     f8_layer, f8_head = (_float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
-                                       tuple(f8.filter_fqns), f8.auto_filter)
+                                       tuple(f8.filter_fqns), f8.auto_filter,
+                                       cfg.model.hf_assets_path)
                          if f8.enable else ((False,) * len(shape.linears), False))
     linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
     zero_n = n_fsdp if p.zero_stage >= 2 else dp * cp  # ranks sharding the optimizer state

@@ -28,8 +28,13 @@ def _choices(value: str, choices) -> str:
     return f"choose one of {', '.join(map(repr, choices))}{did_you_mean(value, list(choices), fallback=False)}"
 
 
-def get_model_args(name: str, flavor: str) -> ModelArgs:
-    """The :class:`ModelArgs` of a named flavor; KeyError lists the choices."""
+def get_model_args(name: str, flavor: str, hf_assets_path: str | None = None) -> ModelArgs:
+    """The :class:`ModelArgs` of a named flavor; KeyError lists the choices. Flavor ``"hf"``
+    reads ``hf_assets_path/config.json`` (:func:`titanext.models.hf.model_args_from_hf`)."""
+    if flavor == "hf" and name in MODEL_FLAVORS:
+        from titanext.models.hf import model_args_from_hf
+
+        return model_args_from_hf(hf_assets_path or "")
     if name not in MODEL_FLAVORS:
         raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     flavors = MODEL_FLAVORS[name]
