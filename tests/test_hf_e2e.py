@@ -1,7 +1,8 @@
 """End to end: start from an HF directory on 2 ranks (FSDP), train a few steps with its
 tokenizer on a JSON-lines corpus, export with last_save_in_hf, and load the export in
 transformers: its loss on a batch equals titanext's (1e-4), and the first step's loss equals
-the source model's loss in transformers on that step's batch, also under TP 2 and PP 2."""
+the source model's loss in transformers on that step's batch, also under TP 2 and PP 2, and
+for a Qwen3-MoE directory under EP 2."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed import fp32_trainer_overrides, run_distributed
-from tests.hf_artifacts import make_tiny_llama
+from tests.hf_artifacts import make_bpe_tokenizer, make_tiny_llama, make_tiny_qwen3
 from titanext.config import load_config
 from titanext.errors import ConfigError
 
@@ -29,6 +30,9 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfe2e")
     hf = str(root / "hf")
     make_tiny_llama(hf)
+    moe = str(root / "qwen3_moe")
+    make_tiny_qwen3(moe, moe=True, mlp_only_layers=[0], norm_topk_prob=True)
+    make_bpe_tokenizer(moe)
     text = resources.files("titanext").joinpath("assets/shakespeare.txt").read_text("utf-8")
     corpus = root / "corpus.jsonl"
     with open(corpus, "w") as f:
@@ -45,7 +49,7 @@ def job(tmp_path_factory):
         "--checkpoint.last_save_in_hf=true", "--optimizer.lr=1e-2",
         f"--job.dump_folder={root / 'run'}",  # last: _train_and_probe derives other folders
     ]
-    return {"hf": hf, "corpus": str(corpus), "overrides": overrides, "root": root}
+    return {"hf": hf, "moe": moe, "corpus": str(corpus), "overrides": overrides, "root": root}
 
 
 def _probe_batch(hf: str) -> torch.Tensor:
@@ -61,16 +65,21 @@ def _mean_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
 
 
-# More layouts starting from the same HF weights (no export): TP and PP through the trainer.
+# More layouts starting from HF weights (no export): TP and PP through the trainer, and the
+# Qwen3-MoE model ("{moe}": its directory) with its experts split over ep = 2.
 OTHER_LAYOUTS = {
     "tp2": ["--parallelism.tensor_parallel_degree=2"],
     "pp2": ["--parallelism.pipeline_parallel_degree=2",
             "--parallelism.pipeline_parallel_schedule=1F1B",
             "--parallelism.pipeline_parallel_microbatches=2"],
+    "qwen3_moe_fsdp2_ep2": ["--parallelism.data_parallel_shard_degree=2",
+                            "--parallelism.expert_parallel_degree=2",
+                            "--training.local_batch_size=2", "--model.hf_assets_path={moe}",
+                            "--checkpoint.initial_load_path={moe}"],
 }
 
 
-def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str
+def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str, moe: str
                      ) -> tuple[list[float], float, dict[str, list[float]]]:
     from titanext.train import Trainer
 
@@ -84,7 +93,8 @@ def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str
         cfg = load_config(None, [*overrides, "--parallelism.data_parallel_shard_degree=1",
                                  "--training.local_batch_size=4", "--training.steps=1",
                                  "--checkpoint.enable=false", "--checkpoint.last_save_in_hf=false",
-                                 f"--job.dump_folder={overrides[-1]}-{name}", *extra],
+                                 f"--job.dump_folder={overrides[-1]}-{name}",
+                                 *(o.format(moe=moe) for o in extra)],
                           world_size=world_size)
         others[name] = Trainer(cfg).train()
     return losses, probe, others
@@ -98,7 +108,8 @@ def test_hf_start_train_export_reload(job):
     from titanext.tokenizer import build_tokenizer
 
     (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
-                                        args=(job["overrides"], job["hf"]), timeout_s=120)
+                                        args=(job["overrides"], job["hf"], job["moe"]),
+                                        timeout_s=120)
     export = os.path.join(job["root"], "run", "checkpoint", f"step-{STEPS}-hf")
     assert sorted(os.listdir(export)) == ["config.json", "generation_config.json",
                                           "model.safetensors", "tokenizer.json",
@@ -115,13 +126,18 @@ def test_hf_start_train_export_reload(job):
     loader = build_dataloader(dataset="text", dataset_path=job["corpus"], tokenizer=tok,
                               seq_len=SEQ, local_batch_size=4, dp_rank=0, dp_degree=1)
     inputs, labels = loader.next_batch()[:2]
-    source = AutoModelForCausalLM.from_pretrained(job["hf"])
-    with torch.no_grad():
-        logits = source(inputs).logits
-    first = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+
+    def first_loss(directory: str) -> float:
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(directory)(inputs).logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+
+    first = first_loss(job["hf"])
     assert abs(first - losses[0]) < 1e-5, (first, losses[0])
-    for name, other in others.items():  # TP and PP start from the same weights
-        assert abs(first - other[0]) < 1e-5, (name, first, other[0])
+    for name, other in others.items():  # every layout starts from the source weights
+        ref = first_loss(job["moe"]) if "moe" in name else first
+        assert abs(ref - other[0]) < 1e-5, (name, ref, other[0])
+    source = AutoModelForCausalLM.from_pretrained(job["hf"])
     assert abs(theirs - _mean_loss(source(tokens).logits.detach(), tokens)) > 1e-3  # it trained
 
 
