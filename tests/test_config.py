@@ -433,7 +433,7 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
      "training.mixed_precision_reduce = 'float16' is not allowed; choose one of 'float32', 'bfloat16'"),
     ("--training.seed=-1", "training.seed = -1 is out of range; it must be >= 0"),
     ("--training.dataset=shakespear", "training.dataset = 'shakespear' is not allowed; choose one of "
-     "'shakespeare', 'text', 'synthetic'; did you mean 'shakespeare'?"),
+     "'shakespeare', 'text', 'tokens', 'synthetic'; did you mean 'shakespeare'?"),
     ("--optimizer.name=adamw", "optimizer.name = 'adamw' is not allowed; choose one of 'AdamW', "
      "'Adam'; did you mean 'AdamW'?"),
     ("--optimizer.lr=0", "optimizer.lr = 0.0 is out of range; it must be > 0"),

@@ -377,3 +377,47 @@ def test_hf_tokenizer_shards_match_the_text_stream_and_refuse_the_byte_tokenizer
     with pytest.raises(ConfigError, match=r"tokens\.json' was written by a tokenizer with vocab "
                                           rf"{hf.vocab_size} and EOS {hf.eos_id}"):
         make("tokens", out)
+
+
+# -- config rules at load -----------------------------------------------------------------------
+def _problems(args):
+    from titanext.config import load_config
+
+    try:
+        load_config(None, args)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_config_load_names_bad_data_files_before_anything_starts(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
+    text = ["--training.dataset=text", f"--training.dataset_path={tmp_path}"]
+    [problem] = _problems(text)
+    assert problem.startswith(f"training.dataset_path file {str(tmp_path / 'a.jsonl')!r} line 1 "
+                              'has no "text" field')
+    assert _problems([*text, "--training.dataset_text_field=body"]) == []
+    [problem] = _problems([*text, "--training.dataset_text_field="])
+    assert problem.startswith("training.dataset_text_field = '' ")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.save(shards / "00000.npy", np.zeros(16, dtype=np.uint8))
+    [problem] = _problems(["--training.dataset=tokens", f"--training.dataset_path={shards}"])
+    assert "00000.npy' has dtype uint8, which cannot hold" in problem
+    [problem] = _problems(["--training.dataset=tokens"])
+    assert problem.startswith("training.dataset = 'tokens' needs training.dataset_path")
+
+
+def test_validation_keys_are_checked_only_when_enabled(tmp_path):
+    assert _problems(["--validation.dataset_path=/no/such/dir"]) == []
+    on = ["--validation.enable=true"]
+    [problem] = _problems(on)
+    assert problem.startswith("validation.dataset = 'text' needs validation.dataset_path")
+    [problem] = _problems([*on, "--validation.dataset_path=/no/such/dir"])
+    assert problem.startswith("validation.dataset_path = '/no/such/dir' does not exist")
+    assert _problems([*on, "--validation.dataset=shakespeare"]) == []
+    [problem] = _problems([*on, "--validation.dataset=shakespeare", "--validation.freq=0"])
+    assert problem.startswith("validation.freq = 0 is out of range")
+    (tmp_path / "v.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
+    [problem] = _problems([*on, f"--validation.dataset_path={tmp_path / 'v.jsonl'}"])
+    assert problem.startswith("validation.dataset_path file") and '"text" field' in problem

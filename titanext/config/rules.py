@@ -554,19 +554,59 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
             "with zero_stage = 2, which never reshards after forward; leave it 'default' or use "
             "zero_stage = 3")
 
-    if ok("training.dataset", "training.dataset_path"):
-        if t.dataset == "text":
-            if not t.dataset_path:
-                problems.append("training.dataset = 'text' needs training.dataset_path (a .txt or "
-                                ".jsonl file, or a folder of them), which is unset")
-            elif not os.path.exists(t.dataset_path):
-                problems.append(f"training.dataset_path = {t.dataset_path!r} does not exist "
-                                f"(relative paths start at {os.getcwd()!r})")
-        elif t.dataset_path:
-            problems.append(f"training.dataset_path = {t.dataset_path!r} is only read with "
-                            f"dataset = 'text', but training.dataset = {t.dataset!r}; set "
-                            "dataset = 'text' or dataset_path = \"\"")
+    problems += _data_problems(cfg, skip)
     return problems
+
+
+def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """training's and (when enabled) validation's dataset and files: the path exists, parquet
+    and jsonl files have the text field, token shards' dtype holds the tokenizer's ids
+    (titanext.data.checks; file headers only)."""
+    from titanext.data.checks import check_dataset
+
+    problems: list[str] = []
+    sections = [("training", cfg.training)]
+    if cfg.validation.enable:
+        sections.append(("validation", cfg.validation))
+    vocab: tuple[int | None, int | None] | None = None
+    for name, sec in sections:
+        if {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip:
+            continue
+        if sec.dataset in ("text", "tokens"):
+            if not sec.dataset_path:
+                what = (".txt, .jsonl or .parquet file, or a folder of them"
+                        if sec.dataset == "text"
+                        else "folder of .npy shards from python -m titanext.data tokenize")
+                problems.append(f"{name}.dataset = {sec.dataset!r} needs {name}.dataset_path (a "
+                                f"{what}), which is unset")
+                continue
+            if not os.path.exists(sec.dataset_path):
+                problems.append(f"{name}.dataset_path = {sec.dataset_path!r} does not exist "
+                                f"(relative paths start at {os.getcwd()!r})")
+                continue
+            if sec.dataset == "tokens" and vocab is None:
+                vocab = _tokenizer_ids(cfg)
+            problems += check_dataset(sec.dataset, sec.dataset_path,
+                                      text_field=cfg.training.dataset_text_field,
+                                      vocab_size=vocab[0] if vocab else None,
+                                      eos_id=vocab[1] if vocab else None, section=name)
+        elif sec.dataset_path:
+            problems.append(f"{name}.dataset_path = {sec.dataset_path!r} is only read with "
+                            f"dataset = 'text' or 'tokens', but {name}.dataset = "
+                            f"{sec.dataset!r}; set dataset = 'text' or dataset_path = \"\"")
+    return problems
+
+
+def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
+    """(vocab size, EOS id) of the configured tokenizer, or Nones when it cannot be built (its
+    own rule reports why)."""
+    from titanext.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
+    except (ConfigError, ValueError):
+        return None, None
+    return tok.vocab_size, tok.eos_id
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:

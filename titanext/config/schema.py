@@ -31,7 +31,7 @@ from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
-           "Parallelism", "Training", "field_problems", "field_rule"]
+           "Parallelism", "Training", "Validation", "field_problems", "field_rule"]
 
 
 # -- per-field constraints live next to the field ------------------------------------------------
@@ -136,6 +136,13 @@ def _load_step(value: int | str) -> str | None:
 
 
 
+_DATASETS = ("shakespeare", "text", "tokens", "synthetic")
+
+
+def _non_empty(value: str) -> str | None:
+    return None if value else "a non-empty name"
+
+
 # -- the sections ---------------------------------------------------------------------------------
 
 @dataclass
@@ -188,14 +195,36 @@ class Training:
     """Seed for initialisation and data order; the same seed gives the same model in any layout."""
     deterministic: bool = _field(False)
     """Use deterministic algorithms only (slower; bitwise-repeatable runs)."""
-    dataset: str = _field("shakespeare", choices=("shakespeare", "text", "synthetic"))
-    """Data source: the built-in Shakespeare corpus, your own files ('text', see dataset_path),
-    or synthetic random tokens (for benchmarks and parity tests)."""
+    dataset: str = _field("shakespeare", choices=_DATASETS)
+    """Data source: the built-in Shakespeare corpus, your own files streamed and tokenized as
+    they are read ('text'), pre-tokenized .npy shards ('tokens', from python -m titanext.data
+    tokenize), or synthetic random tokens (for benchmarks and parity tests). See docs/data.md."""
     dataset_path: str | None = _field(None)
-    """For dataset = 'text': a .txt or .jsonl file (field 'text'), or a folder of them; relative
-    to the working directory. Leave unset (or "") for the other datasets."""
+    """For dataset = 'text': a .txt, .jsonl or .parquet file, or a folder of them (searched
+    recursively); for 'tokens': a folder of .npy shards. Relative to the working directory.
+    Leave unset (or "") for the other datasets."""
+    dataset_text_field: str = _field("text", check=_non_empty, rule="a non-empty name")
+    """The field of each .jsonl record, or the column of a .parquet file, that holds the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = _field(False)
+    """Every freq steps, run the model forward only over the first `steps` batches of a
+    held-out source and log the mean token loss and perplexity (console and TensorBoard:
+    validation/loss, validation/perplexity). Works under every parallelism. See docs/data.md."""
+    dataset: str = _field("text", choices=_DATASETS)
+    """The held-out source, as training.dataset (read unshuffled from its start every time)."""
+    dataset_path: str | None = _field(None)
+    """Its files, as training.dataset_path (the text field is training.dataset_text_field)."""
+    freq: int = _field(100, ge=1)
+    """Validate after every this many training steps."""
+    steps: int = _field(10, ge=1)
+    """Batches per validation (each of local_batch_size sequences per data-parallel rank)."""
+    local_batch_size: int = _field(8, ge=1)
+    """Sequences per validation batch on each data-parallel rank (training.seq_len tokens)."""
 
 
 @dataclass
@@ -461,6 +490,8 @@ class JobConfig:
     """Which model and tokenizer to train."""
     training: Training = field(default_factory=Training)
     """Batch, sequence length, steps, precision and data."""
+    validation: Validation = field(default_factory=Validation)
+    """Loss and perplexity on a held-out source every few steps (forward only)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer and its hyper-parameters."""
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
