@@ -162,7 +162,7 @@ class Model:
     """Model family (a key of titanext.models.MODEL_FLAVORS)."""
     flavor: str = _field("debugmodel", rule="a flavor of the chosen model, or 'hf'")
     """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B; 'hf'
-    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral; see
+    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral, Qwen3; see
     docs/hf_checkpoints.md)."""
     tokenizer: str = _field("byte", choices=("byte", "hf"))
     """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed); 'hf'
