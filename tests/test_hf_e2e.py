@@ -1,8 +1,8 @@
 """End to end: start from an HF directory on 2 ranks (FSDP), train a few steps with its
 tokenizer on a JSON-lines corpus, export with last_save_in_hf, and load the export in
 transformers: its loss on a batch equals titanext's (1e-4), and the first step's loss equals
-the source model's loss in transformers on that step's batch, also under TP 2 and PP 2, and
-for a Qwen3-MoE directory under EP 2."""
+the source model's loss in transformers on that step's batch, also under TP 2, CP 2 and PP 2,
+and for a Qwen3-MoE directory under EP 2."""
 
 from __future__ import annotations
 
@@ -65,10 +65,11 @@ def _mean_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
 
 
-# More layouts starting from HF weights (no export): TP and PP through the trainer, and the
+# More layouts starting from HF weights (no export): TP, CP and PP through the trainer, and the
 # Qwen3-MoE model ("{moe}": its directory) with its experts split over ep = 2.
 OTHER_LAYOUTS = {
     "tp2": ["--parallelism.tensor_parallel_degree=2"],
+    "cp2": ["--parallelism.context_parallel_degree=2"],
     "pp2": ["--parallelism.pipeline_parallel_degree=2",
             "--parallelism.pipeline_parallel_schedule=1F1B",
             "--parallelism.pipeline_parallel_microbatches=2"],
