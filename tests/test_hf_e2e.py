@@ -122,6 +122,19 @@ def test_hf_start_train_export_reload(job):
     tok = build_tokenizer("hf", job["hf"])
     assert AutoTokenizer.from_pretrained(export)("Hark")["input_ids"] == tok.encode("Hark")
 
+    # The same step's DCP checkpoint converted offline gives the same safetensors, bitwise.
+    from safetensors.torch import load_file
+
+    from titanext.convert import main as convert_main
+
+    offline = os.path.join(job["root"], "offline")
+    assert convert_main(["dcp-to-hf", os.path.join(job["root"], "run", "checkpoint",
+                                                   f"step-{STEPS}"), offline,
+                         "--hf-assets", job["hf"]]) == 0
+    a, b = load_file(os.path.join(export, "model.safetensors")), load_file(
+        os.path.join(offline, "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
     # Step 1 trained on the source weights: its loss is the source model's on that batch (the
     # loader's global order does not depend on the layout, so one process sees the same batch).
     loader = build_dataloader(dataset="text", dataset_path=job["corpus"], tokenizer=tok,
