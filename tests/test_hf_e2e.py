@@ -73,6 +73,9 @@ OTHER_LAYOUTS = {
     "pp2": ["--parallelism.pipeline_parallel_degree=2",
             "--parallelism.pipeline_parallel_schedule=1F1B",
             "--parallelism.pipeline_parallel_microbatches=2"],
+    # QK-norm under TP (the norm weights replicated, their gradients summed over tp)
+    "qwen3_moe_tp2": ["--parallelism.tensor_parallel_degree=2", "--model.hf_assets_path={moe}",
+                      "--checkpoint.initial_load_path={moe}"],
     "qwen3_moe_fsdp2_ep2": ["--parallelism.data_parallel_shard_degree=2",
                             "--parallelism.expert_parallel_degree=2",
                             "--training.local_batch_size=2", "--model.hf_assets_path={moe}",
@@ -92,7 +95,7 @@ def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str, 
     others = {}
     for name, extra in OTHER_LAYOUTS.items():
         cfg = load_config(None, [*overrides, "--parallelism.data_parallel_shard_degree=1",
-                                 "--training.local_batch_size=4", "--training.steps=1",
+                                 "--training.local_batch_size=4",
                                  "--checkpoint.enable=false", "--checkpoint.last_save_in_hf=false",
                                  f"--job.dump_folder={overrides[-1]}-{name}",
                                  *(o.format(moe=moe) for o in extra)],
@@ -151,6 +154,12 @@ def test_hf_start_train_export_reload(job):
     for name, other in others.items():  # every layout starts from the source weights
         ref = first_loss(job["moe"]) if "moe" in name else first
         assert abs(ref - other[0]) < 1e-5, (name, ref, other[0])
+    # ... and follows the same loss curve: the dense layouts the FSDP run's, QK-norm under TP
+    # the FSDP x EP run's
+    for name, other in others.items():
+        ref = others["qwen3_moe_fsdp2_ep2"] if "moe" in name else losses
+        assert torch.allclose(torch.tensor(other), torch.tensor(ref), rtol=0, atol=1e-5), (
+            name, other, ref)
     source = AutoModelForCausalLM.from_pretrained(job["hf"])
     assert abs(theirs - _mean_loss(source(tokens).logits.detach(), tokens)) > 1e-3  # it trained
 

@@ -271,10 +271,6 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
                 problems.append(f"{tok.file}: the tokenizer has {tok.vocab_size} token ids, more "
                                 f"than the model's vocab_size = {vocab}; use a model whose "
                                 "embedding holds the tokenizer's vocabulary")
-    if args is not None and args.qk_norm and tp > 1:
-        problems.append(f"parallelism.tensor_parallel_degree = {tp}: the model normalises each "
-                        "head of q and k (Qwen3's q_norm / k_norm), which titanext's TP plan does "
-                        "not shard yet; use FSDP / HSDP / CP / PP / EP")
     if args is not None and args.tie_embeddings:
         for key, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
             if degree > 1:

@@ -80,6 +80,10 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         "attention.wk": colwise(),
         "attention.wv": colwise(),
         "attention.wo": rowwise(output_layouts=seq),
+        # QK-norm (Qwen3): each rank normalises its own heads (dim 2 of [b, s, heads, hd]); the
+        # weight is replicated and its gradient summed over tp.
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "feed_forward.w1": colwise(),
         "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise(output_layouts=seq),
