@@ -62,6 +62,31 @@ def test_help_lists_every_key_with_its_docstring():
         assert key in out.stdout
 
 
+# What `python -m titanext.train --help` must not load: the training stack it does not need.
+HEAVY = ("titanext.parallel_dims", "titanext.parallelize", "titanext.pipeline",
+         "titanext.checkpoint", "titanext.plugins.fsdp", "titanext.models.llama",
+         "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining")
+_MODULES_AFTER = """
+import runpy, sys
+sys.argv = ["titanext.train", *sys.argv[1:]]
+before = set(sys.modules)
+try:
+    runpy.run_module("titanext.train", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert e.code == 0, e.code
+print("MODULES", " ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_help_does_not_import_the_distributed_stack():
+    out = subprocess.run([sys.executable, "-c", _MODULES_AFTER, "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.rsplit("MODULES ", 1)[1].split()
+    assert "titanext.config" in loaded  # it did parse and print the help
+    assert not [m for m in loaded if m == "torch.distributed" or m.startswith(HEAVY)], loaded
+
+
 def test_print_config_resolves_overrides(tmp_path):
     out = _run(["--config", DEBUG, "--print-config", "--training.steps=7"], timeout=120)
     assert out.returncode == 0, out.stderr

@@ -69,6 +69,25 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     return device
 
 
+def set_determinism(seed: int, deterministic: bool = False) -> None:
+    """Seed torch's RNG; ``deterministic`` also asks for deterministic kernels (slower)."""
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def set_process_group_timeout(seconds: float) -> None:
+    """Shorten the collective timeout once start-up (which may compile or load) is done."""
+    try:  # private in every torch we support; losing it only keeps the init timeout.
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+
+
 def _free_port() -> int:
     import socket
 

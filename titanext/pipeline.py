@@ -11,7 +11,8 @@ Three small steps, each usable on a user's own model:
    stage modules in ``PipelineStage`` objects and builds the schedule.
 
 Between 3's two calls the caller applies TP / AC / compile / FSDP to each stage module exactly
-as to a whole model (see ``titanext.train.Trainer._build_pipeline``).
+as to a whole model (:func:`titanext.parallelize.parallelize`). :class:`PipelineRunner` does all
+of it for a model and runs the training step (the trainer's pipeline path).
 
 >>> import torch
 >>> from titanext.models import build_model, get_model_args
@@ -30,23 +31,28 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
-from titanext.config.rules import resolve_microbatches  # noqa: F401  (re-export)
+from titanext.config.rules import resolve_microbatches  # also re-exported
+from titanext.optim import clip_grad_norm_
 from titanext.schedules import (
     build_schedule,
     get_schedule_class,
+    num_stages_for,
     stage_ids_for_rank,
 )
 from titanext.schedules import resolved_stages_per_rank as stages_per_rank_of
+from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
-           "stages_per_rank_of", "StageTimer"]
+           "stages_per_rank_of", "StageTimer", "PipelineRunner"]
 
 
 def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
@@ -272,3 +278,149 @@ class StageTimer:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
         f, b, w = (max(float(x), 1e-6) for x in t)
         return {"f": 1.0, "b": b / f, "w": w / f}
+
+
+class PipelineRunner:
+    """This rank's pipeline stages of a model and the schedule that trains them.
+
+    Built once from the whole (meta) model, it owns the pipeline's whole life:
+
+    - the schedule class, resolved once from ``schedule`` (a name or class), and its placement;
+    - the split (:func:`layers_per_stage`, :func:`split_model`) and which stages this rank holds
+      (:func:`pipeline_stage_ids`);
+    - each stage module shaped by ``parallelize_stage`` (default: :func:`titanext.parallelize.
+      parallelize` with the defaults, then ``init_weights()``) and handed ``position_ids``;
+    - the schedule (:func:`build_pipeline`); a schedule that ``measures_costs`` (Auto) is timed
+      on the first :meth:`step` (:class:`StageTimer`) and rebuilt for the measured costs;
+    - the loss: ``loss_fn(output, target)`` returns a micro-batch's token-loss *sum*; the
+      runner multiplies it by :meth:`step`'s ``loss_scale`` for the backward and sums the
+      unscaled values it records;
+    - gradients of mirrored stage copies (DualPipe) and clipping (:meth:`clip_grad_norm`).
+
+    The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
+    stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
+
+        runner = PipelineRunner(model, dims, schedule="ZBH1", microbatches=4,
+                                loss_fn=token_loss_sum, device=device,
+                                parallelize_stage=lambda m: parallelize(m, dims, ...))
+        optimizer = build_optimizer([p for part in runner.parts for p in part.parameters()])
+        loss_sum = runner.step(batches, loss_scale=dp_size / global_tokens)
+        grad_norm = runner.clip_grad_norm(max_norm)
+        optimizer.step()
+
+    Tested against one process in tests/test_pipeline.py (every schedule, through the trainer).
+    """
+
+    def __init__(self, model: nn.Module, dims, *, schedule: str | type, microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, stages_per_rank: int | None = None,
+                 stage_layers: Sequence[int] | None = None, first_stage_less_layers: int = 0,
+                 last_stage_less_layers: int = 0, position_ids: torch.Tensor | None = None,
+                 parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+                 reset_stage_state: Callable[[nn.Module], None] | None = None,
+                 loss_context: Callable[[], AbstractContextManager] = nullcontext):
+        cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+        self.schedule_class, self.device, self.microbatches = cls, device, microbatches
+        self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
+        pp = dims.pp
+        per_rank = stages_per_rank_of(cls, stages_per_rank)
+        # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
+        # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
+        self.mirrored = cls.placement == "dualpipe"
+        self.num_stages = num_stages_for(cls.placement, pp, per_rank)
+        # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
+        self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
+                                                                          per_rank)
+                                for r in range(pp))
+        counts = layers_per_stage(len(model.layers), self.num_stages,
+                                  first_stage_less_layers=first_stage_less_layers,
+                                  last_stage_less_layers=last_stage_less_layers,
+                                  explicit=stage_layers)
+        self.stage_ids = pipeline_stage_ids(cls, pp_rank=pp_rank, pp=pp, stages_per_rank=per_rank)
+        if parallelize_stage is None:
+            from titanext.parallelize import parallelize
+
+            def parallelize_stage(m: nn.Module) -> nn.Module:
+                return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
+
+        self.parts = [parallelize_stage(split_model(model, counts, i)) for i in self.stage_ids]
+        # Every stage runs RoPE but only the first sees the tokens: each is handed the positions
+        # its rank's slice of the sequence holds (the same for every micro-batch and step).
+        for part in self.parts if position_ids is not None else ():
+            pass_position_ids(part, position_ids)
+        self._token_loss, self._loss_context, self._reset = loss_fn, loss_context, reset_stage_state
+        self._scale = 1.0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.costs: dict[str, float] | None = None  # Auto's measured f, b, w
+        self._build()
+        # Auto: time F, I and W on the first step, then switch to the schedule made for them.
+        self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
+
+    @classmethod
+    def from_config(cls, model: nn.Module, dims, parallelism, *, local_batch_size: int,
+                    **kwargs) -> PipelineRunner:
+        """The runner a config's ``[parallelism]`` section describes (its ``pipeline_parallel_*``
+        keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
+        p = parallelism
+        return cls(model, dims, schedule=p.pipeline_parallel_schedule,
+                   microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
+                                                     local_batch_size),
+                   stages_per_rank=p.pipeline_parallel_stages_per_rank,
+                   stage_layers=p.pipeline_parallel_layers_per_stage,
+                   first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                   last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers, **kwargs)
+
+    def _build(self) -> None:
+        self.stages, self.schedule = build_pipeline(
+            self.parts, self.stage_ids, num_stages=self.num_stages, pp_group=self.pp_group,
+            device=self.device, schedule=self.schedule_class, microbatches=self.microbatches,
+            loss_fn=self._scaled_loss, costs=self.costs,
+            # mirrored gradients are summed once per optimizer step (after accumulation)
+            schedule_kwargs={"sum_mirrored_grads": False} if self.mirrored else None)
+        if self._reset is not None:
+            ignore_shape_inference_forward(self.parts, self._reset)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch on the last stage, inside ``schedule.step`` (already in the loss
+        context: a nested one would switch loss parallel off before the backward)."""
+        return self._token_loss(output, target) * self._scale
+
+    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+             loss_scale: float) -> torch.Tensor:
+        """One ``schedule.step`` per (inputs, labels) batch (gradient accumulation), with
+        every micro-batch's loss multiplied by ``loss_scale`` for the backward. Returns the
+        unscaled loss sum (float64) of this rank's data-parallel share, summed over the pp
+        ranks and counted once; sum it over the data-parallel ranks yourself."""
+        self._scale = loss_scale
+        self._loss_sum.zero_()
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        for inputs, labels in batches:
+            args = (inputs.to(self.device),) if first else ()
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            with self._loss_context():  # loss parallel: its backward runs inside step too
+                self.schedule.step(*args, **kwargs)
+            for loss in losses:  # the schedule's record of what each micro-batch returned
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                self._loss_sum += loss.detach().to(torch.float64) / self._scale
+        if self._timer is not None:  # Auto's measuring step is done: switch schedules
+            self.costs = self._timer.costs(self.pp_group)
+            self._timer.detach()
+            self._timer = None
+            self._build()
+        loss_sum = self._loss_sum.clone()
+        dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage saw the loss
+        return loss_sum / self._loss_copies
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by their global norm over the pp group; returns the
+        norm. Mirrored copies (DualPipe) first get their summed gradient (bitwise equal on
+        both) and count once in the norm."""
+        if self.mirrored:
+            sum_mirrored_grads(self.stages)
+            return clip_mirrored_grads(list(self.parts[0].parameters()),
+                                       list(self.parts[1].parameters()), max_norm,
+                                       pp_group=self.pp_group)
+        params = [q for part in self.parts for q in part.parameters()]
+        return clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
+
