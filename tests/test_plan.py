@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import resource
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_distributed
-from titanext.config import load_config
+from titanext.config import ConfigError, gradient_accumulation_steps, load_config
 from titanext.plan import (
     DEVICES,
     advise,
@@ -176,8 +177,39 @@ def test_activation_estimate_within_15_percent_of_measurement(case):
         measured = _measure_body(0, 1, overrides)
     else:
         measured = max(run_distributed(_measure_body, world, args=(overrides,), timeout_s=60))
-    estimated = plan_config(load_config(None, overrides, world_size=world), world).memory["activations"]
+    cfg = load_config(None, overrides, world_size=world)
+    estimated = plan_config(cfg, world).memory["activations"]
     assert abs(estimated - measured) <= 0.15 * measured, (estimated, measured)
+
+
+# -- gradient accumulation: the config's rule ---------------------------------------------------
+
+def test_planner_counts_gradient_accumulation_with_the_config_rule():
+    cfg = load_config(None, ["--training.global_batch_size=64"], world_size=4)
+    assert plan_config(cfg, 4).layout["gradient_accumulation"] == 2
+    assert gradient_accumulation_steps(cfg, 4) == 2
+    # Where they used to differ: the planner floored global / (local x dp) and took 1 below one
+    # batch per step (48 -> 1, 16 -> 0 -> 1) for a batch the config and the trainer refuse.
+    for global_batch in (48, 16):  # local 8 x dp 4 = 32
+        bad = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, global_batch_size=global_batch))
+        message = f"training.global_batch_size = {global_batch} must be a multiple of"
+        with pytest.raises(ConfigError, match=message):
+            gradient_accumulation_steps(bad, 4)
+        with pytest.raises(ConfigError, match=message):
+            plan_config(bad, 4)
+
+
+def test_planning_modules_doctests():
+    import doctest
+
+    import titanext.planning.layout
+    import titanext.planning.memory
+    import titanext.planning.shapes
+
+    for module in (titanext.planning.layout, titanext.planning.memory, titanext.planning.shapes):
+        result = doctest.testmod(module, verbose=False)
+        assert result.failed == 0 and result.attempted >= 1, module.__name__
 
 
 # -- advice and the CLI -------------------------------------------------------------------------
@@ -237,7 +269,7 @@ def test_cli_config_errors_exit_2_one_line_each():
     assert "Traceback" not in out.stderr
 
 
-# -- the pipeline bubble comes from the simulator ---------------------------------------------------
+# -- the pipeline bubble comes from the simulator --------------------------------------------------
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBH1", "ZBH2", "ZBV", "DualPipeV"])
 def test_pipeline_bubble_and_in_flight_are_the_simulators(schedule):
@@ -286,8 +318,9 @@ def test_expert_parallel_memory_and_all_to_all():
             "--training.local_batch_size=1", "--training.global_batch_size=64",
             # full AC: op-level selective AC is rejected with EP
             "--activation_checkpoint.mode=full", "--compile.enable=false"]
-    plans = {ep: plan_config(load_config(None, [*over, f"--parallelism.expert_parallel_degree={ep}"],
-                                         world_size=64), 64) for ep in (1, 8)}
+    plans = {ep: plan_config(load_config(
+        None, [*over, f"--parallelism.expert_parallel_degree={ep}"], world_size=64), 64)
+        for ep in (1, 8)}
     one, eight = plans[1], plans[8]
     shape = model_shape(load_config(None, over, world_size=64))
     moe = shape.moe

@@ -67,5 +67,6 @@ def with_overrides(device: Device, *, peak_tflops: float | None = None,
     changes = {"bf16_flops": peak_tflops and peak_tflops * 1e12,
                "fp8_flops": fp8_tflops and fp8_tflops * 1e12,
                "hbm_bytes": hbm_gb and hbm_gb * GB, "hbm_bw": hbm_tbps and hbm_tbps * 1e12,
-               "intra_bw": intra_gbps and intra_gbps * GB, "inter_bw": inter_gbps and inter_gbps * GB}
+               "intra_bw": intra_gbps and intra_gbps * GB,
+               "inter_bw": inter_gbps and inter_gbps * GB}
     return dataclasses.replace(device, **{k: v for k, v in changes.items() if v})

@@ -72,12 +72,12 @@ def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
                   Linear("moe.shared_experts.w2", shared, dim, tp_split=False)) if shared else ()),
                # k rows per token; the memory roof reads every local expert's weights (set per
                # layout by ``with_ep``)
-               Linear("moe.experts.w1", dim, args.hidden_dim, tp_split=False, token_factor=args.top_k,
-                      weights=args.num_experts),
-               Linear("moe.experts.w3", dim, args.hidden_dim, tp_split=False, token_factor=args.top_k,
-                      weights=args.num_experts),
-               Linear("moe.experts.w2", args.hidden_dim, dim, tp_split=False, token_factor=args.top_k,
-                      weights=args.num_experts))
+               Linear("moe.experts.w1", dim, args.hidden_dim, tp_split=False,
+                      token_factor=args.top_k, weights=args.num_experts),
+               Linear("moe.experts.w3", dim, args.hidden_dim, tp_split=False,
+                      token_factor=args.top_k, weights=args.num_experts),
+               Linear("moe.experts.w2", args.hidden_dim, dim, tp_split=False,
+                      token_factor=args.top_k, weights=args.num_experts))
     return MoEShape(layer_ids=frozenset(moe_ids), num_experts=args.num_experts, top_k=args.top_k,
                     hidden=args.hidden_dim, shared_hidden=shared, groups=args.num_expert_groups,
                     sharded=attention, replicated=total - attention - experts, experts=experts,
@@ -88,8 +88,8 @@ def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Line
     """The block's matmuls on one rank of ``ep``: each reads ``num_experts / ep`` experts."""
     import dataclasses
 
-    return [dataclasses.replace(lin, weights=num_experts / ep) if lin.name.startswith("moe.experts.")
-            else lin for lin in linears]
+    return [dataclasses.replace(lin, weights=num_experts / ep)
+            if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
 
 def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> float:

@@ -1,0 +1,108 @@
+"""Advice: the fastest layouts of a world size that fit in memory and pass validation.
+
+Following the Ultra-Scale Playbook's procedure: keep what fits in memory, reach the target
+batch, then rank by estimated throughput (TP inside a node is cheap, across nodes expensive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from titanext.config import ConfigError, load_config
+from titanext.planning.estimate import Plan, plan_config
+from titanext.planning.hardware import DEVICES, Device
+from titanext.planning.shapes import model_shape
+
+__all__ = ["advise", "toml_snippet"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
+           device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
+           efficiency: float = 0.6) -> list[Plan]:
+    """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
+
+    Candidates are estimated first (cheap), then validated in rank order through
+    :func:`titanext.config.load_config` with ``world_size``, so a layout that fails validation
+    is never proposed; those that do not fit in 90% of HBM are dropped. The global batch of the
+    config is kept; the micro-batch size and recompute mode are searched.
+    """
+    base = load_config(path, overrides, world_size=world_size)
+    global_batch = base.training.global_batch_size
+    if global_batch <= 0:
+        global_batch = base.training.local_batch_size * world_size
+    moe = model_shape(base).moe
+    candidates = []
+    for tp in _divisors(world_size):
+        if tp > 2 * gpus_per_node:
+            continue
+        for pp in _divisors(world_size // tp):
+            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
+                dp = world_size // (tp * pp * cp)
+                # expert parallelism borrows dp_shard x cp ranks (MoE models only)
+                eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
+                for ep, ac, local in itertools.product(eps, ("none", "selective", "full"),
+                                                       (1, 2, 4, 8)):
+                    if global_batch % (local * dp):
+                        continue
+                    cfg = dataclasses.replace(
+                        base,
+                        parallelism=dataclasses.replace(
+                            base.parallelism, tensor_parallel_degree=tp,
+                            pipeline_parallel_degree=pp, context_parallel_degree=cp,
+                            expert_parallel_degree=ep, data_parallel_replicate_degree=1,
+                            data_parallel_shard_degree=dp),
+                        activation_checkpoint=dataclasses.replace(base.activation_checkpoint,
+                                                                  mode=ac),
+                        training=dataclasses.replace(base.training, local_batch_size=local,
+                                                     global_batch_size=global_batch))
+                    try:
+                        plan = plan_config(cfg, world_size, device=device,
+                                           gpus_per_node=gpus_per_node, efficiency=efficiency)
+                    except ValueError:  # e.g. fewer layers than stages: validation rejects it
+                        continue
+                    if plan.fits:
+                        candidates.append(plan)
+    # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
+    candidates.sort(key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
+                                    pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
+                                    pl.memory_total))
+    chosen = []
+    for plan in candidates:
+        lo = plan.layout
+        cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
+                f"--parallelism.pipeline_parallel_degree={lo['pp']}",
+                f"--parallelism.context_parallel_degree={lo['cp']}",
+                f"--parallelism.expert_parallel_degree={lo['ep']}",
+                "--parallelism.data_parallel_replicate_degree=1",
+                f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
+                f"--activation_checkpoint.mode={lo['ac']}",
+                f"--training.local_batch_size={lo['local_batch_size']}",
+                f"--training.global_batch_size={global_batch}"]
+        try:
+            load_config(path, [*overrides, *cand], world_size=world_size)
+        except ConfigError:
+            continue
+        lo["overrides"] = cand
+        chosen.append(plan)
+        if len(chosen) == top:
+            break
+    return chosen
+
+
+def toml_snippet(plan: Plan) -> str:
+    lo = plan.layout
+    return "\n".join([
+        "[parallelism]",
+        f"data_parallel_shard_degree = {lo['dp_shard']}",
+        f"tensor_parallel_degree = {lo['tp']}",
+        f"context_parallel_degree = {lo['cp']}",
+        f"pipeline_parallel_degree = {lo['pp']}",
+        *([f"expert_parallel_degree = {lo['ep']}"] if lo["ep"] > 1 else []),
+        "", "[training]", f"local_batch_size = {lo['local_batch_size']}",
+        "", "[activation_checkpoint]", f'mode = "{lo["ac"]}"'])

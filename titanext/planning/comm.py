@@ -1,0 +1,123 @@
+"""Communication per rank and step: one row per parallelism (bytes, collectives, link level).
+
+Model-parallel traffic (TP/SP collectives, CP's ring or all-gather, EP's all-to-alls, PP's
+point-to-point sends) sits on a micro-batch's critical path, so :func:`model_parallel_comm`
+also adds its exposed time to the micro-batch's forward (F) and input-gradient (I) times.
+Data-parallel traffic (FSDP all-gathers and reduce-scatters, HSDP all-reduce, ZeRO-1) overlaps
+the step's compute (:func:`data_parallel_comm`; :mod:`~titanext.planning.estimate` counts what
+is left exposed). Each row's time is alpha-beta: a latency per collective plus bytes over the
+link (:func:`comm_time`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titanext.planning.hardware import Device
+from titanext.planning.layout import Layout
+from titanext.planning.memory import state_elements
+from titanext.planning.moe import all_to_all_bytes
+from titanext.planning.pipeline import RankStages
+from titanext.planning.roofline import MicrobatchTime
+
+__all__ = ["comm_time", "data_parallel_comm", "model_parallel_comm"]
+
+
+def comm_time(c: dict, device: Device) -> float:
+    """alpha-beta time of a communication row: latency per collective plus bytes over the link."""
+    inter = c["level"] == "inter-node"
+    return (c["collectives"] * (device.inter_latency if inter else device.intra_latency)
+            + c["bytes"] / (device.inter_bw if inter else device.intra_bw))
+
+
+def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime
+                        ) -> tuple[list[dict], MicrobatchTime, float]:
+    """(TP / CP / EP / PP rows, ``mt`` with their exposed time added, one p2p send's time)."""
+    shape, moe, tp, cp, ep, pp, a, ac = (lo.shape, lo.shape.moe, lo.tp, lo.cp, lo.ep, lo.pp,
+                                         lo.a, lo.ac)
+    p = lo.cfg.parallelism
+    tokens, passes, sp = lo.tokens, lo.passes, lo.sp
+    comm = []
+    if tp > 1:
+        tp_fwd = 4 if sp else 2  # SP: 2 all-gathers + 2 reduce-scatters per block
+        tp_bytes = tokens * shape.dim * a * (tp - 1) / tp * (1 if sp else 2)  # per collective
+        n_f = tp_fwd * rank.layers
+        n_i = n_f * (2 if ac == "full" else 1)  # backward (+ the recomputed forward's)
+        c = {"parallelism": "TP/SP" if sp else "TP", "collectives": (n_f + n_i) * passes,
+             "bytes": (n_f + n_i) * tp_bytes * passes, "level": lo.level(1, tp),
+             "overlap": "none"}
+        comm.append(c)
+        one = comm_time({**c, "collectives": 1, "bytes": tp_bytes}, device)
+        mt = dataclasses.replace(mt, f=mt.f + n_f * one, i=mt.i + n_i * one)
+    if cp > 1:
+        kv = 2 * tokens * shape.kv_dim / tp  # K and V elements of this rank's slice
+        rounds = (cp - 1) * (2 if ac == "full" else 1)  # forward (+ its recompute)
+        ring = p.context_parallel_comm != "allgather"
+        c = {"parallelism": f"CP ({p.context_parallel_comm})",
+             "collectives": rank.layers * passes * ((rounds + 2 * (cp - 1)) if ring
+                                                   else (2 if ac == "full" else 1) + 1),
+             # K/V blocks forward; K/V again and their fp32 gradients backward
+             "bytes": rank.layers * passes * kv * (rounds * a + (cp - 1) * (a + 4)),
+             "level": lo.level(tp, cp), "overlap": "attention"}
+        comm.append(c)
+        hidden = mt.attention_f * (1 + 2.5 + (1 if ac == "full" else 0))
+        mt = dataclasses.replace(mt, i=mt.i + max(0.0, comm_time(c, device) / passes - hidden))
+    if ep > 1 and lo.n_moe(rank):
+        # dispatch + combine forward, again backward (and in the recompute); one count exchange
+        # per dispatch; on the critical path (the MoE waits for its tokens)
+        n_f = 2 * lo.n_moe(rank)
+        n_i = n_f * (2 if ac == "full" else 1)
+        one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a)
+        counts = lo.n_moe(rank) * (2 if ac == "full" else 1)  # split sizes, once per dispatch
+        c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
+             "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep), "overlap": "none"}
+        comm.append(c)
+        t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
+        mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
+    p2p = 0.0
+    if pp > 1:
+        send = tokens * shape.dim * a / (tp if sp else 1)  # one block-boundary activation
+        c = {"parallelism": f"PP p2p ({lo.pipe.schedule})", "collectives": rank.sends * passes,
+             "bytes": rank.sends * passes * send, "level": lo.level(lo.strides["pp"], pp),
+             "overlap": "in the schedule"}
+        comm.append(c)
+        p2p = comm_time({**c, "collectives": 1, "bytes": send}, device)
+    return comm, mt, p2p
+
+
+def data_parallel_comm(lo: Layout, rank: RankStages, psi_dense: float,
+                       psi_experts: float) -> list[dict]:
+    """FSDP / HSDP / ZeRO-1 rows of the busiest pp rank (its dense and expert parameters)."""
+    p = lo.cfg.parallelism
+    n_fsdp, rep, ep, accum, a = lo.n_fsdp, lo.rep, lo.ep, lo.accum, lo.a
+    psi = psi_dense + psi_experts
+    units = rank.layers + 1
+    comm = []
+    if n_fsdp > 1 and p.zero_stage >= 2:
+        gathers = 1 if (p.zero_stage == 2 or not lo.reshard) else 2
+        frac = (n_fsdp - 1) / n_fsdp
+        per_element = lo.gathered_per_element * gathers + lo.reduce_bytes
+        dense_only = psi_experts and ep > 1  # experts have their own FSDP group
+        comm.append({"parallelism": "FSDP (dp_shard x cp)",
+                     "collectives": units * (gathers + 1) * accum,
+                     "bytes": (psi_dense if dense_only else psi) * frac * per_element * accum,
+                     "level": lo.level(lo.strides["dp_shard"], n_fsdp), "overlap": "compute"})
+        n_e = n_fsdp // ep
+        if dense_only and n_e > 1:
+            comm.append({"parallelism": "FSDP experts (dp_shard x cp / ep)",
+                         "collectives": lo.n_moe(rank) * (gathers + 1) * accum,
+                         "bytes": psi_experts * (n_e - 1) / n_e * (a * gathers + lo.reduce_bytes)
+                         * accum,
+                         "level": lo.level(lo.tp * ep, n_e), "overlap": "compute"})
+    if rep > 1 and p.zero_stage >= 2:
+        comm.append({"parallelism": "HSDP all-reduce (dp_replicate)",
+                     "collectives": units * accum,
+                     "bytes": 2 * (rep - 1) / rep * lo.reduce_bytes * accum
+                     * state_elements(lo, psi_dense, psi_experts, n_fsdp),
+                     "level": lo.level(lo.strides["dp_replicate"], rep), "overlap": "compute"})
+    if p.zero_stage == 1 and lo.dp * lo.cp > 1:
+        d = lo.dp * lo.cp  # DDP all-reduce once per step, then the sharded optimizer's gather
+        comm.append({"parallelism": "DP all-reduce + ZeRO-1 gather", "collectives": 2 * units,
+                     "bytes": (2 * lo.reduce_bytes + 4) * (d - 1) / d * psi,
+                     "level": lo.level(lo.tp, d), "overlap": "compute"})
+    return comm

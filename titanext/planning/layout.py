@@ -1,0 +1,153 @@
+"""One config's layout resolved into the quantities every estimate reads.
+
+:func:`resolve_layout` turns a validated :class:`~titanext.config.JobConfig` and a world size
+into a :class:`Layout`: the degrees, dtypes, micro-batches (gradient accumulation by the
+config's own rule, :func:`titanext.config.rules.accumulation_steps`), the pipeline split, the
+tokens one micro-batch puts through a rank, and the float8 and FSDP choices. The estimate
+pieces (:mod:`~titanext.planning.memory`, :mod:`~titanext.planning.comm`,
+:mod:`~titanext.planning.estimate`) take a Layout and add nothing of their own to it.
+
+>>> from titanext.config import load_config
+>>> lo = resolve_layout(load_config(None, ["--training.global_batch_size=64"], world_size=4), 4)
+>>> lo.dp, lo.accum, lo.pp_microbatches
+(4, 2, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from titanext.config import JobConfig, resolved_dp_shard
+from titanext.config.rules import accumulation_steps, resolve_microbatches
+from titanext.planning.moe import with_ep
+from titanext.planning.pipeline import PipelineLayout, RankStages, pipeline_layout
+from titanext.planning.roofline import Linear
+from titanext.planning.shapes import ModelShape, float8_flags, model_shape
+
+__all__ = ["Layout", "dtype_bytes", "level", "resolve_layout"]
+
+
+def dtype_bytes(name: str, on_gpu: bool) -> int:
+    return 4 if name == "float32" or (name == "auto" and not on_gpu) else 2
+
+
+def level(stride: int, size: int, gpus_per_node: int) -> str:
+    """A mesh axis group spans stride x size consecutive ranks: inside a node or not."""
+    if size == 1:
+        return "-"
+    return "intra-node" if stride * size <= gpus_per_node else "inter-node"
+
+
+@dataclass
+class Layout:
+    """What the estimates of one config on one cluster share (see the module docstring)."""
+
+    cfg: JobConfig
+    shape: ModelShape
+    rep: int
+    shard: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    a: int  # bytes of the compute dtype
+    reduce_bytes: int
+    sp: bool
+    ac: str
+    accum: int  # forward/backward passes per optimizer step (gradient accumulation)
+    pp_microbatches: int
+    pipe: PipelineLayout
+    tokens_mb: float  # one micro-batch, the whole sequence
+    tokens: float  # what this rank's matmuls see (SP gathers the sequence back)
+    linears: list[Linear]  # layer 0's linears, float8 flags applied
+    moe_linears: list[Linear]  # a MoE block's linears on this rank (experts split by ep)
+    head_float8: bool
+    zero_n: int  # ranks sharding the optimizer state
+    reshard: bool
+    gathered_layer: float  # bytes of one gathered FSDP unit
+    gathered_per_element: float
+    gpus_per_node: int
+
+    @property
+    def dp(self) -> int:
+        return self.rep * self.shard
+
+    @property
+    def n_fsdp(self) -> int:
+        return self.shard * self.cp
+
+    @property
+    def passes(self) -> int:
+        """Micro-batches through a rank per optimizer step."""
+        return self.accum * self.pp_microbatches
+
+    @property
+    def strides(self) -> dict[str, int]:
+        tp, cp, shard, rep = self.tp, self.cp, self.shard, self.rep
+        return {"tp": 1, "cp": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * shard,
+                "pp": tp * cp * shard * rep}
+
+    def level(self, stride: int, size: int) -> str:
+        return level(stride, size, self.gpus_per_node)
+
+    def n_moe(self, rank: RankStages) -> int:
+        """MoE blocks among a pp rank's blocks."""
+        moe = self.shape.moe
+        return len(moe.layer_ids.intersection(rank.layer_ids)) if moe else 0
+
+
+def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -> Layout:
+    """The :class:`Layout` of ``cfg`` (already validated) on ``world_size`` ranks."""
+    from titanext.plugins.fsdp import resolve_reshard_after_forward
+
+    p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
+    shape = model_shape(cfg)
+    rep, tp, cp, pp, ep = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
+                           p.context_parallel_degree, p.pipeline_parallel_degree,
+                           p.expert_parallel_degree)
+    moe = shape.moe
+    shard = resolved_dp_shard(cfg, world_size)
+    dp, n_fsdp = rep * shard, shard * cp
+    a = dtype_bytes(t.mixed_precision_param, True)
+    # the trainer's own rule: global / (local x dp), and a ConfigError where it is not whole
+    accum = accumulation_steps(global_batch_size=t.global_batch_size,
+                               local_batch_size=t.local_batch_size, dp_replicate=rep,
+                               dp_shard=shard)
+    pp_mb = (resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
+             if pp > 1 else 1)
+    spr = p.pipeline_parallel_stages_per_rank
+    pipe = pipeline_layout(p.pipeline_parallel_schedule if pp > 1 else "1F1B", pp=pp,
+                           microbatches=pp_mb, n_layers=shape.n_layers,
+                           stages_per_rank=spr if spr > 0 else None,
+                           first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                           last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                           layers_per_stage_explicit=tuple(p.pipeline_parallel_layers_per_stage))
+    tokens_mb = t.local_batch_size // pp_mb * t.seq_len
+    f8_layer, f8_head = (float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
+                                      tuple(f8.filter_fqns), f8.auto_filter,
+                                      cfg.model.hf_assets_path)
+                         if f8.enable else ((False,) * len(shape.linears), False))
+    linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
+    reshard = resolve_reshard_after_forward(p.fsdp_reshard_after_forward,
+                                            zero_stage=max(p.zero_stage, 2), pp_enabled=pp > 1)
+    f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
+    gathered_layer = ((1 if f8.enable_fsdp_float8_all_gather else a) * f8_weights
+                      + a * (shape.layer_sharded - f8_weights)) / tp + a * shape.layer_replicated
+    gathered_per_element = gathered_layer / (shape.layer_sharded / tp + shape.layer_replicated)
+    moe_linears: list[Linear] = []
+    if moe:  # a MoE unit gathers its attention, router, shared and this rank's experts
+        gathered_layer = max(gathered_layer, a * (moe.sharded / tp + moe.replicated
+                                                  + moe.experts / ep))
+        moe_linears = with_ep(moe.linears, moe.num_experts, ep)
+    return Layout(
+        cfg=cfg, shape=shape, rep=rep, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep, a=a,
+        reduce_bytes=2 if t.mixed_precision_reduce == "bfloat16" else 4,
+        sp=tp > 1 and p.enable_sequence_parallel, ac=cfg.activation_checkpoint.mode,
+        accum=accum, pp_microbatches=pp_mb, pipe=pipe, tokens_mb=tokens_mb,
+        tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
+        zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,
+        gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
+        gpus_per_node=gpus_per_node)
+
+

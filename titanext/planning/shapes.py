@@ -1,0 +1,117 @@
+"""The model as the planner sees it: exact parameter counts by role, from the meta model.
+
+The reference model is built on the meta device (no memory), so the counts are the real
+model's, not a formula's; layer 0's linears carry their TP direction from the TP plan.
+
+>>> from titanext.config import load_config
+>>> shape = model_shape(load_config(None, ["--model.flavor=debugtiny"]))
+>>> shape.n_layers, shape.total > 0
+(2, True)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from titanext.config import JobConfig
+from titanext.planning.moe import MoEShape, moe_shape
+from titanext.planning.roofline import Linear
+
+__all__ = ["ModelShape", "float8_flags", "model_shape"]
+
+
+@dataclass
+class ModelShape:
+    """Exact parameter counts of the model built on the meta device, by role."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    kv_dim: int
+    ffn: int
+    vocab: int
+    layer_sharded: int  # per layer: split by TP (attention and FFN matmuls)
+    layer_replicated: int  # per layer: norms
+    embedding: int
+    output: int
+    final_norm: int
+    flops_per_token: float
+    layer_tensors: int  # parameter tensors per layer (Adam keeps a step scalar for each)
+    linears: tuple[Linear, ...] = ()  # one layer's matmuls (TP direction from the TP plan)
+    moe: MoEShape | None = None  # the MoE blocks (the fields above describe the dense ones)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe.layer_ids) if self.moe else 0
+
+    @property
+    def total(self) -> int:
+        moe = self.n_moe_layers * (self.moe.sharded + self.moe.replicated + self.moe.experts
+                                   ) if self.moe else 0
+        return ((self.n_layers - self.n_moe_layers) * (self.layer_sharded + self.layer_replicated)
+                + moe + self.embedding + self.output + self.final_norm)
+
+
+def model_shape(cfg: JobConfig) -> ModelShape:
+    return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len,
+                        cfg.model.hf_assets_path)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None):
+    from titanext.models import build_model, get_model_args
+
+    return build_model(name, get_model_args(name, flavor, hf_assets_path), device="meta")
+
+
+def _linears(layer) -> tuple[Linear, ...]:
+    """A layer's nn.Linear modules; rowwise where the llama TP plan splits their input."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from titanext.plugins.tensor_parallel import llama_tp_plan
+
+    plan = llama_tp_plan(layers_prefix="layer")
+    return tuple(Linear(fqn, m.in_features, m.out_features,
+                        rowwise=isinstance(plan.get(f"layer.{fqn}"), RowwiseParallel))
+                 for fqn, m in layer.named_modules() if isinstance(m, nn.Linear))
+
+
+@functools.lru_cache(maxsize=64)
+def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
+                 auto_filter: bool, hf_assets_path: str | None = None
+                 ) -> tuple[tuple[bool, ...], bool]:
+    """Which of layer 0's linears, and whether the output head, the float8 converter swaps."""
+    from torch import nn
+
+    from titanext.plugins.float8 import float8_module_filter
+
+    keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter)
+    model = _meta_model(name, flavor, hf_assets_path)
+    layer = tuple(keep(m, f"layers.0.{fqn}") for fqn, m in model.layers["0"].named_modules()
+                  if isinstance(m, nn.Linear))
+    return layer, keep(model.output, "output")
+
+
+@functools.lru_cache(maxsize=16)
+def _model_shape(name: str, flavor: str, seq_len: int,
+                 hf_assets_path: str | None = None) -> ModelShape:
+    from titanext.models import get_model_args
+
+    args = get_model_args(name, flavor, hf_assets_path)  # flavor 'hf': its config.json
+    model = _meta_model(name, flavor, hf_assets_path)
+    # a dense block describes the dense fields (a MoE-only model has none, they count 0 times)
+    layer = next((blk for blk in model.layers.values() if not hasattr(blk, "moe")),
+                 model.layers["0"])
+    norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+    linears = _linears(layer)
+    return ModelShape(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        kv_dim=args.kv_heads * args.head_dim, ffn=args.ffn_hidden_dim, vocab=args.vocab_size,
+        layer_sharded=sum(p.numel() for p in layer.parameters()) - norms, layer_replicated=norms,
+        embedding=model.tok_embeddings.weight.numel(), output=model.output.weight.numel(),
+        final_norm=model.norm.weight.numel(),
+        flops_per_token=model.num_flops_per_token(seq_len),
+        layer_tensors=len(list(layer.parameters())), linears=linears,
+        moe=moe_shape(model, linears))
