@@ -133,6 +133,7 @@ def test_named_flavor_export_permutes_rope_rows(tmp_path):
 LAYOUTS = {
     "fsdp4": ("plain", dict(dp_shard=4), "half", "hf"),
     "fsdp4_tied": ("tied", dict(dp_shard=4), "half", "hf"),
+    "fsdp2_tp2_tied": ("tied", dict(dp_shard=2, tp=2), "half", "hf"),
     "fsdp2_tp2": ("plain", dict(dp_shard=2, tp=2), "half", "hf"),
     # the named flavors' RoPE pairing: q/k rows permuted while reading TP x FSDP shards
     "fsdp2_tp2_interleaved": ("plain", dict(dp_shard=2, tp=2), "interleaved", "hf"),

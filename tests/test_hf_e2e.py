@@ -30,6 +30,8 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfe2e")
     hf = str(root / "hf")
     make_tiny_llama(hf)
+    tied = str(root / "tied")
+    make_tiny_llama(tied, tie=True)
     moe = str(root / "qwen3_moe")
     make_tiny_qwen3(moe, moe=True, mlp_only_layers=[0], norm_topk_prob=True)
     make_bpe_tokenizer(moe)
@@ -49,7 +51,8 @@ def job(tmp_path_factory):
         "--checkpoint.last_save_in_hf=true", "--optimizer.lr=1e-2",
         f"--job.dump_folder={root / 'run'}",  # last: _train_and_probe derives other folders
     ]
-    return {"hf": hf, "moe": moe, "corpus": str(corpus), "overrides": overrides, "root": root}
+    return {"hf": hf, "moe": moe, "tied": tied, "corpus": str(corpus), "overrides": overrides,
+            "root": root}
 
 
 def _probe_batch(hf: str) -> torch.Tensor:
@@ -65,40 +68,42 @@ def _mean_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
 
 
-# More layouts starting from HF weights (no export): TP, CP and PP through the trainer, and the
-# Qwen3-MoE model ("{moe}": its directory) with its experts split over ep = 2.
+# More layouts starting from HF weights (no export), 3 steps each: name -> (HF directory: the
+# Llama, a tied Llama or the Qwen3-MoE, reference run of the loss curve, overrides).
+TP2, FSDP2 = ["--parallelism.tensor_parallel_degree=2"], [
+    "--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=2"]
 OTHER_LAYOUTS = {
-    "tp2": ["--parallelism.tensor_parallel_degree=2"],
-    "cp2": ["--parallelism.context_parallel_degree=2"],
-    "pp2": ["--parallelism.pipeline_parallel_degree=2",
-            "--parallelism.pipeline_parallel_schedule=1F1B",
-            "--parallelism.pipeline_parallel_microbatches=2"],
+    "tp2": ("hf", "main", TP2),
+    "cp2": ("hf", "main", ["--parallelism.context_parallel_degree=2"]),
+    "pp2": ("hf", "main", ["--parallelism.pipeline_parallel_degree=2",
+                           "--parallelism.pipeline_parallel_schedule=1F1B",
+                           "--parallelism.pipeline_parallel_microbatches=2"]),
+    # tied embeddings: TP keeps embedding and output head one (vocab-sharded) parameter
+    "tied_fsdp2": ("tied", None, FSDP2),
+    "tied_tp2": ("tied", "tied_fsdp2", TP2),
     # QK-norm under TP (the norm weights replicated, their gradients summed over tp)
-    "qwen3_moe_tp2": ["--parallelism.tensor_parallel_degree=2", "--model.hf_assets_path={moe}",
-                      "--checkpoint.initial_load_path={moe}"],
-    "qwen3_moe_fsdp2_ep2": ["--parallelism.data_parallel_shard_degree=2",
-                            "--parallelism.expert_parallel_degree=2",
-                            "--training.local_batch_size=2", "--model.hf_assets_path={moe}",
-                            "--checkpoint.initial_load_path={moe}"],
+    "qwen3_moe_fsdp2_ep2": ("moe", None, [*FSDP2, "--parallelism.expert_parallel_degree=2"]),
+    "qwen3_moe_tp2": ("moe", "qwen3_moe_fsdp2_ep2", TP2),
 }
 
 
-def _train_and_probe(rank: int, world_size: int, overrides: list[str], hf: str, moe: str
+def _train_and_probe(rank: int, world_size: int, overrides: list[str], dirs: dict[str, str]
                      ) -> tuple[list[float], float, dict[str, list[float]]]:
     from titanext.train import Trainer
 
     trainer = Trainer(load_config(None, overrides, world_size=world_size))
     losses = trainer.train()
-    tokens = _probe_batch(hf)
+    tokens = _probe_batch(dirs["hf"])
     with torch.no_grad():  # FSDP forward: every rank runs it on the same batch
         probe = _mean_loss(trainer.model(tokens), tokens)
     others = {}
-    for name, extra in OTHER_LAYOUTS.items():
+    for name, (which, _, extra) in OTHER_LAYOUTS.items():
         cfg = load_config(None, [*overrides, "--parallelism.data_parallel_shard_degree=1",
                                  "--training.local_batch_size=4",
                                  "--checkpoint.enable=false", "--checkpoint.last_save_in_hf=false",
                                  f"--job.dump_folder={overrides[-1]}-{name}",
-                                 *(o.format(moe=moe) for o in extra)],
+                                 f"--model.hf_assets_path={dirs[which]}",
+                                 f"--checkpoint.initial_load_path={dirs[which]}", *extra],
                           world_size=world_size)
         others[name] = Trainer(cfg).train()
     return losses, probe, others
@@ -112,8 +117,7 @@ def test_hf_start_train_export_reload(job):
     from titanext.tokenizer import build_tokenizer
 
     (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
-                                        args=(job["overrides"], job["hf"], job["moe"]),
-                                        timeout_s=120)
+                                        args=(job["overrides"], job), timeout_s=180)
     export = os.path.join(job["root"], "run", "checkpoint", f"step-{STEPS}-hf")
     assert sorted(os.listdir(export)) == ["config.json", "generation_config.json",
                                           "model.safetensors", "tokenizer.json",
@@ -151,15 +155,14 @@ def test_hf_start_train_export_reload(job):
 
     first = first_loss(job["hf"])
     assert abs(first - losses[0]) < 1e-5, (first, losses[0])
-    for name, other in others.items():  # every layout starts from the source weights
-        ref = first_loss(job["moe"]) if "moe" in name else first
+    for name, other in others.items():  # every layout starts from the source weights ...
+        which, reference, _ = OTHER_LAYOUTS[name]
+        ref = first if which == "hf" else first_loss(job[which])
         assert abs(ref - other[0]) < 1e-5, (name, ref, other[0])
-    # ... and follows the same loss curve: the dense layouts the FSDP run's, QK-norm under TP
-    # the FSDP x EP run's
-    for name, other in others.items():
-        ref = others["qwen3_moe_fsdp2_ep2"] if "moe" in name else losses
-        assert torch.allclose(torch.tensor(other), torch.tensor(ref), rtol=0, atol=1e-5), (
-            name, other, ref)
+        if reference is not None:  # ... and follows its reference run's loss curve
+            curve = losses if reference == "main" else others[reference]
+            assert torch.allclose(torch.tensor(other), torch.tensor(curve), rtol=0, atol=1e-5), (
+                name, other, curve)
     source = AutoModelForCausalLM.from_pretrained(job["hf"])
     assert abs(theirs - _mean_loss(source(tokens).logits.detach(), tokens)) > 1e-3  # it trained
 
@@ -193,14 +196,14 @@ def test_bad_hf_inputs_are_config_errors_naming_the_file(job, tmp_path):
     # weights that do not match the flavor
     msg = _config_error([*base, "--model.tokenizer=byte", "--model.flavor=debugtiny"])
     assert "model.embed_tokens.weight" in msg and "[320, 64]" in msg and "[264, 64]" in msg
-    # tied embeddings under TP
+    # tied embeddings under PP
     tied = tmp_path / "tied"
     make_tiny_llama(str(tied), tie=True)
     msg = _config_error([*base, f"--model.hf_assets_path={tied}",
                          f"--checkpoint.initial_load_path={tied}",
                          "--parallelism.data_parallel_shard_degree=1",
-                         "--parallelism.tensor_parallel_degree=2"])
-    assert "tie_word_embeddings" in msg and "tensor_parallel_degree = 2" in msg
+                         "--parallelism.pipeline_parallel_degree=2"])
+    assert "tie_word_embeddings" in msg and "pipeline_parallel_degree = 2" in msg
 
 
 def test_bad_hf_input_exits_2_before_training(job, tmp_path, capsys):

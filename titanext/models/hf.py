@@ -241,7 +241,7 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
     - ``flavor = "hf"`` or ``tokenizer = "hf"`` need ``hf_assets_path``; its config.json /
       tokenizer.json must parse and describe something titanext implements;
     - the tokenizer's ids must fit the model's embedding (``model_vocab``, or the hf config's);
-    - tied embeddings cannot be split by TP or PP;
+    - tied embeddings cannot be split over pipeline stages;
     - ``initial_load_path`` must match the model (shapes read from headers only).
 
     ``model_args`` is the model of a named flavor (None for ``flavor = "hf"``).
@@ -271,13 +271,11 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
                 problems.append(f"{tok.file}: the tokenizer has {tok.vocab_size} token ids, more "
                                 f"than the model's vocab_size = {vocab}; use a model whose "
                                 "embedding holds the tokenizer's vocabulary")
-    if args is not None and args.tie_embeddings:
-        for key, degree in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)):
-            if degree > 1:
-                problems.append(
-                    f"parallelism.{key} = {degree}: the model ties its input and output "
-                    "embeddings (config.json tie_word_embeddings = true), which TP and PP would "
-                    "split apart; use FSDP / HSDP / CP / EP, or an untied model")
+    if args is not None and args.tie_embeddings and pp > 1:
+        problems.append(
+            f"parallelism.pipeline_parallel_degree = {pp}: the model ties its input and output "
+            "embeddings (config.json tie_word_embeddings = true), which live on the first and "
+            "the last pipeline stage; use FSDP / HSDP / TP / CP / EP, or an untied model")
     if initial_load_path and args is not None and not problems:
         from titanext.hf_checkpoint import check_dcp_checkpoint, check_hf_checkpoint
 

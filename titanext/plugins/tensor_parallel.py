@@ -146,8 +146,40 @@ def apply_tensor_parallel(
     for fqn, style in plan.items():
         for name in _matching(fqn, present):
             kept[name] = style
+    shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, kept)
+    _retie(model, shared)
     return model
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module FQN, parameter name) that hold one parameter (tied weights)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((mod_name, p_name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[tuple[str, str]]]) -> None:
+    """Make tied parameters shared again: ``parallelize_module`` replaces each module's
+    parameter separately. Every holder must have ended up with the same placements (say an
+    embedding and an output head both sharded on the vocabulary); else ValueError."""
+    for group in shared:
+        params = [getattr(model.get_submodule(m), n) for m, n in group]
+        first = params[0]
+        for (m, n), p in zip(group[1:], params[1:]):
+            if p is first:
+                continue
+            same = (isinstance(p, DTensor) and isinstance(first, DTensor)
+                    and p.placements == first.placements and p.device_mesh == first.device_mesh)
+            if not same:
+                raise ValueError(
+                    f"apply_tensor_parallel: {group[0][0]}.{group[0][1]} and {m}.{n} are one "
+                    "tied parameter, but the plan shards them differently "
+                    f"({getattr(first, 'placements', 'not sharded')} vs "
+                    f"{getattr(p, 'placements', 'not sharded')}); shard both alike or untie them")
+            setattr(model.get_submodule(m), n, first)
 
 
 class FusedColwiseParallel(ColwiseParallel):
