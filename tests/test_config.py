@@ -14,6 +14,7 @@ import pytest
 
 import titanext.config as config_mod
 import titanext.config._values as values_mod
+import titanext.config.degrees as degrees_mod
 import titanext.config.loader as loader_mod
 import titanext.config.rules as rules_mod
 import titanext.config.schema as schema_mod
@@ -90,7 +91,8 @@ def test_help_shows_allowed_values():
     assert "--optimizer.beta1 (number, default 0.9; >= 0 and < 1)" in text
 
 
-@pytest.mark.parametrize("module", [config_mod, schema_mod, loader_mod, rules_mod, values_mod])
+@pytest.mark.parametrize("module", [config_mod, schema_mod, loader_mod, rules_mod, values_mod,
+                                    degrees_mod])
 def test_module_doctests(monkeypatch, module):
     monkeypatch.chdir(ROOT)  # the examples name train_configs/ relative to the repo
     result = doctest.testmod(module, verbose=False)

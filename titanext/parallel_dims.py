@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanext.config.rules import degree_problems, resolve_dp_shard
+from titanext.config.degrees import degree_problems, resolve_dp_shard
 from titanext.errors import ConfigError
 
 __all__ = ["ParallelDims", "device_type", "init_distributed", "resolve_dp_shard"]
@@ -119,7 +119,7 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        # The config checks the same rules at load (titanext.config.rules owns them).
+        # The config checks the same rules at load (titanext.config.degrees owns them).
         self.dp_shard, problems = degree_problems(
             dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
             pp=self.pp, ep=self.ep, world_size=self.world_size)

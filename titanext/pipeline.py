@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from titanext.config.rules import resolve_microbatches  # also re-exported
+from titanext.config.degrees import resolve_microbatches  # also re-exported
 from titanext.optim import clip_grad_norm_
 from titanext.schedules import (
     build_schedule,

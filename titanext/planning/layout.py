@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanext.config import JobConfig, resolved_dp_shard
-from titanext.config.rules import accumulation_steps, resolve_microbatches
+from titanext.config.degrees import accumulation_steps, resolve_microbatches
 from titanext.planning.moe import with_ep
 from titanext.planning.pipeline import PipelineLayout, RankStages, pipeline_layout
 from titanext.planning.roofline import Linear

@@ -1,0 +1,132 @@
+"""The layout arithmetic: rules over plain ints that the config, ParallelDims, the pipeline and
+the planner all call, so each is written once (:mod:`titanext.config.rules` re-exports them).
+
+>>> resolve_dp_shard(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, world_size=8)
+4
+>>> accumulation_steps(global_batch_size=64, local_batch_size=8, dp_shard=4)
+2
+>>> resolve_microbatches(pp=4, requested=-1, local_batch_size=4)
+4
+"""
+
+from __future__ import annotations
+
+from titanext.errors import ConfigError
+
+__all__ = ["accumulation_steps", "batch_problem", "degree_problems", "ep_layout_problem",
+           "resolve_dp_shard", "resolve_microbatches"]
+
+
+# -- parallel degrees (plain ints: ParallelDims calls these too) ----------------------------------
+
+_DEGREE_KEYS = ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree")
+
+
+def resolve_dp_shard(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int,
+                     world_size: int | None) -> int:
+    """dp_shard with -1 resolved to the rest of ``world_size``; ConfigError if they do not fit.
+
+    The one place the degree product is checked. Without a world size only -1 -> 1 is done.
+    Positive degrees are assumed.
+    """
+    others = dp_replicate * cp * tp * pp
+    if world_size is None:
+        return 1 if dp_shard == -1 else dp_shard
+
+    def spelled(shard: int | None) -> str:
+        values = (dp_replicate, shard, cp, tp, pp)
+        return " x ".join(f"{k}({v})" for k, v in zip(_DEGREE_KEYS, values) if v is not None)
+
+    if dp_shard == -1:
+        if world_size % others:
+            raise ConfigError([
+                f"parallelism.data_parallel_shard_degree = -1 cannot fill the rest of the world "
+                f"size {world_size}: it is not divisible by {spelled(None)} = {others}"])
+        return world_size // others
+    if dp_shard * others != world_size:
+        raise ConfigError([
+            f"parallelism degrees multiply to {dp_shard * others}, not the world size "
+            f"{world_size}: {spelled(dp_shard)} = {dp_shard * others}; set "
+            "data_parallel_shard_degree = -1 to fill the rest"])
+    return dp_shard
+
+
+def ep_layout_problem(*, ep: int, cp: int, dp_shard: int) -> str | None:
+    """Expert parallelism borrows its ranks from dp_shard x cp: ``ep`` must divide that product
+    and be a multiple of ``cp`` (``dp_shard`` resolved). None when it fits.
+
+    >>> ep_layout_problem(ep=4, cp=1, dp_shard=2)[:47]
+    'parallelism.expert_parallel_degree = 4 must div'
+    """
+    if ep == 1 or (ep % cp == 0 and (dp_shard * cp) % ep == 0):
+        return None
+    return (f"parallelism.expert_parallel_degree = {ep} must divide data_parallel_shard_degree"
+            f"({dp_shard}) x context_parallel_degree({cp}) = {dp_shard * cp} and be a multiple "
+            f"of context_parallel_degree ({cp}): ep borrows its ranks from dp_shard x cp")
+
+
+def degree_problems(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int,
+                    world_size: int | None) -> tuple[int, list[str]]:
+    """(dp_shard resolved, every problem of these degrees): ranges, product, EP layout.
+
+    >>> degree_problems(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, world_size=8)
+    (4, [])
+    """
+    problems = [f"parallelism.{key} = {value} must be >= 1" for key, value in (
+        ("data_parallel_replicate_degree", dp_replicate), ("context_parallel_degree", cp),
+        ("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp),
+        ("expert_parallel_degree", ep)) if value < 1]
+    if dp_shard == 0 or dp_shard < -1:
+        problems.append(f"parallelism.data_parallel_shard_degree = {dp_shard} must be -1 or >= 1")
+    if problems:
+        return dp_shard, problems
+    try:
+        shard = resolve_dp_shard(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp,
+                                 pp=pp, world_size=world_size)
+    except ConfigError as e:
+        return (1 if dp_shard == -1 else dp_shard), e.problems
+    problem = ep_layout_problem(ep=ep, cp=cp, dp_shard=shard)
+    return shard, [problem] if problem else []
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+def batch_problem(*, global_batch_size: int, local_batch_size: int, dp_replicate: int,
+                  dp_shard: int) -> str | None:
+    """The global batch must be a whole number (>= 1) of ``local x dp`` batches; -1 is one.
+
+    >>> batch_problem(global_batch_size=48, local_batch_size=8, dp_replicate=1, dp_shard=4)[:44]
+    'training.global_batch_size = 48 must be a mu'
+    """
+    dp = dp_replicate * dp_shard
+    per_step = local_batch_size * dp
+    if global_batch_size == -1 or (global_batch_size >= per_step
+                                   and global_batch_size % per_step == 0):
+        return None
+    return (f"training.global_batch_size = {global_batch_size} must be a multiple of "
+            f"local_batch_size({local_batch_size}) x dp({dp}) = {per_step}, where dp = "
+            f"data_parallel_replicate_degree({dp_replicate}) x data_parallel_shard_degree"
+            f"({dp_shard}); gradient accumulation runs global / (local x dp) micro-batches per "
+            "step")
+
+
+def accumulation_steps(*, global_batch_size: int, local_batch_size: int, dp_replicate: int = 1,
+                       dp_shard: int) -> int:
+    """Micro-batches per optimizer step: global / (local x dp_replicate x dp_shard); 1 for
+    ``global = -1``. Raises :class:`ConfigError` when that is not a whole number (it never
+    rounds). The trainer, the config and the planner all count with this.
+    """
+    problem = batch_problem(global_batch_size=global_batch_size,
+                            local_batch_size=local_batch_size, dp_replicate=dp_replicate,
+                            dp_shard=dp_shard)
+    if problem:
+        raise ConfigError([problem])
+    if global_batch_size == -1:
+        return 1
+    return global_batch_size // (local_batch_size * dp_replicate * dp_shard)
+
+
+def resolve_microbatches(pp: int, requested: int, local_batch_size: int) -> int:
+    """``pipeline_parallel_microbatches`` with -1 resolved: 2 x pp, capped at the batch size."""
+    return requested if requested > 0 else max(1, min(2 * pp, local_batch_size))
