@@ -75,7 +75,8 @@ def test_help_lists_every_key_with_type_default_and_docstring():
     text = config_help()
     docs = field_docs()
     for section, key in all_keys():
-        line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"--{section}.{key} ")),
+        line = next((ln for ln in text.splitlines()
+                     if ln.strip().startswith(f"--{section}.{key} ")),
                     None)
         assert line is not None, f"--{section}.{key} missing from --help"
         assert "default" in line
@@ -293,7 +294,8 @@ def test_override_both_syntaxes():
                                            ("0", False), ("yes", True), ("no", False),
                                            ("True", True), ("NO", False)])
 def test_bool_override_spellings(text, expected):
-    assert load_config(None, [f"--training.deterministic={text}"]).training.deterministic is expected
+    cfg = load_config(None, [f"--training.deterministic={text}"])
+    assert cfg.training.deterministic is expected
 
 
 def test_bare_bool_override_means_true():
@@ -326,7 +328,8 @@ def test_override_type_errors_name_key_value_and_type(override, expected):
 def test_override_unknown_key_and_section():
     assert the_problem(["--parallelism.tensor_paralel_degree=2"]) == (
         "unknown key 'parallelism.tensor_paralel_degree'; did you mean 'tensor_parallel_degree'?")
-    assert "unknown section [traning]; did you mean 'training'?" == the_problem(["--traning.steps=2"])
+    assert the_problem(["--traning.steps=2"]) == ("unknown section [traning]; did you mean "
+                                                  "'training'?")
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -422,19 +425,25 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
 # -- per-field checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,expected", [
-    ("--model.tokenizer=tiktoken", "model.tokenizer = 'tiktoken' is not allowed; choose one of 'byte'"),
-    ("--training.local_batch_size=0", "training.local_batch_size = 0 is out of range; it must be >= 1"),
-    ("--training.global_batch_size=0", "training.global_batch_size = 0 is not allowed; allowed: -1 or"),
+    ("--model.tokenizer=tiktoken",
+     "model.tokenizer = 'tiktoken' is not allowed; choose one of 'byte'"),
+    ("--training.local_batch_size=0",
+     "training.local_batch_size = 0 is out of range; it must be >= 1"),
+    ("--training.global_batch_size=0",
+     "training.global_batch_size = 0 is not allowed; allowed: -1 or"),
     ("--training.global_batch_size=-2", "training.global_batch_size = -2 is not allowed"),
     ("--training.seq_len=0", "training.seq_len = 0 is out of range; it must be >= 1"),
     ("--training.steps=0", "training.steps = 0 is out of range; it must be >= 1"),
     ("--training.max_norm=-0.5", "training.max_norm = -0.5 is out of range; it must be >= 0"),
     ("--training.mixed_precision_param=fp16",
-     "training.mixed_precision_param = 'fp16' is not allowed; choose one of 'auto', 'bfloat16', 'float32'"),
+     "training.mixed_precision_param = 'fp16' is not allowed; choose one of 'auto', "
+     "'bfloat16', 'float32'"),
     ("--training.mixed_precision_reduce=float16",
-     "training.mixed_precision_reduce = 'float16' is not allowed; choose one of 'float32', 'bfloat16'"),
+     "training.mixed_precision_reduce = 'float16' is not allowed; choose one of "
+     "'float32', 'bfloat16'"),
     ("--training.seed=-1", "training.seed = -1 is out of range; it must be >= 0"),
-    ("--training.dataset=shakespear", "training.dataset = 'shakespear' is not allowed; choose one of "
+    ("--training.dataset=shakespear",
+     "training.dataset = 'shakespear' is not allowed; choose one of "
      "'shakespeare', 'text', 'tokens', 'synthetic'; did you mean 'shakespeare'?"),
     ("--optimizer.name=adamw", "optimizer.name = 'adamw' is not allowed; choose one of 'AdamW', "
      "'Adam'; did you mean 'AdamW'?"),
@@ -442,13 +451,16 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
     ("--optimizer.beta1=1", "optimizer.beta1 = 1.0 is out of range; it must be >= 0 and < 1"),
     ("--optimizer.beta2=-0.1", "optimizer.beta2 = -0.1 is out of range; it must be >= 0 and < 1"),
     ("--optimizer.eps=0", "optimizer.eps = 0.0 is out of range; it must be > 0"),
-    ("--optimizer.weight_decay=-1", "optimizer.weight_decay = -1.0 is out of range; it must be >= 0"),
+    ("--optimizer.weight_decay=-1",
+     "optimizer.weight_decay = -1.0 is out of range; it must be >= 0"),
     ("--optimizer.implementation=fast", "optimizer.implementation = 'fast' is not allowed; choose "
      "one of 'for-loop', 'foreach', 'fused'"),
-    ("--lr_scheduler.warmup_steps=-1", "lr_scheduler.warmup_steps = -1 is out of range; it must be >= 0"),
+    ("--lr_scheduler.warmup_steps=-1",
+     "lr_scheduler.warmup_steps = -1 is out of range; it must be >= 0"),
     ("--lr_scheduler.decay_ratio=1.5",
      "lr_scheduler.decay_ratio = 1.5 is out of range; it must be >= 0 and <= 1"),
-    ("--lr_scheduler.decay_type=exp", "lr_scheduler.decay_type = 'exp' is not allowed; choose one of "
+    ("--lr_scheduler.decay_type=exp",
+     "lr_scheduler.decay_type = 'exp' is not allowed; choose one of "
      "'linear', 'sqrt', 'cosine'"),
     ("--lr_scheduler.min_lr_factor=2",
      "lr_scheduler.min_lr_factor = 2.0 is out of range; it must be >= 0 and <= 1"),
@@ -459,9 +471,11 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
     ("--parallelism.data_parallel_shard_degree=-2",
      "parallelism.data_parallel_shard_degree = -2 is not allowed; allowed: -1 or an integer >= 1"),
     ("--parallelism.fsdp_reshard_after_forward=sometimes",
-     "parallelism.fsdp_reshard_after_forward = 'sometimes' is not allowed; choose one of 'default', "
+     "parallelism.fsdp_reshard_after_forward = 'sometimes' is not allowed; choose one "
+     "of 'default', "
      "'always', 'never'"),
-    ("--parallelism.zero_stage=4", "parallelism.zero_stage = 4 is not allowed; choose one of 1, 2, 3"),
+    ("--parallelism.zero_stage=4",
+     "parallelism.zero_stage = 4 is not allowed; choose one of 1, 2, 3"),
     ("--parallelism.tensor_parallel_degree=0",
      "parallelism.tensor_parallel_degree = 0 is out of range; it must be >= 1"),
     ("--parallelism.context_parallel_degree=0",
@@ -470,7 +484,8 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
      "parallelism.pipeline_parallel_degree = 0 is out of range; it must be >= 1"),
     ("--parallelism.expert_parallel_degree=0",
      "parallelism.expert_parallel_degree = 0 is out of range; it must be >= 1"),
-    ("--activation_checkpoint.mode=partial", "activation_checkpoint.mode = 'partial' is not allowed; "
+    ("--activation_checkpoint.mode=partial",
+     "activation_checkpoint.mode = 'partial' is not allowed; "
      "choose one of 'none', 'selective', 'full'"),
     ("--activation_checkpoint.selective_ac_option=x",
      "activation_checkpoint.selective_ac_option = 'x' is not allowed; allowed: 'op' or a positive"),
@@ -487,9 +502,11 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
     ("--checkpoint.load_step=-1", "checkpoint.load_step = -1 is not allowed; allowed: 'latest', "
      "'none' or a step number >= 0"),
     ("--checkpoint.load_step=newest", "checkpoint.load_step = 'newest' is not allowed"),
-    ("--checkpoint.keep_latest_k=-1", "checkpoint.keep_latest_k = -1 is out of range; it must be >= 0"),
+    ("--checkpoint.keep_latest_k=-1",
+     "checkpoint.keep_latest_k = -1 is out of range; it must be >= 0"),
     ("--metrics.log_freq=0", "metrics.log_freq = 0 is out of range; it must be >= 1"),
-    ("--comm.init_timeout_seconds=0", "comm.init_timeout_seconds = 0 is out of range; it must be >= 1"),
+    ("--comm.init_timeout_seconds=0",
+     "comm.init_timeout_seconds = 0 is out of range; it must be >= 1"),
     ("--comm.train_timeout_seconds=0",
      "comm.train_timeout_seconds = 0 is out of range; it must be >= 1"),
     ("--model.name=lama3", "model.name = 'lama3' is not a known model; choose one of 'llama3'; "
@@ -768,7 +785,8 @@ def test_compile_with_selective_op_ac_is_allowed():
 
 def test_all_problems_are_reported_together_one_line_each(tmp_path):
     path = write(tmp_path, "c.toml", '[training]\nsteps = "many"\nseq_len = 4096\n'
-                                     "[optimizer]\nlr = -1\n[parallelism]\ntensor_paralel_degree = 2\n")
+                                     "[optimizer]\nlr = "
+                                     "-1\n[parallelism]\ntensor_paralel_degree = 2\n")
     with pytest.raises(ConfigError) as info:
         load_config(str(path), ["--parallelism.data_parallel_shard_degree=3",
                                 "--parallelism.pipeline_parallel_degree=2",
@@ -787,7 +805,8 @@ def test_all_problems_are_reported_together_one_line_each(tmp_path):
 def test_a_wrongly_typed_key_is_not_reasoned_about_by_other_rules(tmp_path):
     # tp is unreadable, so no "tp must divide heads" or product messages follow from a guess.
     assert problems_of(["--parallelism.tensor_parallel_degree=two"], world_size=8) == [
-        "parallelism.tensor_parallel_degree = 'two' has the wrong type: expected integer, got string"]
+        "parallelism.tensor_parallel_degree = 'two' has the wrong type: expected "
+        "integer, got string"]
 
 
 def test_config_error_is_a_value_error_that_survives_pickling():
