@@ -399,6 +399,7 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
                         hf_assets_path=hf_assets_path)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
+        print(f"titanext: wrote the Hugging Face checkpoint {out}", flush=True)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -439,6 +440,8 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
 
     if in_hf:
         load_hf_weights(model_parts, path, args)
+        if _rank() == 0:
+            print(f"titanext: initial weights from the Hugging Face checkpoint {path}", flush=True)
         return
     check_dcp_checkpoint(path, args)
     states = [get_model_state_dict(part) for part in model_parts]
@@ -450,3 +453,5 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
         set_model_state_dict(part, {fqn: merged[fqn] for fqn in state})
         if hasattr(part, "tie_weights"):
             part.tie_weights()
+    if _rank() == 0:
+        print(f"titanext: initial weights from the DCP checkpoint {path}", flush=True)
