@@ -344,6 +344,31 @@ class MetricsLogger:
         self._draw_bar(step, now)
         return metrics
 
+    def log_validation(self, step: int, *, loss: float, perplexity: float, tokens: int,
+                       seconds: float) -> dict[str, float] | None:
+        """Print a validation line and write ``validation/loss`` and ``validation/perplexity``.
+
+        >>> import io
+        >>> out = io.StringIO()
+        >>> MetricsLogger(job_dir=None, rank=0, is_logging_rank=True, log_freq=1, total_steps=9,
+        ...               stream=out).log_validation(3, loss=2.0, perplexity=7.389, tokens=512,
+        ...                                          seconds=0.5)
+        {'validation/loss': 2.0, 'validation/perplexity': 7.389}
+        >>> out.getvalue()
+        'validation step 3/9  loss 2.0000  perplexity 7.389  (512 tokens, 0.5s)\\n'
+        """
+        if not self.active:
+            return None
+        scalars = {"validation/loss": float(loss), "validation/perplexity": float(perplexity)}
+        self._clear_bar()
+        print(f"{self._prefix}validation step {step}/{self.total_steps}  loss {loss:.4f}  "
+              f"perplexity {perplexity:.4g}  ({tokens:,} tokens, {seconds:.1f}s)",
+              file=self.stream, flush=True)
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+        return scalars
+
     # -- progress bar ---------------------------------------------------------------------------
     def _draw_bar(self, step: int, now: float) -> None:
         if not self.progress_bar or step >= self.total_steps:
