@@ -1,9 +1,9 @@
 """Validation loss under FSDP, PP, CP x TP and EP equals one process on the same batches.
 
-The model is the freshly initialised one (initialisation is layout-invariant), so no training
-steps are needed to compare: each case builds the real Trainer from config overrides and runs
-its Validator. All cases share one 4-rank spawn, the references one 1-rank spawn, which also
-runs a short training loop with validation on and reads the TensorBoard scalars back.
+One process trains each model a few steps on the held-out text and saves a checkpoint; each
+layout builds the real Trainer from config overrides, loads that checkpoint and runs its
+Validator. All layouts share one 4-rank spawn, the references one 1-rank spawn; a last test runs
+a short training loop with validation on and reads the TensorBoard scalars back.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import pytest
 from tests.distributed import fp32_trainer_overrides, run_distributed
 
 SEQ = 64
+# A freshly initialised model barely uses positions (wrong RoPE positions under CP move its
+# loss by 7e-7); after 8 steps on the held-out text they move it by far more than 1e-5.
+TRAIN_STEPS = 8
 P = "--parallelism."
 TINY, SMALL, MOE = "debugtiny", "debugmodel", "debugmoe"
 
@@ -42,17 +45,25 @@ CASES = {
 }
 
 
-def _losses(rank: int, world_size: int, runs: list[list[str]], dump: str) -> list[dict]:
+def _losses(rank: int, world_size: int, runs: list[list[str]], dump: str, train: bool
+            ) -> list[dict]:
+    """Each run's validation result: after training (and saving) when ``train``, else after
+    loading the checkpoint the training run saved."""
     from titanext.config import load_config
     from titanext.train import Trainer
     from titanext.validate import Validator
 
     out = []
     for i, overrides in enumerate(runs):
-        cfg = load_config(None, [*fp32_trainer_overrides(steps=1, seq_len=SEQ),
+        cfg = load_config(None, [*fp32_trainer_overrides(steps=TRAIN_STEPS, seq_len=SEQ),
                                  f"--job.dump_folder={dump}/{i}", *overrides],
                           world_size=world_size)
-        out.append(Validator(Trainer(cfg)).run())
+        trainer = Trainer(cfg)
+        if train:
+            trainer.train()
+        else:
+            assert trainer.checkpointer.load() == TRAIN_STEPS
+        out.append(Validator(trainer).run())
     return out
 
 
@@ -83,16 +94,27 @@ def heldout(tmp_path):
     return str(path)
 
 
+def _trained(heldout: str, checkpoints: str, flavor: str) -> list[str]:
+    """Train on the held-out text (one process) and save; the layouts load that checkpoint."""
+    return ["--training.dataset=text", f"--training.dataset_path={heldout}",
+            "--training.local_batch_size=4", "--checkpoint.enable=true",
+            f"--checkpoint.folder={checkpoints}/{flavor}"]
+
+
 @pytest.mark.slow
 def test_validation_loss_matches_one_process_under_every_layout(tmp_path, heldout):
     flavors = [TINY, SMALL, MOE]
-    refs_runs = [[f"--model.flavor={f}", *_validation(heldout, 4)] for f in flavors]
-    refs = dict(zip(flavors, run_distributed(_losses, 1, args=(refs_runs, str(tmp_path / "ref")),
-                                             timeout_s=180)[0], strict=True))
+    ckpt = str(tmp_path / "checkpoints")
+    refs_runs = [[f"--model.flavor={f}", *_trained(heldout, ckpt, f), *_validation(heldout, 4)]
+                 for f in flavors]
+    refs = dict(zip(flavors, run_distributed(_losses, 1, timeout_s=300,
+                                             args=(refs_runs, str(tmp_path / "ref"), True))[0],
+                    strict=True))
     names = list(CASES)
-    runs = [[f"--model.flavor={CASES[n][0]}", *CASES[n][1], *_validation(heldout, CASES[n][2])]
-            for n in names]
-    per_rank = run_distributed(_losses, 4, args=(runs, str(tmp_path / "run")), timeout_s=180)
+    runs = [[f"--model.flavor={CASES[n][0]}", *_trained(heldout, ckpt, CASES[n][0]), *CASES[n][1],
+             *_validation(heldout, CASES[n][2])] for n in names]
+    per_rank = run_distributed(_losses, 4, args=(runs, str(tmp_path / "run"), False),
+                               timeout_s=300)
     failures = []
     for i, name in enumerate(names):
         ref = refs[CASES[name][0]]
