@@ -40,7 +40,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
 
     from titanext.checkpoint import CheckpointManager
     from titanext.config import gradient_accumulation_steps, model_args
-    from titanext.data import build_dataloader
+    from titanext.data import dataloader_from_config
     from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
     from titanext.metrics import MetricsLogger
     from titanext.models import build_model
@@ -57,6 +57,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from titanext.plugins.float8 import apply_float8, precompute_float8_scales
     from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
     from titanext.tokenizer import build_tokenizer
+    from titanext.validate import Validator
 
 IGNORE_INDEX = -100
 
@@ -125,10 +126,9 @@ class Trainer:
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
-        self.dataloader = build_dataloader(
-            dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=self.tokenizer,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, seed=t.seed,
-            dp_rank=dims.dp_mesh.get_local_rank(), dp_degree=dims.dp, shuffle=t.shuffle)
+        self.dataloader = dataloader_from_config(t, self.tokenizer, dims.dp_mesh.get_local_rank(),
+                                                 dims.dp)
+        self.validator = Validator(self)  # [validation]: held-out loss every freq steps
         self.checkpointer = CheckpointManager(
             folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
@@ -242,6 +242,7 @@ class Trainer:
                 shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
                 metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown,
                             tb_extra=tb)
+                self.validator.maybe_run(self.step, metrics)
                 self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
                 if self.step == t.steps and c.last_save_in_hf and c.enable:
                     save_hf_checkpoint(self.model_parts, os.path.join(

@@ -15,9 +15,13 @@ batch. Under pipeline parallelism the stages run forward only, one after the oth
 counts that a validation forward adds are restored, so the expert-bias update never sees them.
 
 >>> from titanext.config import load_config
->>> cfg = load_config(None, ["--validation.enable=true", "--validation.freq=50"])
->>> (cfg.validation.freq, cfg.validation.steps)                       # doctest: +SKIP
-(50, 10)
+>>> cfg = load_config(None, ["--validation.enable=true", "--validation.dataset=shakespeare",
+...                          "--validation.freq=50"])
+>>> (cfg.validation.freq, cfg.validation.steps, cfg.validation.local_batch_size)
+(50, 10, 8)
+
+Tested against one process under FSDP, PP (1F1B, ZBV), CP x TP and EP in
+tests/test_validation.py.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanext.data import build_dataloader
+from titanext.data import dataloader_from_config
 
 __all__ = ["Validator", "pipeline_forward"]
 
@@ -123,13 +127,11 @@ class Validator:
         return result
 
     def _batches(self):
-        tr, v, t = self.trainer, self.cfg, self.trainer.cfg.training
-        loader = build_dataloader(
-            dataset=v.dataset, dataset_path=v.dataset_path or None, tokenizer=tr.tokenizer,
-            seq_len=t.seq_len, local_batch_size=v.local_batch_size, seed=t.seed, shuffle=False,
-            dp_rank=tr.dims.dp_mesh.get_local_rank(), dp_degree=tr.dims.dp,
-            text_field=getattr(t, "dataset_text_field", "text"), section="validation")
-        for _ in range(v.steps):
+        tr = self.trainer  # a fresh loader each time: the same first `steps` batches
+        loader = dataloader_from_config(tr.cfg.training, tr.tokenizer,
+                                        tr.dims.dp_mesh.get_local_rank(), tr.dims.dp,
+                                        validation=self.cfg)
+        for _ in range(self.cfg.steps):
             yield loader.next_batch()[:2]
 
     @torch.no_grad()

@@ -47,6 +47,7 @@ from typing import Any
 # (by the config loader) without importing torch.
 _EXPORTS = {
     "DATASETS": "loader", "TokenDataLoader": "loader", "build_dataloader": "loader",
+    "dataloader_from_config": "loader",
     "document_ids": "loader", "document_positions": "loader", "load_documents": "loader",
     "check_dataset": "checks", "TEXT_SUFFIXES": "readers", "SyntheticWindows": "sources",
     "TokenWindows": "sources", "pack_documents": "sources",

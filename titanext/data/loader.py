@@ -20,7 +20,8 @@ from titanext.data.streaming import StreamingTextWindows
 from titanext.data.tokens import TokenShardWindows
 from titanext.errors import ConfigError
 
-__all__ = ["DATASETS", "TokenDataLoader", "build_dataloader", "document_ids",
+__all__ = ["DATASETS", "TokenDataLoader", "build_dataloader", "dataloader_from_config",
+           "document_ids",
            "check_dataset", "document_positions", "load_documents"]
 
 DATASETS = ("shakespeare", "text", "tokens", "synthetic")
@@ -237,3 +238,25 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
                            local_batch_size=local_batch_size, dp_rank=dp_rank,
                            dp_degree=dp_degree, document_masking=document_masking,
                            eos_id=tokenizer.eos_id, bos_id=getattr(tokenizer, "bos_id", None))
+
+
+def dataloader_from_config(training: Any, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *,
+                           validation: Any = None,
+                           document_masking: bool = False) -> TokenDataLoader:
+    """The loader a config asks for: ``[training]``'s, or with ``validation`` (the
+    ``[validation]`` section) the held-out one, read unshuffled with its own batch size.
+
+    >>> from titanext.config import load_config
+    >>> from titanext.tokenizer import ByteTokenizer
+    >>> t = load_config(None, ["--training.seq_len=32"]).training
+    >>> dataloader_from_config(t, ByteTokenizer(), 0, 1).next_batch()[0].shape
+    torch.Size([8, 32])
+    """
+    src = validation if validation is not None else training
+    return build_dataloader(
+        dataset=src.dataset, dataset_path=src.dataset_path or None, tokenizer=tokenizer,
+        seq_len=training.seq_len, local_batch_size=src.local_batch_size, dp_rank=dp_rank,
+        dp_degree=dp_degree, seed=training.seed,
+        shuffle=training.shuffle if validation is None else False,
+        text_field=training.dataset_text_field, document_masking=document_masking,
+        section="training" if validation is None else "validation")
