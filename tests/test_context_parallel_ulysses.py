@@ -275,8 +275,10 @@ def test_ulysses_moves_q_k_v_and_out_in_four_all_to_alls(spawned):
             ids = {"all_gather_document_ids": 1} if docs else {}
             assert fwd == {"all_to_all": 2, **ids} and bwd == {"all_to_all": 2}
             ids_bytes = SEQ // world * BATCH * 8 if docs else 0
-            assert fwd_bytes == (4 + 2 * kv_sent + 4) * local + ids_bytes
-            assert bwd_bytes == (4 + 4 + 2 * kv_sent) * local
+            leaves = (world - 1) / world  # an all-to-all keeps this rank's own part
+            assert fwd_bytes == int((4 + 2 * kv_sent) * local * leaves) + int(
+                4 * local * leaves) + ids_bytes
+            assert bwd_bytes == int(4 * local * leaves) + int((4 + 2 * kv_sent) * local * leaves)
 
 
 def test_ring_skips_blocks_that_share_no_document(spawned):

@@ -21,7 +21,10 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass
 class CommCounter:
-    """Messages and bytes this rank sent (p2p) or contributed (collectives) in CP attention."""
+    """Messages and bytes this rank sent (p2p) or contributed (collectives) in CP attention.
+
+    An all-to-all counts the part of its buffer that leaves the rank ((W-1)/W of it); an
+    all-gather or reduce-scatter counts this rank's input."""
 
     sends: int = 0
     send_bytes: int = 0
@@ -72,10 +75,10 @@ def _record_send(t: torch.Tensor) -> None:
         c.send_bytes += t.numel() * t.element_size()
 
 
-def record_collective(name: str, t: torch.Tensor) -> None:
+def record_collective(name: str, t: torch.Tensor, fraction: float = 1.0) -> None:
     for c in _COUNTERS:
         c.collectives[name] = c.collectives.get(name, 0) + 1
-        c.collective_bytes += t.numel() * t.element_size()
+        c.collective_bytes += int(t.numel() * t.element_size() * fraction)
 
 
 # -- groups and the ring --------------------------------------------------------------------------
@@ -146,7 +149,8 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """send [world, n]: row j goes to rank j; returns [world, n] with row i from rank i.
     gloo and nccl both implement all_to_all_single (equal splits along dim 0)."""
     recv = torch.empty_like(send)
-    record_collective("all_to_all", send)
+    world = dist.get_world_size(group)
+    record_collective("all_to_all", send, (world - 1) / world)  # row `rank` stays here
     dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv
 
