@@ -872,3 +872,44 @@ def test_no_section_class_shadows_a_runtime_class():
     sections = {cls.__name__ for cls in SECTIONS.values()}
     assert not sections & runtime, sorted(sections & runtime)
     assert SECTIONS["moe"].__name__ == "MoEConfig"
+
+
+ULYSSES_BAD = [
+    (4, ["--parallelism.context_parallel_degree=4",
+         "--parallelism.context_parallel_ulysses_degree=3"],
+     "parallelism.context_parallel_ulysses_degree = 3 must divide context_parallel_degree = 4 "
+     "(cp = Ulysses x ring); choose a divisor of 4"),
+    (4, ["--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_comm=alltoall",
+      "--parallelism.context_parallel_ulysses_degree=4"],
+     "parallelism.context_parallel_ulysses_degree = 4 contradicts context_parallel_comm = "
+     "'alltoall'"),
+    (6, ["--parallelism.context_parallel_degree=6",
+         "--parallelism.context_parallel_ulysses_degree=3"],
+     "parallelism.context_parallel_ulysses_degree = 3 must divide the model's n_heads = 8 "
+     "(llama3 debugtiny)"),
+    (6, ["--parallelism.context_parallel_degree=3", "--parallelism.context_parallel_comm=alltoall"],
+     "parallelism.context_parallel_comm = 'alltoall' (Ulysses over context_parallel_degree = 3) "
+     "must divide the model's n_kv_heads = 4 (llama3 debugtiny) or be a multiple of it"),
+    (4, ["--training.document_masking=true", "--parallelism.pipeline_parallel_degree=2"],
+     "training.document_masking = true is not supported with pipeline_parallel_degree = 2"),
+]
+
+
+@pytest.mark.parametrize("world,args,line", ULYSSES_BAD, ids=lambda x: str(x)[:40])
+def test_ulysses_and_document_masking_rules_are_one_line_each(world, args, line):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--model.flavor=debugtiny", "--training.seq_len=96", *args],
+                    world_size=world)
+    lines = str(info.value).splitlines()
+    assert any(found.startswith(line) for found in lines), lines
+
+
+def test_ulysses_hybrid_and_document_masking_configs_load():
+    for args in (["--parallelism.context_parallel_comm=alltoall"],
+                 ["--parallelism.context_parallel_ulysses_degree=2"],
+                 ["--parallelism.context_parallel_ulysses_degree=4",
+                  "--parallelism.context_parallel_comm=alltoall",
+                  "--training.document_masking=true"]):
+        cfg = load_config(None, ["--model.flavor=debugtiny", "--training.seq_len=96",
+                                 "--parallelism.context_parallel_degree=4", *args], world_size=4)
+        assert cfg.parallelism.context_parallel_degree == 4

@@ -192,6 +192,9 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
             if value % tp:
                 problems.append(f"parallelism.tensor_parallel_degree = {tp} must divide the "
                                 f"model's {attr} = {value} ({which}); choose a divisor of {value}")
+    u = ulysses_degree(p)
+    if degrees_ok and u > 1 and "parallelism.context_parallel_ulysses_degree" not in skip:
+        problems += _ulysses_head_problems(p, args, which)
     if "training.seq_len" not in skip and t.seq_len > args.max_seq_len:
         problems.append(f"training.seq_len = {t.seq_len} exceeds the model's max_seq_len = "
                         f"{args.max_seq_len} ({which})")
@@ -204,6 +207,69 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
             problems.append(f"model.tokenizer = {m.tokenizer!r} produces {vocab} token ids but "
                             f"the model's vocab_size = {args.vocab_size} ({which}); pick a flavor "
                             f"with vocab_size >= {vocab}")
+    return problems
+
+
+def ulysses_degree(p: Any) -> int:
+    """The Ulysses degree CP runs with: context_parallel_degree for comm = 'alltoall' (pure
+    Ulysses), else context_parallel_ulysses_degree (1 = ring only)."""
+    if p.context_parallel_comm == "alltoall":
+        return p.context_parallel_degree
+    return p.context_parallel_ulysses_degree
+
+
+def _ulysses_key(p: Any) -> str:
+    if p.context_parallel_comm == "alltoall":
+        return (f"parallelism.context_parallel_comm = 'alltoall' (Ulysses over "
+                f"context_parallel_degree = {p.context_parallel_degree})")
+    return f"parallelism.context_parallel_ulysses_degree = {p.context_parallel_ulysses_degree}"
+
+
+def _ulysses_degree_problems(p: Any) -> list[str]:
+    """The Ulysses degree against cp (the head rules need the model: _ulysses_head_problems)."""
+    cp, u = p.context_parallel_degree, p.context_parallel_ulysses_degree
+    if p.context_parallel_comm == "alltoall" and u not in (1, cp):
+        return [f"parallelism.context_parallel_ulysses_degree = {u} contradicts "
+                f"context_parallel_comm = 'alltoall' (pure Ulysses over all context_parallel_degree"
+                f" = {cp} ranks); set it to {cp} (or 1), or use context_parallel_comm = 'p2p' for "
+                f"hybrid Ulysses x ring"]
+    if cp % u:
+        return [f"parallelism.context_parallel_ulysses_degree = {u} must divide "
+                f"context_parallel_degree = {cp} (cp = Ulysses x ring); choose a divisor of {cp}"]
+    return []
+
+
+def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
+    """Ulysses splits each TP rank's heads over its u ranks (kv heads may be replicated)."""
+    u, tp = ulysses_degree(p), p.tensor_parallel_degree
+    if p.context_parallel_degree % u:
+        return []  # reported by _ulysses_degree_problems
+    heads, kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
+    if heads % tp or kv_heads % tp:
+        return []  # reported by the TP rule
+    per_tp = " / tensor_parallel_degree" if tp > 1 else ""
+    problems = []
+    if (heads // tp) % u:
+        problems.append(f"{_ulysses_key(p)} must divide the model's n_heads{per_tp} = "
+                        f"{heads // tp} ({which}): Ulysses splits the heads over its ranks; "
+                        "choose a smaller Ulysses degree")
+    kv = kv_heads // tp
+    if (kv % u) if kv >= u else (u % kv):
+        problems.append(f"{_ulysses_key(p)} must divide the model's n_kv_heads{per_tp} = {kv} "
+                        f"({which}) or be a multiple of it (kv heads are then replicated); "
+                        "choose another Ulysses degree")
+    return problems
+
+
+def _document_masking_problems(cfg: JobConfig) -> list[str]:
+    """Features that cannot honour [training] document_masking (one line each)."""
+    p = cfg.parallelism
+    problems = []
+    if p.pipeline_parallel_degree > 1:
+        problems.append(f"training.document_masking = true is not supported with "
+                        f"pipeline_parallel_degree = {p.pipeline_parallel_degree} yet: the stages "
+                        "would need each micro-batch's document ids; use pp = 1 (CP, TP and FSDP "
+                        "honour document masks) or document_masking = false")
     return problems
 
 
@@ -418,6 +484,10 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
             problems.append(f"training.seq_len = {t.seq_len} must be divisible by "
                             f"tensor_parallel_degree = {tp} with enable_sequence_parallel = true")
 
+    if degrees_ok and ok("context_parallel_ulysses_degree", "context_parallel_comm"):
+        problems += _ulysses_degree_problems(p)
+    if t.document_masking and degrees_ok and ok("training.document_masking"):
+        problems += _document_masking_problems(cfg)
     problems += _model_problems(cfg, skip, degrees_ok)
     if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
         problems += pipeline_config_problems(cfg)

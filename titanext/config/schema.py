@@ -207,6 +207,12 @@ class Training:
     """The field of each .jsonl record, or the column of a .parquet file, that holds the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
+    document_masking: bool = _field(False)
+    """Packed documents do not attend to each other: the loader numbers the documents of each
+    row (a new one after every EOS), attention stays causal within a document (with or without
+    CP: ring, Ulysses and hybrid skip the blocks that share no document), and RoPE positions
+    restart at each document start. The loss is unchanged: every token predicts the next one,
+    and the EOS between documents stays."""
 
 
 @dataclass
@@ -289,10 +295,18 @@ class Parallelism:
     attention costs every rank the same) or contiguous (rank r holds slice r; the last rank does
     the most work). These are the `layout` names of titanext.plugins.context_parallel; 'none'
     (no load balancing) is accepted as another name for contiguous and read as 'contiguous'."""
-    context_parallel_comm: str = _field("p2p", choices=("p2p", "allgather"))
+    context_parallel_comm: str = _field("p2p", choices=("p2p", "allgather", "alltoall"))
     """How CP moves keys and values: p2p (a ring of send/recv overlapped with compute; memory of
-    two KV blocks) or allgather (one all-gather forward and one reduce-scatter of their
-    gradients backward; memory of the whole sequence's KV, fewer and larger messages)."""
+    two KV blocks), allgather (one all-gather forward and one reduce-scatter of their
+    gradients backward; memory of the whole sequence's KV, fewer and larger messages) or
+    alltoall (pure Ulysses: all-to-alls swap the sequence split for a head split, and every rank
+    attends the whole sequence for heads / cp heads; context_parallel_ulysses_degree = cp)."""
+    context_parallel_ulysses_degree: int = _field(1, ge=1)
+    """Ulysses ranks inside CP (u): cp = u x r runs Ulysses (all-to-all, head split) inside
+    groups of u ranks and the context_parallel_comm ring (p2p or allgather) across the r = cp / u
+    groups (hybrid, USP-style; keep the u ranks in a node). 1 = ring only; cp = pure Ulysses.
+    u must divide context_parallel_degree, and the heads per TP rank must divide by u; the kv
+    heads per TP rank must be a multiple of u or divide it (they are then replicated)."""
     pipeline_parallel_degree: int = _field(1, ge=1)
     """Ranks the pipeline spans (pp); each holds pipeline_parallel_stages_per_rank stages."""
     pipeline_parallel_schedule: str = _field("1F1B", check=_pp_schedule,
