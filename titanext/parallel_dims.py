@@ -13,6 +13,12 @@ view             axes                                 used for
 ``ep``           (dp_shard x cp) slice of size ep     expert parallelism (borrows ranks)
 ===============  ===================================  =====================================
 
+With ``cp_ulysses = u > 1`` (hybrid or pure Ulysses context parallelism) the cp axis is split
+into ``cp_ring x cp_ulysses`` (r = cp / u outer, u inner, so a Ulysses group is adjacent ranks);
+``cp`` stays as their flattened view, so cp rank = ring_rank * u + ulysses_rank and the batch
+is sharded over ``cp`` exactly as without the split. :attr:`ParallelDims.cp_attention_mesh` is
+what :func:`~titanext.plugins.context_parallel.apply_context_parallel` takes.
+
 When ``ep > 1`` the dp_shard axis is split into ``dp_shard_mod_ep x dp_shard_in_ep`` with
 ``dp_shard_in_ep x cp = ep``, so experts are spread first over the CP ranks and then over part
 of the data-parallel shard ranks.
@@ -112,6 +118,8 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    cp_ulysses: int = 1
+    """Ulysses ranks inside cp (hybrid CP splits cp into cp_ring x cp_ulysses); 1 = ring only."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
@@ -123,6 +131,9 @@ class ParallelDims:
         self.dp_shard, problems = degree_problems(
             dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
             pp=self.pp, ep=self.ep, world_size=self.world_size)
+        if self.cp_ulysses < 1 or self.cp % self.cp_ulysses:
+            problems.append(f"parallelism.context_parallel_ulysses_degree = {self.cp_ulysses} "
+                            f"must divide context_parallel_degree = {self.cp}")
         if problems:
             raise ConfigError(problems)
 
@@ -164,25 +175,31 @@ class ParallelDims:
     def build_mesh(self, device: str | None = None) -> DeviceMesh:
         """Create the world mesh (all named axes, size-1 ones included) and its views."""
         device = device or device_type()
+        split_cp = self.cp_ulysses > 1
+        cp_names = ["cp_ring", "cp_ulysses"] if split_cp else ["cp"]
+        cp_sizes = [self.cp // self.cp_ulysses, self.cp_ulysses] if split_cp else [self.cp]
         if self.ep > 1:
             in_ep = self.ep // self.cp
-            sizes = [self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp]
-            names = ["pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp"]
+            sizes = [self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, *cp_sizes, self.tp]
+            names = ["pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", *cp_names, "tp"]
         else:
-            sizes = [self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp]
-            names = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+            sizes = [self.pp, self.dp_replicate, self.dp_shard, *cp_sizes, self.tp]
+            names = ["pp", "dp_replicate", "dp_shard", *cp_names, "tp"]
         mesh = init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(names))
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
+        cp = tuple(cp_names)
         # Keep the flattened views: slicing them back out of the root mesh is deprecated.
-        views = {name: mesh[name] for name in ("pp", "dp_replicate", "cp", "tp")}
+        views = {name: mesh[name] for name in ("pp", "dp_replicate", *cp_names, "tp")}
+        if split_cp:
+            views["cp"] = _flatten(mesh, cp, "cp")
         if self.ep > 1:
             views["dp_shard"] = _flatten(mesh, shard, "dp_shard")
-            views["ep"] = _flatten(mesh, ("dp_shard_in_ep", "cp"), "ep")
+            views["ep"] = _flatten(mesh, ("dp_shard_in_ep", *cp), "ep")
         else:
             views["dp_shard"] = mesh["dp_shard"]
         views["dp"] = _flatten(mesh, ("dp_replicate", *shard), "dp")
-        views["dp_shard_cp"] = _flatten(mesh, (*shard, "cp"), "dp_shard_cp")
-        views["dp_cp"] = _flatten(mesh, ("dp_replicate", *shard, "cp"), "dp_cp")
+        views["dp_shard_cp"] = _flatten(mesh, (*shard, *cp), "dp_shard_cp")
+        views["dp_cp"] = _flatten(mesh, ("dp_replicate", *shard, *cp), "dp_cp")
         self._views = views
         self._mesh = mesh
         return mesh
@@ -227,7 +244,17 @@ class ParallelDims:
 
     @property
     def cp_mesh(self) -> DeviceMesh:
+        """All CP ranks as one 1D view (flattened cp_ring x cp_ulysses when split): shard the
+        batch over this."""
         return self.view("cp")
+
+    @property
+    def cp_attention_mesh(self) -> DeviceMesh:
+        """What CP attention runs on: the 1D cp view (ring, or pure Ulysses), or the 2D
+        (cp_ring, cp_ulysses) mesh for hybrid Ulysses x ring."""
+        if self.cp_ulysses > 1 and self.cp_ulysses < self.cp:
+            return self.world_mesh["cp_ring", "cp_ulysses"]
+        return self.cp_mesh
 
     @property
     def pp_mesh(self) -> DeviceMesh:
