@@ -147,14 +147,16 @@ def parallelize(
     if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
         experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
     if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
-        apply_context_parallel(model, dims.cp_mesh, layout=cp_layout(p),
-                               comm=p.context_parallel_comm)
+        apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
+                               comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
     apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
                                    save_ops=ac.selective_op_save_list, blocks=blocks)
     if comp.enable and "model" in comp.components:
         # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
-        # sizes on the host; both break the graph, so MoE blocks compile in pieces.
-        apply_compile(model, backend=comp.backend, fullgraph=not experts, blocks=blocks)
+        # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
+        # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
+        apply_compile(model, backend=comp.backend, fullgraph=not (experts or dims.cp_enabled),
+                      blocks=blocks)
     zero1 = zero1_enabled(dims, p)
     if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
         apply_fsdp(

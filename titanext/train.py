@@ -39,7 +39,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from torch.distributed.tensor.parallel import loss_parallel
 
     from titanext.checkpoint import CheckpointManager
-    from titanext.config import gradient_accumulation_steps, model_args
+    from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
     from titanext.data import dataloader_from_config
     from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
     from titanext.metrics import MetricsLogger
@@ -53,7 +53,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     )
     from titanext.parallelize import cp_layout, loss_parallel_enabled, parallelize, zero1_enabled
     from titanext.pipeline import PipelineRunner
-    from titanext.plugins.context_parallel import shard_batch, shard_sequence
+    from titanext.plugins.context_parallel import prepare_batch, shard_sequence
     from titanext.plugins.float8 import apply_float8, precompute_float8_scales
     from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
     from titanext.tokenizer import build_tokenizer
@@ -75,7 +75,8 @@ class Trainer:
         self.dims = dims = ParallelDims(
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
             cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size)
+            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size,
+            cp_ulysses=ulysses_degree(p))
         dims.build_mesh(self.device.type)
         self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
         self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
@@ -127,7 +128,7 @@ class Trainer:
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
         self.dataloader = dataloader_from_config(t, self.tokenizer, dims.dp_mesh.get_local_rank(),
-                                                 dims.dp)
+                                                 dims.dp, document_masking=t.document_masking)
         self.validator = Validator(self)  # [validation]: held-out loss every freq steps
         self.checkpointer = CheckpointManager(
             folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
@@ -148,15 +149,13 @@ class Trainer:
     def _forward_backward(self, microbatches, scale: float) -> torch.Tensor:
         """Backward of every micro-batch's loss x ``scale``; returns the unscaled loss sum."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels, positions) in enumerate(microbatches):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            positions = positions.to(self.device) if positions is not None else None
+        for i, (inputs, labels, positions, docs) in enumerate(microbatches):
             # DDP (ZeRO-1) all-reduces on every backward unless told otherwise; FSDP's
             # per-micro-batch reduce-scatter is what keeps its gradients sharded.
             skip_sync = self.train_module is not self.model and i < len(microbatches) - 1
             sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
-                logits = self.train_module(inputs, positions)
+                logits = self.train_module(inputs, positions, document_ids=docs)
                 loss = self.compute_loss(logits, labels)
                 (loss * scale).backward()
             if isinstance(loss, DTensor):
@@ -171,10 +170,11 @@ class Trainer:
         dims, max_norm = self.dims, self.cfg.training.max_norm
         loss_group = dims.loss_mesh.get_group()
         # Under CP each rank counts (and sums the loss of) only its own slice of the tokens,
-        # with the slice's global positions for RoPE.
-        microbatches = [shard_batch(x, y, dims.cp_mesh, layout=self.cp_layout)
-                        if dims.cp_enabled else (x, y, None) for x, y in microbatches]
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
+        # with the slice's global positions for RoPE (document masking: in-document positions).
+        cp = dims.cp_mesh if dims.cp_enabled else None
+        microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout, device=self.device)
+                        for mb in microbatches]
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in microbatches)
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=loss_group)
         global_tokens = max(counts.item(), 1.0)

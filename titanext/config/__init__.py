@@ -26,6 +26,7 @@ from titanext.config.rules import (
     gradient_accumulation_steps,
     model_args,
     resolved_dp_shard,
+    ulysses_degree,
     validate,
 )
 from titanext.config.schema import (
@@ -72,5 +73,6 @@ __all__ = [
     "parse_cli",
     "resolved_dp_shard",
     "to_toml",
+    "ulysses_degree",
     "validate",
 ]

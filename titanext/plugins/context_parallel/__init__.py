@@ -45,6 +45,7 @@ from titanext.plugins.context_parallel._layout import (
     cp_rank,
     cp_world_size,
     layout_positions,
+    prepare_batch,
     shard_batch,
     shard_sequence,
     unshard_sequence,
@@ -79,5 +80,5 @@ __all__ = [
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
     "RingPlan", "plan_work", "ulysses_order", "_step_slices", "MODEL_COMMS", "cp_attention_fn",
-    "cp_rank", "cp_world_size",
+    "cp_rank", "cp_world_size", "prepare_batch",
 ]

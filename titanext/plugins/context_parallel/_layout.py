@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanext.data.loader import document_positions
 from titanext.plugins.context_parallel._comm import Group, as_group
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -111,3 +112,30 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor | None, group: Group,
     shard = [shard_sequence(t, seq_dim if t is not positions else 0, group, layout)
              if t is not None else None for t in (inputs, labels, positions)]
     return shard[0], shard[1], shard[2]
+
+
+def prepare_batch(inputs: torch.Tensor, labels: torch.Tensor | None,
+                  document_ids: torch.Tensor | None = None, *, group: Group | None = None,
+                  layout: str = "zigzag", device: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                             torch.Tensor | None]:
+    """This rank's (inputs, labels, position_ids, document_ids) of a [batch, seq] batch.
+
+    Without CP (``group=None``) position_ids are None (the model counts 0..seq-1), or with
+    ``document_ids`` the positions within each document (restarting at 0 at every start).
+    Under CP every tensor is sharded in ``layout`` over the CP ranks (a 1D group, or the 2D
+    (ring, Ulysses) mesh), and position_ids are the kept tokens' global positions ([local_seq])
+    or their positions within their documents ([batch, local_seq]). The trainer's batches go
+    through here; pass the results as ``model(inputs, position_ids, document_ids=...)``.
+    """
+    positions = None if document_ids is None else document_positions(document_ids)
+    if group is not None:
+        if positions is None:
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+        inputs, labels, document_ids = (None if t is None else shard_sequence(t, 1, group, layout)
+                                        for t in (inputs, labels, document_ids))
+        positions = shard_sequence(positions, positions.dim() - 1, group, layout)
+    out = (inputs, labels, positions, document_ids)
+    if device is None:
+        return out
+    return tuple(None if t is None else t.to(device) for t in out)
