@@ -63,6 +63,8 @@ ROWS: dict[str, dict[str, str]] = {
     "CP zigzag, p2p": _CP,
     "CP zigzag, allgather": {**_CP, P + "context_parallel_comm": "allgather"},
     "CP contiguous": {**_CP, P + "context_parallel_load_balance": "contiguous"},
+    "CP Ulysses (alltoall)": {**_CP, P + "context_parallel_comm": "alltoall"},
+    "document masking": {"training.document_masking": "true"},
     **{f"PP {name}": _pp(name) for name in SCHEDULE_NAMES},
     "EP": _EP,
     **{f"float8 {r}": _f8(r) for r in FLOAT8_RECIPES},
