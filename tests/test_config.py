@@ -631,7 +631,7 @@ def test_cp_options_are_validated():
         "parallelism.context_parallel_load_balance = 'zigzg' is not allowed; choose one of "
         "'zigzag', 'contiguous' ('none' means 'contiguous'); did you mean 'zigzag'?",
         "parallelism.context_parallel_comm = 'ring' is not allowed; choose one of 'p2p', "
-        "'allgather'"]
+        "'allgather', 'alltoall'"]
 
 
 def test_seq_len_divisible_by_tp_with_sequence_parallel():
