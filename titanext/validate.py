@@ -130,9 +130,10 @@ class Validator:
         tr = self.trainer  # a fresh loader each time: the same first `steps` batches
         loader = dataloader_from_config(tr.cfg.training, tr.tokenizer,
                                         tr.dims.dp_mesh.get_local_rank(), tr.dims.dp,
-                                        validation=self.cfg)
+                                        validation=self.cfg,
+                                        document_masking=tr.cfg.training.document_masking)
         for _ in range(self.cfg.steps):
-            yield loader.next_batch()[:2]
+            yield loader.next_batch()  # (inputs, labels[, document_ids])
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
@@ -144,19 +145,16 @@ class Validator:
         saved = _moe_counts(parts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
         tokens = torch.zeros((), dtype=torch.float64, device=tr.device)
-        for inputs, labels in self._batches():
-            positions = None
-            if dims.cp_enabled:
-                from titanext.plugins.context_parallel import shard_batch
+        from titanext.plugins.context_parallel import prepare_batch
 
-                inputs, labels, positions = shard_batch(inputs, labels, dims.cp_mesh,
-                                                        layout=tr.cp_layout)
-            inputs, labels = inputs.to(tr.device), labels.to(tr.device)
+        for batch in self._batches():  # as in training: CP shards, document positions and ids
+            inputs, labels, positions, docs = prepare_batch(
+                *batch, group=dims.cp_mesh if dims.cp_enabled else None, layout=tr.cp_layout,
+                device=tr.device)
             tokens += int((labels != IGNORE_INDEX).sum())
             with tr._loss_context():
                 if runner is None:
-                    pos = positions.to(tr.device) if positions is not None else None
-                    logits = tr.train_module(inputs, pos)
+                    logits = tr.train_module(inputs, positions, document_ids=docs)
                 else:  # the stages hold their positions already
                     logits = pipeline_forward(runner.parts, runner.stage_ids, runner.num_stages,
                                               runner.pp_group, inputs, tr.device)
