@@ -8,12 +8,14 @@ a short training loop with validation on and reads the TensorBoard scalars back.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from tests.distributed import fp32_trainer_overrides, run_distributed
+from titanext.config.schema import Training
 
 SEQ = 64
 # A freshly initialised model barely uses positions (wrong RoPE positions under CP move its
@@ -43,6 +45,18 @@ CASES = {
     "moe_fsdp4_ep2": (MOE, [P + "data_parallel_shard_degree=4", P + "expert_parallel_degree=2"],
                       1),
 }
+# Document masking (validated with in-document positions and masks, as trained), against one
+# process with document masking: its own reference, keyed "debugtiny+documents".
+DOCS = ["--training.document_masking=true"]
+if "document_masking" in {f.name for f in dataclasses.fields(Training)}:
+    CASES["documents_cp2_x_fsdp2"] = (TINY + "+documents", [
+        P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], 2)
+
+
+def _flavor(key: str) -> list[str]:
+    """The overrides of a reference key: a flavor, '+documents' adds document masking."""
+    flavor, _, docs = key.partition("+")
+    return [f"--model.flavor={flavor}", *(DOCS if docs else [])]
 
 
 def _losses(rank: int, world_size: int, runs: list[list[str]], dump: str, train: bool
@@ -103,15 +117,15 @@ def _trained(heldout: str, checkpoints: str, flavor: str) -> list[str]:
 
 @pytest.mark.slow
 def test_validation_loss_matches_one_process_under_every_layout(tmp_path, heldout):
-    flavors = [TINY, SMALL, MOE]
+    flavors = sorted({case[0] for case in CASES.values()})
     ckpt = str(tmp_path / "checkpoints")
-    refs_runs = [[f"--model.flavor={f}", *_trained(heldout, ckpt, f), *_validation(heldout, 4)]
+    refs_runs = [[*_flavor(f), *_trained(heldout, ckpt, f), *_validation(heldout, 4)]
                  for f in flavors]
     refs = dict(zip(flavors, run_distributed(_losses, 1, timeout_s=300,
                                              args=(refs_runs, str(tmp_path / "ref"), True))[0],
                     strict=True))
     names = list(CASES)
-    runs = [[f"--model.flavor={CASES[n][0]}", *_trained(heldout, ckpt, CASES[n][0]), *CASES[n][1],
+    runs = [[*_flavor(CASES[n][0]), *_trained(heldout, ckpt, CASES[n][0]), *CASES[n][1],
              *_validation(heldout, CASES[n][2])] for n in names]
     per_rank = run_distributed(_losses, 4, args=(runs, str(tmp_path / "run"), False),
                                timeout_s=300)
