@@ -8,14 +8,12 @@ a short training loop with validation on and reads the TensorBoard scalars back.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
 import pytest
 
 from tests.distributed import fp32_trainer_overrides, run_distributed
-from titanext.config.schema import Training
 
 SEQ = 64
 # A freshly initialised model barely uses positions (wrong RoPE positions under CP move its
@@ -48,9 +46,8 @@ CASES = {
 # Document masking (validated with in-document positions and masks, as trained), against one
 # process with document masking: its own reference, keyed "debugtiny+documents".
 DOCS = ["--training.document_masking=true"]
-if "document_masking" in {f.name for f in dataclasses.fields(Training)}:
-    CASES["documents_cp2_x_fsdp2"] = (TINY + "+documents", [
-        P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], 2)
+CASES["documents_cp2_x_fsdp2"] = (TINY + "+documents", [
+    P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], 2)
 
 
 def _flavor(key: str) -> list[str]:
