@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -67,13 +69,107 @@ def _loss(out, target):
     return ((out - target) ** 2).mean()
 
 
-REAL_SCHEDULES = ["1F1B", "ZBH1", "ZBH2", "ZBV", "ZBVZeroBubble", "DualPipeV", "DualPipe", "Auto"]
+#: (schedule, split backward) pairs of the real run; 1F1B (full backward) is the baseline, the
+#: deferred ZBH1 measures F, I, W, and "autograd" is torch's stage_backward_input/_weight split.
+REAL_VARIANTS = [("1F1B", "autograd"), ("ZBH1", "deferred"), ("ZBH1", "autograd"),
+                 ("ZBH2", "deferred"), ("ZBV", "deferred"), ("ZBVZeroBubble", "deferred"),
+                 ("DualPipeV", "deferred"), ("DualPipe", "deferred"), ("Auto", "deferred")]
 
 
-def _build(name, rank, world, microbatches, dim, costs=None):
+class _Timeline:
+    """(kind, start, end) of every F / I / W / B chunk method call of this rank's stages
+    (``time.perf_counter`` is CLOCK_MONOTONIC: one clock for all local processes)."""
+
+    def __init__(self, stages):
+        self.events: list[tuple[str, float, float]] = []
+        for st in stages:
+            for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(st, meth, self._wrap(getattr(st, meth), meth))
+
+    def _wrap(self, fn, meth):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if meth == "forward_one_chunk":
+                kind = "F"
+            elif meth == "backward_weight_one_chunk":
+                kind = "W"
+            else:
+                kind = "B" if kwargs.get("full_backward", True) else "I"
+            self.events.append((kind, t0, time.perf_counter()))
+            return out
+        return timed
+
+
+class _ActivationMemory:
+    """Live bytes of tensors autograd saved for backward (stage activations) plus the (X, dY)
+    pairs in weight-gradient queues, per storage, and their peak: autograd's saved-tensor
+    hooks count a tensor from its save until autograd frees it (after its backward, or after W
+    when torch's split keeps the graph), the queues from I until W. Parameters don't count."""
+
+    def __init__(self):
+        self.live: dict[int, list] = {}  # storage ptr -> [bytes, references]
+        self.now = self.peak = 0
+
+    def add(self, t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        entry = self.live.setdefault(key, [s.nbytes(), 0])
+        if entry[1] == 0:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        return key
+
+    def drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+    def hooks(self):
+        import weakref
+
+        tracker = self
+
+        class Packed:
+            def __init__(self, t):
+                self.t, self.key = t, tracker.add(t)
+                weakref.finalize(self, tracker.drop, self.key)
+
+        def pack(t):
+            if t.is_leaf and t.requires_grad:  # a parameter
+                return t
+            return Packed(t)
+
+        def unpack(p):
+            return p.t if isinstance(p, Packed) else p
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def watch(self, queue) -> None:
+        """Count ``queue``'s entries from append to run (``take()`` hands them over intact)."""
+        tracker, append = self, queue.append
+
+        def counted(fn, param, x, dy, extra=None):
+            keys = [tracker.add(x), tracker.add(dy)]
+
+            def run(x_, dy_, param_, extra_, fn=fn, keys=keys):
+                try:
+                    return fn(x_, dy_, param_, extra_)
+                finally:
+                    for k in keys:
+                        tracker.drop(k)
+            append(run, param, x, dy, extra)
+
+        queue.append = counted
+
+
+def _build(name, split, rank, world, microbatches, dim, costs=None):
     from torch.distributed.pipelining import PipelineStage
 
-    from titanext.pipeline import StageTimer
+    from titanext.plugins.weight_grad import WeightGradQueue, defer_weight_grads
     from titanext.schedules import auto_schedule_class, num_stages_for
 
     cls = get_schedule_class(name)
@@ -85,94 +181,164 @@ def _build(name, rank, world, microbatches, dim, costs=None):
     # The same 8-block model whatever the schedule: 4 blocks per pp rank, split over the
     # stages a rank holds (DualPipe holds 2 copies of a 4-block stage)
     blocks = 4 * world // n_stages
-    stages = [PipelineStage(_mlp_stage(s, dim, blocks), stage_index=s, num_stages=n_stages,
-                            device=torch.device("cpu"), group=dist.group.WORLD) for s in ids]
-    return stages, build_schedule(cls, stages, microbatches, loss_fn=_loss), StageTimer(stages)
+    modules = [_mlp_stage(s, dim, blocks) for s in ids]
+    queue = None
+    if split == "deferred" and cls.splits_backward:
+        queue = WeightGradQueue()
+        for m in modules:
+            defer_weight_grads(m)
+    # an empty queue is falsy: test for None
+    dw_builder = queue.take if queue is not None else None
+    stages = [PipelineStage(m, stage_index=s, num_stages=n_stages, device=torch.device("cpu"),
+                            group=dist.group.WORLD, dw_builder=dw_builder)
+              for m, s in zip(modules, ids, strict=True)]
+    sched = build_schedule(cls, stages, microbatches, loss_fn=_loss)
+    return {"stages": stages, "schedule": sched, "timeline": _Timeline(stages), "queue": queue}
 
 
-def _one_step(stages, sched, timer, x, y, world):
-    """(step time of the slowest rank, every rank's busy time in the chunk methods)."""
-    for v in timer.times.values():
-        v.clear()
+def _run_step(b, x, y, memory: _ActivationMemory | None = None) -> None:
+    from titanext.plugins.weight_grad import weight_grad_deferral
+
+    stages, sched, queue = b["stages"], b["schedule"], b["queue"]
+    ctx = contextlib.ExitStack()
+    if queue is not None:
+        ctx.enter_context(weight_grad_deferral(queue))
+    if memory is not None:
+        ctx.enter_context(memory.hooks())
+    with ctx:
+        target = y if any(st.is_last for st in stages) else None
+        if any(st.is_first for st in stages):
+            sched.step(x, target=target)
+        else:
+            sched.step(target=target)
+
+
+def _one_step(b, x, y) -> dict:
+    """This rank's step: start/end, its chunk events; gathered over ranks."""
+    b["timeline"].events.clear()
     dist.barrier()
     t0 = time.perf_counter()
-    if any(st.is_first for st in stages):
-        sched.step(x, target=y if any(st.is_last for st in stages) else None)
-    else:
-        sched.step(target=y if any(st.is_last for st in stages) else None)
-    elapsed = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    everyone = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(everyone, torch.tensor([sum(sum(v) for v in timer.times.values())]))
-    return elapsed.item(), [float(b) for b in everyone]
+    _run_step(b, x, y)
+    mine = {"start": t0, "end": time.perf_counter(), "events": list(b["timeline"].events)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
-def _time_schedules(rank, world, names, microbatches, dim, rows, steps):
-    """Per schedule: median step time (slowest rank) and each rank's busy time inside the
-    stage's F / I / W / B chunk methods (titanext.pipeline.StageTimer); F, I, W per
-    micro-batch measured under ZBH1. The schedules take turns step by step (round robin), so
-    a burst of load from elsewhere hits all of them alike."""
+def _summary(ranks: list[dict]) -> dict:
+    """Step (first start to last end over ranks), makespan of the chunk events (first event to
+    last event over ranks: the simulator's makespan), mean busy, time per kind per call."""
+    first = min(e[1] for r in ranks for e in r["events"])
+    last = max(e[2] for r in ranks for e in r["events"])
+    busy = [sum(e[2] - e[1] for e in r["events"]) for r in ranks]
+    kinds = {}
+    for k in "FIWB":
+        per_rank = [[e[2] - e[1] for e in r["events"] if e[0] == k] for r in ranks]
+        kinds[k] = [sum(t) / len(t) if t else 0.0 for t in per_rank]
+    return {"step": max(r["end"] for r in ranks) - min(r["start"] for r in ranks),
+            "makespan": last - first, "busy": sum(busy) / len(busy), "kinds": kinds}
+
+
+def _time_schedules(rank, world, variants, microbatches, dim, rows, steps):
+    """Per variant: each timed step's summary, plus the peak activation memory of one step.
+    The variants take turns step by step (round robin), so a burst of load from elsewhere hits
+    all of them alike. Auto is generated for the F, I, W (deferred) of three warm-up steps."""
     torch.set_num_threads(1)  # one core per rank
     x = torch.randn(microbatches * rows, dim)
     y = torch.randn(microbatches * rows, dim)
-    built = {"ZBH1": _build("ZBH1", rank, world, microbatches, dim)}
-    for _ in range(3):  # warm-up; Auto is generated for the F, I, W seen here (max over ranks)
-        _one_step(*built["ZBH1"], x, y, world)
-    times = built["ZBH1"][2].times
-    t = torch.tensor([sum(times[k]) / max(len(times[k]), 1) for k in "fbw"], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    costs = dict(zip("fbw", t.tolist()))
-    for name in names:
-        if name not in built:
-            built[name] = _build(name, rank, world, microbatches, dim,
-                                 costs if name == "Auto" else None)
-    results = {name: [] for name in names}
-    per_step_costs = []
+    probe = ("ZBH1", "deferred")
+    built = {probe: _build(*probe, rank, world, microbatches, dim)}
+    for _ in range(3):
+        s = _summary(_one_step(built[probe], x, y))
+    costs = {"f": max(s["kinds"]["F"]), "b": max(s["kinds"]["I"]), "w": max(s["kinds"]["W"])}
+    for v in variants:
+        if v not in built:
+            built[v] = _build(*v, rank, world, microbatches, dim,
+                              costs if v[0] == "Auto" else None)
+    results = {v: [] for v in variants}
     for i in range(steps + 1):
-        for name in names:
-            r = _one_step(*built[name], x, y, world)
-            if i:  # the first round warms every schedule up
-                results[name].append(r)
-                if name == "ZBH1":
-                    times = built[name][2].times
-                    per_step_costs.append([sum(times[k]) / len(times[k]) for k in "fbw"])
-    # the simulation uses the F, I, W of the timed rounds (median over steps, max over ranks)
-    t = torch.tensor([statistics.median(c[i] for c in per_step_costs) for i in range(3)],
-                     dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    costs = dict(zip("fbw", t.tolist()))
-    out = {}
-    for name, rs in results.items():
-        step = statistics.median(r[0] for r in rs)
-        busy = statistics.median(sum(r[1]) / len(r[1]) for r in rs)
-        out[name] = {"step": step, "busy": busy}
-    out["_costs"] = costs
-    return out
+        for v in variants:
+            s = _summary(_one_step(built[v], x, y))
+            if i:  # the first round warms every variant up
+                results[v].append(s)
+    memory = {}
+    for v in variants:  # one tracked step each (the hooks slow it down: not timed)
+        tracker = _ActivationMemory()
+        if built[v]["queue"] is not None:
+            tracker.watch(built[v]["queue"])
+        _run_step(built[v], x, y, tracker)
+        peaks = [None] * world
+        dist.all_gather_object(peaks, tracker.peak)
+        memory[v] = peaks
+    return {"results": results, "memory": memory, "auto_costs": costs}
 
 
-def real_table(steps: int, dim: int, rows: int, names=REAL_SCHEDULES) -> tuple[list[dict], dict]:
-    """pp = 2 on gloo: step time, measured and simulated bubble per schedule.
+def _med(xs):
+    return statistics.median(xs)
 
-    Measured bubble: 1 - mean busy time of a rank / step time (the busy time is spent inside
-    the stage's F, I, W, B chunk methods). Simulated: the same ratio from the simulator's
-    timeline with the F, I, W measured under ZBH1 (comm = 0).
+
+def real_table(steps: int, dim: int, rows: int, variants=REAL_VARIANTS, microbatches: int = 8
+               ) -> tuple[list[dict], dict]:
+    """pp = 2 on gloo: step time, measured and simulated bubble and peak activation memory per
+    schedule, and the per-micro-batch F, I, W, B behind them.
+
+    Bubble, measured and simulated alike: 1 - mean busy time of a rank / makespan, the
+    makespan running from the first chunk to the last over all ranks (busy: inside the stage's
+    F, I, W, B chunk methods). "outside" is the rest of the step (before the first chunk and
+    after the last: loss exchange, DualPipe's mirrored-gradient sum, the last sends). The
+    simulated bubble replays each schedule with the F, I, W (max over ranks, median over
+    steps) measured under the same split (comm = 0).
     """
-    names = [n for n in names if n in _SIMULATED and not schedule_problems(n, pp=2, microbatches=8)]
-    assert names[:2] == ["1F1B", "ZBH1"], "1F1B is the baseline, ZBH1 measures F, I, W"
-    res = run_distributed(_time_schedules, 2, args=(names, 8, dim, rows, steps), timeout_s=1200)[0]
-    costs = res.pop("_costs")
-    base = res["1F1B"]["step"]
+    variants = [v for v in variants if not schedule_problems(v[0], pp=2, microbatches=microbatches)]
+    assert variants[0] == ("1F1B", "autograd"), "1F1B is the baseline"
+    load_before = os.getloadavg()
+    t0 = time.time()
+    res = run_distributed(_time_schedules, 2, args=(variants, microbatches, dim, rows, steps),
+                          timeout_s=1800)[0]
+    info = {"load_before": load_before, "load_after": os.getloadavg(),
+            "seconds": time.time() - t0, "variants": {}}
+    summaries, memory = res["results"], res["memory"]
+
+    def kind_cost(v, k):  # per call, max over ranks, median over steps
+        return _med([max(s["kinds"][k]) for s in summaries[v]])
+
+    def kind_mean(v, k):  # per call, mean over ranks, median over steps
+        return _med([sum(s["kinds"][k]) / len(s["kinds"][k]) for s in summaries[v]])
+
+    costs = {split: {"f": kind_cost(("ZBH1", split), "F"), "b": kind_cost(("ZBH1", split), "I"),
+                     "w": kind_cost(("ZBH1", split), "W")}
+             for split in ("deferred", "autograd") if ("ZBH1", split) in summaries}
+    full_b = kind_mean(variants[0], "B")
+    info["iwb"] = {split: (kind_mean(("ZBH1", split), "I") + kind_mean(("ZBH1", split), "W"))
+                   / full_b for split in costs}
+    info["costs"], info["full_b"] = costs, full_b
+    base_step = _med([s["step"] for s in summaries[variants[0]]])
+    base_mem = max(memory[variants[0]])
+    sim_base = None
     rows_out = []
-    for name, r in res.items():
-        sim = simulate(name, pp=2, microbatches=8, **costs)
+    for v in variants:
+        name, split = v
+        ss = summaries[v]
+        step, makespan = _med([s["step"] for s in ss]), _med([s["makespan"] for s in ss])
+        bubble = _med([1 - s["busy"] / s["makespan"] for s in ss])
+        c = costs.get(split) or costs["deferred"]
+        sim = simulate(name, pp=2, microbatches=microbatches, **c)
         ranks = sorted({e.rank for e in sim.events})
         sim_busy = [sum(e.end - e.start for e in sim.events if e.rank == q) for q in ranks]
+        sim_bubble = 1 - sum(sim_busy) / len(sim_busy) / sim.makespan
+        sim_peak = max(sim.peak_memory)
+        if sim_base is None:
+            sim_base = sim_peak
+        label = name if split == "deferred" or name == "1F1B" else f"{name} ({split} split)"
         rows_out.append({
-            "schedule": name, "step (s)": f"{r['step']:.3f}", "vs 1F1B": f"{r['step'] / base:.2f}x",
-            "measured bubble": f"{1 - r['busy'] / r['step']:.3f}",
-            "simulated bubble": f"{1 - sum(sim_busy) / len(sim_busy) / sim.makespan:.3f}",
-            "simulated step (s)": f"{sim.makespan:.3f}"})
-    return rows_out, costs
+            "schedule": label, "step (s)": f"{step:.3f}", "vs 1F1B": f"{step / base_step:.2f}x",
+            "bubble": f"{bubble:.3f}", "simulated": f"{sim_bubble:.3f}",
+            "outside (ms)": f"{(step - makespan) * 1e3:.0f}",
+            "peak act. (MB)": f"{max(memory[v]) / 2**20:.1f}",
+            "vs 1F1B ": f"{max(memory[v]) / base_mem:.2f}x",
+            "simulated peak": f"{sim_peak:g} ({sim_peak / sim_base:.2f}x)"})
+        info["variants"][label] = {"step": step, "bubble": bubble, "simulated": sim_bubble}
+    return rows_out, info
 
 
 def main(argv=None) -> int:
@@ -188,11 +354,17 @@ def main(argv=None) -> int:
         print(format_table(simulated_table(), markdown=a.markdown), flush=True)
     print(f"\n2. real: pp=2 on gloo, 8 micro-batches of {a.rows} rows, 8 MLP blocks "
           f"{a.dim} -> {4 * a.dim} -> {a.dim} (4 per rank), one thread per rank; median of "
-          f"{a.real_steps} steps (a step ends with the slowest rank)", flush=True)
-    table, costs = real_table(a.real_steps, a.dim, a.rows)
+          f"{a.real_steps} steps; the variants take turns step by step", flush=True)
+    table, info = real_table(a.real_steps, a.dim, a.rows)
     print(format_table(table, markdown=a.markdown))
-    print("F, I, W per micro-batch of a rank's share (measured under ZBH1): "
-          + ", ".join(f"{k.upper() if k != 'b' else 'I'} = {v * 1e3:.1f} ms" for k, v in costs.items()))
+    for split, c in info["costs"].items():
+        print(f"{split} split, per micro-batch of a rank's share (under ZBH1, max over ranks): "
+              + ", ".join(f"{'FIW'['fbw'.index(k)]} = {v * 1e3:.1f} ms" for k, v in c.items())
+              + f"; (I+W)/B = {info['iwb'][split]:.2f} (B = {info['full_b'] * 1e3:.1f} ms "
+              "under 1F1B; I, W, B: mean over ranks)")
+    lb, la = info["load_before"], info["load_after"]
+    print(f"load average before {lb[0]:.1f} {lb[1]:.1f} {lb[2]:.1f}, after {la[0]:.1f} "
+          f"{la[1]:.1f} {la[2]:.1f}; {os.cpu_count()} cores; the run took {info['seconds']:.0f} s")
     return 0
 
 
