@@ -169,7 +169,11 @@ class _ActivationMemory:
 def _build(name, split, rank, world, microbatches, dim, costs=None):
     from torch.distributed.pipelining import PipelineStage
 
-    from titanext.plugins.weight_grad import WeightGradQueue, defer_weight_grads
+    from titanext.plugins.weight_grad import (
+        DeferredPipelineStage,
+        WeightGradQueue,
+        defer_weight_grads,
+    )
     from titanext.schedules import auto_schedule_class, num_stages_for
 
     cls = get_schedule_class(name)
@@ -187,22 +191,19 @@ def _build(name, split, rank, world, microbatches, dim, costs=None):
         queue = WeightGradQueue()
         for m in modules:
             defer_weight_grads(m)
-    # an empty queue is falsy: test for None
-    dw_builder = queue.take if queue is not None else None
-    stages = [PipelineStage(m, stage_index=s, num_stages=n_stages, device=torch.device("cpu"),
-                            group=dist.group.WORLD, dw_builder=dw_builder)
+    kind, extra = PipelineStage, {}
+    if queue is not None:  # (an empty queue is falsy)
+        kind, extra = DeferredPipelineStage, {"weight_grad_queue": queue}
+    stages = [kind(m, stage_index=s, num_stages=n_stages, device=torch.device("cpu"),
+                   group=dist.group.WORLD, **extra)
               for m, s in zip(modules, ids, strict=True)]
     sched = build_schedule(cls, stages, microbatches, loss_fn=_loss)
     return {"stages": stages, "schedule": sched, "timeline": _Timeline(stages), "queue": queue}
 
 
 def _run_step(b, x, y, memory: _ActivationMemory | None = None) -> None:
-    from titanext.plugins.weight_grad import weight_grad_deferral
-
-    stages, sched, queue = b["stages"], b["schedule"], b["queue"]
+    stages, sched = b["stages"], b["schedule"]
     ctx = contextlib.ExitStack()
-    if queue is not None:
-        ctx.enter_context(weight_grad_deferral(queue))
     if memory is not None:
         ctx.enter_context(memory.hooks())
     with ctx:

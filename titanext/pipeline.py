@@ -41,6 +41,11 @@ from torch.distributed.tensor import DTensor
 
 from titanext.config.degrees import resolve_microbatches  # also re-exported
 from titanext.optim import clip_grad_norm_
+from titanext.plugins.weight_grad import (
+    DeferredPipelineStage,
+    WeightGradQueue,
+    defer_weight_grads,
+)
 from titanext.schedules import (
     build_schedule,
     get_schedule_class,
@@ -49,6 +54,9 @@ from titanext.schedules import (
 )
 from titanext.schedules import resolved_stages_per_rank as stages_per_rank_of
 from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
+
+#: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
+SPLIT_BACKWARD = ("deferred", "autograd")
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
@@ -180,14 +188,17 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
                    costs: dict[str, float] | None = None,
-                   schedule_kwargs: dict | None = None):
+                   schedule_kwargs: dict | None = None, weight_grad_queue=None):
     """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
 
     ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
     schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
     ``costs`` (f, b, w, comm) go to schedules that use them (Auto); ``schedule_kwargs`` to the
-    schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). Returns (stages,
-    schedule).
+    schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). With a
+    ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
+    converted by ``defer_weight_grads``) the stages are
+    :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
+    Returns (stages, schedule).
 
     Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
 
@@ -201,8 +212,13 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
                                        microbatches=4, loss_fn=my_loss)
         sched.step(tokens, target=labels, losses=[])   # first / last rank pass what they own
     """
-    stages = [PipelineStage(mod, stage_index=i, num_stages=num_stages, device=device,
-                            group=pp_group)
+    # Deferred weight gradients: the stage runs one plain backward for I and hands that
+    # micro-batch's queued weight GEMMs to W (PipelineStage's public dw_builder hook)
+    kind, extra = PipelineStage, {}
+    if weight_grad_queue is not None:
+        kind, extra = DeferredPipelineStage, {"weight_grad_queue": weight_grad_queue}
+    stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
+                   **extra)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
     return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
                                   scale_grads=False, **(schedule_kwargs or {}))
@@ -296,6 +312,11 @@ class PipelineRunner:
       runner multiplies it by :meth:`step`'s ``loss_scale`` for the backward and sums the
       unscaled values it records;
     - gradients of mirrored stage copies (DualPipe) and clipping (:meth:`clip_grad_norm`).
+    - deferred weight gradients (``split_backward="deferred"``, schedules with I and W
+      actions): the stage modules' linears are converted by
+      :func:`titanext.plugins.weight_grad.defer_weight_grads`, I runs one plain backward that
+      queues their dW GEMMs, and W runs that micro-batch's queue; ``"autograd"`` keeps torch's
+      ``stage_backward_input`` / ``stage_backward_weight`` split.
 
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
@@ -318,7 +339,8 @@ class PipelineRunner:
                  last_stage_less_layers: int = 0, position_ids: torch.Tensor | None = None,
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
-                 loss_context: Callable[[], AbstractContextManager] = nullcontext):
+                 loss_context: Callable[[], AbstractContextManager] = nullcontext,
+                 split_backward: str = "deferred"):
         cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
         self.schedule_class, self.device, self.microbatches = cls, device, microbatches
         self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
@@ -343,7 +365,18 @@ class PipelineRunner:
             def parallelize_stage(m: nn.Module) -> nn.Module:
                 return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
 
-        self.parts = [parallelize_stage(split_model(model, counts, i)) for i in self.stage_ids]
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                             f"{', '.join(SPLIT_BACKWARD)}")
+        # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
+        # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
+        self.weight_grad_queue = None
+        parts = [split_model(model, counts, i) for i in self.stage_ids]
+        if split_backward == "deferred" and cls.splits_backward:
+            self.weight_grad_queue = WeightGradQueue()
+            for part in parts:  # a converter: before TP / FSDP, on the meta stage
+                defer_weight_grads(part)
+        self.parts = [parallelize_stage(part) for part in parts]
         # Every stage runs RoPE but only the first sees the tokens: each is handed the positions
         # its rank's slice of the sequence holds (the same for every micro-batch and step).
         for part in self.parts if position_ids is not None else ():
@@ -363,6 +396,7 @@ class PipelineRunner:
         keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
         p = parallelism
         return cls(model, dims, schedule=p.pipeline_parallel_schedule,
+                   split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
                    microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
                                                      local_batch_size),
                    stages_per_rank=p.pipeline_parallel_stages_per_rank,
@@ -374,7 +408,7 @@ class PipelineRunner:
         self.stages, self.schedule = build_pipeline(
             self.parts, self.stage_ids, num_stages=self.num_stages, pp_group=self.pp_group,
             device=self.device, schedule=self.schedule_class, microbatches=self.microbatches,
-            loss_fn=self._scaled_loss, costs=self.costs,
+            loss_fn=self._scaled_loss, costs=self.costs, weight_grad_queue=self.weight_grad_queue,
             # mirrored gradients are summed once per optimizer step (after accumulation)
             schedule_kwargs={"sum_mirrored_grads": False} if self.mirrored else None)
         if self._reset is not None:

@@ -314,6 +314,13 @@ class Parallelism:
     """Pipeline schedule: torch's (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble) or titanext's (ZBH1, ZBH2, ZBV, Auto, ...). Auto
     measures F, I and W on the first step, then runs the schedule generated for those costs."""
+    pipeline_parallel_split_backward: str = _field("deferred", choices=("deferred", "autograd"))
+    """How schedules that split the backward into I (input gradient) and W (weight gradient)
+    compute them: 'deferred' runs one plain backward for I in which every linear (and MoE
+    expert GEMM) queues its weight-gradient GEMM, and W runs the queue
+    (titanext.plugins.weight_grad); 'autograd' is torch's stage_backward_input /
+    stage_backward_weight pair (walks the graph twice and keeps it alive until W). No effect on
+    schedules without I/W actions (1F1B, GPipe, Interleaved1F1B)."""
     pipeline_parallel_microbatches: int = _field(-1, check=_minus_one_or_positive,
                                                  rule="-1 or >= 1")
     """Micro-batches per pipeline step (local_batch_size must be divisible by it); -1 means

@@ -33,11 +33,15 @@ Rules:
   its backward queues dW if a queue is active *when the backward runs*, else computes dW at once.
   So run the forward and the backward of a micro-batch inside contexts (activation
   checkpointing recomputes the forward during backward: it must see the same mode).
-- Pipeline stages: pass ``dw_builder=queue.take`` to torch's ``PipelineStage``. The stage's
-  input-gradient step then runs one plain autograd backward (no graph walk, no retain_graph)
-  and ``take()`` hands that micro-batch's closures to torch's W step; a full backward runs them
-  at once. ``titanext.pipeline`` does this when ``pipeline_parallel_split_backward =
-  "deferred"``.
+- Pipeline stages: build :class:`DeferredPipelineStage` instead of torch's ``PipelineStage``
+  (same arguments). Its forward and backward chunks run inside the deferral context, and it
+  passes torch's public ``dw_builder`` hook, so the input-gradient step runs one plain autograd
+  backward (no graph walk, no retain_graph) and that micro-batch's closures go to torch's W
+  step; a full backward runs them at once. Any schedule runs it, torch's included.
+  ``titanext.pipeline`` does this when ``pipeline_parallel_split_backward = "deferred"``.
+- Inside a context with a queue, every backward queues dW, even a ``torch.autograd.grad`` that
+  asks only for inputs (torch's stage shape inference does that on the first step): keep such
+  calls outside (the stage class does).
 - FSDP2: forward sees the unsharded parameters, so dW accumulates on them (FSDP2 keeps the same
   unsharded ``nn.Parameter`` across reshard/unshard; W does not need the weight's values). The
   reduce-scatter must come after the last W: in a pipeline, torch's REDUCE_GRAD action does it
@@ -62,10 +66,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 
-__all__ = ["WeightGradQueue", "defer_weight_grads", "deferral_active", "weight_grad_deferral"]
+__all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
+           "weight_grad_deferral"]
 
 logger = logging.getLogger("titanext")
 
@@ -316,3 +322,29 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
         logger.info("weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
                     "gradients are computed in the input-gradient step, not deferred", float8)
     return converted
+
+
+# -- pipeline stages ----------------------------------------------------------------------------
+
+class DeferredPipelineStage(PipelineStage):
+    """torch's ``PipelineStage`` (same arguments, plus an optional shared
+    ``weight_grad_queue``) whose converted modules defer weight gradients: its F and I/B chunks
+    run inside :func:`weight_grad_deferral` and torch's W step runs the micro-batch's queue
+    (``dw_builder``). torch's shape inference on the first step stays in plain mode.
+
+    >>> stage = DeferredPipelineStage(module, stage_index=i, num_stages=n, device=device,
+    ...                               group=pp_group)                     # doctest: +SKIP
+    """
+
+    def __init__(self, *args, weight_grad_queue: WeightGradQueue | None = None, **kwargs):
+        queue = weight_grad_queue if weight_grad_queue is not None else WeightGradQueue()
+        super().__init__(*args, dw_builder=queue.take, **kwargs)
+        self.weight_grad_queue = queue
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with weight_grad_deferral():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with weight_grad_deferral(self.weight_grad_queue):
+            return super().backward_one_chunk(*args, **kwargs)
