@@ -8,11 +8,17 @@
    F = I = W and at an unequal profile (F = 1, I = 1, W = 0.5, comm = 0.03: W is the cheaper
    half of the backward, the kind of profile the zero-bubble paper measures).
 2. Real: pp = 2 on gloo (one rank per core, one thread each), 8 micro-batches through the same
-   8-block MLP for every schedule, the schedules taking turns step by step: the step time
-   (median of --real-steps), the measured bubble (1 - a rank's time inside the stage's
-   F/I/W/B chunk methods / step time, mean over ranks; median over steps)
-   and the simulated bubble and step for the F, I, W measured under ZBH1. Auto is generated
-   for those measured costs, as the trainer does after its first step.
+   8-block MLP for every schedule, the schedules taking turns step by step; split schedules
+   defer weight gradients (titanext.plugins.weight_grad), and "ZBH1 (autograd split)" is
+   torch's stage_backward_input / _weight for comparison. Per schedule (medians over
+   --real-steps): step time and its ratio to 1F1B; the bubble measured as the simulator
+   defines it (1 - mean busy / makespan, the makespan from the first F/I/W/B chunk to the last
+   over all ranks, busy inside the chunk methods) next to the simulated bubble for the F, I, W
+   measured in the same run; "outside": the step's time before the first and after the last
+   chunk (DualPipe's mirrored-gradient sum lands there); the peak activation memory (bytes
+   autograd saved for backward plus queued (X, dY), max over ranks) next to the simulator's
+   peak. Also (I+W)/B per micro-batch and the load average. The lead's one command:
+   ``python benchmarks/pipeline_schedules.py --skip-simulated --markdown``.
 """
 
 from __future__ import annotations
@@ -105,11 +111,14 @@ class _ActivationMemory:
     """Live bytes of tensors autograd saved for backward (stage activations) plus the (X, dY)
     pairs in weight-gradient queues, per storage, and their peak: autograd's saved-tensor
     hooks count a tensor from its save until autograd frees it (after its backward, or after W
-    when torch's split keeps the graph), the queues from I until W. Parameters don't count."""
+    when torch's split keeps the graph), the queues from I until W. Parameters (and views of
+    them, such as the W^T an nn.Linear saves) don't count."""
 
-    def __init__(self):
+    def __init__(self, modules):
         self.live: dict[int, list] = {}  # storage ptr -> [bytes, references]
         self.now = self.peak = 0
+        # autograd saves weights too (as W^T views for nn.Linear): not activations
+        self.params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
 
     def add(self, t: torch.Tensor) -> int:
         s = t.untyped_storage()
@@ -139,7 +148,7 @@ class _ActivationMemory:
                 weakref.finalize(self, tracker.drop, self.key)
 
         def pack(t):
-            if t.is_leaf and t.requires_grad:  # a parameter
+            if t.untyped_storage().data_ptr() in tracker.params:  # a parameter (or a view)
                 return t
             return Packed(t)
 
@@ -264,7 +273,7 @@ def _time_schedules(rank, world, variants, microbatches, dim, rows, steps):
                 results[v].append(s)
     memory = {}
     for v in variants:  # one tracked step each (the hooks slow it down: not timed)
-        tracker = _ActivationMemory()
+        tracker = _ActivationMemory([st.submod for st in built[v]["stages"]])
         if built[v]["queue"] is not None:
             tracker.watch(built[v]["queue"])
         _run_step(built[v], x, y, tracker)

@@ -71,10 +71,12 @@ CASES = {
     # aux-loss-free bias update (its counts summed over pp and dp; the shape-inference forward
     # of torch's PipelineStage left out, see titanext.pipeline.ignore_shape_inference_forward)
     # and the sequence aux loss.
-    "moe_pp2_x_dp2ep2_x_tp2_ZBH2": (MOE, [
+    # ... with deferred weight gradients (the default; explicit here): the experts' grouped
+    # GEMMs and the TP linears queue dW during I, run at W.
+    "moe_pp2_x_dp2ep2_x_tp2_ZBH2_deferred": (MOE, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2", *_pp("ZBH2", 2),
-        *MOE_AUX], 1e-5),
+        P + "pipeline_parallel_split_backward=deferred", *MOE_AUX], 1e-5),
     "pp2_x_cp2_x_tp2_DualPipeV": (SMALL, [
         "--training.local_batch_size=8", P + "context_parallel_degree=2",
         P + "tensor_parallel_degree=2", *_pp("DualPipeV", 4)], 1e-5),
@@ -83,9 +85,11 @@ CASES = {
         P + "context_parallel_degree=2", *_pp("ZBV", 4),
         "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
         1e-5),
-    "pp2_x_hsdp2x2_Auto": (SMALL, [
+    # torch's own split backward (stage_backward_input / _weight), kept for comparison
+    "pp2_x_hsdp2x2_Auto_autograd_split": (SMALL, [
         "--training.local_batch_size=2", P + "data_parallel_replicate_degree=2",
-        P + "data_parallel_shard_degree=2", *_pp("Auto", 2)], 1e-5),
+        P + "data_parallel_shard_degree=2", *_pp("Auto", 2),
+        P + "pipeline_parallel_split_backward=autograd"], 1e-5),
     "dp2_x_cp2_x_tp2": (TINY, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"], 1e-5),
