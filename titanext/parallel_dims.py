@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titanext._fake_backend import real_tensors
 from titanext.config.degrees import degree_problems, resolve_dp_shard
 from titanext.errors import ConfigError
 
@@ -174,7 +175,10 @@ class ParallelDims:
     # -- mesh -------------------------------------------------------------------------------
     def build_mesh(self, device: str | None = None) -> DeviceMesh:
         """Create the world mesh (all named axes, size-1 ones included) and its views."""
-        device = device or device_type()
+        with real_tensors():  # the mesh's rank tables are host data, also in a dry run
+            return self._build_mesh(device or device_type())
+
+    def _build_mesh(self, device: str) -> DeviceMesh:
         split_cp = self.cp_ulysses > 1
         cp_names = ["cp_ring", "cp_ulysses"] if split_cp else ["cp"]
         cp_sizes = [self.cp // self.cp_ulysses, self.cp_ulysses] if split_cp else [self.cp]

@@ -38,9 +38,11 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from titanext._fake_backend import host_float
     from titanext.checkpoint import CheckpointManager
     from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
     from titanext.data import dataloader_from_config
+    from titanext.dry_run import dry_run
     from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
     from titanext.metrics import MetricsLogger
     from titanext.models import build_model
@@ -97,7 +99,8 @@ class Trainer:
         parallelize_part = functools.partial(  # the recipe, for the model or each stage
             parallelize, dims=dims, parallelism=p, compile=cfg.compile, float8=f8, training=t,
             activation_checkpoint=cfg.activation_checkpoint, device=self.device,
-            init_weights=lambda m: m.init_weights(seed=t.seed))
+            init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
+            else (lambda m: m.init_weights(seed=t.seed)))
         self.pipeline: PipelineRunner | None = None
         if dims.pp_enabled:  # every stage runs RoPE on the positions of this rank's slice
             positions = torch.arange(t.seq_len, device=self.device)
@@ -174,10 +177,11 @@ class Trainer:
         cp = dims.cp_mesh if dims.cp_enabled else None
         microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout, device=self.device)
                         for mb in microbatches]
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in microbatches)
+        local_tokens = sum(host_float((y != IGNORE_INDEX).sum(), y.numel()) for _, y, *_ in
+                           microbatches)  # (a dry run's labels are fake: all count)
         counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=loss_group)
-        global_tokens = max(counts.item(), 1.0)
+        global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
         scale = dims.gradient_reduction_size / global_tokens
         if self.pipeline is not None:  # the stages hold the positions already
             loss_sum = self.pipeline.step([mb[:2] for mb in microbatches], loss_scale=scale)
@@ -186,8 +190,8 @@ class Trainer:
             loss_sum = self._forward_backward(microbatches, scale)
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         dist.all_reduce(loss_sum, group=loss_group)
-        mean_loss, grad_norm = (loss_sum / global_tokens).item(), grad_norm.item()
-        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+        mean_loss, grad_norm = host_float(loss_sum / global_tokens), host_float(grad_norm)
+        if self.cfg.comm.mode == "real" and not (math.isfinite(mean_loss + grad_norm)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping "
                 "without an optimizer step (the last good checkpoint is kept)")
@@ -273,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags.get("print_config"):
         print(to_toml(cfg))
         return 0
+    if cfg.comm.mode == "fake_backend":  # one process plays one rank of a fake world
+        return dry_run(cfg)
     # Ctrl-C: stop without saving anything partial (checkpoint writes are atomic anyway).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     code = 0

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from titanext.models import ModelArgs
 
 __all__ = ["accumulation_steps", "batch_problem", "collect_problems", "degree_problems",
-           "ep_layout_problem", "gradient_accumulation_steps", "model_args",
+           "ep_layout_problem", "fake_world_size", "gradient_accumulation_steps", "model_args",
            "pipeline_config_problems", "resolve_dp_shard", "resolve_microbatches",
            "resolved_dp_shard", "validate"]
 
@@ -456,6 +456,12 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
         return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
 
     p, t = cfg.parallelism, cfg.training
+    if cfg.comm.mode == "fake_backend" and ok("comm.fake_world_size", "comm.fake_rank"):
+        # A dry run's world is the fake one, whatever launched the process.
+        world_size = fake_world_size(cfg)
+        if cfg.comm.fake_rank >= world_size:
+            problems.append(f"comm.fake_rank = {cfg.comm.fake_rank} must be below the dry run's "
+                            f"world size {world_size}")
     degrees_ok = ok("data_parallel_replicate_degree", "data_parallel_shard_degree",
                     "context_parallel_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree")
@@ -570,6 +576,16 @@ def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
     except (ConfigError, ValueError):
         return None, None
     return tok.vocab_size, tok.eos_id
+
+
+def fake_world_size(cfg: JobConfig) -> int:
+    """The world size of a ``comm.mode = "fake_backend"`` dry run: ``comm.fake_world_size``, or
+    the product of the parallel degrees (data_parallel_shard_degree = -1 counting 1)."""
+    if cfg.comm.fake_world_size:
+        return cfg.comm.fake_world_size
+    p = cfg.parallelism
+    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+            * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> None:

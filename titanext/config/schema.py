@@ -420,6 +420,18 @@ class Comm:
     """Collective timeout during start-up (model build, checkpoint load, compile)."""
     train_timeout_seconds: int = _field(100, ge=1)
     """Collective timeout once training runs: a dead or stuck rank fails the job after this."""
+    mode: str = _field("real", choices=("real", "fake_backend"))
+    """``real`` trains. ``fake_backend`` is a dry run: one ordinary process (no torchrun) becomes
+    rank ``fake_rank`` of ``fake_world_size`` over torch's fake process group, builds the real
+    trainer with fake tensors (no memory for weights, gradients, optimizer state, activations),
+    runs one training step, and prints its per-rank memory and communication next to the
+    planner's (docs/dry_run.md)."""
+    fake_world_size: int = _field(0, ge=0)
+    """World size of a ``fake_backend`` dry run; 0 means the product of the parallel degrees
+    (data_parallel_shard_degree = -1 counting 1)."""
+    fake_rank: int = _field(0, ge=0)
+    """The rank a ``fake_backend`` dry run plays (pipeline ranks differ: the first holds the
+    embedding, the last the head); must be below the world size."""
 
 
 def _emulate(value: bool | str) -> str | None:

@@ -1,0 +1,61 @@
+"""Every private torch name the dry run (``[comm] mode = "fake_backend"``) uses, in one place.
+
+Private in torch 2.11 and 2.13 alike (checked against both): ``FakeStore`` (the store of
+torch's ``"fake"`` process-group backend), ``FakeTensorMode`` / ``FakeTensor`` /
+``unset_fake_temporarily`` (fake tensors), ``MemTracker`` (per-category memory of a step),
+``TorchDispatchMode`` and ``tree_leaves`` (the collective byte counter).
+Nothing else in titanext imports them; a torch that moves one breaks only this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["TorchDispatchMode", "fake_tensor_mode", "host_float", "init_fake_process_group",
+           "is_fake", "mem_tracker", "real_tensors", "tree_leaves"]
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank ``rank`` of ``world_size`` over torch's fake backend: every
+    collective returns at once without moving data."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # imported on use only
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensor_mode() -> FakeTensorMode:
+    """The mode a dry run builds and steps in (real inputs, such as data batches, turn fake)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: object) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+def real_tensors() -> contextlib.AbstractContextManager:
+    """Host-side setup (mesh ranks) on real tensors while a fake mode is active; a no-op
+    otherwise."""
+    return unset_fake_temporarily()
+
+
+def host_float(t: torch.Tensor | float, fake_value: float = math.nan) -> float:
+    """``t.item()`` as a float; a fake tensor (a dry run) has no value and gives ``fake_value``."""
+    if isinstance(t, torch.Tensor):
+        return fake_value if is_fake(t) else float(t.item())
+    return float(t)
+
+
+
+def mem_tracker():
+    """torch's ``MemTracker``: per-category (parameter, gradient, optimizer state, activation,
+    temporary) memory, current and peak, of the tensors it tracks; works on fake tensors."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

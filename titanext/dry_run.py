@@ -1,0 +1,139 @@
+"""Dry run: ``[comm] mode = "fake_backend"`` (docs/dry_run.md).
+
+One ordinary process becomes rank ``comm.fake_rank`` of ``comm.fake_world_size`` over torch's
+fake process group, builds the real :class:`~titanext.train.Trainer` (mesh, meta model, every
+plugin, pipeline split and schedule) under a fake-tensor mode, and runs one full training step
+(forward, backward, optimizer) through :meth:`~titanext.train.Trainer.train_step`. Tensors
+are fake (shapes, dtypes and devices only) and collectives return at once, so a 512-rank
+layout of a 405B model is checked on a laptop:
+
+    python -m titanext.train --config train_configs/llama3_8b.toml --comm.mode=fake_backend
+
+It measures this rank's memory with torch's ``MemTracker`` (parameters, gradients, optimizer
+state, activations including the pipeline's in-flight micro-batches, the peak of the step) and
+every collective's bytes with a dispatch mode (``CommDebugMode`` counts the calls), prints a
+table and ends with one line::
+
+    titanext: dry run: rank R of N, peak memory X.XX GiB (planner: Y.YY GiB), step comm Z.ZZ GB
+
+Collective bytes are each call's largest buffer: the gathered output of an all-gather, the
+input of a reduce-scatter, the tensor of an all-reduce, send or receive, the input of an
+all-to-all (what the call moves through this rank's buffers, not wire bytes of a ring).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+from titanext._fake_backend import (
+    TorchDispatchMode,
+    fake_tensor_mode,
+    init_fake_process_group,
+    mem_tracker,
+    tree_leaves,
+)
+from titanext.config import JobConfig
+from titanext.config.rules import fake_world_size
+
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "planner_peak_bytes"]
+
+GiB, GB = 2**30, 1e9
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_SKIP = ("wait", "barrier", "monitored_barrier")
+
+
+class CommBytes(TorchDispatchMode):
+    """Bytes and calls per collective op (``c10d`` and functional collectives) run inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = getattr(func, "namespace", "")
+        name = func.__name__.split(".")[0]
+        if ns in _COMM_NAMESPACES and not any(s in name for s in _SKIP):
+            sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
+                         if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())]
+            key = name.strip("_").removesuffix("_coalesced").removesuffix("_base")
+            self.bytes[key] += max(sizes, default=0)
+            self.calls[key] += 1
+        return func(*args, **kwargs)
+
+
+class DryRunResult:
+    """What :func:`dry_run` measured (bytes) and the planner's figure for the same rank."""
+
+    def __init__(self, rank: int, world_size: int, memory: dict[str, int], peak: int,
+                 planner: float, comm: dict[str, int], calls: dict[str, int], seconds: float):
+        self.rank, self.world_size, self.memory, self.peak = rank, world_size, memory, peak
+        self.planner, self.comm, self.calls, self.seconds = planner, comm, calls, seconds
+
+    @property
+    def comm_total(self) -> int:
+        return sum(self.comm.values())
+
+    def summary(self) -> str:
+        return (f"titanext: dry run: rank {self.rank} of {self.world_size}, peak memory "
+                f"{self.peak / GiB:.2f} GiB (planner: {self.planner / GiB:.2f} GiB), "
+                f"step comm {self.comm_total / GB:.2f} GB")
+
+
+def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int) -> float:
+    """What :func:`titanext.plan.plan_config` gives for ``rank``'s pipeline position."""
+    from titanext.planning.estimate import plan_config
+
+    plan = plan_config(cfg, world_size)
+    pp = cfg.parallelism.pipeline_parallel_degree
+    pp_rank = rank // (world_size // pp)  # pp is the mesh's outermost axis
+    return float(sum(plan.memory_per_pp_rank[pp_rank].values()))
+
+
+def measure(cfg: JobConfig) -> DryRunResult:
+    """Build the trainer on the fake backend and measure one training step."""
+    from titanext.train import Trainer
+
+    world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
+    start = time.time()
+    if not dist.is_initialized():
+        init_fake_process_group(rank, world_size)
+    mode = fake_tensor_mode()
+    with mode:
+        trainer = Trainer(cfg)
+    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    tracker = mem_tracker()
+    tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    with mode, tracker, CommDebugMode(), CommBytes() as comm:
+        trainer.train_step(batches)
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    peak = memory.pop("Total", sum(memory.values()))
+    return DryRunResult(rank, world_size, memory, peak, planner_peak_bytes(cfg, world_size, rank),
+                        dict(comm.bytes), dict(comm.calls), time.time() - start)
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """``python -m titanext.train`` in fake_backend mode: measure, print the table, return 0."""
+    from titanext.metrics import format_table
+
+    result = measure(cfg)
+    rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
+    rows.append({"memory": "peak of the step", "GiB": result.peak / GiB})
+    rows.append({"memory": "planner", "GiB": result.planner / GiB})
+    print(format_table(rows))
+    comm_rows = [{"collective": k, "calls": result.calls[k], "GB": v / GB}
+                 for k, v in sorted(result.comm.items())]
+    print(format_table(comm_rows or [{"collective": "none"}]))
+    ratio = result.peak / result.planner if result.planner else math.nan
+    print(f"titanext: dry run built and stepped in {result.seconds:.1f}s; measured / planner "
+          f"peak = {ratio:.2f}")
+    print(result.summary(), flush=True)
+    return 0
