@@ -34,6 +34,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from titanext._fake_backend import (
     TorchDispatchMode,
     fake_tensor_mode,
+    host_float,
     init_fake_process_group,
     mem_tracker,
     tree_leaves,
@@ -41,7 +42,7 @@ from titanext._fake_backend import (
 from titanext.config import JobConfig
 from titanext.config.rules import fake_world_size
 
-__all__ = ["CommBytes", "DryRunResult", "dry_run", "planner_peak_bytes"]
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "host_float", "planner_peak_bytes"]
 
 GiB, GB = 2**30, 1e9
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")

@@ -38,11 +38,10 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from titanext._fake_backend import host_float
     from titanext.checkpoint import CheckpointManager
     from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
     from titanext.data import dataloader_from_config
-    from titanext.dry_run import dry_run
+    from titanext.dry_run import dry_run, host_float
     from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
     from titanext.metrics import MetricsLogger
     from titanext.models import build_model
