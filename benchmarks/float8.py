@@ -64,7 +64,7 @@ def accuracy_table(m: int = 512, k: int = 1024, n: int = 512) -> list[dict]:
     return rows
 
 
-# -- speed (CUDA) ------------------------------------------------------------------------------------
+# -- speed (CUDA) ---------------------------------------------------------------------------------
 
 def _time_ms(fn, iters: int) -> float:
     for _ in range(3):  # warm-up (and compile)
@@ -124,7 +124,8 @@ def block_table(iters: int, batch: int = 2, seq: int = 2048) -> list[dict]:
 
     args = _one_b_args()
     hd = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd))
+    even = torch.arange(0, hd, 2, device="cuda", dtype=torch.float32)
+    inv_freq = 1.0 / (args.rope_theta ** (even / hd))
     cos, sin = rope_cos_sin(torch.arange(seq, device="cuda"), inv_freq)
     x = torch.randn(batch, seq, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rows, base = [], None
@@ -136,7 +137,8 @@ def block_table(iters: int, batch: int = 2, seq: int = 2048) -> list[dict]:
 
         ms = _try(measure)
         base = base or ms
-        rows.append({"1B block": recipe or "bf16", "fwd+bwd ms": "error" if ms is None else round(ms, 2),
+        rows.append({"1B block": recipe or "bf16",
+                     "fwd+bwd ms": "error" if ms is None else round(ms, 2),
                      "speedup": "error" if ms is None or base is None else round(base / ms, 2)})
     return rows
 
@@ -161,7 +163,9 @@ def training_table(iters: int, batch: int = 2, seq: int = 2048) -> list[dict]:
 
         def step(model=model, opt=opt, tokens=tokens):
             logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss = nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -179,13 +183,16 @@ def training_table(iters: int, batch: int = 2, seq: int = 2048) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-step", action="store_true", help="skip the 1B training step")
     a = parser.parse_args()
+    cpu = platform.processor() or platform.machine()
     machine = (torch.cuda.get_device_name() if torch.cuda.is_available()
-               else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads")
+               else f"{cpu} CPU, {torch.get_num_threads()} threads")
     print(f"# float8 benchmark on {machine}, torch {torch.__version__}\n")
     with contextlib.redirect_stderr(io.StringIO()):  # torchao's import chatter
         rows = accuracy_table()

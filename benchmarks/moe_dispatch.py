@@ -140,7 +140,9 @@ def _measure(rank: int, world: int, a, iters: int) -> dict:
     torch.testing.assert_close(y, ep(x), rtol=1e-5, atol=1e-5)  # the two dispatches agree
     if iters:
         out["time a2a"] = _timed(lambda: ep(x).sum().backward(), iters)
-        out["time allgather"] = _timed(lambda: allgather_moe(ref, local, x, group).sum().backward(), iters)
+        out["time allgather"] = _timed(
+            lambda: allgather_moe(ref, local, x, group).sum().backward(), iters
+        )
     return out
 
 
@@ -157,7 +159,8 @@ def bytes_table(a) -> list[dict]:
         rows.append({"ep": world, "tokens/rank": t, "a2a measured (MB)": f"{a2a / 1e6:.2f}",
                      "a2a formula (MB)": f"{f_a2a / 1e6:.2f}",
                      "all-gather measured (MB)": f"{ag / 1e6:.2f}",
-                     "all-gather formula (MB)": f"{f_ag / 1e6:.2f}", "a2a / all-gather": f"{a2a / ag:.2f}"})
+                     "all-gather formula (MB)": f"{f_ag / 1e6:.2f}",
+                     "a2a / all-gather": f"{a2a / ag:.2f}"})
     for world in (8, 64):  # formula only: the ratio is top_k / ep
         rows.append({"ep": world, "a2a / all-gather": f"{a.top_k / world:.2f} (formula)"})
     return rows
@@ -207,8 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print tables as Markdown")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    shape = (f"{a.tokens} tokens, dim {a.dim}, {a.experts} experts (hidden {a.hidden}), top-{a.top_k}, "
-             "fp32")
+    shape = (f"{a.tokens} tokens, dim {a.dim}, {a.experts} experts (hidden {a.hidden}), "
+             f"top-{a.top_k}, fp32")
     print(f"1. bytes each rank sends per step (fwd+bwd), {shape}; softmax router at init")
     print(format_table(bytes_table(a), markdown=a.markdown), flush=True)
 
@@ -219,7 +222,8 @@ def main(argv=None) -> int:
     rows = [{"layout": "ep=1 (1 process, all tokens)", "time (ms)": f"{one['time a2a'] * 1e3:.1f}",
              "speed-up": "1.00x"}]
     for name in ("a2a", "allgather"):
-        rows.append({"layout": f"ep=2, {name} dispatch", "time (ms)": f"{two['time ' + name] * 1e3:.1f}",
+        rows.append({"layout": f"ep=2, {name} dispatch",
+                     "time (ms)": f"{two['time ' + name] * 1e3:.1f}",
                      "speed-up": f"{one['time a2a'] / two['time ' + name]:.2f}x"})
     print(format_table(rows, markdown=a.markdown), flush=True)
 

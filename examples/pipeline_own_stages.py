@@ -68,7 +68,8 @@ def train(name: str, rank: int, pp: int) -> float:
     whole = nn.Sequential(*(my_stage_module(s) for s in range(n_stages)))
     ref_opt = torch.optim.SGD(whole.parameters(), lr=0.1)
     for _ in range(STEPS):
-        loss = sum(loss_fn(whole(a), b) for a, b in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)))
+        pairs = zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))
+        loss = sum(loss_fn(whole(a), b) for a, b in pairs)
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()

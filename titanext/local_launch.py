@@ -52,7 +52,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir):
         result = fn(rank, world_size, *args, **kwargs)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(
+            {"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt")
+        )
         raise
     finally:
         try:

@@ -37,13 +37,18 @@ def build_optimizer(
         raise ValueError(f"optimizer.name = {name!r}; allowed: {', '.join(_OPTIMIZERS)}")
     impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     if implementation not in impl:
-        raise ValueError(f"optimizer.implementation = {implementation!r}; allowed: {', '.join(impl)}")
+        raise ValueError(
+            f"optimizer.implementation = {implementation!r}; allowed: {', '.join(impl)}"
+        )
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation])
     params = [p for p in params if p.requires_grad]
     if zero1_group is None:
         # foreach/fused kernels cannot mix DTensors and plain tensors (e.g. TP without SP leaves
         # the norms plain), and they run per param group: give each kind its own group.
-        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        kinds = (
+            [p for p in params if isinstance(p, DTensor)],
+            [p for p in params if not isinstance(p, DTensor)],
+        )
         params = [{"params": group} for group in kinds if group]
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -65,7 +70,10 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    decay_steps = total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
+    if decay_ratio is None:
+        decay_steps = total_steps - warmup_steps
+    else:
+        decay_steps = round(total_steps * decay_ratio)
     decay_start = max(total_steps - decay_steps, warmup_steps)
     if step < decay_start or decay_steps <= 0:
         return 1.0
@@ -85,7 +93,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int = 
                        total_steps: int, decay_ratio: float | None = None,
                        decay_type: str = "linear", min_lr_factor: float = 0.0) -> LambdaLR:
     fn = functools.partial(lr_lambda, warmup_steps=warmup_steps, total_steps=total_steps,
-                           decay_ratio=decay_ratio, decay_type=decay_type, min_lr_factor=min_lr_factor)
+                           decay_ratio=decay_ratio, decay_type=decay_type,
+                           min_lr_factor=min_lr_factor)
     return LambdaLR(optimizer, fn)
 
 

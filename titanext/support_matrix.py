@@ -181,7 +181,8 @@ def to_text(m: Matrix) -> str:
     widths = [max(len(c), *(len(t[j]) for t in texts)) for j, c in enumerate(m.columns)]
     out = [" " * w0 + "  " + "  ".join(c.ljust(w) for c, w in zip(m.columns, widths, strict=True))]
     for r, t in zip(m.rows, texts, strict=True):
-        out.append(r.ljust(w0) + "  " + "  ".join(x.ljust(w) for x, w in zip(t, widths, strict=True)))
+        cells = "  ".join(x.ljust(w) for x, w in zip(t, widths, strict=True))
+        out.append(r.ljust(w0) + "  " + cells)
     out.append("")
     out += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(out) + "\n"
@@ -202,7 +203,9 @@ def update_page(text: str, table: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titanext.support_matrix", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m titanext.support_matrix", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown")
     ap.add_argument("--update-docs", metavar="PATH",
                     help=f"rewrite the generated block in PATH (the docs page: {PAGE})")

@@ -25,7 +25,8 @@ MOE_LAYER_KEYS = ("n_dense_layers", "moe_layer_interval")
 
 
 def _choices(value: str, choices) -> str:
-    return f"choose one of {', '.join(map(repr, choices))}{did_you_mean(value, list(choices), fallback=False)}"
+    hint = did_you_mean(value, list(choices), fallback=False)
+    return f"choose one of {', '.join(map(repr, choices))}{hint}"
 
 
 def get_model_args(name: str, flavor: str, hf_assets_path: str | None = None) -> ModelArgs:

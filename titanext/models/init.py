@@ -44,7 +44,9 @@ def init_tensor_(
         param.copy_(full)
 
 
-def normal_(std: float, truncate: float | None = None) -> Callable[[torch.Tensor, torch.Generator], None]:
+def normal_(
+    std: float, truncate: float | None = None
+) -> Callable[[torch.Tensor, torch.Generator], None]:
     """A ``fill`` for :func:`init_tensor_`: normal(0, std), truncated at ``truncate`` stds."""
 
     def fill(t: torch.Tensor, gen: torch.Generator) -> None:

@@ -36,7 +36,9 @@ def _resolve_ops(names: Iterable[str]) -> set:
     for name in names:
         packet = getattr(torch.ops.aten, name, None)
         if packet is None:
-            raise ValueError(f"activation_checkpoint.selective_op_save_list: unknown aten op {name!r}")
+            raise ValueError(
+                f"activation_checkpoint.selective_op_save_list: unknown aten op {name!r}"
+            )
         ops.add(packet.default if hasattr(packet, "default") else packet)
     return ops
 
@@ -47,7 +49,9 @@ def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        return checkpoint(
+            inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+        )
 
     block.forward = forward
 
@@ -82,7 +86,8 @@ def apply_activation_checkpointing(
         return model
     if not str(option).isdigit() or int(option) < 1:
         raise ValueError(
-            f"activation_checkpoint.selective_ac_option = {option!r}; allowed: 'op' or a positive integer"
+            f"activation_checkpoint.selective_ac_option = {option!r}; "
+            "allowed: 'op' or a positive integer"
         )
     every = int(option)
     for i, block in enumerate(block_list):

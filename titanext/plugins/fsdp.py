@@ -40,7 +40,9 @@ def resolve_reshard_after_forward(policy: str | bool | int, *, zero_stage: int =
     if isinstance(policy, (bool, int)):
         return policy
     if policy not in _RESHARD_POLICIES:
-        raise ValueError(f"reshard_after_forward = {policy!r}; allowed: {', '.join(_RESHARD_POLICIES)}")
+        raise ValueError(
+            f"reshard_after_forward = {policy!r}; allowed: {', '.join(_RESHARD_POLICIES)}"
+        )
     if zero_stage == 2 or policy == "never":
         return False
     if policy == "always":
@@ -79,7 +81,9 @@ def apply_fsdp(
             like the dense gradients (pass the dense mesh size: dp_replicate x dp_shard x cp).
     """
     if zero_stage not in (2, 3):
-        raise ValueError(f"apply_fsdp: zero_stage = {zero_stage}; allowed: 2, 3 (use apply_ddp for 1)")
+        raise ValueError(
+            f"apply_fsdp: zero_stage = {zero_stage}; allowed: 2, 3 (use apply_ddp for 1)"
+        )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = resolve_reshard_after_forward(reshard_after_forward, zero_stage=zero_stage,
                                             pp_enabled=pp_enabled)
