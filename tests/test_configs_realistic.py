@@ -29,7 +29,8 @@ REAL = {
 def test_realistic_config_validates_and_fits(name, monkeypatch, capsys):
     world_size, expected = REAL[name]
     path = os.path.join(CONFIGS, name)
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))  # what torchrun sets; --print-config checks it
+    # what torchrun sets; --print-config checks it
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
     assert main(["--config", path, "--print-config"]) == 0
     printed = capsys.readouterr()
     assert "[parallelism]" in printed.out and "config error" not in printed.err

@@ -165,7 +165,9 @@ def _dispatch_cases_on(mesh) -> dict:
         # 3. through a module with identity experts and weights 1/top_k: inputs come back exactly.
         torch.manual_seed(0)
         moe = TinyMoE(n_exp, dim)
-        assert apply_expert_parallel(moe, mesh, filter_fn=lambda n, m: isinstance(m, ScaleExperts)) == ["experts"]
+        converted = apply_expert_parallel(
+            moe, mesh, filter_fn=lambda n, m: isinstance(m, ScaleExperts))
+        assert converted == ["experts"]
         xi = x.clone().requires_grad_(True)
         y = moe(xi, ids, torch.full_like(w, 1.0 / top_k))
         assert torch.equal(y, xi), tag
@@ -174,7 +176,8 @@ def _dispatch_cases_on(mesh) -> dict:
         # 4. random expert scales: EP layer == one process on all ranks' tokens (fwd + grads).
         ref = TinyMoE(n_exp, dim)
         with torch.no_grad():
-            ref.experts.scale.copy_(torch.randn(n_exp, dim, generator=torch.Generator().manual_seed(7)))
+            gen = torch.Generator().manual_seed(7)
+            ref.experts.scale.copy_(torch.randn(n_exp, dim, generator=gen))
         ep = TinyMoE(n_exp, dim)
         ep.experts.scale.data.copy_(ref.experts.scale.data)
         apply_expert_parallel(ep, mesh, filter_fn=lambda n, m: isinstance(m, ScaleExperts))
@@ -247,22 +250,26 @@ TRAIN_CASES_4 = {
     "ep2_x_tp2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
                   "--parallelism.tensor_parallel_degree=2"],
     "ep2_x_cp2_full_ac": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
-                          "--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"],
+                          "--parallelism.context_parallel_degree=2",
+                          "--activation_checkpoint.mode=full"],
     # DualPipe's two copies each count only their direction's tokens: the expert bias must see
     # the sum (before that fix the routers ended 1e-2 away from one process)
-    "pp2_dualpipe_x_ep2": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+    "pp2_dualpipe_x_ep2": ["--training.local_batch_size=4",
+                           "--parallelism.expert_parallel_degree=2",
                            "--parallelism.pipeline_parallel_degree=2",
                            "--parallelism.pipeline_parallel_schedule=DualPipe"],
     "fsdp4_no_ep": ["--training.local_batch_size=2"],  # the dense layout of ep*_fsdp4, no EP
     # EP inside each pipeline stage (stage 0: the dense block + MoE block 1, stage 1: MoE
     # block 2), a zero-bubble schedule (split backward) and the sequence aux loss on top of
     # aux-loss-free balancing; compared with the "aux" reference.
-    "pp2_x_ep2_ZBH1_aux": ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+    "pp2_x_ep2_ZBH1_aux": ["--training.local_batch_size=4",
+                           "--parallelism.expert_parallel_degree=2",
                            "--parallelism.pipeline_parallel_degree=2",
                            "--parallelism.pipeline_parallel_schedule=ZBH1",
                            "--parallelism.pipeline_parallel_microbatches=2", *AUX],
     # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
-    "ep2_x_fsdp4_resume": ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",
+    "ep2_x_fsdp4_resume": ["--training.local_batch_size=2",
+                           "--parallelism.expert_parallel_degree=2",
                            "--checkpoint.enable=true", f"--checkpoint.interval={STEPS // 2}"],
 }
 
@@ -369,8 +376,8 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
      "context_parallel_degree(4) = 4 and be a multiple of context_parallel_degree (4): ep borrows "
      "its ranks from dp_shard x cp"),
     (["--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=1"], 2,
-     "parallelism.expert_parallel_degree = 2 needs FSDP (zero_stage 2 or 3): parallelism.zero_stage "
-     "= 1 replicates every parameter with DDP, experts included"),
+     "parallelism.expert_parallel_degree = 2 needs FSDP (zero_stage 2 or 3): "
+     "parallelism.zero_stage = 1 replicates every parameter with DDP, experts included"),
     (["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective"], 2,
      "parallelism.expert_parallel_degree = 2 cannot run with activation_checkpoint.mode = "
      "'selective' and selective_ac_option = 'op': with the all-to-alls and the experts' FSDP unit "
@@ -391,7 +398,8 @@ def test_ep_config_problems(overrides, world_size, problem):
 def test_ep_config_ok_and_top_k_rule():
     from titanext.config import ConfigError, load_config
 
-    load_config("train_configs/debug_moe.toml", ["--parallelism.expert_parallel_degree=2"], world_size=2)
+    load_config("train_configs/debug_moe.toml", ["--parallelism.expert_parallel_degree=2"],
+                world_size=2)
     load_config(None, ["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=4",
                        "--parallelism.context_parallel_degree=2"], world_size=4)
     with pytest.raises(ConfigError, match="top_k"):
@@ -402,6 +410,7 @@ def test_ep_config_ok_and_top_k_rule():
 def test_bad_ep_config_exits_2_before_anything_starts(capsys):
     from titanext.train import main
 
-    code = main(["--config", "train_configs/debug_moe.toml", "--parallelism.expert_parallel_degree=3"])
+    code = main(["--config", "train_configs/debug_moe.toml",
+                 "--parallelism.expert_parallel_degree=3"])
     assert code == 2
     assert "expert_parallel_degree = 3 must divide moe.num_experts = 8" in capsys.readouterr().err

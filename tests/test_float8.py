@@ -92,7 +92,7 @@ def test_blockwise_linear_keeps_parameters_and_bias():
     assert sqnr(lin(x), f8(x)) > 25
 
 
-# -- the filter --------------------------------------------------------------------------------------
+# -- the filter -----------------------------------------------------------------------------------
 
 def _debug_model():
     return build_model("llama3", get_model_args("llama3", "debugtiny"), device="meta")
@@ -107,7 +107,8 @@ BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
     ([], {0: BLOCK_LINEARS, 1: BLOCK_LINEARS}),  # output (264 = vocab) is not divisible by 16
     (["output", "layers.0"], {1: BLOCK_LINEARS}),
     (["wq", "layers.*.feed_forward.w2"],
-     {i: [n for n in BLOCK_LINEARS if n not in ("attention.wq", "feed_forward.w2")] for i in (0, 1)}),
+     {i: [n for n in BLOCK_LINEARS if n not in ("attention.wq", "feed_forward.w2")]
+      for i in (0, 1)}),
 ])
 def test_filter_converts_exactly_the_expected_modules(filter_fqns, expected_layers):
     model = _debug_model()  # on meta: converters run before anything is materialised
@@ -121,10 +122,12 @@ def test_filter_converts_exactly_the_expected_modules(filter_fqns, expected_laye
 def test_filter_skips_dims_not_divisible_by_16_and_small_shapes_with_auto_filter():
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40), nn.Linear(40, 64))
     assert apply_float8(model) == ["0"]
-    big = nn.ModuleDict({"small": nn.Linear(2048, 1024), "large": nn.Linear(8192, 16384, device="meta")})
+    big = nn.ModuleDict({"small": nn.Linear(2048, 1024),
+                         "large": nn.Linear(8192, 16384, device="meta")})
     big.small.to("meta")
     assert apply_float8(big, auto_filter=True) == ["large"]
-    # torchao's measured break-even points (H100, fwd+bwd): 1024x2048x1024 loses, 4096x8192x16384 wins.
+    # torchao's measured break-even points (H100, fwd+bwd): 1024x2048x1024 loses,
+    # 4096x8192x16384 wins.
     assert not auto_filter_keeps("tensorwise", 1024, 2048)
     assert auto_filter_keeps("tensorwise", 16384, 8192)
     assert not auto_filter_keeps("rowwise", 4096, 2048) and auto_filter_keeps("rowwise", 8192, 4096)
@@ -141,7 +144,8 @@ def test_apply_float8_rejects_bad_arguments():
     with pytest.raises(ValueError, match="did you mean 'rowwise'"):
         apply_float8(nn.Linear(16, 16), recipe="rowwse")
     with pytest.raises(ValueError, match="recipe='tensorwise'"):
-        apply_float8(nn.Sequential(nn.Linear(16, 16)), recipe="rowwise", enable_fsdp_float8_all_gather=True)
+        apply_float8(nn.Sequential(nn.Linear(16, 16)), recipe="rowwise",
+                     enable_fsdp_float8_all_gather=True)
 
 
 def test_emulate_auto_is_on_without_float8_hardware_and_says_so(caplog):
@@ -152,11 +156,13 @@ def test_emulate_auto_is_on_without_float8_hardware_and_says_so(caplog):
     assert "emulated" in caplog.text and "converted 1 linear" in caplog.text
 
 
-# -- config --------------------------------------------------------------------------------------------
+# -- config ---------------------------------------------------------------------------------------
 
 def test_config_float8_section_and_its_rules():
-    cfg = load_config(None, ["--float8.enable=true", "--float8.recipe=rowwise", "--float8.emulate=false"])
-    assert (cfg.float8.recipe, cfg.float8.emulate, cfg.float8.filter_fqns) == ("rowwise", False, ["output"])
+    cfg = load_config(None, ["--float8.enable=true", "--float8.recipe=rowwise",
+                             "--float8.emulate=false"])
+    f8 = cfg.float8
+    assert (f8.recipe, f8.emulate, f8.filter_fqns) == ("rowwise", False, ["output"])
     cases = {
         "--float8.recipe=rowwse": "did you mean 'rowwise'",
         "--float8.emulate=maybe": "float8.emulate",
@@ -165,8 +171,10 @@ def test_config_float8_section_and_its_rules():
         with pytest.raises(ConfigError, match=message):
             load_config(None, ["--float8.enable=true", arg])
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["--float8.enable=true", "--float8.recipe=rowwise", "--float8.precompute_scale=true",
-                           "--float8.enable_fsdp_float8_all_gather=true", "--parallelism.zero_stage=1"])
+        load_config(None, ["--float8.enable=true", "--float8.recipe=rowwise",
+                           "--float8.precompute_scale=true",
+                           "--float8.enable_fsdp_float8_all_gather=true",
+                           "--parallelism.zero_stage=1"])
     text = "\n".join(e.value.problems)
     assert "recipe = 'rowwise'" in text and "zero_stage = 1" in text
     with pytest.raises(ConfigError, match="precompute_scale"):
@@ -181,7 +189,8 @@ def test_config_float8_section_and_its_rules():
 STEPS = 30
 TRAIN = ["--model.flavor=debugtiny", "--training.dataset=synthetic", "--training.seq_len=64",
          "--training.local_batch_size=8", f"--training.steps={STEPS}", "--optimizer.lr=3e-3",
-         "--lr_scheduler.warmup_steps=2", "--metrics.enable_tensorboard=false", "--metrics.log_freq=100",
+         "--lr_scheduler.warmup_steps=2", "--metrics.enable_tensorboard=false",
+         "--metrics.log_freq=100",
          "--training.mixed_precision_param=float32"]
 
 
@@ -222,7 +231,8 @@ def test_activation_checkpointing_recomputes_the_same_float8_numerics(recipe):
         apply_activation_checkpointing(model, mode=mode)
         model.to_empty(device="cpu")
         model.init_weights(seed=0)
-        grads.append(_grads(model, torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))))
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        grads.append(_grads(model, tokens))
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0)
 

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from tests.distributed import fp32_trainer_overrides, run_distributed
 
 STEPS = 4
-BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny"), "--float8.enable=true"]
+BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny"),
+        "--float8.enable=true"]
 AG = ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_scale=true"]
 
 
@@ -26,11 +27,14 @@ def _train(rank: int, world_size: int, overrides: list[str], dump_folder: str):
     from titanext.plugins.float8 import float8_linear_fqns
     from titanext.train import Trainer
 
-    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides], world_size=world_size)
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
+                      world_size=world_size)
     trainer = Trainer(cfg)
     converted = float8_linear_fqns(trainer.model)
-    weight_types = {type(m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight).__name__
-                    for m in trainer.model.modules() if type(m).__name__ == "Float8Linear"}
+    weight_types = {
+        type(m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight).__name__
+        for m in trainer.model.modules() if type(m).__name__ == "Float8Linear"
+    }
     losses = trainer.train()
     params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for name, p in trainer.model.named_parameters()}
@@ -55,7 +59,8 @@ CASES = {
     "fsdp4": (4, 2, []),
     "fsdp4_float8_all_gather": (4, 2, AG),
     "fsdp2_float8_all_gather_full_ac": (2, 4, [*AG, "--activation_checkpoint.mode=full"]),
-    "fsdp2_rowwise_selective_ac": (2, 4, ["--float8.recipe=rowwise", "--activation_checkpoint.mode=selective"]),
+    "fsdp2_rowwise_selective_ac": (2, 4, ["--float8.recipe=rowwise",
+                                          "--activation_checkpoint.mode=selective"]),
     "fsdp2_blockwise": (2, 4, ["--float8.recipe=blockwise"]),
     # gloo has no float8 collectives: TP communicates in high precision (and says so).
     "tp2_sp": (2, 8, ["--parallelism.tensor_parallel_degree=2"]),
@@ -73,7 +78,8 @@ def recipe_references(tmp_path_factory):
     refs = {}
     for recipe in ("rowwise", "blockwise"):
         folder = str(tmp_path_factory.mktemp(f"ref_{recipe}"))
-        args = ["--training.local_batch_size=4", "--training.global_batch_size=8", f"--float8.recipe={recipe}"]
+        args = ["--training.local_batch_size=4", "--training.global_batch_size=8",
+                f"--float8.recipe={recipe}"]
         refs[recipe] = run_distributed(_train, 1, args=(args, folder))[0]
     return refs
 
@@ -84,8 +90,9 @@ def test_float8_layout_matches_single_float8_process(case, references, recipe_re
     args = [f"--training.local_batch_size={local}", *overrides]
     losses, params, converted, weight_types = run_distributed(
         _train, world_size, args=(args, str(tmp_path)), timeout_s=60)[0]
-    ref_losses, ref_params, ref_converted, _ = (recipe_references[RECIPE_OF[case]] if case in RECIPE_OF
-                                                else references[local])
+    ref_losses, ref_params, ref_converted, _ = (
+        recipe_references[RECIPE_OF[case]] if case in RECIPE_OF else references[local]
+    )
     assert converted == ref_converted and len(converted) == 14  # 7 linears in each of 2 blocks
     if "float8_all_gather" in case:  # gloo: uint8 bytes through torchao's float8 all-gather hooks
         assert weight_types == {"ByteAllGatherFloat8Weight"}
@@ -102,7 +109,8 @@ def test_float8_differs_from_high_precision(references, tmp_path):
                                                    "--training.global_batch_size=8",
                                                    "--float8.enable=false"], str(tmp_path)))[0]
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[4][0]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[4][0]),
+                                   rtol=1e-6, atol=0)
 
 
 # -- a user's model whose FSDP units hold nothing but float8 weights -------------------------------
@@ -162,14 +170,17 @@ def _train_until(rank: int, world_size: int, overrides: list[str], dump_folder: 
     from titanext.config import load_config
     from titanext.train import Trainer
 
-    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides], world_size=world_size)
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
+                      world_size=world_size)
     return Trainer(cfg).train(until_step=until)
 
 
 def test_float8_all_gather_checkpoint_resumes_exactly(references, tmp_path):
     """float8 all-gather weights (uint8 on gloo) save and load through DCP like any parameter."""
-    args = ["--training.local_batch_size=4", *AG, "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    args = ["--training.local_batch_size=4", *AG, "--checkpoint.enable=true",
+            "--checkpoint.interval=2"]
     first = run_distributed(_train_until, 2, args=(args, str(tmp_path), 2))[0]
     rest = run_distributed(_train_until, 2, args=(args, str(tmp_path), STEPS))[0]
     assert len(first) == 2 and len(rest) == STEPS - 2
-    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(references[4][0]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(references[4][0]),
+                               rtol=1e-5, atol=0)

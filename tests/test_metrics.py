@@ -74,7 +74,8 @@ def test_small_losses_keep_four_significant_digits(tmp_path, capsys):
 
 def test_lines_only_on_first_every_log_freq_and_last_step(tmp_path, capsys):
     logger = make_logger(tmp_path, log_freq=10, total_steps=25)
-    logged = [s for s in range(1, 26) if logger.log(s, loss=1.0, grad_norm=1.0, lr=1e-3) is not None]
+    logged = [s for s in range(1, 26)
+              if logger.log(s, loss=1.0, grad_norm=1.0, lr=1e-3) is not None]
     assert logged == [1, 10, 20, 25]
     assert capsys.readouterr().out.count("\n") == 4
 
@@ -166,7 +167,8 @@ def test_tensorboard_events_hold_every_scalar(tmp_path):
                          log_freq=1, total_steps=3)
     for step in (1, 2, 3):
         logger.record_tokens(64)
-        logger.log(step, loss=3.0 / step, grad_norm=1.0, lr=1e-3, extra={"expert_load_max_mean": 1.3})
+        logger.log(step, loss=3.0 / step, grad_norm=1.0, lr=1e-3,
+                   extra={"expert_load_max_mean": 1.3})
     logger.close()
     logger.close()  # idempotent
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))

@@ -13,7 +13,8 @@ TINY = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=264, mu
 
 
 def test_flavor_parameter_counts_match_llama3():
-    counts = {f: build_model("llama3", get_model_args("llama3", f)).num_params() for f in ("8B", "70B", "405B")}
+    counts = {f: build_model("llama3", get_model_args("llama3", f)).num_params()
+              for f in ("8B", "70B", "405B")}
     assert round(counts["8B"] / 1e9, 2) == 8.03
     assert round(counts["70B"] / 1e9, 1) == 70.6
     assert round(counts["405B"] / 1e9, 0) == 406
@@ -43,7 +44,8 @@ def test_meta_build_then_init_is_deterministic():
         assert torch.equal(a, b), n
     other = Transformer(TINY)
     other.init_weights(seed=4)
-    assert not torch.equal(other.layers["0"].attention.wq.weight, ref.layers["0"].attention.wq.weight)
+    assert not torch.equal(other.layers["0"].attention.wq.weight,
+                           ref.layers["0"].attention.wq.weight)
 
 
 def test_forward_shape_and_causality():
@@ -82,7 +84,8 @@ def test_rope_is_relative():
 def test_gqa_attention_equals_expanded_heads():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                         is_causal=True)
     torch.testing.assert_close(sdpa_attention(q, k, v), ref)
 
 

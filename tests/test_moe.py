@@ -54,7 +54,8 @@ def test_grouped_mm_equals_loop_forward_and_grads(dtype, tol):
         xi = x.clone().requires_grad_()
         y = ex(xi, counts)
         (y * g).sum().backward()
-        results.append((y.float(), xi.grad.float(), *(p.grad.float().clone() for p in ex.parameters())))
+        results.append((y.float(), xi.grad.float(),
+                        *(p.grad.float().clone() for p in ex.parameters())))
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=tol, rtol=tol), (a - b).abs().max()
     assert results[0][3][1].abs().max() == 0  # w2 of the empty expert has no gradient
@@ -64,8 +65,10 @@ def test_grouped_mm_support_rule():
     w = torch.empty(2, 5, 6)  # 6 * 4 bytes is not a multiple of 16
     assert not grouped_mm_supported(torch.empty(3, 6), w)
     assert grouped_mm_supported(torch.empty(3, 8), torch.empty(2, 4, 8))
-    assert not grouped_mm_supported(torch.empty(25)[1:].view(3, 8), torch.empty(2, 4, 8))  # base +4 B
-    assert not grouped_mm_supported(torch.empty(3, 8, dtype=torch.float64), torch.empty(2, 4, 8, dtype=torch.float64))
+    # base +4 B
+    assert not grouped_mm_supported(torch.empty(25)[1:].view(3, 8), torch.empty(2, 4, 8))
+    assert not grouped_mm_supported(torch.empty(3, 8, dtype=torch.float64),
+                                    torch.empty(2, 4, 8, dtype=torch.float64))
 
 
 def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +91,8 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kw", [
     dict(score_func="softmax", num_shared_experts=1),
-    dict(score_func="sigmoid", route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2),
+    dict(score_func="sigmoid", route_norm=True, route_scale=2.5, num_expert_groups=4,
+         num_limited_groups=2),
     dict(score_func="softmax", use_grouped_mm=False, route_norm=True),
 ])
 def test_moe_matches_per_token_reference(kw):
@@ -163,7 +167,8 @@ def test_router_runs_in_fp32_under_bf16():
     assert w.dtype == scores.dtype == torch.float32
     ref = F.linear(x.float(), r.gate.weight.float()).softmax(-1)
     torch.testing.assert_close(scores, ref, rtol=0, atol=0)
-    moe = MoE(DIM, MoEArgs(num_experts=8, top_k=2, hidden_dim=HIDDEN, num_shared_experts=1)).to(torch.bfloat16)
+    moe_args = MoEArgs(num_experts=8, top_k=2, hidden_dim=HIDDEN, num_shared_experts=1)
+    moe = MoE(DIM, moe_args).to(torch.bfloat16)
     assert moe(x.view(1, 7, DIM)).dtype == torch.bfloat16
 
 
@@ -198,7 +203,8 @@ def test_capacity_drops_per_formula_and_keeps_best_scores():
     assert 1 - keep.sum() / (T * k) == dropped_fraction
     ex = moe.experts
     ref = torch.stack([
-        sum((weights[t, j] * (ex.w2[ids[t, j]] @ (F.silu(ex.w1[ids[t, j]] @ x[0, t]) * (ex.w3[ids[t, j]] @ x[0, t])))
+        sum((weights[t, j] * (ex.w2[ids[t, j]] @ (F.silu(ex.w1[ids[t, j]] @ x[0, t])
+                                                   * (ex.w3[ids[t, j]] @ x[0, t])))
              for j in range(k) if keep[t, j]), torch.zeros(DIM))
         for t in range(T)])
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-6)
@@ -253,7 +259,8 @@ def test_sequence_aux_loss_matches_hand_computation_and_reaches_gate():
     moe.zero_grad()
     moe.aux_loss_weight = 2.0
     (moe(x) * g).sum().backward()
-    torch.testing.assert_close(moe.router.gate.weight.grad, moe2.router.gate.weight.grad + 2 * B * W.grad,
+    torch.testing.assert_close(moe.router.gate.weight.grad,
+                               moe2.router.gate.weight.grad + 2 * B * W.grad,
                                rtol=1e-5, atol=1e-7)
 
 
@@ -331,8 +338,8 @@ def test_debugmoe_layouts_follow_one_process(moe_reference, tmp_path):
     results = run_distributed(_train_moe, 2, args=(PARITY_CASES, str(tmp_path)), timeout_s=180)[0]
     ref_losses, ref_state, ref_load = moe_reference
     for case, (losses, state, load) in results.items():
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
-                                   msg=lambda m, case=case: f"{case}: {m}")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0, msg=lambda m, case=case: f"{case}: {m}")
         for name, ref in ref_state.items():
             err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
             assert err < 1e-5, f"{case}: {name}: relative error {err:.2e}"
@@ -357,7 +364,8 @@ def test_float8_leaves_the_router_gate_alone():
     from titanext.models import build_model, get_model_args, with_moe_overrides
     from titanext.plugins.float8 import apply_float8
 
-    model = build_model("llama3", with_moe_overrides(get_model_args("llama3", "debugmoe"), num_experts=16))
+    args = with_moe_overrides(get_model_args("llama3", "debugmoe"), num_experts=16)
+    model = build_model("llama3", args)
     converted = apply_float8(model, emulate=True)
     assert "layers.1.moe.shared_experts.w1" in converted
     assert not [f for f in converted if "router" in f]
@@ -386,8 +394,10 @@ def test_moe_config_overrides_reach_the_model():
     from titanext.config import load_config, model_args
 
     cfg = load_config("train_configs/debug_moe.toml", [
-        "--moe.num_experts=4", "--moe.top_k=1", "--moe.num_expert_groups=1", "--moe.num_limited_groups=1",
-        "--moe.capacity_factor=1.5", "--moe.use_grouped_mm=false", "--moe.moe_layer_interval=2"])
+        "--moe.num_experts=4", "--moe.top_k=1", "--moe.num_expert_groups=1",
+        "--moe.num_limited_groups=1", "--moe.capacity_factor=1.5", "--moe.use_grouped_mm=false",
+        "--moe.moe_layer_interval=2"])
     args = model_args(cfg)
-    assert (args.moe.num_experts, args.moe.top_k, args.moe.capacity_factor, args.moe.use_grouped_mm) == (4, 1, 1.5, False)
+    m = args.moe
+    assert (m.num_experts, m.top_k, m.capacity_factor, m.use_grouped_mm) == (4, 1, 1.5, False)
     assert [args.is_moe_layer(i) for i in range(args.n_layers)] == [False, True, False]

@@ -11,7 +11,8 @@ from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_,
 
 
 def factors(total, **kw):
-    kw = {"warmup_steps": 0, "decay_ratio": None, "decay_type": "linear", "min_lr_factor": 0.0, **kw}
+    kw = {"warmup_steps": 0, "decay_ratio": None, "decay_type": "linear", "min_lr_factor": 0.0,
+          **kw}
     return [lr_lambda(s, total_steps=total, **kw) for s in range(total)]
 
 

@@ -27,7 +27,8 @@ def test_product_must_equal_world_size():
 
 
 def test_rest_must_divide():
-    with pytest.raises(ConfigError, match="cannot fill the rest of the world size 8: it is not divisible by .* = 3"):
+    with pytest.raises(ConfigError, match="cannot fill the rest of the world size 8: "
+                                          "it is not divisible by .* = 3"):
         dims(tp=3)
 
 
@@ -47,7 +48,8 @@ def test_ep_must_fit_dp_shard_times_cp():
 def _mesh_views(rank, world_size, kw):
     d = ParallelDims(world_size=world_size, **kw)
     d.build_mesh("cpu")
-    out = {name: d.view(name).size() for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")}
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+    out = {name: d.view(name).size() for name in names}
     out["fsdp_ndim"] = d.fsdp_mesh.ndim
     if d.ep > 1:
         out["ep"] = d.ep_mesh.size()
@@ -55,11 +57,13 @@ def _mesh_views(rank, world_size, kw):
 
 
 def test_mesh_views_hsdp_tp():
-    out = run_distributed(_mesh_views, 8, args=(dict(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1),))[0]
+    sizes = dict(dp_replicate=2, dp_shard=-1, cp=1, tp=2, pp=1, ep=1)
+    out = run_distributed(_mesh_views, 8, args=(sizes,))[0]
     assert out == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2, "dp": 4,
                    "dp_shard_cp": 2, "dp_cp": 4, "fsdp_ndim": 2}
 
 
 def test_mesh_views_ep_borrows_from_dp_shard_and_cp():
-    out = run_distributed(_mesh_views, 4, args=(dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1, ep=4),))[0]
+    sizes = dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1, ep=4)
+    out = run_distributed(_mesh_views, 4, args=(sizes,))[0]
     assert out["ep"] == 4 and out["dp_shard_cp"] == 4 and out["dp"] == 2 and out["fsdp_ndim"] == 1

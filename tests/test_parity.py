@@ -22,7 +22,8 @@ def _train(rank: int, world_size: int, overrides: list[str], dump_folder: str):
     from titanext.config import load_config
     from titanext.train import Trainer
 
-    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides], world_size=world_size)
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
+                      world_size=world_size)
     trainer = Trainer(cfg)
     losses = trainer.train()
     params = {}
@@ -43,11 +44,13 @@ CASES = {
     # name: (world size, overrides); every case has a global batch of 8 sequences.
     "fsdp2": (2, ["--training.local_batch_size=4"]),
     "fsdp4": (4, ["--training.local_batch_size=2"]),
-    "hsdp_2x2": (4, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "hsdp_2x2": (4, ["--training.local_batch_size=2",
+                     "--parallelism.data_parallel_replicate_degree=2"]),
     "tp2_sp": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2"]),
     "tp2_no_sp_no_loss_parallel": (2, [
         "--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
-        "--parallelism.enable_sequence_parallel=false", "--parallelism.enable_loss_parallel=false"]),
+        "--parallelism.enable_sequence_parallel=false",
+        "--parallelism.enable_loss_parallel=false"]),
     "fsdp2_x_tp2": (4, ["--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2"]),
     "grad_accum_fsdp2": (2, ["--training.local_batch_size=2", "--training.global_batch_size=8"]),
     "grad_accum_1proc": (1, ["--training.local_batch_size=2", "--training.global_batch_size=8"]),
@@ -58,8 +61,10 @@ CASES = {
     "zero3_dp4_reshard_never": (4, ["--training.local_batch_size=2",
                                     "--parallelism.fsdp_reshard_after_forward=never"]),
     "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
-    "fsdp2_selective_op_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective"]),
-    "tp2_selective_layer_ac": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
+    "fsdp2_selective_op_ac": (2, ["--training.local_batch_size=4",
+                                  "--activation_checkpoint.mode=selective"]),
+    "tp2_selective_layer_ac": (2, ["--training.local_batch_size=8",
+                                   "--parallelism.tensor_parallel_degree=2",
                                    "--activation_checkpoint.mode=selective",
                                    "--activation_checkpoint.selective_ac_option=2"]),
     # Context parallelism: each sequence split over cp ranks (ring attention).
@@ -70,8 +75,10 @@ CASES = {
                                      "--parallelism.context_parallel_comm=allgather"]),
     "zero1_cp2": (2, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2",
                       "--parallelism.zero_stage=1"]),
-    "fsdp2_x_cp2": (4, ["--training.local_batch_size=4", "--parallelism.context_parallel_degree=2"]),
-    "cp2_x_tp2_full_ac": (4, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=2",
+    "fsdp2_x_cp2": (4, ["--training.local_batch_size=4",
+                        "--parallelism.context_parallel_degree=2"]),
+    "cp2_x_tp2_full_ac": (4, ["--training.local_batch_size=8",
+                              "--parallelism.context_parallel_degree=2",
                               "--parallelism.tensor_parallel_degree=2",
                               "--activation_checkpoint.mode=full"]),
 }
@@ -101,7 +108,8 @@ def test_layout_matches_single_process(case, reference, tmp_path):
 
 def test_parity_check_can_fail(reference, tmp_path):
     """A different learning rate must be caught by the same comparison."""
-    losses, _ = run_distributed(_train, 2, args=(["--training.local_batch_size=4", "--optimizer.lr=2e-3"],
-                                                 str(tmp_path)))[0]
+    overrides = ["--training.local_batch_size=4", "--optimizer.lr=2e-3"]
+    losses, _ = run_distributed(_train, 2, args=(overrides, str(tmp_path)))[0]
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]),
+                                   rtol=1e-5, atol=0)

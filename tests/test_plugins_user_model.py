@@ -81,7 +81,8 @@ def _fsdp_tp_body(rank, world_size, mode):
 def test_fsdp_and_tp_on_user_model(mode):
     grads = run_distributed(_fsdp_tp_body, 2, args=(mode,))[0]
     for name, ref in _ref_grads().items():
-        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
@@ -92,7 +93,8 @@ def test_activation_checkpointing_on_user_model_keeps_gradients(mode, option):
     model(x).square().mean().backward()
     assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints stay compatible
     for name, ref in _ref_grads().items():
-        torch.testing.assert_close(model.get_parameter(name).grad, ref, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(model.get_parameter(name).grad, ref,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_activation_checkpointing_saves_memory():

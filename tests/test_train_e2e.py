@@ -31,9 +31,10 @@ def _run(args, timeout=300, **kw):
 
 
 def _torchrun(nproc, args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titanext.train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "titanext.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=_env())
 
 
 def _losses(text: str) -> list[float]:
@@ -126,8 +127,9 @@ def test_a_dead_rank_makes_the_others_exit_instead_of_hanging(tmp_path):
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "titanext.train", "--config", DEBUG, f"--job.dump_folder={tmp_path}",
-             "--training.steps=100000", "--metrics.log_freq=1", "--comm.train_timeout_seconds=20"],
+            [sys.executable, "-m", "titanext.train", "--config", DEBUG,
+             f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--metrics.log_freq=1",
+             "--comm.train_timeout_seconds=20"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         # Wait for training to start (rank 0 logs step 1), then kill rank 1.
@@ -151,5 +153,6 @@ def test_readme_library_example_runs():
            str(ROOT / "examples" / "own_model.py")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    norms = [float(line.split()[1]) for line in out.stdout.splitlines() if re.match(r"^\d \d", line)]
+    norms = [float(line.split()[1]) for line in out.stdout.splitlines()
+             if re.match(r"^\d \d", line)]
     assert len(norms) == 5
