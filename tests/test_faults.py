@@ -60,3 +60,26 @@ def test_an_exception_on_one_rank_ends_every_rank_within_seconds():
     assert "titanext: rank 1: stopping, another rank failed" in err1
     assert "TensorBoard folder" not in err1  # the error is printed once, by its rank
     assert elapsed < 45, elapsed  # start-up included; waiting for the timeout would take 60 s
+
+
+def test_each_torchrun_attempt_gets_its_own_store_keys(monkeypatch):
+    """A restarted rank must not read a dead peer's address left by the previous attempt."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from titanext.faults import elastic_store
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    timeout = datetime.timedelta(seconds=5)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    elastic_store(timeout).set("rank_1", "address of attempt 0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = elastic_store(timeout)
+    assert second.check(["rank_1"]) is False  # attempt 1 sees none of attempt 0's keys
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert elastic_store(timeout) is None  # not under torchrun's agent: the default store

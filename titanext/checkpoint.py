@@ -135,15 +135,18 @@ def _load_file(path: str) -> Any:
 
 
 # -- manifest and the checks made before loading (local, not collective) ---------------------------
-def manifest_info(cfg: Any, layout: dict[str, int] | None = None) -> dict[str, Any]:
+def manifest_info(cfg: Any, layout: Any = None) -> dict[str, Any]:
     """What a trainer adds to every checkpoint's manifest: the resolved config (a dict), the
-    model's name and flavor, and the parallel layout (degrees by name).
+    model's name and flavor, and the parallel layout: a dict of degrees, or a ParallelDims.
 
     >>> from titanext.config import JobConfig
     >>> manifest_info(JobConfig(), {"tp": 2})["model"]
     {'name': 'llama3', 'flavor': 'debugmodel'}
     """
     config = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    if layout is not None and not isinstance(layout, dict):
+        layout = {axis: getattr(layout, axis)
+                  for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
     return {"config": config, "model": {"name": cfg.model.name, "flavor": cfg.model.flavor},
             "layout": dict(layout or {})}
 

@@ -21,7 +21,7 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["folder_problem", "output_folders", "preflight_problems"]
+__all__ = ["check_preflight", "folder_problem", "output_folders", "preflight_problems"]
 
 
 def output_folders(cfg: Any) -> list[tuple[str, str]]:
@@ -65,3 +65,12 @@ def preflight_problems(cfg: Any) -> list[str]:
         if problem:
             return [problem]  # the folders below a bad one would fail for the same reason
     return []
+
+
+def check_preflight(cfg: Any) -> None:
+    """Raise a ConfigError with :func:`preflight_problems`' lines, if any."""
+    from titanext.errors import ConfigError
+
+    problems = preflight_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
