@@ -68,10 +68,15 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from titanext.faults import elastic_store
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = elastic_store(timeout)  # a torchrun restart: this attempt's own keys
         dist.init_process_group(
-            backend="nccl" if dev == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend="nccl" if dev == "cuda" else "gloo", timeout=timeout,
             device_id=device if dev == "cuda" else None,
+            **({} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                         "world_size": int(os.environ["WORLD_SIZE"])}),
         )
     return device
 

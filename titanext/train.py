@@ -14,13 +14,13 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
 
 from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
 from titanext.errors import TrainingDiverged
+from titanext.faults import exit_process, inject_test_fault, run_guarded
 
 
 def _cli_only(argv: Sequence[str]) -> bool:
@@ -38,7 +38,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from titanext.checkpoint import CheckpointManager
+    from titanext.checkpoint import CheckpointManager, manifest_info
     from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
     from titanext.data import dataloader_from_config
     from titanext.dry_run import dry_run, host_float
@@ -57,6 +57,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from titanext.plugins.context_parallel import prepare_batch, shard_sequence
     from titanext.plugins.float8 import apply_float8, precompute_float8_scales
     from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
+    from titanext.preflight import check_preflight
     from titanext.tokenizer import build_tokenizer
     from titanext.validate import Validator
 
@@ -89,6 +90,7 @@ class Trainer:
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
         self.model_args = model_args(cfg)  # the flavor's, with the [moe] overrides
         model = build_model(cfg.model.name, self.model_args, device="meta")
+        self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
         if f8.enable:  # converters run first, on the meta model
             apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
                          auto_filter=f8.auto_filter, emulate=f8.emulate, device=self.device,
@@ -136,7 +138,8 @@ class Trainer:
             folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
             enable=c.enable, model_parts=self.model_parts, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader)
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+            manifest=manifest_info(cfg, dims))
         self.step, self._resumed = 0, False
 
     @staticmethod
@@ -225,9 +228,11 @@ class Trainer:
             flops_per_token=self.model.num_flops_per_token(t.seq_len),
             num_devices=dist.get_world_size(), color=not m.disable_color_printing,
             progress_bar=m.progress_bar)
-        d, n, mc = self.dims, self.model.num_params(), cfg.model
+        d, n, mc = self.dims, self.num_params, cfg.model
+        mine = sum(part.num_params() for part in self.model_parts)  # this rank's stages
+        share = f", this rank's stages {mine / 1e6:.2f}M" if self.pipeline else ""
         if self.rank == 0:
-            print(f"titanext: {mc.name}/{mc.flavor} ({n / 1e6:.2f}M params) on "
+            print(f"titanext: {mc.name}/{mc.flavor} ({n / 1e6:.2f}M params{share}) on "
                   f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate="
                   f"{d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep} | "
                   f"zero_stage={cfg.parallelism.zero_stage} | grad accumulation "
@@ -247,6 +252,7 @@ class Trainer:
                             tb_extra=tb)
                 self.validator.maybe_run(self.step, metrics)
                 self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
+                inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
                 if self.step == t.steps and c.last_save_in_hf and c.enable:
                     save_hf_checkpoint(self.model_parts, os.path.join(
                         cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,
@@ -278,28 +284,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if cfg.comm.mode == "fake_backend":  # one process plays one rank of a fake world
         return dry_run(cfg)
-    # Ctrl-C: stop without saving anything partial (checkpoint writes are atomic anyway).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    code = 0
-    try:
+
+    def run() -> None:
+        check_preflight(cfg)  # output folders and the checkpoint, before the process group
         trainer = Trainer(cfg)
         start = time.time()
         trainer.train()
         if trainer.rank == 0:
             print(f"titanext: done, {trainer.step} steps in {time.time() - start:.1f}s", flush=True)
-    except TrainingDiverged as e:
-        print(f"titanext: training diverged: {e}", file=sys.stderr, flush=True)
-        code = 1
-    except KeyboardInterrupt:
-        print("titanext: interrupted; nothing partial was saved", file=sys.stderr, flush=True)
-        code = 130
-    finally:
-        if dist.is_initialized():
-            if code == 0:
-                dist.barrier()
-            dist.destroy_process_group()
-    return code
+
+    return run_guarded(run)  # a failing rank is printed once and never leaves peers waiting
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
