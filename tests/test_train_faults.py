@@ -34,25 +34,41 @@ def _env(**extra) -> dict[str, str]:
     return env
 
 
-def _ranks_by_hand(args, world_size=2, **extra):
+def _ranks_by_hand(args, logs: Path, world_size=2, **extra):
     """``python -m titanext.train`` in ``world_size`` processes without torchrun (nobody tears
-    the others down: each rank must leave on its own)."""
+    the others down: each rank must leave on its own); output to ``logs/<rank>.out|err``."""
     port = free_port()
-    return [subprocess.Popen(
-        [sys.executable, "-m", "titanext.train", *args], cwd=ROOT,
-        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), **extra),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world_size)]
+    procs = []
+    for r in range(world_size):
+        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), **extra)
+        with open(logs / f"{r}.out", "w") as out, open(logs / f"{r}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "titanext.train", *args],
+                                          cwd=ROOT, env=env, stdout=out, stderr=err))
+    return procs
 
 
-def _finish(procs, timeout=240):
+def _exit_times(procs, timeout=300) -> list[float]:
+    """When each process ended (monotonic seconds); kills what is left after ``timeout``."""
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
     try:
-        return [p.communicate(timeout=timeout) for p in procs]
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i] = time.monotonic()
+            time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+    return [ended.get(i, float("inf")) for i in range(len(procs))]
+
+
+def _read(logs: Path, name: str) -> str:
+    return (logs / name).read_text()
 
 
 @pytest.mark.slow
@@ -60,17 +76,12 @@ def test_an_exception_on_one_rank_ends_every_rank_within_seconds(tmp_path):
     """Rank 0 raises after step 2 while rank 1 goes on into step 3's collectives."""
     procs = _ranks_by_hand([*SMALL, f"--job.dump_folder={tmp_path}", "--training.steps=50",
                             "--comm.init_timeout_seconds=60", "--comm.train_timeout_seconds=60"],
-                           TITANEXT_TEST_FAULT="raise:0:2")
-    try:
-        procs[0].wait(timeout=240)
-        raised = time.monotonic()
-        procs[1].wait(timeout=60)
-        gap = time.monotonic() - raised
-    finally:
-        outs = _finish(procs)
-    assert [p.returncode for p in procs] == [1, 1], outs
+                           tmp_path, TITANEXT_TEST_FAULT="raise:0:2")
+    ended = _exit_times(procs)
+    err0, err1 = _read(tmp_path, "0.err"), _read(tmp_path, "1.err")
+    assert [p.returncode for p in procs] == [1, 1], (err0[-2000:], err1[-2000:])
+    gap = max(ended) - min(ended)
     assert gap < 15, gap  # a rank waiting for the collective timeout would take 60 s
-    err0, err1 = outs[0][1], outs[1][1]
     assert err0.count("titanext: rank 0 failed:") == 1
     assert "injected test fault on rank 0 after step 2" in err0
     assert "titanext: rank 1: stopping, another rank failed" in err1
@@ -80,14 +91,14 @@ def test_an_exception_on_one_rank_ends_every_rank_within_seconds(tmp_path):
 def test_unwritable_dump_folder_exits_2_on_every_rank_with_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    procs = _ranks_by_hand([*SMALL, f"--job.dump_folder={blocker / 'dump'}"])
-    outs = _finish(procs)
-    assert [p.returncode for p in procs] == [2, 2], outs
-    assert outs[0][1].strip() == (f"titanext: config error: job.dump_folder = "
-                                  f"'{blocker / 'dump'}': cannot create this folder (Not a "
-                                  "directory); choose a path whose parent folders exist or can be "
-                                  "created, and that are folders")
-    assert outs[1][1].strip() == ""  # printed once, by rank 0
+    procs = _ranks_by_hand([*SMALL, f"--job.dump_folder={blocker / 'dump'}"], tmp_path)
+    _exit_times(procs)
+    assert [p.returncode for p in procs] == [2, 2]
+    assert _read(tmp_path, "0.err").strip() == (
+        f"titanext: config error: job.dump_folder = '{blocker / 'dump'}': cannot create this "
+        "folder (Not a directory); choose a path whose parent folders exist or can be created, "
+        "and that are folders")
+    assert _read(tmp_path, "1.err").strip() == ""  # printed once, by rank 0
 
 
 def _train(args, timeout=300):
@@ -137,13 +148,14 @@ def test_checkpoint_errors_and_a_changed_config_on_resume(tmp_path):
 def test_pipeline_banner_counts_the_whole_model_and_this_ranks_share(tmp_path):
     procs = _ranks_by_hand([*SMALL, f"--job.dump_folder={tmp_path}", "--training.steps=1",
                             "--parallelism.pipeline_parallel_degree=2",
-                            "--parallelism.pipeline_parallel_microbatches=2"])
-    outs = _finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], outs
+                            "--parallelism.pipeline_parallel_microbatches=2"], tmp_path)
+    _exit_times(procs)
+    out0 = _read(tmp_path, "0.out")
+    assert [p.returncode for p in procs] == [0, 0], _read(tmp_path, "0.err")[-2000:]
     one = _train([f"--job.dump_folder={tmp_path / 'one'}", "--training.steps=1"])
     whole = re.search(r"\((\d+\.\d+)M params", one.stdout).group(1)
-    banner = re.search(r"\((\d+\.\d+)M params, this rank's stages (\d+\.\d+)M\)", outs[0][0])
-    assert banner and banner.group(1) == whole, outs[0][0]
+    banner = re.search(r"\((\d+\.\d+)M params, this rank's stages (\d+\.\d+)M\)", out0)
+    assert banner and banner.group(1) == whole, out0
     assert 0 < float(banner.group(2)) < float(whole)
 
 

@@ -19,6 +19,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -26,7 +27,11 @@ from typing import NoReturn
 from titanext.errors import CheckpointError, ConfigError, TrainingDiverged
 
 __all__ = ["abort_process_group", "elastic_store", "exit_process", "inject_test_fault",
-           "run_guarded"]
+           "report_once", "run_guarded"]
+
+# Under torchrun the first worker to exit non-zero gets the others SIGTERMed: ranks that stay
+# silent wait this long, so that rank 0 (slower to start, say) prints the shared error first.
+_QUIET_RANK_GRACE_S = 3.0
 
 # Errors raised by a collective because a peer is gone: the peer has printed its own error.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -99,6 +104,19 @@ def _say(message: str, everyone: bool = False) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def report_once(lines: list[str], prefix: str = "titanext: config error: ") -> int:
+    """Print an error every rank found alike from rank 0 only; exit code 2.
+
+    Other ranks linger for a moment first: under torchrun the first worker to exit gets the
+    rest stopped, and that must not be before rank 0 has printed.
+    """
+    for line in lines:
+        _say(prefix + line)
+    if _rank() != 0:
+        time.sleep(_QUIET_RANK_GRACE_S)
+    return 2
+
+
 def _teardown() -> None:
     if not _initialized():
         return
@@ -119,10 +137,8 @@ def run_guarded(body: Callable[[], object]) -> int:
         body()
     except (ConfigError, CheckpointError) as e:  # raised alike on every rank
         kind = "config" if isinstance(e, ConfigError) else "checkpoint"
-        for line in getattr(e, "problems", None) or [str(e)]:
-            _say(f"titanext: {kind} error: {line}")
         abort_process_group()
-        return 2
+        return report_once(getattr(e, "problems", None) or [str(e)], f"titanext: {kind} error: ")
     except TrainingDiverged as e:
         _say(f"titanext: training diverged: {e}")
         abort_process_group()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
 from titanext.errors import TrainingDiverged
-from titanext.faults import exit_process, inject_test_fault, run_guarded
+from titanext.faults import exit_process, inject_test_fault, report_once, run_guarded
 
 
 def _cli_only(argv: Sequence[str]) -> bool:
@@ -275,10 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         cfg = load_config(config_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
-            for problem in e.problems:
-                print(f"titanext: config error: {problem}", file=sys.stderr)
-        return 2
+        return report_once(e.problems)  # printed by rank 0 (under torchrun too)
     if flags.get("print_config"):
         print(to_toml(cfg))
         return 0
