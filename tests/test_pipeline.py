@@ -240,6 +240,22 @@ def test_pp2_x_fsdp2_and_grad_accum_match_one_process(tmp_path):
         _check(ref, got, label, param_rtol=3e-5 if "accum" in label else 1e-5)
 
 
+def test_deferred_split_with_op_level_selective_ac_matches_one_process(tmp_path):
+    """Op-level selective AC under split schedules: with deferred weight gradients there is one
+    backward per micro-batch (the recompute runs during I), so torch's op-level checkpoint works;
+    ZBH1 and ZBV (V placement, local stage hand-off) at pp = 2."""
+    sac = ["--activation_checkpoint.mode=selective",
+           "--activation_checkpoint.selective_ac_option=op"]
+    ref = run_distributed(_train_many, 1, args=(
+        [["--model.flavor=debugmodel", "--training.local_batch_size=8", *sac]],
+        str(tmp_path / "ref")), timeout_s=120)[0][0]
+    schedules = ["ZBH1", "ZBV"]
+    results = run_distributed(_train_many, 2, args=(_runs("debugmodel", schedules, 4, sac),
+                                                    str(tmp_path)), timeout_s=240)
+    for name, got in zip(schedules, _merge(results), strict=True):
+        _check(ref, got, f"{name} + op-level SAC")
+
+
 def test_parity_check_can_fail(tmp_path):
     """A pipeline whose loss scale were wrong (here: a different lr) must be caught."""
     ref = run_distributed(_train_many, 1, args=(

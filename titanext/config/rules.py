@@ -138,14 +138,18 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     except ValueError:  # an unknown schedule is reported by its own check
         splits = False
     ac_keys = {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"}
+    # deferred weight gradients run one backward per micro-batch (W never touches the graph)
+    splits = splits and p.pipeline_parallel_split_backward == "autograd"
     if splits and ac.mode == "selective" and ac.selective_ac_option == "op" \
             and not skip & ac_keys:
         problems.append("activation_checkpoint.mode = 'selective' with selective_ac_option = 'op' "
                         f"cannot run under parallelism.pipeline_parallel_schedule = "
-                        f"{p.pipeline_parallel_schedule!r}, which splits the backward into input "
-                        "and weight gradients (torch's op-level checkpoint allows one backward); "
-                        "use mode = 'full', a layer-level selective_ac_option such as '2', or a "
-                        "schedule without split backward (1F1B, Interleaved1F1B, GPipe)")
+                        f"{p.pipeline_parallel_schedule!r} with pipeline_parallel_split_backward "
+                        "= 'autograd', which splits the backward into input and weight gradients "
+                        "(torch's op-level checkpoint allows one backward); use "
+                        "pipeline_parallel_split_backward = 'deferred', mode = 'full', a "
+                        "layer-level selective_ac_option such as '2', or a schedule without split "
+                        "backward (1F1B, Interleaved1F1B, GPipe)")
     return problems
 
 
