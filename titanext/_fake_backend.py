@@ -55,7 +55,19 @@ def host_float(t: torch.Tensor | float, fake_value: float = math.nan) -> float:
 
 def mem_tracker():
     """torch's ``MemTracker``: per-category (parameter, gradient, optimizer state, activation,
-    temporary) memory, current and peak, of the tensors it tracks; works on fake tensors."""
+    temporary) memory, current and peak, of the tensors it tracks; works on fake tensors.
+
+    Gradient accumulation calls the root module once per micro-batch, which MemTracker takes
+    for a second iteration; here a root's second forward drops only its per-module stats (the
+    step's totals and peak are kept)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):  # private hook of MemTracker
+            tracker = self._mod_tracker
+            if (module in self.memory_tracking and not tracker.is_bw
+                    and set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}):
+                del self.memory_tracking[module]
+            return super()._pre_fw_hook(module, inputs)
+
+    return StepTracker()
