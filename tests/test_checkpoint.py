@@ -145,7 +145,7 @@ def _crash_after(real):
     return crash
 
 
-# -- 1. FSDP round trip ---------------------------------------------------------------------------------
+# -- 1. FSDP round trip ---------------------------------------------------------------------------
 def _fsdp_round_trip(rank, world_size, folder):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -196,7 +196,7 @@ def test_fsdp_save_then_load_restores_every_piece_of_state_even_after_a_crashed_
     assert run_distributed(_fsdp_round_trip, 2, args=(str(tmp_path),)) == [True, True]
 
 
-# -- 2. resharding ----------------------------------------------------------------------------------
+# -- 2. resharding --------------------------------------------------------------------------------
 def _reshard(rank, world_size, folder):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -228,7 +228,7 @@ def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path):
     assert run_distributed(_reshard, 4, args=(str(tmp_path),)) == [True] * 4
 
 
-# -- 3. ZeRO-1 ----------------------------------------------------------------------------------------
+# -- 3. ZeRO-1 ------------------------------------------------------------------------------------
 def _zero1_training(folder: str, seed: int):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -256,7 +256,8 @@ def _zero1_save_then_load(rank, world_size, folder):
         _fake_step(model, opt, sched, loader)
     assert opt.optim.state, "each rank holds a partition of the optimizer state"
     ckpt.save(2)
-    saved = {"optim": _consolidated(opt), "params": {n: _full(p) for n, p in model.named_parameters()}}
+    saved = {"optim": _consolidated(opt),
+             "params": {n: _full(p) for n, p in model.named_parameters()}}
     loaded = _zero1_load(rank, world_size, folder)
     if rank == 0:
         _assert_equal(saved["optim"], loaded["optim"])
@@ -289,7 +290,7 @@ def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp
     assert any("RNG state is not restored" in m for m in loaded["warnings"])
 
 
-# -- 4. atomicity and step resolution (one process, no process group) -------------------------------
+# -- 4. atomicity and step resolution (one process, no process group) -----------------------------
 def _single_process(folder, seed=0, **kwargs):
     model = _tiny_model(seed)
     opt, sched, loader, ckpt = _training(model, str(folder), **kwargs)

@@ -40,8 +40,8 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
         trainer = Trainer(cfg)
         losses = trainer.train()
         mesh = trainer.dims.world_mesh
-        keep = all(c == 0 for name, c in zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
-                   if name != "pp")
+        coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
+        keep = all(c == 0 for name, c in coords if name != "pp")
         params = {}
         for part in trainer.model_parts:
             for name, p in part.named_parameters():

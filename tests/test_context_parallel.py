@@ -31,8 +31,8 @@ def _inputs(heads, kv_heads, seq, dtype, seed=0, batch=2, dim=16, q_scale=1.0):
 def _reference(q, k, v, dout, causal):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                         is_causal=causal)
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                         v.repeat_interleave(rep, 1), is_causal=causal)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -76,7 +76,8 @@ EXTRA_CASES = [
     ("mqa", False, "p2p", "zigzag", torch.float32, "math", 1.0),
 ]
 FP64_CASES = [(heads, causal, "p2p", "zigzag", torch.float64, kernel, 1.0)
-              for heads in ("mha", "gqa") for causal in (True, False) for kernel in ("auto", "math")]
+              for heads in ("mha", "gqa") for causal in (True, False)
+              for kernel in ("auto", "math")]
 LARGE_LOGITS = [("gqa", True, comm, "zigzag", torch.float32, kernel, 300.0)
                 for comm in ("p2p", "allgather") for kernel in ("auto", "math")]
 
@@ -217,7 +218,8 @@ def _user_model_body(rank, world_size):
     out.square().sum().backward()
     dist.all_reduce(proj.weight.grad)
     del attn
-    return _rel(out.detach(), shard_batch(ref.detach(), None, g)[0]), _rel(proj.weight.grad, ref_grad)
+    return (_rel(out.detach(), shard_batch(ref.detach(), None, g)[0]),
+            _rel(proj.weight.grad, ref_grad))
 
 
 def test_sdpa_context_manager_on_a_user_module():

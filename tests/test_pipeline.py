@@ -18,7 +18,8 @@ STEPS = 2
 # -- split and placement ------------------------------------------------------------------------
 def test_layers_per_stage_even_and_lighter_ends():
     assert layers_per_stage(8, 4) == [2, 2, 2, 2]
-    assert layers_per_stage(10, 4, first_stage_less_layers=1, last_stage_less_layers=1) == [2, 3, 3, 2]
+    assert layers_per_stage(10, 4, first_stage_less_layers=1,
+                            last_stage_less_layers=1) == [2, 3, 3, 2]
     assert layers_per_stage(6, 3, explicit=[1, 3, 2]) == [1, 3, 2]
     with pytest.raises(ValueError, match="at least one layer"):
         layers_per_stage(4, 4, first_stage_less_layers=1)
@@ -75,7 +76,8 @@ def test_config_rules():
     assert _problems(pp2, "--parallelism.pipeline_parallel_schedule=ZBH2") == []
     (msg,) = _problems(pp2, "--parallelism.pipeline_parallel_schedule=zbh2")
     assert "did you mean 'ZBH2'" in msg
-    (msg,) = _problems(pp2, "--training.local_batch_size=8", "--parallelism.pipeline_parallel_microbatches=3")
+    (msg,) = _problems(pp2, "--training.local_batch_size=8",
+                       "--parallelism.pipeline_parallel_microbatches=3")
     assert "local_batch_size = 8 must be divisible" in msg
     # debugtiny has 2 layers: ZBV needs 4 stages at pp=2.
     (msg,) = _problems(pp2, "--parallelism.pipeline_parallel_schedule=ZBV")
@@ -88,13 +90,15 @@ def test_config_rules():
 
 
 def test_config_rules_for_what_cannot_work():
-    pp2, pp4 = "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_degree=4"
+    pp2 = "--parallelism.pipeline_parallel_degree=2"
+    pp4 = "--parallelism.pipeline_parallel_degree=4"
 
     def sched(name):
         return f"--parallelism.pipeline_parallel_schedule={name}"
 
     def mb(n):
-        return [f"--parallelism.pipeline_parallel_microbatches={n}", "--training.local_batch_size=12"]
+        return [f"--parallelism.pipeline_parallel_microbatches={n}",
+                "--training.local_batch_size=12"]
 
     assert _problems(pp2, sched("DualPipe"), *mb(4)) == []                  # 2 stages, 2 copies
     assert "even number >= 2 x pp = 4" in _problems(pp2, sched("DualPipe"), *mb(3))[0]
@@ -192,8 +196,8 @@ def _check(ref, got, label, param_rtol=1e-5):
 
 
 TINY_SCHEDULES = ["GPipe", "1F1B", "ZBH1", "ZBH2"]
-MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "ZBV", "Auto",
-                         "DualPipeV", "DualPipe", "TorchDualPipeV"]
+MULTI_STAGE_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "ZBV", "Auto", "DualPipeV", "DualPipe", "TorchDualPipeV"]
 
 
 def test_every_schedule_name_is_covered_by_the_trainer_parity_runs():
@@ -228,7 +232,8 @@ def test_pp2_x_fsdp2_and_grad_accum_match_one_process(tmp_path):
         [["--model.flavor=debugtiny", "--training.local_batch_size=8"]], str(tmp_path / "ref")),
         timeout_s=120)[0][0]
     runs = [["--model.flavor=debugtiny", "--training.local_batch_size=4",
-             "--parallelism.pipeline_parallel_degree=2", f"--parallelism.pipeline_parallel_schedule={s}",
+             "--parallelism.pipeline_parallel_degree=2",
+             f"--parallelism.pipeline_parallel_schedule={s}",
              "--parallelism.pipeline_parallel_microbatches=2"] for s in ("1F1B", "ZBH2")]
     runs.append(["--model.flavor=debugtiny", "--training.local_batch_size=2",
                  "--training.global_batch_size=8", "--parallelism.pipeline_parallel_degree=2",
@@ -321,10 +326,12 @@ def _dualpipe_resume(rank, world_size, folder):
 
     def run(sub, schedule, until=None):
         cfg = load_config(None, [
-            *BASE, "--model.flavor=debugtiny", "--training.local_batch_size=4", "--training.steps=6",
-            "--checkpoint.enable=true", "--checkpoint.interval=3",
-            "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4",
-            f"--parallelism.pipeline_parallel_schedule={schedule}", f"--job.dump_folder={folder}/{sub}"],
+            *BASE, "--model.flavor=debugtiny", "--training.local_batch_size=4",
+            "--training.steps=6", "--checkpoint.enable=true", "--checkpoint.interval=3",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.pipeline_parallel_microbatches=4",
+            f"--parallelism.pipeline_parallel_schedule={schedule}",
+            f"--job.dump_folder={folder}/{sub}"],
             world_size=world_size)
         return Trainer(cfg).train(until_step=until)
 

@@ -27,7 +27,8 @@ def _run(rank, world_size, overrides, folder, until_step=None):
     from titanext.config import load_config
     from titanext.train import Trainer
 
-    cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", *overrides], world_size=world_size)
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", *overrides],
+                      world_size=world_size)
     trainer = Trainer(cfg)
     return trainer.train(until_step=until_step)
 

@@ -142,7 +142,8 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
     columns = list(columns)
     if not columns:
         return ""
-    cells = [["" if row.get(c) is None else _fmt_number(row.get(c)) for c in columns] for row in rows]
+    cells = [["" if row.get(c) is None else _fmt_number(row.get(c)) for c in columns]
+             for row in rows]
     numeric = [any(_is_number(r.get(c)) for r in rows)
                and all(_is_number(r.get(c)) or r.get(c) is None for r in rows) for c in columns]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
@@ -238,7 +239,9 @@ class MetricsLogger:
         self.log_freq, self.total_steps = log_freq, total_steps
         self.device = device if device is not None else torch.device("cpu")
         self.flops_per_token, self.num_devices = flops_per_token, num_devices
-        self.peak_flops = peak_flops if peak_flops is not None else device_peak_flops(self.device, dtype)
+        if peak_flops is None:
+            peak_flops = device_peak_flops(self.device, dtype)
+        self.peak_flops = peak_flops
         self._stream = stream
         tty = self.active and self._isatty()
         # NO_COLOR is the common convention for opting out of ANSI colours everywhere.
@@ -278,8 +281,9 @@ class MetricsLogger:
         """
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
-    def log(self, step: int, *, loss: float | torch.Tensor, grad_norm: float | torch.Tensor | None = None,
-            lr: float | None = None, extra: Mapping[str, float | torch.Tensor] | None = None,
+    def log(self, step: int, *, loss: float | torch.Tensor,
+            grad_norm: float | torch.Tensor | None = None, lr: float | None = None,
+            extra: Mapping[str, float | torch.Tensor] | None = None,
             tb_extra: Mapping[str, float | torch.Tensor] | None = None,
             ) -> dict[str, float] | None:
         """Record ``step``; on a log step print a line, write scalars and return them.

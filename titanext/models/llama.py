@@ -30,7 +30,8 @@ from titanext.models.init import constant_, init_tensor_, normal_
 from titanext.models.layers import FeedForward
 from titanext.models.moe import MoE
 
-# q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim] -> [batch, heads, seq, head_dim]
+# q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim]
+# -> [batch, heads, seq, head_dim]
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -69,7 +70,9 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [batch or 1, seq, head_dim // 2] for explicit positions.
 
     Positions are explicit (not ``arange``) because context parallelism hands each rank a
@@ -174,7 +177,8 @@ class TransformerBlock(nn.Module):
 
     def init_weights(self, prefix: str, seed: int) -> None:
         if hasattr(self, "moe"):
-            self.moe.init_weights(seed, f"{prefix}moe.", init_std=0.02, out_init_std=self.out_init_std)
+            self.moe.init_weights(seed, f"{prefix}moe.", init_std=0.02,
+                                  out_init_std=self.out_init_std)
         for name, p in self.named_parameters():
             if name.startswith("moe."):
                 continue
@@ -192,7 +196,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)

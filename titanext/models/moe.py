@@ -39,8 +39,8 @@ from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
 from titanext.models.layers import FeedForward
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load", "grouped_mm_supported",
-           "set_aux_loss_weight", "update_expert_bias"]
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load",
+           "grouped_mm_supported", "set_aux_loss_weight", "update_expert_bias"]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -200,7 +200,8 @@ class MoE(nn.Module):
         self.router.expert_bias.zero_()
         self.tokens_per_expert.zero_()
         for name, p in self.named_parameters():
-            std = out_init_std if name.endswith(("w2", "w3", "w2.weight", "w3.weight")) else init_std
+            is_out = name.endswith(("w2", "w3", "w2.weight", "w3.weight"))
+            std = out_init_std if is_out else init_std
             init_tensor_(p, f"{prefix}{name}", seed, normal_(std, truncate=2.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +222,8 @@ class MoE(nn.Module):
         token_of = order // a.top_k
         y = self.experts(tokens[token_of], kept_counts)  # [kept, dim] in expert order
         y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
+        out = out.index_add_(0, token_of, y)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -233,7 +235,8 @@ class MoE(nn.Module):
                 out = _AddAuxLoss.apply(out, aux, weight)
         return out.view(bsz, seqlen, dim)
 
-    def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor, flat_scores: torch.Tensor):
+    def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor,
+                        flat_scores: torch.Tensor):
         """Expert-ordered kept assignments and per-expert kept counts under the capacity.
 
         capacity = ceil(T * top_k / E * capacity_factor) per expert, on this forward's tokens.
@@ -246,11 +249,13 @@ class MoE(nn.Module):
         by_score = torch.argsort(-flat_scores, stable=True)
         by_expert = by_score[torch.argsort(flat_ids[by_score], stable=True)]
         starts = torch.cumsum(counts, 0) - counts
-        rank_in_expert = torch.arange(n_assign, device=flat_ids.device) - starts[flat_ids[by_expert]]
+        positions = torch.arange(n_assign, device=flat_ids.device)
+        rank_in_expert = positions - starts[flat_ids[by_expert]]
         kept = by_expert[rank_in_expert < capacity]
         return kept, counts.clamp(max=capacity)
 
-    def _sequence_aux_loss(self, scores: torch.Tensor, flat_ids: torch.Tensor, bsz: int) -> torch.Tensor:
+    def _sequence_aux_loss(self, scores: torch.Tensor, flat_ids: torch.Tensor,
+                           bsz: int) -> torch.Tensor:
         """alpha * sum_i f_i * P_i summed over the sequences of this forward (DeepSeek-V3).
 
         f_i = E / (top_k * S) * (selections of expert i in the sequence) and
@@ -261,8 +266,8 @@ class MoE(nn.Module):
         probs = probs.view(bsz, -1, a.num_experts)  # [B, S, E]
         seqlen = probs.shape[1]
         sel = torch.zeros(bsz, a.num_experts, device=scores.device)
-        sel.index_add_(0, torch.arange(bsz, device=scores.device).repeat_interleave(seqlen * a.top_k),
-                       torch.nn.functional.one_hot(flat_ids, a.num_experts).float())
+        seq_of = torch.arange(bsz, device=scores.device).repeat_interleave(seqlen * a.top_k)
+        sel.index_add_(0, seq_of, torch.nn.functional.one_hot(flat_ids, a.num_experts).float())
         f = sel * (a.num_experts / (a.top_k * seqlen))
         return a.aux_loss_alpha * (f * probs.mean(1)).sum()
 
@@ -272,7 +277,8 @@ def _moe_modules(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+def update_expert_bias(model: nn.Module,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
     """Aux-loss-free balancing step; call after ``optimizer.step()``. Returns the loads.
 
     For every MoE layer: load = ``tokens_per_expert`` summed over ``group`` (the ranks that see

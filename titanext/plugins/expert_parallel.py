@@ -1,4 +1,4 @@
-"""Expert parallelism: the experts of MoE layers split over ranks, tokens sent to them by all-to-all.
+"""Expert parallelism: the experts of MoE layers split over ranks, tokens sent by all-to-all.
 
 ``apply_expert_parallel(model, ep_mesh)`` finds every *experts module* and turns it into an
 ``ExpertParallel`` module (a ``ParallelStyle`` built on ``distribute_module``): each of its
@@ -201,7 +201,8 @@ class ExpertParallel(ParallelStyle):
         if name:  # distribute_module visits submodules too; the protocol has none with params
             return
         for pname, p in list(module.named_parameters(recurse=False)):
-            dist_p = nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]), requires_grad=p.requires_grad)
+            dist_p = nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                  requires_grad=p.requires_grad)
             module.register_parameter(pname, dist_p)
 
     @staticmethod
@@ -257,7 +258,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
         params = list(m.named_parameters(recurse=False))
         if not params or len(params) != len(list(m.parameters())):
             raise ValueError(f"{fqn}: an experts module must hold its expert weights directly "
-                             "(parameters with the expert index as dim 0, no submodules with parameters)")
+                             "(parameters with the expert index as dim 0, no submodules with "
+                             "parameters)")
         n_exp = {p.shape[0] for _, p in params}
         if len(n_exp) != 1:
             raise ValueError(f"{fqn}: parameters disagree on the expert count (dim 0): "

@@ -27,7 +27,8 @@ def comparison_rows(pp: int, microbatches: int, **costs: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titanext.schedules", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m titanext.schedules",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--f", type=float, default=1.0, help="forward time per stage and micro-batch")
@@ -38,9 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--svg", help="also write that timeline as SVG")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)
-    problems = [f"--{k} = {v} must be >= 1" for k, v in (("pp", a.pp), ("microbatches", a.microbatches))
-                if v < 1]
-    problems += [f"--{k} = {v} must be > 0" for k, v in (("f", a.f), ("b", a.b), ("w", a.w)) if v <= 0]
+    counts = (("pp", a.pp), ("microbatches", a.microbatches))
+    problems = [f"--{k} = {v} must be >= 1" for k, v in counts if v < 1]
+    times = (("f", a.f), ("b", a.b), ("w", a.w))
+    problems += [f"--{k} = {v} must be > 0" for k, v in times if v <= 0]
     if a.microbatches < a.pp:
         problems.append(f"--microbatches = {a.microbatches} must be >= --pp = {a.pp}")
     if a.timeline not in _SIMULATED:

@@ -56,8 +56,8 @@ class SimResult:
         colours = {"F": "#4c78a8", "I": "#f58518", "W": "#54a24b", "B": "#e45756"}
         ranks = sorted({e.rank for e in self.events})
         scale, row = 900 / self.makespan, 26
-        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="980" height="{70 + row * len(ranks)}"'
-               ' font-family="sans-serif" font-size="10">',
+        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="980" '
+               f'height="{70 + row * len(ranks)}" font-family="sans-serif" font-size="10">',
                f'<text x="10" y="16" font-size="13">{title}</text>']
         for e in self.events:
             x, y = 60 + e.start * scale, 28 + ranks.index(e.rank) * row
@@ -74,7 +74,8 @@ class SimResult:
         names = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward"}
         for i, k in enumerate(kinds):  # legend
             out.append(f'<rect x="{60 + 130 * i}" y="{y - 10}" width="12" height="12" '
-                       f'fill="{colours[k]}"/><text x="{76 + 130 * i}" y="{y}">{k}: {names[k]}</text>')
+                       f'fill="{colours[k]}"/>'
+                       f'<text x="{76 + 130 * i}" y="{y}">{k}: {names[k]}</text>')
         out.append(f'<text x="{60 + 130 * len(kinds)}" y="{y}">number = micro-batch; '
                    f'makespan {self.makespan:g}, bubble {self.bubble_ratio:.3f}</text>')
         out.append("</svg>")
