@@ -50,9 +50,9 @@ from titanext.schedules import (
     build_schedule,
     get_schedule_class,
     num_stages_for,
+    resolved_stages_per_rank,
     stage_ids_for_rank,
 )
-from titanext.schedules import resolved_stages_per_rank as stages_per_rank_of
 from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 
 #: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
@@ -60,7 +60,7 @@ SPLIT_BACKWARD = ("deferred", "autograd")
 
 __all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
-           "stages_per_rank_of", "StageTimer", "PipelineRunner"]
+           "StageTimer", "PipelineRunner"]
 
 
 def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
@@ -73,7 +73,7 @@ def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
     [1, 5]
     """
     cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-    n = stages_per_rank_of(cls, stages_per_rank)
+    n = resolved_stages_per_rank(cls, stages_per_rank)
     return stage_ids_for_rank(getattr(cls, "placement", "loop"), pp_rank, pp, n)
 
 
@@ -345,7 +345,7 @@ class PipelineRunner:
         self.schedule_class, self.device, self.microbatches = cls, device, microbatches
         self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
         pp = dims.pp
-        per_rank = stages_per_rank_of(cls, stages_per_rank)
+        per_rank = resolved_stages_per_rank(cls, stages_per_rank)
         # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
         # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
         self.mirrored = cls.placement == "dualpipe"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from titanext.pipeline import layers_per_stage, pipeline_stage_ids, stages_per_rank_of
+from titanext.pipeline import layers_per_stage, pipeline_stage_ids
+from titanext.schedules import resolved_stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
     """Stages, blocks and sends of every pp rank under ``schedule`` (the trainer's placement)."""
     from titanext.schedules import get_schedule_class, num_stages_for
 
-    spr = stages_per_rank_of(schedule, stages_per_rank) if pp > 1 else 1
+    spr = resolved_stages_per_rank(schedule, stages_per_rank) if pp > 1 else 1
     # DualPipe's two copies each have pp stages (rank r holds r of one and pp-1-r of the other)
     n_stages = num_stages_for(get_schedule_class(schedule).placement, pp, spr) if pp > 1 else 1
     counts = layers_per_stage(n_layers, n_stages, first_stage_less_layers=first_stage_less_layers,
