@@ -276,6 +276,62 @@ def test_parquet_without_the_text_column_or_with_a_non_string_one_is_named(tmp_p
     assert inputs.tolist() == [list(b"alpha be")]
 
 
+def _save_to_disk_split(folder, texts, shards=2, column="text"):
+    """A split folder as Hugging Face datasets' save_to_disk writes it: Arrow IPC *stream*
+    shards data-0000i-of-0000n.arrow next to dataset_info.json and state.json."""
+    pa = pytest.importorskip("pyarrow")
+    folder.mkdir(parents=True)
+    per = -(-len(texts) // shards)
+    for i in range(shards):
+        table = pa.table({column: texts[i * per:(i + 1) * per], "id": list(range(len(texts)))[
+            i * per:(i + 1) * per]})
+        with pa.ipc.new_stream(str(folder / f"data-{i:05d}-of-{shards:05d}.arrow"),
+                               table.schema) as w:
+            for batch in table.to_batches(max_chunksize=2):  # several record batches a shard
+                w.write_batch(batch)
+    (folder / "dataset_info.json").write_text("{}")
+    (folder / "state.json").write_text(json.dumps({"_data_files": [
+        {"filename": f"data-{i:05d}-of-{shards:05d}.arrow"} for i in range(shards)]}))
+    return folder
+
+
+def test_a_datasets_save_to_disk_split_streams_like_the_same_jsonl(tmp_path):
+    texts = [f"doc {i}: " + "ab " * (i % 4) for i in range(11)] + ["  ", "last"]
+    split = _save_to_disk_split(tmp_path / "ds" / "train", texts)
+    (tmp_path / "ds" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    jsonl = tmp_path / "same.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    assert packed(split) == packed(jsonl)  # blank rows skipped alike
+    a, b = make("text", split, shuffle=False), make("text", jsonl, shuffle=False)
+    for _ in range(4):
+        assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    # resume at row 3 of the second shard (rows are per file), inside its second record batch
+    from pathlib import Path
+
+    from titanext.data.readers import read_units
+    second = sorted(Path(split).glob("*.arrow"))[1]
+    assert [u.text for u in read_units(second, "text", offset=3)] == ["doc 10: ab ab ", "last"]
+    with pytest.raises(ConfigError, match=r"is a datasets DatasetDict saved with save_to_disk; "
+                                          r"point it at one split folder \(train, test\)"):
+        make("text", tmp_path / "ds")
+    with pytest.raises(ConfigError, match=r"has no column 'body'.*its columns: text, id"):
+        make("text", split, text_field="body")
+    with pytest.raises(ConfigError, match=r"column 'id' has type int64, expected a string"):
+        make("text", split, text_field="id")
+
+
+def test_an_arrow_ipc_file_in_file_format_reads_too_and_garbage_is_named(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table({"text": ["alpha beta", "gamma"]})
+    with pa.ipc.new_file(str(tmp_path / "x.arrow"), table.schema) as w:
+        w.write_table(table)
+    inputs = make("text", tmp_path / "x.arrow", shuffle=False, batch=1).next_batch()[0]
+    assert inputs.tolist() == [list(b"alpha be")]
+    (tmp_path / "bad.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(ConfigError, match=r"bad\.arrow' is not a readable Arrow IPC"):
+        make("text", tmp_path / "bad.arrow")
+
+
 def test_missing_pyarrow_names_the_data_extra(tmp_path, monkeypatch):
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails like a missing one
@@ -287,7 +343,7 @@ def test_check_dataset_lists_problems_before_training(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
     assert check_dataset("text", str(tmp_path / "nope")) == [
         f"training.dataset_path = {str(tmp_path / 'nope')!r} does not exist; give a .txt or "
-        ".jsonl or .parquet file or a folder of them"]
+        ".jsonl or .parquet or .arrow file or a folder of them"]
     [problem] = check_dataset("text", str(tmp_path))
     assert "a.jsonl' line 1 has no \"text\" field" in problem
     assert check_dataset("text", str(tmp_path), text_field="body") == []

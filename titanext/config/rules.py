@@ -547,7 +547,7 @@ def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
             continue
         if sec.dataset in ("text", "tokens"):
             if not sec.dataset_path:
-                what = (".txt, .jsonl or .parquet file, or a folder of them"
+                what = (".txt, .jsonl, .parquet or .arrow file, or a folder of them"
                         if sec.dataset == "text"
                         else "folder of .npy shards from python -m titanext.data tokenize")
                 problems.append(f"{name}.dataset = {sec.dataset!r} needs {name}.dataset_path (a "

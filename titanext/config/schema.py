@@ -200,11 +200,13 @@ class Training:
     they are read ('text'), pre-tokenized .npy shards ('tokens', from python -m titanext.data
     tokenize), or synthetic random tokens (for benchmarks and parity tests). See docs/data.md."""
     dataset_path: str | None = _field(None)
-    """For dataset = 'text': a .txt, .jsonl or .parquet file, or a folder of them (searched
-    recursively); for 'tokens': a folder of .npy shards. Relative to the working directory.
+    """For dataset = 'text': a .txt, .jsonl, .parquet or .arrow file, or a folder of them
+    (searched recursively; .arrow: the shards of a datasets save_to_disk split folder);
+    for 'tokens': a folder of .npy shards. Relative to the working directory.
     Leave unset (or "") for the other datasets."""
     dataset_text_field: str = _field("text", check=_non_empty, rule="a non-empty name")
-    """The field of each .jsonl record, or the column of a .parquet file, that holds the text."""
+    """The field of each .jsonl record, or the column of a .parquet or .arrow file, that holds
+    the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
     document_masking: bool = _field(False)

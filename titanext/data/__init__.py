@@ -3,9 +3,10 @@
 Sources (``[training] dataset``):
 
 - ``"shakespeare"``: the built-in corpus, packed in memory.
-- ``"text"``: ``.txt``, ``.jsonl`` (field ``dataset_text_field``) and ``.parquet`` files or a
-  folder of them, streamed: read and tokenized as the windows are needed, with memory bounded by
-  one block (:mod:`titanext.data.streaming`).
+- ``"text"``: ``.txt``, ``.jsonl`` (field ``dataset_text_field``), ``.parquet`` and ``.arrow``
+  (a ``datasets`` ``save_to_disk`` split) files or a folder of them, streamed: read and
+  tokenized as the windows are needed, with memory bounded by one block
+  (:mod:`titanext.data.streaming`).
 - ``"tokens"``: pre-tokenized ``.npy`` shards read through a memmap (:mod:`titanext.data.tokens`),
   written by ``python -m titanext.data tokenize`` (:mod:`titanext.data.tokenize`).
 - ``"synthetic"``: infinite learnable random windows.

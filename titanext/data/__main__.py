@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titanext.data",
                                      description="Data tools for titanext.")
     sub = parser.add_subparsers(dest="command", required=True)
-    tok = sub.add_parser("tokenize", help="pre-tokenize .txt/.jsonl/.parquet files into .npy "
-                                          "shards for [training] dataset = 'tokens'")
+    tok = sub.add_parser("tokenize", help="pre-tokenize .txt/.jsonl/.parquet/.arrow files into "
+                                          ".npy shards for [training] dataset = 'tokens'")
     which = tok.add_mutually_exclusive_group(required=True)
     which.add_argument("--config", metavar="FILE",
                        help="a training config: its [model] tokenizer is used (and its "

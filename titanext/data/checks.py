@@ -2,7 +2,7 @@
 
 >>> check_dataset("text", "no/such/file.txt")
 ["training.dataset_path = 'no/such/file.txt' does not exist; give a .txt or .jsonl or \
-.parquet file or a folder of them"]
+.parquet or .arrow file or a folder of them"]
 """
 
 from __future__ import annotations

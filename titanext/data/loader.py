@@ -211,8 +211,8 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
         raise ConfigError(f"dp_rank = {dp_rank!r}; expected 0 <= dp_rank < dp_degree = "
                           f"{dp_degree}")
     if dataset in ("text", "tokens") and not dataset_path:
-        what = ("a .txt, .jsonl (field training.dataset_text_field) or .parquet file, or a "
-                "folder of them" if dataset == "text" else
+        what = ("a .txt, .jsonl (field training.dataset_text_field), .parquet or .arrow "
+                "file, or a folder of them" if dataset == "text" else
                 "a folder of .npy token shards from python -m titanext.data tokenize")
         raise ConfigError(f"{section}.dataset = {dataset!r} needs {key}: {what}")
 

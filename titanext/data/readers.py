@@ -1,7 +1,7 @@
 """Reading text files piece by piece, each piece addressed by a seekable offset.
 
-A *unit* is the smallest piece a reader yields: one jsonl line, one parquet row, or one chunk of
-a .txt file (about ``TXT_CHUNK_BYTES``, cut at a line start). ``read_units(path, offset)``
+A *unit* is the smallest piece a reader yields: one jsonl line, one parquet or arrow row, or one
+chunk of a .txt file (about ``TXT_CHUNK_BYTES``, cut at a line start). ``read_units(path, offset)``
 resumes exactly at a unit's offset, which is what makes the streaming loader's checkpoint a
 few integers instead of a buffer.
 
@@ -27,7 +27,7 @@ from titanext.errors import ConfigError
 __all__ = ["TEXT_SUFFIXES", "TXT_CHUNK_BYTES", "Unit", "check_text_file", "corpus_fingerprint",
            "import_pyarrow", "list_files", "read_units"]
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 TXT_CHUNK_BYTES = 1 << 20
 _PARQUET_BATCH_ROWS = 256
 _WHITESPACE = b" \t\r\n\x0b\x0c"
@@ -37,12 +37,27 @@ _KEY = "training.dataset_path"
 @dataclass(frozen=True)
 class Unit:
     """One piece of text and where it starts: ``offset`` is a byte offset (.txt, .jsonl) or a
-    row index (.parquet); ``line`` the 1-based jsonl line (0 elsewhere), for error messages."""
+    row index (.parquet, .arrow); ``line`` the 1-based jsonl line (0 elsewhere), for error
+    messages."""
 
     offset: int
     line: int
     text: str
     ends_document: bool
+
+
+def _check_not_a_dataset_dict(path: Path, key: str) -> None:
+    """A ``datasets`` DatasetDict folder holds one folder per split: reading them all as one
+    corpus would mix train and test, so the user picks one."""
+    marker = path / "dataset_dict.json"
+    if path.is_dir() and marker.is_file():
+        try:
+            splits = json.loads(marker.read_text()).get("splits", [])
+        except (OSError, ValueError, AttributeError):
+            splits = []
+        names = ", ".join(str(s) for s in splits) or "one of its split folders"
+        raise ConfigError(f"{key} = {str(path)!r} is a datasets DatasetDict saved with "
+                          f"save_to_disk; point it at one split folder ({names})")
 
 
 def import_pyarrow():
@@ -63,6 +78,7 @@ def list_files(dataset_path: str | None, *, key: str = _KEY,
     if not dataset_path:
         raise ConfigError(f"{key} is not set; give a {what} file or a folder of them")
     path = Path(dataset_path)
+    _check_not_a_dataset_dict(path, key)
     if not path.exists():
         raise ConfigError(f"{key} = {dataset_path!r} does not exist; give a {what} file or a "
                           "folder of them")
@@ -157,17 +173,9 @@ def _jsonl_units(path: Path, field: str, offset: int, line: int, key: str) -> It
                 yield Unit(start, lineno - 1, text, True)
 
 
-def _parquet_column(path: Path, field: str, key: str):
-    """The open ParquetFile after checking that ``field`` is a string column."""
-    pq = import_pyarrow()
+def _string_column(schema, path: Path, field: str, key: str) -> None:
     import pyarrow as pa
 
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise ConfigError(f"{key} file {str(path)!r} is not a readable parquet "
-                          f"file ({e})") from e
-    schema = pf.schema_arrow
     if field not in schema.names:
         raise ConfigError(f"{key} file {str(path)!r} has no column {field!r} "
                           f"(training.dataset_text_field); its columns: {', '.join(schema.names)}")
@@ -175,6 +183,17 @@ def _parquet_column(path: Path, field: str, key: str):
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConfigError(f"{key} file {str(path)!r}: column {field!r} has type "
                           f"{kind}, expected a string column")
+
+
+def _parquet_column(path: Path, field: str, key: str):
+    """The open ParquetFile after checking that ``field`` is a string column."""
+    pq = import_pyarrow()
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise ConfigError(f"{key} file {str(path)!r} is not a readable parquet "
+                          f"file ({e})") from e
+    _string_column(pf.schema_arrow, path, field, key)
     return pf
 
 
@@ -198,6 +217,41 @@ def _parquet_units(path: Path, field: str, row: int, key: str) -> Iterator[Unit]
             index += 1
 
 
+def _arrow_reader(path: Path, field: str, key: str):
+    """An Arrow IPC reader of ``path``: the streaming format ``datasets``' ``save_to_disk``
+    writes (``data-00000-of-00004.arrow``), or the file format, memory-mapped (skipping rows on
+    a resume reads nothing), after checking that ``field`` is a string column."""
+    import_pyarrow()
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:
+        try:
+            reader = pa.ipc.open_file(source)
+        except Exception as e:  # noqa: BLE001 - not Arrow IPC at all
+            raise ConfigError(f"{key} file {str(path)!r} is not a readable Arrow IPC (.arrow) "
+                              f"file ({e})") from e
+    _string_column(reader.schema, path, field, key)
+    return reader
+
+
+def _arrow_units(path: Path, field: str, row: int, key: str) -> Iterator[Unit]:
+    reader = _arrow_reader(path, field, key)
+    batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+        if hasattr(reader, "get_batch") else reader
+    index = 0
+    for batch in batches:
+        if index + batch.num_rows <= row:  # before the resume point: skipped unread
+            index += batch.num_rows
+            continue
+        for text in batch.column(batch.schema.get_field_index(field)).to_pylist():
+            if index >= row and text is not None and text.strip():
+                yield Unit(index, 0, text, True)
+            index += 1
+
+
 def read_units(path: Path, field: str = "text", offset: int = 0, line: int = 0, *,
                key: str = _KEY) -> Iterator[Unit]:
     """The non-blank units of ``path`` from ``offset`` on (``line``: the jsonl line there);
@@ -206,6 +260,8 @@ def read_units(path: Path, field: str = "text", offset: int = 0, line: int = 0, 
         return _jsonl_units(path, field, offset, line, key)
     if path.suffix == ".parquet":
         return _parquet_units(path, field, offset, key)
+    if path.suffix == ".arrow":
+        return _arrow_units(path, field, offset, key)
     return _txt_units(path, offset, key)
 
 
@@ -213,6 +269,8 @@ def check_text_file(path: Path, field: str = "text", *, key: str = _KEY) -> None
     """Cheap checks before training: a parquet file's schema, a jsonl file's first record."""
     if path.suffix == ".parquet":
         _parquet_column(path, field, key)
+    elif path.suffix == ".arrow":
+        _arrow_reader(path, field, key)
     elif path.suffix == ".jsonl":
         next(_jsonl_units(path, field, 0, 1, key), None)
 

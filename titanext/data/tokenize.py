@@ -1,8 +1,8 @@
 """Pre-tokenize a text corpus into ``.npy`` shards, in parallel over files.
 
 ``python -m titanext.data tokenize (--config FILE | --tokenizer SPEC) SRC DST`` reads every
-.txt/.jsonl/.parquet file under SRC in the streaming loader's order, writes one shard per file
-(``DST/00000.npy``, ...: each document's ids followed by EOS, uint16 or uint32 by vocab) and
+.txt/.jsonl/.parquet/.arrow file under SRC in the streaming loader's order, writes one shard per
+file (``DST/00000.npy``, ...: each document's ids followed by EOS, uint16 or uint32 by vocab) and
 ``DST/tokens.json`` (tokenizer vocab, EOS, BOS, per-shard counts). ``dataset = "tokens"`` with
 ``dataset_path = DST`` then trains on exactly the tokens ``dataset = "text"`` would stream
 (unshuffled), without tokenizing again.
