@@ -208,10 +208,18 @@ def _parquet_units(path: Path, field: str, row: int, key: str) -> Iterator[Unit]
     if first_group == meta.num_row_groups:
         return
     groups = list(range(first_group, meta.num_row_groups))
-    index = group_start
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=groups,
-                                 columns=[field]):
-        for text in batch.column(0).to_pylist():
+    yield from _text_rows(pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=groups,
+                                          columns=[field]), field, group_start, row)
+
+
+def _text_rows(batches, field: str, index: int, row: int) -> Iterator[Unit]:
+    """The non-blank rows of ``field`` from row ``row`` on, out of record ``batches`` whose first
+    row is row ``index`` of the file; whole batches before ``row`` are skipped unread."""
+    for batch in batches:
+        if index + batch.num_rows <= row:
+            index += batch.num_rows
+            continue
+        for text in batch.column(batch.schema.get_field_index(field)).to_pylist():
             if index >= row and text is not None and text.strip():
                 yield Unit(index, 0, text, True)
             index += 1
@@ -240,16 +248,8 @@ def _arrow_reader(path: Path, field: str, key: str):
 def _arrow_units(path: Path, field: str, row: int, key: str) -> Iterator[Unit]:
     reader = _arrow_reader(path, field, key)
     batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-        if hasattr(reader, "get_batch") else reader
-    index = 0
-    for batch in batches:
-        if index + batch.num_rows <= row:  # before the resume point: skipped unread
-            index += batch.num_rows
-            continue
-        for text in batch.column(batch.schema.get_field_index(field)).to_pylist():
-            if index >= row and text is not None and text.strip():
-                yield Unit(index, 0, text, True)
-            index += 1
+        if hasattr(reader, "get_batch") else reader  # the file format / the stream format
+    yield from _text_rows(batches, field, 0, row)
 
 
 def read_units(path: Path, field: str = "text", offset: int = 0, line: int = 0, *,
