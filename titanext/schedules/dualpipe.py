@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from titanext.schedules._torch_ir import (
     Action,
@@ -223,6 +223,11 @@ class DualPipe(ChainRuntime):
         stages[0].stage_index_to_group_rank = {s: s for s in range(pp)}
         stages[1].stage_index_to_group_rank = {s: pp - 1 - s for s in range(pp)}
         self._sum_grads = sum_mirrored_grads
+        self._mirror = MirroredGradSum(stages)
+        self._final: list = []  # copies whose gradients are final, to start at the next chunk
+        # FSDP reduce-scatters a copy's gradient after its last chunk: sum the shards at the end
+        self._early = not any(isinstance(m, FSDPModule) for st in stages
+                              for m in st.submod.modules())
         self._install_handlers()
         order = dualpipe_order(pp, n_microbatches)
         owner = dualpipe_owner(pp, n_microbatches)
@@ -234,10 +239,36 @@ class DualPipe(ChainRuntime):
     def _seen(self, s: int) -> int:
         return microbatch_count(self) // 2
 
+    def _start_final(self) -> None:
+        """Start the exchange of copies finished by the previous chunk (its sends are out)."""
+        for stage in self._final:
+            self._mirror.start(stage)
+        self._final.clear()
+
+    def _mark_final(self, index: int) -> None:
+        if self._sum_grads and self._early and self._done_count[index] == self._seen(index):
+            self._final.append(self._stage(index))
+
+    def _forward(self, a, ctx) -> None:
+        self._start_final()
+        super()._forward(a, ctx)
+
+    def _backward(self, a, *, full: bool) -> None:
+        self._start_final()
+        super()._backward(a, full=full)
+        self._mark_final(a.stage_index)
+
+    def _weight(self, a) -> None:
+        self._start_final()
+        super()._weight(a)
+        self._mark_final(a.stage_index)
+
     def _step_microbatches(self, *args, **kwargs):
+        self._final.clear()
+        self._mirror.pending.clear()
         out = super()._step_microbatches(*args, **kwargs)
         if self._sum_grads:
-            sum_mirrored_grads(stages_of(self))
+            self._mirror.finish()
         return out
 
     def _merge_losses(self, mine):
@@ -269,44 +300,75 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _flat_grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
-                      .reshape(-1).float() for p in module.parameters()])
+#: P2P tag of a stage's mirrored-gradient messages: tag + stage index (the schedule's own
+#: activation messages use tag 0, so the two never match each other)
+_MIRROR_TAG = 7_000
+
+
+class MirroredGradSum:
+    """The exchange behind :func:`sum_mirrored_grads`, startable one stage copy at a time.
+
+    ``start(stage)`` posts the sends of that copy's gradients (each parameter's own tensor, no
+    flattening copy) and the receives of the partner's copy of the same stage, tagged by the
+    stage index; ``finish()`` starts what is left, waits for everything and adds the partner's
+    gradients. Summing is a + b on one rank and b + a on the other, so the copies stay bitwise
+    equal. ``DualPipe`` starts a copy as soon as its last backward or W has run, so the
+    transfer overlaps the other copy's remaining chunks.
+    """
+
+    def __init__(self, stages) -> None:
+        down = stages[0]
+        self.stages, self.group = list(stages), down.group
+        peer = down.group_size - 1 - down.group_rank
+        self.peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
+        self.pending: dict[int, tuple] = {}
+
+    def start(self, stage) -> None:
+        if stage.stage_index in self.pending:
+            return
+        params = list(stage.submod.parameters())
+        grads = [(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
+                 .contiguous() for p in params]
+        recv = [torch.empty_like(g) for g in grads]
+        tag = _MIRROR_TAG + stage.stage_index
+        ops = [dist.P2POp(dist.isend, g, self.peer, self.group, tag) for g in grads]
+        ops += [dist.P2POp(dist.irecv, r, self.peer, self.group, tag) for r in recv]
+        self.pending[stage.stage_index] = (params, recv, dist.batch_isend_irecv(ops))
+
+    def finish(self) -> None:
+        for stage in self.stages:
+            self.start(stage)
+        pending, self.pending = self.pending, {}
+        for _, _, works in pending.values():  # every send is done before a gradient changes
+            for w in works:
+                w.wait()
+        for params, recv, _ in pending.values():
+            for p, theirs in zip(params, recv, strict=True):
+                _add_partner(p, theirs)
 
 
 def sum_mirrored_grads(stages) -> None:
     """Give both DualPipe copies of every stage the sum of their gradients.
 
     Rank r holds [down copy of stage r, up copy of stage pp-1-r]; rank pp-1-r holds the other
-    copy of both. Each rank sends its two flattened gradients to that partner and adds the
-    partner's: a + b is computed from the same two operands on both sides, so the copies stay
-    bitwise equal (and so do their optimizer updates). Works on FSDP shards too (the partner
-    shares the data-parallel coordinates). Call it after the micro-batches of one optimizer
-    step, before clipping; ``DualPipe`` does it at the end of ``step`` by default.
+    copy of both. Each rank sends its two copies' gradients (parameter by parameter) to that
+    partner and adds the partner's: a + b is computed from the same two operands on both
+    sides, so the copies stay bitwise equal (and so do their optimizer updates). Works on FSDP
+    shards too (the partner shares the data-parallel coordinates). Call it after the
+    micro-batches of one optimizer step, before clipping; ``DualPipe`` does it during and at
+    the end of ``step`` by default (see :class:`MirroredGradSum`).
     """
-    down, up = stages[0], stages[1]
-    pp, rank = down.group_size, down.group_rank
-    mine = [_flat_grads(down.submod), _flat_grads(up.submod)]
-    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]  # their down = my up stage
-    _exchange(down.group, pp - 1 - rank, mine, theirs)
-    their_down, their_up = theirs  # their down copy is of my up stage and vice versa
-    _add_flat(down.submod, their_up)
-    _add_flat(up.submod, their_down)
+    MirroredGradSum(stages).finish()
 
 
-def _add_flat(module: nn.Module, flat: torch.Tensor) -> None:
-    """grad += the partner's flattened gradient (a + b == b + a bitwise: copies stay equal)."""
-    offset = 0
-    for p in module.parameters():
-        local = _local(p)
-        piece = flat[offset:offset + local.numel()].view_as(local).to(local.dtype)
-        offset += local.numel()
-        if p.grad is None:
-            if local is not p:
-                raise ValueError("sum_mirrored_grads: a DTensor parameter without a gradient")
-            p.grad = piece.clone()
-        else:
-            _local(p.grad).add_(piece)
+def _add_partner(p: torch.Tensor, theirs: torch.Tensor) -> None:
+    """grad += the partner's gradient (a + b == b + a bitwise: copies stay equal)."""
+    if p.grad is None:
+        if _local(p) is not p:
+            raise ValueError("sum_mirrored_grads: a DTensor parameter without a gradient")
+        p.grad = theirs
+    else:
+        _local(p.grad).add_(theirs)
 
 
 def clip_mirrored_grads(down: list, up: list, max_norm: float, *, pp_group=None) -> torch.Tensor:
