@@ -349,6 +349,7 @@ class PipelineRunner:
         # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
         # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
         self.mirrored = cls.placement == "dualpipe"
+        self._mirror_summed = False  # step() summed them (clip_grad_norm must not again)
         self.num_stages = num_stages_for(cls.placement, pp, per_rank)
         # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
         self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
@@ -424,11 +425,15 @@ class PipelineRunner:
         """One ``schedule.step`` per (inputs, labels) batch (gradient accumulation), with
         every micro-batch's loss multiplied by ``loss_scale`` for the backward. Returns the
         unscaled loss sum (float64) of this rank's data-parallel share, summed over the pp
-        ranks and counted once; sum it over the data-parallel ranks yourself."""
+        ranks and counted once; sum it over the data-parallel ranks yourself. One call per
+        optimizer step: under DualPipe the last batch's schedule step also sums the mirrored
+        copies' gradients (overlapped with its last chunks)."""
         self._scale = loss_scale
         self._loss_sum.zero_()
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
-        for inputs, labels in batches:
+        for i, (inputs, labels) in enumerate(batches):
+            if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
+                self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
             args = (inputs.to(self.device),) if first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
@@ -451,7 +456,9 @@ class PipelineRunner:
         norm. Mirrored copies (DualPipe) first get their summed gradient (bitwise equal on
         both) and count once in the norm."""
         if self.mirrored:
-            sum_mirrored_grads(self.stages)
+            if not self._mirror_summed:
+                sum_mirrored_grads(self.stages)
+            self._mirror_summed = False
             return clip_mirrored_grads(list(self.parts[0].parameters()),
                                        list(self.parts[1].parameters()), max_norm,
                                        pp_group=self.pp_group)

@@ -203,8 +203,10 @@ class DualPipe(ChainRuntime):
     ``cls(stages, n_microbatches, loss_fn)`` with this rank's [down stage r, up stage pp-1-r]
     (both built with ``num_stages=pp``). Rank 0 and rank pp-1 each hold a first and a last
     stage: give both the inputs and targets. After ``step`` both copies of every stage hold
-    the gradient summed over all micro-batches (``sum_mirrored_grads=False`` to do it
-    yourself, e.g. once after several accumulation steps).
+    the gradient summed over all micro-batches: a copy's exchange with its partner starts as
+    soon as its last backward has run (:class:`MirroredGradSum`). The attribute
+    ``sum_mirrored_grads`` (constructor keyword, default True) may change between steps: set
+    it False to sum yourself, e.g. only in the last of several accumulation steps.
     """
 
     placement = "dualpipe"
@@ -222,7 +224,7 @@ class DualPipe(ChainRuntime):
                              f"{[(s.stage_index, s.num_stages) for s in stages]}")
         stages[0].stage_index_to_group_rank = {s: s for s in range(pp)}
         stages[1].stage_index_to_group_rank = {s: pp - 1 - s for s in range(pp)}
-        self._sum_grads = sum_mirrored_grads
+        self.sum_mirrored_grads = sum_mirrored_grads
         self._mirror = MirroredGradSum(stages)
         self._final: list = []  # copies whose gradients are final, to start at the next chunk
         # FSDP reduce-scatters a copy's gradient after its last chunk: sum the shards at the end
@@ -246,7 +248,7 @@ class DualPipe(ChainRuntime):
         self._final.clear()
 
     def _mark_final(self, index: int) -> None:
-        if self._sum_grads and self._early and self._done_count[index] == self._seen(index):
+        if self.sum_mirrored_grads and self._early and self._done_count[index] == self._seen(index):
             self._final.append(self._stage(index))
 
     def _forward(self, a, ctx) -> None:
@@ -267,7 +269,7 @@ class DualPipe(ChainRuntime):
         self._final.clear()
         self._mirror.pending.clear()
         out = super()._step_microbatches(*args, **kwargs)
-        if self._sum_grads:
+        if self.sum_mirrored_grads:
             self._mirror.finish()
         return out
 
