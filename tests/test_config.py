@@ -890,8 +890,6 @@ ULYSSES_BAD = [
     (6, ["--parallelism.context_parallel_degree=3", "--parallelism.context_parallel_comm=alltoall"],
      "parallelism.context_parallel_comm = 'alltoall' (Ulysses over context_parallel_degree = 3) "
      "must divide the model's n_kv_heads = 4 (llama3 debugtiny) or be a multiple of it"),
-    (4, ["--training.document_masking=true", "--parallelism.pipeline_parallel_degree=2"],
-     "training.document_masking = true is not supported with pipeline_parallel_degree = 2"),
 ]
 
 
@@ -913,3 +911,9 @@ def test_ulysses_hybrid_and_document_masking_configs_load():
         cfg = load_config(None, ["--model.flavor=debugtiny", "--training.seq_len=96",
                                  "--parallelism.context_parallel_degree=4", *args], world_size=4)
         assert cfg.parallelism.context_parallel_degree == 4
+    # pipeline stages get each micro-batch's document ids (PipelineRunner.step), also under CP
+    cfg = load_config(None, ["--model.flavor=debugtiny", "--training.seq_len=96",
+                             "--training.document_masking=true",
+                             "--parallelism.context_parallel_degree=4",
+                             "--parallelism.pipeline_parallel_degree=2"], world_size=8)
+    assert cfg.training.document_masking and cfg.parallelism.pipeline_parallel_degree == 2

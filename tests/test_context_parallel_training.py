@@ -1,4 +1,5 @@
-"""Ulysses, hybrid Ulysses x ring and document masking train exactly like one fp32 process.
+"""Ulysses, hybrid Ulysses x ring and document masking (also through pipeline stages) train
+exactly like one fp32 process.
 
 Each case runs the real Trainer for a few optimizer steps and compares the per-step loss
 (rtol 1e-5) and the final full parameters with one process on the same global batch. The
@@ -35,6 +36,16 @@ CASES = {
                        P + "context_parallel_ulysses_degree=2"], False),
     "docs_hybrid_2x2": (4, [T + "local_batch_size=4", P + "context_parallel_degree=4",
                             P + "context_parallel_ulysses_degree=2"], True),
+    # Pipeline: each micro-batch's document ids and restarted positions reach every stage
+    # (torch splits step's keyword tensors per micro-batch); ZBH1 with deferred weight
+    # gradients, and DualPipe (two mirrored copies, micro-batches entering at both ends) x CP.
+    "docs_pp2_ZBH1": (2, [T + "local_batch_size=4", P + "pipeline_parallel_degree=2",
+                          P + "pipeline_parallel_schedule=ZBH1",
+                          P + "pipeline_parallel_microbatches=2"], True),
+    "docs_pp2_DualPipe_x_cp2": (4, [T + "local_batch_size=4", P + "pipeline_parallel_degree=2",
+                                    P + "pipeline_parallel_schedule=DualPipe",
+                                    P + "pipeline_parallel_microbatches=4",
+                                    P + "context_parallel_degree=2"], True),
 }
 # CP sums each softmax in another order (gradients agree to ~3e-7, see
 # test_context_parallel_ulysses.py); a few Adam steps amplify that in near-zero-gradient
@@ -65,7 +76,7 @@ def _runs(rank, world_size, runs, dump_folder):
         trainer = Trainer(cfg)
         losses = trainer.train()
         params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                  for name, p in trainer.model.named_parameters()}
+                  for part in trainer.model_parts for name, p in part.named_parameters()}
         out.append((losses, params))
     return out
 
@@ -89,7 +100,11 @@ def results(tmp_path_factory):
         runs = [_overrides(n, corpus) for n in names]
         per_rank = run_distributed(_runs, world, args=(runs, str(folder / f"w{world}")),
                                    timeout_s=240)
-        out.update({n: (per_rank[0][i], refs[CASES[n][2]]) for i, n in enumerate(names)})
+        for i, n in enumerate(names):  # pipeline stages: each rank holds some parameters
+            losses, params = per_rank[0][i]
+            for rank_out in per_rank[1:]:
+                params = {**rank_out[i][1], **params}
+            out[n] = ((losses, params), refs[CASES[n][2]])
     out["unmasked text reference"] = refs[2]
     return out
 
@@ -98,6 +113,7 @@ def results(tmp_path_factory):
 def test_training_matches_one_process(results, name):
     (losses, params), (ref_losses, ref_params) = results[name]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    assert params.keys() == ref_params.keys()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for key, ref in ref_params.items():
         err = ((params[key] - ref).norm() / ref.norm()).item()

@@ -48,6 +48,8 @@ CASES = {
 DOCS = ["--training.document_masking=true"]
 CASES["documents_cp2_x_fsdp2"] = (TINY + "+documents", [
     P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], 2)
+CASES["documents_pp2_1F1B_x_cp2"] = (TINY + "+documents", [
+    P + "context_parallel_degree=2", *_pp("1F1B", 2)], 4)
 
 
 def _flavor(key: str) -> list[str]:

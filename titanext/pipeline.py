@@ -161,8 +161,10 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
     RoPE and needs the global positions of the tokens its rank holds (a slice of them under
     context parallelism; hidden states under sequence parallelism are shorter than the
     sequence, so a stage cannot derive them). Positions are the same for every micro-batch, so
-    they are attached once, as a forward pre-hook that adds ``kwarg=position_ids`` to each call.
-    The module's ``forward`` must accept that keyword.
+    they are attached once, as a forward pre-hook that adds ``kwarg=position_ids`` to each call
+    that does not pass that keyword itself (per-micro-batch positions, e.g. restarted at each
+    packed document, come through the schedule instead: :meth:`PipelineRunner.step`). The
+    module's ``forward`` must accept that keyword.
 
     >>> from titanext.models import build_model, get_model_args
     >>> m = build_model("llama3", get_model_args("llama3", "debugtiny"), device="cpu")
@@ -178,7 +180,7 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
         return
 
     def add_positions(module, args, kwargs):
-        return args, {**kwargs, kwarg: position_ids}
+        return args, {kwarg: position_ids, **kwargs}
 
     stage_module._titanext_positions_hook = stage_module.register_forward_pre_hook(
         add_positions, with_kwargs=True)
@@ -420,23 +422,30 @@ class PipelineRunner:
         context: a nested one would switch loss parallel off before the backward)."""
         return self._token_loss(output, target) * self._scale
 
-    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+    def step(self, batches: Sequence[tuple[torch.Tensor, ...]], *,
              loss_scale: float) -> torch.Tensor:
-        """One ``schedule.step`` per (inputs, labels) batch (gradient accumulation), with
-        every micro-batch's loss multiplied by ``loss_scale`` for the backward. Returns the
-        unscaled loss sum (float64) of this rank's data-parallel share, summed over the pp
-        ranks and counted once; sum it over the data-parallel ranks yourself. One call per
-        optimizer step: under DualPipe the last batch's schedule step also sums the mirrored
-        copies' gradients (overlapped with its last chunks)."""
+        """One ``schedule.step`` per batch (gradient accumulation), with every micro-batch's
+        loss multiplied by ``loss_scale`` for the backward. A batch is (inputs, labels) or
+        (inputs, labels, position_ids, document_ids) as :func:`titanext.plugins.context_parallel.
+        prepare_batch` returns it: [batch, seq] document ids and their positions are split into
+        micro-batches with the inputs and handed to *every* stage's forward (each stage's
+        attention masks its micro-batch's documents; RoPE restarts per document), for every
+        schedule. Returns the unscaled loss sum (float64) of this rank's data-parallel share,
+        summed over the pp ranks and counted once; sum it over the data-parallel ranks
+        yourself. One call per optimizer step: under DualPipe the last batch's schedule step
+        also sums the mirrored copies' gradients (overlapped with its last chunks)."""
         self._scale = loss_scale
         self._loss_sum.zero_()
         first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
-        for i, (inputs, labels) in enumerate(batches):
+        for i, (inputs, labels, *extra) in enumerate(batches):
             if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
                 self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
             args = (inputs.to(self.device),) if first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            # torch splits step's keyword tensors along dim 0 like the inputs and passes
+            # micro-batch j's slice to every stage's forward of j (first or not)
+            kwargs.update(self.stage_kwargs(*extra))
             with self._loss_context():  # loss parallel: its backward runs inside step too
                 self.schedule.step(*args, **kwargs)
             for loss in losses:  # the schedule's record of what each micro-batch returned
@@ -450,6 +459,17 @@ class PipelineRunner:
         loss_sum = self._loss_sum.clone()
         dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage saw the loss
         return loss_sum / self._loss_copies
+
+    def stage_kwargs(self, position_ids: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The per-micro-batch keywords of every stage's forward: document ids and their
+        [batch, seq] positions (positions shared by all rows stay in the position hook)."""
+        out = {}
+        if document_ids is not None:
+            out["document_ids"] = document_ids.to(self.device)
+        if position_ids is not None and position_ids.dim() == 2:
+            out["position_ids"] = position_ids.to(self.device)
+        return out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip every stage's gradients by their global norm over the pp group; returns the

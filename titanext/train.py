@@ -185,8 +185,8 @@ class Trainer:
         dist.all_reduce(counts, group=loss_group)
         global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
         scale = dims.gradient_reduction_size / global_tokens
-        if self.pipeline is not None:  # the stages hold the positions already
-            loss_sum = self.pipeline.step([mb[:2] for mb in microbatches], loss_scale=scale)
+        if self.pipeline is not None:  # document ids and their positions reach every stage
+            loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
             grad_norm = self.pipeline.clip_grad_norm(max_norm)
         else:
             loss_sum = self._forward_backward(microbatches, scale)

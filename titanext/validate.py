@@ -67,12 +67,13 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Ten
 
 def pipeline_forward(parts: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int,
                      pp_group: dist.ProcessGroup, inputs: torch.Tensor,
-                     device: torch.device) -> torch.Tensor | None:
+                     device: torch.device, **stage_kwargs: torch.Tensor) -> torch.Tensor | None:
     """Run the stages forward only, in stage order; returns the last stage's output on the rank
     that holds it (the lowest pp rank holding it, when copies are mirrored), else None.
 
     Every pp rank of ``pp_group`` calls it with its own ``parts`` (holding ``stage_ids``); the
-    activation between two stages on different ranks travels by send/recv.
+    activation between two stages on different ranks travels by send/recv. ``stage_kwargs``
+    (e.g. ``document_ids`` and per-row ``position_ids``) go to every stage's forward.
     """
     pp_rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     held: list[list[int]] = [[] for _ in range(pp)]
@@ -88,7 +89,7 @@ def pipeline_forward(parts: Sequence[nn.Module], stage_ids: Sequence[int], num_s
             h = inputs
         elif owner[s - 1] != pp_rank:
             h = _recv(dist.get_global_rank(pp_group, owner[s - 1]), pp_group, device)
-        h = part_of[s](h)
+        h = part_of[s](h, **stage_kwargs)
         if s < num_stages - 1 and owner[s + 1] != pp_rank:
             out = h.full_tensor() if isinstance(h, DTensor) else h
             _send(out, dist.get_global_rank(pp_group, owner[s + 1]), pp_group)
@@ -155,9 +156,10 @@ class Validator:
             with tr._loss_context():
                 if runner is None:
                     logits = tr.train_module(inputs, positions, document_ids=docs)
-                else:  # the stages hold their positions already
+                else:  # positions shared by all rows are in the stages' position hook
                     logits = pipeline_forward(runner.parts, runner.stage_ids, runner.num_stages,
-                                              runner.pp_group, inputs, tr.device)
+                                              runner.pp_group, inputs, tr.device,
+                                              **runner.stage_kwargs(positions, docs))
                 if logits is not None:
                     loss = tr.compute_loss(logits, labels)
                     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss

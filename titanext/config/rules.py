@@ -265,18 +265,6 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
     return problems
 
 
-def _document_masking_problems(cfg: JobConfig) -> list[str]:
-    """Features that cannot honour [training] document_masking (one line each)."""
-    p = cfg.parallelism
-    problems = []
-    if p.pipeline_parallel_degree > 1:
-        problems.append(f"training.document_masking = true is not supported with "
-                        f"pipeline_parallel_degree = {p.pipeline_parallel_degree} yet: the stages "
-                        "would need each micro-batch's document ids; use pp = 1 (CP, TP and FSDP "
-                        "honour document masks) or document_masking = false")
-    return problems
-
-
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
@@ -496,8 +484,6 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
 
     if degrees_ok and ok("context_parallel_ulysses_degree", "context_parallel_comm"):
         problems += _ulysses_degree_problems(p)
-    if t.document_masking and degrees_ok and ok("training.document_masking"):
-        problems += _document_masking_problems(cfg)
     problems += _model_problems(cfg, skip, degrees_ok)
     if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
         problems += pipeline_config_problems(cfg)
