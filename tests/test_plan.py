@@ -136,7 +136,7 @@ def _measure_body(rank, world_size, overrides):
         apply_tensor_parallel(model, mesh, sequence_parallel=p.enable_sequence_parallel)
         loss_ctx = loss_parallel
     if p.context_parallel_degree > 1:
-        apply_context_parallel(model, group)
+        apply_context_parallel(model, group, comm=p.context_parallel_comm)
     apply_activation_checkpointing(model, mode=cfg.activation_checkpoint.mode)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len), generator=g)
@@ -162,6 +162,8 @@ CASES = {
     "full": (1, ["--activation_checkpoint.mode=full"]),
     "tp2_sp": (2, ["--parallelism.tensor_parallel_degree=2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree=2"]),
+    "cp2_ulysses": (2, ["--parallelism.context_parallel_degree=2",
+                        "--parallelism.context_parallel_comm=alltoall"]),
     # MoE blocks (debugmoe: 1 dense + 2 MoE blocks, 8 experts top-2, 1 shared, 4 groups)
     "moe_none": (1, ["--model.flavor=debugmoe", "--activation_checkpoint.mode=none"]),
     "moe_selective": (1, ["--model.flavor=debugmoe", "--activation_checkpoint.mode=selective"]),

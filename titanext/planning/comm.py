@@ -20,7 +20,7 @@ from titanext.planning.moe import all_to_all_bytes
 from titanext.planning.pipeline import RankStages
 from titanext.planning.roofline import MicrobatchTime
 
-__all__ = ["comm_time", "data_parallel_comm", "model_parallel_comm"]
+__all__ = ["comm_time", "context_parallel_comm", "data_parallel_comm", "model_parallel_comm"]
 
 
 def comm_time(c: dict, device: Device) -> float:
@@ -35,7 +35,6 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
     """(TP / CP / EP / PP rows, ``mt`` with their exposed time added, one p2p send's time)."""
     shape, moe, tp, cp, ep, pp, a, ac = (lo.shape, lo.shape.moe, lo.tp, lo.cp, lo.ep, lo.pp,
                                          lo.a, lo.ac)
-    p = lo.cfg.parallelism
     tokens, passes, sp = lo.tokens, lo.passes, lo.sp
     comm = []
     if tp > 1:
@@ -50,18 +49,9 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         one = comm_time({**c, "collectives": 1, "bytes": tp_bytes}, device)
         mt = dataclasses.replace(mt, f=mt.f + n_f * one, i=mt.i + n_i * one)
     if cp > 1:
-        kv = 2 * tokens * shape.kv_dim / tp  # K and V elements of this rank's slice
-        rounds = (cp - 1) * (2 if ac == "full" else 1)  # forward (+ its recompute)
-        ring = p.context_parallel_comm != "allgather"
-        c = {"parallelism": f"CP ({p.context_parallel_comm})",
-             "collectives": rank.layers * passes * ((rounds + 2 * (cp - 1)) if ring
-                                                   else (2 if ac == "full" else 1) + 1),
-             # K/V blocks forward; K/V again and their fp32 gradients backward
-             "bytes": rank.layers * passes * kv * (rounds * a + (cp - 1) * (a + 4)),
-             "level": lo.level(tp, cp), "overlap": "attention"}
-        comm.append(c)
-        hidden = mt.attention_f * (1 + 2.5 + (1 if ac == "full" else 0))
-        mt = dataclasses.replace(mt, i=mt.i + max(0.0, comm_time(c, device) / passes - hidden))
+        rows, exposed_f, exposed_i = context_parallel_comm(lo, rank, device, mt.attention_f)
+        comm += rows
+        mt = dataclasses.replace(mt, f=mt.f + exposed_f, i=mt.i + exposed_i)
     if ep > 1 and lo.n_moe(rank):
         # dispatch + combine forward, again backward (and in the recompute); one count exchange
         # per dispatch; on the critical path (the MoE waits for its tokens)
@@ -83,6 +73,65 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         comm.append(c)
         p2p = comm_time({**c, "collectives": 1, "bytes": send}, device)
     return comm, mt, p2p
+
+
+def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attention_f: float
+                          ) -> tuple[list[dict], float, float]:
+    """CP rows of one pp rank's step, and the time they add to a micro-batch's F and I.
+
+    With u Ulysses ranks and r = cp / u ring ranks (u = 1: ring; u = cp: Ulysses), per layer
+    and micro-batch, ``forwards`` = 2 with full AC (the recompute repeats the forward's), else 1:
+
+    - Ulysses: one all-to-all of q, k, v (kv heads replicated up to u when fewer) and one of the
+      output per forward, the same two (dout in, dq/dk/dv back) in backward; each moves
+      (u-1)/u of its buffer. It sits on the critical path (nothing computes meanwhile).
+    - ring (p2p): r-1 K/V blocks per forward; in backward r-1 K/V blocks again and r dK/dV
+      accumulators (fp32, or the input's dtype if wider: each travels behind its block and
+      goes home at the end), overlapped with the attention blocks. allgather: one all-gather
+      of K/V per forward, again in backward, and one reduce-scatter of dK/dV (bytes on the
+      wire: (r-1)/r of the gathered or scattered buffer). After Ulysses the ring's blocks hold
+      u times the tokens for 1/u of the heads.
+    - document masking adds one all-gather of the int64 document ids per forward and group.
+
+    Counted against the attention's own counter (``count_comm``) in tests/test_plan_cp.py.
+    """
+    shape, p, a, tp, cp, u = lo.shape, lo.cfg.parallelism, lo.a, lo.tp, lo.cp, lo.ulysses
+    r, tokens, passes = cp // u, lo.tokens, lo.passes
+    forwards = 2 if lo.ac == "full" else 1
+    head_dim = shape.dim // shape.n_heads
+    heads, kv_heads = shape.n_heads // tp, shape.kv_dim // head_dim // tp
+    sent_kv = max(kv_heads, u)  # replicated so that every Ulysses rank holds its q heads' kv
+    docs = lo.cfg.training.document_masking
+    calls = rank.layers * passes  # attention calls of this rank per step
+    rows, exposed_f, exposed_i = [], 0.0, 0.0
+    if u > 1:
+        frac = (u - 1) / u  # the all-to-all keeps 1/u of its buffer on the rank
+        fwd = a * frac * tokens * head_dim * (2 * heads + 2 * sent_kv)  # q, k, v in; out back
+        c = {"parallelism": f"CP Ulysses all-to-all (u = {u})",
+             "collectives": calls * (2 * forwards + 2 + (forwards if docs else 0)),
+             "bytes": calls * (fwd * (forwards + 1) + (forwards * 8 * tokens * (u - 1)
+                                                       if docs else 0)),
+             "level": lo.level(tp, u), "overlap": "none"}
+        rows.append(c)
+        one = comm_time({**c, "collectives": 2, "bytes": fwd}, device)  # one forward's pair
+        exposed_f, exposed_i = rank.layers * one, rank.layers * one * forwards
+    if r > 1:
+        kv = 2 * tokens * u * head_dim * sent_kv / u  # K and V elements of a ring block
+        rounds = (r - 1) * forwards
+        ring = p.context_parallel_comm != "allgather"
+        name = p.context_parallel_comm  # p2p or allgather (alltoall has no ring: r = 1)
+        grad = max(a, 4)  # the dK/dV accumulators' bytes per element
+        c = {"parallelism": f"CP ring {name} (r = {r})" if u > 1 else f"CP ({name})",
+             "collectives": calls * ((rounds + (r - 1) + r) if ring else forwards + 2)
+             + (calls * forwards if docs else 0),
+             # K/V blocks forward; K/V again and the dK/dV accumulators backward
+             "bytes": calls * (kv * (rounds * a + (r - 1) * a + (r if ring else r - 1) * grad)
+                               + (forwards * 8 * tokens * u * (r - 1) if docs else 0)),
+             "level": lo.level(tp * u, r), "overlap": "attention"}
+        rows.append(c)
+        hidden = attention_f * (1 + 2.5 + (1 if lo.ac == "full" else 0))
+        exposed_i += max(0.0, comm_time(c, device) / passes - hidden)
+    return rows, exposed_f, exposed_i
 
 
 def data_parallel_comm(lo: Layout, rank: RankStages, psi_dense: float,

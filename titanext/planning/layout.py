@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titanext.config import JobConfig, resolved_dp_shard
+from titanext.config import JobConfig, resolved_dp_shard, ulysses_degree
 from titanext.config.degrees import accumulation_steps, resolve_microbatches
 from titanext.planning.moe import with_ep
 from titanext.planning.pipeline import PipelineLayout, RankStages, pipeline_layout
@@ -68,6 +68,7 @@ class Layout:
     gathered_layer: float  # bytes of one gathered FSDP unit
     gathered_per_element: float
     gpus_per_node: int
+    ulysses: int = 1  # CP's Ulysses degree: cp = ulysses x ring (cp for "alltoall", 1 = ring)
 
     @property
     def dp(self) -> int:
@@ -148,6 +149,6 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
         zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
-        gpus_per_node=gpus_per_node)
+        gpus_per_node=gpus_per_node, ulysses=ulysses_degree(p) if cp > 1 else 1)
 
 

@@ -22,7 +22,9 @@ The GPT layer of Korthikanti et al. (the playbook's figure) is :func:`gpt_activa
 scores are never stored), the dropout masks and the GELU input, and adds SwiGLU's gate.
 Under TP the parts split by heads or FFN columns divide by tp, the norm parts only with SP,
 and the all-gathered matmul inputs (2 h) never; under CP every part divides by cp and ring
-attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h).
+attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h). Ulysses (u ranks) saves
+the head-sharded, whole-sequence q, k, v: as many bytes as the sequence shards, except that
+kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads).
 
 >>> zero_bytes_per_rank(1e9, 8, 3) / 1e9       # ZeRO-3: 16 Psi / N
 2.0
@@ -61,20 +63,26 @@ def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
 # -- activations ----------------------------------------------------------------------------------
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
-                                     sp: bool = True, cp: int = 1, moe: bool = False) -> float:
+                                     sp: bool = True, cp: int = 1, moe: bool = False,
+                                     ulysses: int = 1) -> float:
     """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
 
     ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
-    :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp)."""
+    :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp). ``ulysses``: CP's
+    Ulysses degree (1: ring)."""
     if moe:
-        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0)
+        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses)
                 + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
-    return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn)
+    return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn,
+                             ulysses=ulysses)
 
 
 def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
-                      ffn: int) -> float:
+                      ffn: int, ulysses: int = 1) -> float:
     h, hkv, f, n = shape.dim, shape.kv_dim, ffn, shape.n_heads
+    if cp > 1:  # Ulysses replicates kv heads up to u per TP rank (see the module doc)
+        kv_heads = hkv * n // h
+        hkv = hkv * max(1.0, ulysses * tp / kv_heads)
     if mode == "full":
         return a * h / (tp if sp else 1) / cp
     # q, k, v, out (ring: K/V unexpanded)
@@ -106,10 +114,12 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
     """
     shape, moe, tp, ep, a = lo.shape, lo.shape.moe, lo.tp, lo.ep, lo.a
     p = lo.cfg.parallelism
-    per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp)
+    per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
+                                                 ulysses=lo.ulysses)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
-                                                      cp=lo.cp, moe=True) if moe else 0.0)
+                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses)
+                     if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
     for r, rk in enumerate(lo.pipe.ranks):
