@@ -40,10 +40,13 @@ from titanext.schedules import (
     _SIMULATED,
     build_schedule,
     get_schedule_class,
+    num_stages_for,
+    resolved_stages_per_rank,
     schedule_problems,
     simulate,
     stage_ids_for_rank,
 )
+from titanext.schedules.simulator import replay
 
 PROFILES = {"F=I=W": dict(f=1.0, b=1.0, w=1.0, comm=0.0),
             "F=1 I=1 W=0.5 comm=0.03": dict(f=1.0, b=1.0, w=0.5, comm=0.03)}
@@ -83,16 +86,17 @@ REAL_VARIANTS = [("1F1B", "autograd"), ("ZBH1", "deferred"), ("ZBH1", "autograd"
 
 
 class _Timeline:
-    """(kind, start, end) of every F / I / W / B chunk method call of this rank's stages
-    (``time.perf_counter`` is CLOCK_MONOTONIC: one clock for all local processes)."""
+    """(kind, start, end, stage, micro-batch) of every F / I / W / B chunk method call of this
+    rank's stages (``time.perf_counter`` is CLOCK_MONOTONIC: one clock for all local
+    processes)."""
 
     def __init__(self, stages):
-        self.events: list[tuple[str, float, float]] = []
+        self.events: list[tuple[str, float, float, int, int]] = []
         for st in stages:
             for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(st, meth, self._wrap(getattr(st, meth), meth))
+                setattr(st, meth, self._wrap(getattr(st, meth), meth, st.stage_index))
 
-    def _wrap(self, fn, meth):
+    def _wrap(self, fn, meth, stage):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
@@ -102,9 +106,37 @@ class _Timeline:
                 kind = "W"
             else:
                 kind = "B" if kwargs.get("full_backward", True) else "I"
-            self.events.append((kind, t0, time.perf_counter()))
+            self.events.append((kind, t0, time.perf_counter(), stage, args[0]))
             return out
         return timed
+
+
+#: (kind, start, end) of this process's P2P calls: "post" (issuing sends / receives) and
+#: "wait" (waiting for them), in torch's runtime and in ours
+_P2P: list[tuple[str, float, float]] = []
+
+
+def _time_p2p() -> None:
+    """Wrap the runtimes' P2P helpers once per process to record into ``_P2P``."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from titanext.schedules import _torch_ir
+
+    def wrap(kind, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _P2P.append((kind, t0, time.perf_counter()))
+        timed.wrapped = True
+        return timed
+
+    for module, post, wait in ((torch_schedules, "_batch_p2p", "_wait_batch_p2p"),
+                               (_torch_ir, "_issue", "_wait")):
+        if not getattr(getattr(module, post), "wrapped", False):
+            setattr(module, post, wrap("post", getattr(module, post)))
+            setattr(module, wait, wrap("wait", getattr(module, wait)))
 
 
 class _ActivationMemory:
@@ -183,7 +215,7 @@ def _build(name, split, rank, world, microbatches, dim, costs=None):
         WeightGradQueue,
         defer_weight_grads,
     )
-    from titanext.schedules import auto_schedule_class, num_stages_for
+    from titanext.schedules import auto_schedule_class
 
     cls = get_schedule_class(name)
     per_rank = cls.stages_per_rank or 1
@@ -227,17 +259,54 @@ def _one_step(b, x, y) -> dict:
     """This rank's step: start/end, its chunk events; gathered over ranks."""
     b["timeline"].events.clear()
     dist.barrier()
+    _P2P.clear()
     t0 = time.perf_counter()
     _run_step(b, x, y)
-    mine = {"start": t0, "end": time.perf_counter(), "events": list(b["timeline"].events)}
+    mine = {"start": t0, "end": time.perf_counter(), "events": list(b["timeline"].events),
+            "p2p": list(_P2P)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
 
 
+def _hops(ranks: list[dict]) -> list[float]:
+    """Cross-rank hop times: for every chunk whose input comes from another rank (F from the
+    previous stage's F, I / B from the next stage's I / B) and whose rank sat idle when that
+    input's chunk ended, the time from that end to this chunk's start: sending, receiving and
+    waking up, what the simulator's ``comm`` stands for."""
+    where = {}
+    for q, r in enumerate(ranks):
+        for e in r["events"]:
+            where[(e[0] if e[0] != "B" else "I", e[3], e[4])] = (q, e)
+    out = []
+    for q, r in enumerate(ranks):
+        ends = sorted(e[2] for e in r["events"])
+        for e in r["events"]:
+            dep = (("F", e[3] - 1, e[4]) if e[0] == "F" else
+                   ("I", e[3] + 1, e[4]) if e[0] in "IB" else None)
+            if dep not in where or where[dep][0] == q:
+                continue
+            sent = where[dep][1][2]
+            before = [t for t in ends if t <= e[1]]
+            if sent < e[1] and (not before or before[-1] <= sent):  # idle until it arrived
+                out.append(e[1] - sent)
+    return out
+
+
+def _idle(r: dict, first: float, last: float) -> dict[str, float]:
+    """A rank's non-busy time inside [first, last]: waiting for P2P, issuing P2P, the rest."""
+    def inside(kind):
+        return sum(max(0.0, min(e[2], last) - max(e[1], first)) for e in r["p2p"] if e[0] == kind)
+
+    busy = sum(e[2] - e[1] for e in r["events"])
+    wait, post = inside("wait"), inside("post")
+    return {"wait": wait, "post": post, "rest": last - first - busy - wait - post}
+
+
 def _summary(ranks: list[dict]) -> dict:
     """Step (first start to last end over ranks), makespan of the chunk events (first event to
-    last event over ranks: the simulator's makespan), mean busy, time per kind per call."""
+    last event over ranks: the simulator's makespan), mean busy, time per kind per call, the
+    idle time split (mean over ranks) and the cross-rank hop times."""
     first = min(e[1] for r in ranks for e in r["events"])
     last = max(e[2] for r in ranks for e in r["events"])
     busy = [sum(e[2] - e[1] for e in r["events"]) for r in ranks]
@@ -245,8 +314,11 @@ def _summary(ranks: list[dict]) -> dict:
     for k in "FIWB":
         per_rank = [[e[2] - e[1] for e in r["events"] if e[0] == k] for r in ranks]
         kinds[k] = [sum(t) / len(t) if t else 0.0 for t in per_rank]
+    idle = [_idle(r, first, last) for r in ranks]
     return {"step": max(r["end"] for r in ranks) - min(r["start"] for r in ranks),
-            "makespan": last - first, "busy": sum(busy) / len(busy), "kinds": kinds}
+            "makespan": last - first, "busy": sum(busy) / len(busy), "kinds": kinds,
+            "idle": {k: sum(i[k] for i in idle) / len(idle) for k in idle[0]},
+            "hops": _hops(ranks)}
 
 
 def _time_schedules(rank, world, variants, microbatches, dim, rows, steps):
@@ -254,6 +326,7 @@ def _time_schedules(rank, world, variants, microbatches, dim, rows, steps):
     The variants take turns step by step (round robin), so a burst of load from elsewhere hits
     all of them alike. Auto is generated for the F, I, W (deferred) of three warm-up steps."""
     torch.set_num_threads(1)  # one core per rank
+    _time_p2p()
     x = torch.randn(microbatches * rows, dim)
     y = torch.randn(microbatches * rows, dim)
     probe = ("ZBH1", "deferred")
@@ -280,7 +353,34 @@ def _time_schedules(rank, world, variants, microbatches, dim, rows, steps):
         peaks = [None] * world
         dist.all_gather_object(peaks, tracker.peak)
         memory[v] = peaks
-    return {"results": results, "memory": memory, "auto_costs": costs}
+    orders = {v: _compute_order(built[v]["schedule"]) for v in variants}
+    return {"results": results, "memory": memory, "auto_costs": costs, "orders": orders}
+
+
+def _compute_order(schedule) -> dict[int, list] | None:
+    """The per-rank compute lists a multi-stage schedule ran (None: torch's single-stage
+    schedules, which build none; the simulator generates the same order for them)."""
+    from titanext.schedules._torch_ir import is_single_stage
+
+    order = getattr(schedule, "pipeline_order", None)
+    if not order or is_single_stage(type(schedule)):
+        return None
+    return {r: [a for a in acts if a is not None] for r, acts in order.items()}
+
+
+def _simulated(name, order, microbatches, costs, comm):
+    """Bubble (1 - mean busy / makespan, as measured) and peak memory of the executed lists."""
+    if order is None:
+        sim = simulate(name, pp=2, microbatches=microbatches, comm=comm, **costs)
+    else:
+        cls = get_schedule_class(name)
+        spr = resolved_stages_per_rank(cls)
+        share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
+        sim = replay(order, num_stages=num_stages_for(cls.placement, 2, spr), stage_size=share,
+                     comm=comm, **{k: v * share for k, v in costs.items()})
+    ranks = sorted({e.rank for e in sim.events})
+    busy = [sum(e.end - e.start for e in sim.events if e.rank == q) for q in ranks]
+    return 1 - sum(busy) / len(busy) / sim.makespan, max(sim.peak_memory)
 
 
 def _med(xs):
@@ -296,8 +396,12 @@ def real_table(steps: int, dim: int, rows: int, variants=REAL_VARIANTS, microbat
     makespan running from the first chunk to the last over all ranks (busy: inside the stage's
     F, I, W, B chunk methods). "outside" is the rest of the step (before the first chunk and
     after the last: loss exchange, DualPipe's mirrored-gradient sum, the last sends). The
-    simulated bubble replays each schedule with the F, I, W (max over ranks, median over
-    steps) measured under the same split (comm = 0).
+    simulated bubble replays the lists each schedule ran with the F, I, W (max over ranks,
+    median over steps) measured under the same split, at comm = 0 and at the measured hop
+    ("hop": median over the run's cross-rank dependencies that a rank sat waiting for, from
+    the sending chunk's end to the receiving chunk's start). "idle" splits the rest of the
+    makespan (mean over ranks): waiting in P2P calls / issuing P2P calls / everything else
+    (loss, Python between chunks).
     """
     variants = [v for v in variants if not schedule_problems(v[0], pp=2, microbatches=microbatches)]
     assert variants[0] == ("1F1B", "autograd"), "1F1B is the baseline"
@@ -307,7 +411,7 @@ def real_table(steps: int, dim: int, rows: int, variants=REAL_VARIANTS, microbat
                           timeout_s=1800)[0]
     info = {"load_before": load_before, "load_after": os.getloadavg(),
             "seconds": time.time() - t0, "variants": {}}
-    summaries, memory = res["results"], res["memory"]
+    summaries, memory, orders = res["results"], res["memory"], res["orders"]
 
     def kind_cost(v, k):  # per call, max over ranks, median over steps
         return _med([max(s["kinds"][k]) for s in summaries[v]])
@@ -332,22 +436,25 @@ def real_table(steps: int, dim: int, rows: int, variants=REAL_VARIANTS, microbat
         step, makespan = _med([s["step"] for s in ss]), _med([s["makespan"] for s in ss])
         bubble = _med([1 - s["busy"] / s["makespan"] for s in ss])
         c = costs.get(split) or costs["deferred"]
-        sim = simulate(name, pp=2, microbatches=microbatches, **c)
-        ranks = sorted({e.rank for e in sim.events})
-        sim_busy = [sum(e.end - e.start for e in sim.events if e.rank == q) for q in ranks]
-        sim_bubble = 1 - sum(sim_busy) / len(sim_busy) / sim.makespan
-        sim_peak = max(sim.peak_memory)
+        hops = [h for s in ss for h in s["hops"]]
+        hop = _med(hops) if hops else 0.0
+        sim_bubble, sim_peak = _simulated(name, orders[v], microbatches, c, 0.0)
+        sim_comm = _simulated(name, orders[v], microbatches, c, hop)[0]
+        idle = {k: _med([s["idle"][k] for s in ss]) * 1e3 for k in ("wait", "post", "rest")}
         if sim_base is None:
             sim_base = sim_peak
         label = name if split == "deferred" or name == "1F1B" else f"{name} ({split} split)"
         rows_out.append({
             "schedule": label, "step (s)": f"{step:.3f}", "vs 1F1B": f"{step / base_step:.2f}x",
             "bubble": f"{bubble:.3f}", "simulated": f"{sim_bubble:.3f}",
+            "hop (ms)": f"{hop * 1e3:.1f}", "sim. at hop": f"{sim_comm:.3f}",
+            "idle: wait/p2p/rest (ms)": "/".join(f"{idle[k]:.0f}" for k in idle),
             "outside (ms)": f"{(step - makespan) * 1e3:.0f}",
             "peak act. (MB)": f"{max(memory[v]) / 2**20:.1f}",
             "vs 1F1B ": f"{max(memory[v]) / base_mem:.2f}x",
             "simulated peak": f"{sim_peak:g} ({sim_peak / sim_base:.2f}x)"})
-        info["variants"][label] = {"step": step, "bubble": bubble, "simulated": sim_bubble}
+        info["variants"][label] = {"step": step, "bubble": bubble, "simulated": sim_bubble,
+                                   "simulated_at_hop": sim_comm, "hop": hop, "idle": idle}
     return rows_out, info
 
 
