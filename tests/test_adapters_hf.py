@@ -81,21 +81,31 @@ def _fsdp_tp_body(rank, world_size):
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh["dp"].get_group())
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-    return (total / count).item(), grads
+    # The same 4 ranks as CP through the HF hook: hybrid 2 x 2 (Ulysses inside pairs, ring
+    # across them), and Ulysses over all 4 (the model's 2 kv heads replicated to 4 ranks).
+    cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    return [((total / count).item(), grads), _cp_run(cp, "zigzag", "p2p"),
+            _cp_run(dist.group.WORLD, "zigzag", "alltoall")]
 
 
 def _cp_body(rank, world_size, layout, comm):
+    return _cp_run(dist.group.WORLD, layout, comm)
+
+
+def _cp_run(cp, layout, comm):
+    """Loss and full gradients with CP attention through the HF hook over ``cp`` (a group,
+    or a 2D (ring, Ulysses) mesh: hybrid)."""
     from titanext.adapters.hf_transformers import apply_hf_context_parallel, hf_shard_batch
     from titanext.plugins.context_parallel import shard_batch
 
     model = _model()
-    apply_hf_context_parallel(model, dist.group.WORLD, layout=layout, comm=comm)
+    apply_hf_context_parallel(model, cp, layout=layout, comm=comm)
     tokens, labels = _batch()
     count = (labels != IGNORE).sum()
     if layout == "zigzag":  # the model's recorded layout
         tokens, labels, position_ids = hf_shard_batch(model, tokens, labels)
     else:
-        tokens, labels, positions = shard_batch(tokens, labels, dist.group.WORLD, layout=layout)
+        tokens, labels, positions = shard_batch(tokens, labels, cp, layout=layout)
         position_ids = positions[None]
     loss = _loss_sum(model, tokens, labels, position_ids)
     loss.backward()
@@ -112,13 +122,14 @@ def reference():
     return _reference()
 
 
-def test_fsdp2_x_tp2_on_hf_llama_matches_the_plain_model(reference):
+def test_fsdp2_x_tp2_hybrid_and_ulysses4_on_hf_llama_match_the_plain_model(reference):
     ref_loss, ref_grads = reference
-    for loss, grads in run_distributed(_fsdp_tp_body, 4, timeout_s=60):
-        assert abs(loss - ref_loss) < 1e-5 * ref_loss
-        errs = _rel_errors(grads, ref_grads)
-        worst = max(errs, key=errs.get)
-        assert errs[worst] < 1e-5, f"{worst}: {errs[worst]:.2e}"
+    for runs in run_distributed(_fsdp_tp_body, 4, timeout_s=60):
+        for label, (loss, grads) in zip(("fsdp2 x tp2", "hybrid 2x2", "Ulysses 4"), runs):
+            assert abs(loss - ref_loss) < 1e-5 * ref_loss, label
+            errs = _rel_errors(grads, ref_grads)
+            worst = max(errs, key=errs.get)
+            assert errs[worst] < 1e-5, f"{label}: {worst}: {errs[worst]:.2e}"
 
 
 @pytest.mark.parametrize("layout,comm", [("zigzag", "p2p"), ("contiguous", "allgather")])

@@ -890,6 +890,13 @@ ULYSSES_BAD = [
     (6, ["--parallelism.context_parallel_degree=3", "--parallelism.context_parallel_comm=alltoall"],
      "parallelism.context_parallel_comm = 'alltoall' (Ulysses over context_parallel_degree = 3) "
      "must divide the model's n_kv_heads = 4 (llama3 debugtiny) or be a multiple of it"),
+    (4, ["--parallelism.context_parallel_degree=4", "--parallelism.context_parallel_comm=alltoall",
+         "--training.seq_len=90"],
+     "training.seq_len = 90 must be divisible by 2 x context_parallel_degree(4) = 8"),
+    (4, ["--parallelism.context_parallel_degree=4",
+         "--parallelism.context_parallel_ulysses_degree=2",
+         "--parallelism.context_parallel_load_balance=contiguous", "--training.seq_len=90"],
+     "training.seq_len = 90 must be divisible by context_parallel_degree(4) = 4"),
 ]
 
 

@@ -36,6 +36,10 @@ CASES = {
                        P + "context_parallel_ulysses_degree=2"], False),
     "docs_hybrid_2x2": (4, [T + "local_batch_size=4", P + "context_parallel_degree=4",
                             P + "context_parallel_ulysses_degree=2"], True),
+    # TP (sequence parallel): the masks and document positions stay whole per CP rank
+    "docs_tp2_sp": (2, [T + "local_batch_size=4", P + "tensor_parallel_degree=2"], True),
+    "docs_cp2_x_tp2": (4, [T + "local_batch_size=4", P + "context_parallel_degree=2",
+                           P + "tensor_parallel_degree=2"], True),
     # Pipeline: each micro-batch's document ids and restarted positions reach every stage
     # (torch splits step's keyword tensors per micro-batch); ZBH1 with deferred weight
     # gradients, and DualPipe (two mirrored copies, micro-batches entering at both ends) x CP.
