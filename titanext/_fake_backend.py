@@ -70,4 +70,10 @@ def mem_tracker():
                 del self.memory_tracking[module]
             return super()._pre_fw_hook(module, inputs)
 
+        def _update_peak_stats(self, peak_state):  # the step's peak only: O(1) per op, not
+            for dev, snap in self._curr_mem_snap.items():  # O(tracked modules)
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
     return StepTracker()
