@@ -24,6 +24,7 @@ all-to-all (what the call moves through this rank's buffers, not wire bytes of a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -43,7 +44,8 @@ from titanext._fake_backend import (
 from titanext.config import JobConfig
 from titanext.config.rules import fake_world_size
 
-__all__ = ["CommBytes", "DryRunResult", "dry_run", "host_float", "planner_peak_bytes"]
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
+           "measure_real", "planner_peak_bytes"]
 
 GiB, GB = 2**30, 1e9
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -100,23 +102,42 @@ def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int) -> float:
     return float(sum(plan.memory_per_pp_rank[pp_rank].values()))
 
 
-def measure(cfg: JobConfig) -> DryRunResult:
-    """Build the trainer on the fake backend and measure one training step."""
-    from titanext.train import Trainer
+def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
+    """The config a dry run steps (and :func:`measure_real` compares with): the target cluster's.
 
-    world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
-    start = time.time()
+    ``mixed_precision_param = "auto"`` becomes ``"bfloat16"``, what a CUDA run uses (the dry run
+    itself runs on the CPU device, where "auto" would mean float32); ``torch.compile`` is off
+    (dynamo does not trace under an outer fake mode). Returns the config and a note per change.
+    """
     notes = []
-    if cfg.compile.enable:  # dynamo does not trace under an outer fake mode: eager memory
+    if cfg.training.mixed_precision_param == "auto" or cfg.compile.enable:
         cfg = copy.deepcopy(cfg)
+    if cfg.training.mixed_precision_param == "auto":
+        cfg.training.mixed_precision_param = "bfloat16"
+        notes.append('mixed_precision_param = "auto" is bfloat16 here, as on a CUDA cluster')
+    if cfg.compile.enable:
         cfg.compile.enable = False
         notes.append("torch.compile is off in a dry run: eager activations (an upper bound)")
-    if not dist.is_initialized():
-        init_fake_process_group(rank, world_size)
-    mode = fake_tensor_mode()
-    with mode:
-        trainer = Trainer(cfg)
-    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    return cfg, notes
+
+
+def _create_optimizer_state(trainer) -> None:
+    """An optimizer step on zero gradients, so that the measured step is a steady-state one:
+    its peak holds the optimizer state next to the gradients and activations (a first step
+    creates the state only at its end)."""
+    for part in trainer.model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes]:
+    """One train step of ``trainer`` under MemTracker and the byte counter (inside ``mode``, a
+    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm)."""
+    with mode:  # the optimizer state exists in every step but the first: create it
+        _create_optimizer_state(trainer)
     tracker = mem_tracker()
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     with mode, tracker, CommBytes() as comm:
@@ -124,6 +145,43 @@ def measure(cfg: JobConfig) -> DryRunResult:
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
     peak = memory.pop("Total", sum(memory.values()))
+    return memory, peak, comm
+
+
+def measure(cfg: JobConfig) -> DryRunResult:
+    """Build the trainer on the fake backend and measure one training step."""
+    from titanext.train import Trainer
+
+    world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
+    start = time.time()
+    cfg, notes = dry_run_config(cfg)
+    if not dist.is_initialized():
+        init_fake_process_group(rank, world_size)
+    mode = fake_tensor_mode()
+    with mode:
+        trainer = Trainer(cfg)
+    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    memory, peak, comm = _measure_step(trainer, batches, mode)
+    result = DryRunResult(rank, world_size, memory, peak,
+                          planner_peak_bytes(cfg, world_size, rank), dict(comm.bytes),
+                          dict(comm.calls), time.time() - start)
+    result.notes = notes
+    return result
+
+
+def measure_real(cfg: JobConfig) -> DryRunResult:
+    """The same measurement on a real run: call on every rank of an initialised process group
+    (gloo on CPU). Builds the trainer with real tensors from :func:`dry_run_config`'s config
+    (the dry run's dtype) and measures one training step with the same tracker; this is what a
+    dry run's figures are checked against (tests/test_dry_run.py)."""
+    from titanext.train import Trainer
+
+    start = time.time()
+    cfg, notes = dry_run_config(cfg)
+    trainer = Trainer(cfg)
+    memory, peak, comm = _measure_step(trainer, trainer.next_microbatches(),
+                                       contextlib.nullcontext())
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     result = DryRunResult(rank, world_size, memory, peak,
                           planner_peak_bytes(cfg, world_size, rank), dict(comm.bytes),
                           dict(comm.calls), time.time() - start)

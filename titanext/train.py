@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from titanext._fake_backend import real_tensors
 from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
 from titanext.errors import TrainingDiverged
 from titanext.faults import exit_process, inject_test_fault, report_once, run_guarded
@@ -131,8 +132,10 @@ class Trainer:
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
-        self.dataloader = dataloader_from_config(t, self.tokenizer, dims.dp_mesh.get_local_rank(),
-                                                 dims.dp, document_masking=t.document_masking)
+        with real_tensors():  # a dry run's data are real tokens (they turn fake in the step)
+            self.dataloader = dataloader_from_config(
+                t, self.tokenizer, dims.dp_mesh.get_local_rank(), dims.dp,
+                document_masking=t.document_masking)
         self.validator = Validator(self)  # [validation]: held-out loss every freq steps
         self.checkpointer = CheckpointManager(
             folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
