@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["TorchDispatchMode", "fake_tensor_mode", "host_float", "init_fake_process_group",
-           "is_fake", "mem_tracker", "real_tensors", "tree_leaves"]
+           "is_fake", "mem_tracker", "real_tensors", "to_empty", "tree_leaves"]
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -43,6 +43,32 @@ def real_tensors() -> contextlib.AbstractContextManager:
     """Host-side setup (mesh ranks) on real tensors while a fake mode is active; a no-op
     otherwise."""
     return unset_fake_temporarily()
+
+
+def to_empty(module: torch.nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)``; under a dry run's fake mode a model without DTensor
+    parameters gets new fake parameters and buffers instead (torch cannot swap a parameter the
+    fake-tensor converter holds a weak reference to; FSDP's and TP's DTensors swap fine)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(torch._guards.active_fake_mode(), FakeTensorMode) or any(
+            isinstance(p, DTensor) for p in module.parameters()):
+        module.to_empty(device=device)
+        return
+    new: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
+    for m in module.modules():
+        for store, make in ((m._parameters, _new_param), (m._buffers, _new_buffer)):
+            for name, t in store.items():
+                if t is not None:
+                    store[name] = new.setdefault(id(t), make(t, device))
+
+
+def _new_param(p: torch.Tensor, device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+
+
+def _new_buffer(b: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty_like(b, device=device)
 
 
 def host_float(t: torch.Tensor | float, fake_value: float = math.nan) -> float:
@@ -75,5 +101,14 @@ def mem_tracker():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        @contextlib.contextmanager
+        def module_hooks_paused(self):
+            """No per-module tracking inside (tensors are still counted)."""
+            self._mod_tracker.__exit__(None, None, None)
+            try:
+                yield
+            finally:
+                self._mod_tracker.__enter__()
 
     return StepTracker()

@@ -43,6 +43,7 @@ from titanext._fake_backend import (
 )
 from titanext.config import JobConfig
 from titanext.config.rules import fake_world_size
+from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
 
 __all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
            "measure_real", "planner_peak_bytes"]
@@ -121,6 +122,23 @@ def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
     return cfg, notes
 
 
+def stage_activation(trainer) -> torch.Tensor:
+    """An empty tensor like the activation between two pipeline stages of the trainer's
+    decoder: ``[micro-batch, sequence / cp (/ tp under SP), dim]``, in the compute dtype (FSDP's
+    param dtype, else float32), requiring grad."""
+    from titanext.parallelize import mixed_precision_dtype
+    from titanext.schedules._torch_ir import microbatch_count
+
+    cfg, dims = trainer.cfg, trainer.dims
+    t, p = cfg.training, cfg.parallelism
+    mb = t.local_batch_size // microbatch_count(trainer.pipeline.schedule)
+    seq = t.seq_len // dims.cp // (dims.tp if dims.tp_enabled and p.enable_sequence_parallel else 1)
+    fsdp = dims.fsdp_enabled or dims.dp_replicate > 1
+    dtype = mixed_precision_dtype(t.mixed_precision_param, "cuda") if fsdp else torch.float32
+    return torch.empty(mb, seq, trainer.model_args.dim, dtype=dtype, device=trainer.device,
+                       requires_grad=True)
+
+
 def _create_optimizer_state(trainer) -> None:
     """An optimizer step on zero gradients, so that the measured step is a steady-state one:
     its peak holds the optimizer state next to the gradients and activations (a first step
@@ -140,6 +158,8 @@ def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommByte
         _create_optimizer_state(trainer)
     tracker = mem_tracker()
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    if trainer.pipeline is not None:  # torch's first-step shape inference, untracked by module
+        around_stage_init(trainer.pipeline.schedule, tracker.module_hooks_paused)
     with mode, tracker, CommBytes() as comm:
         trainer.train_step(batches)
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
@@ -160,6 +180,9 @@ def measure(cfg: JobConfig) -> DryRunResult:
     mode = fake_tensor_mode()
     with mode:
         trainer = Trainer(cfg)
+    if trainer.pipeline is not None:
+        with mode:
+            loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))
     batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
     memory, peak, comm = _measure_step(trainer, batches, mode)
     result = DryRunResult(rank, world_size, memory, peak,

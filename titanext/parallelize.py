@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from titanext._fake_backend import real_tensors, to_empty
 from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
 from titanext.parallel_dims import ParallelDims
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
@@ -138,44 +139,45 @@ def parallelize(
     t = training or Training()
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
     blocks = list(blocks) if blocks is not None else None
-    if dims.tp_enabled:
-        apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
-                              sequence_parallel=p.enable_sequence_parallel,
-                              float8=bool(float8 and float8.enable),
-                              loss_parallel=loss_parallel_enabled(dims, p))
-    experts: list[nn.Module] = []
-    if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
-        experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
-    if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
-        apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
-                               comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
-    apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
-                                   save_ops=ac.selective_op_save_list, blocks=blocks)
-    if comp.enable and "model" in comp.components:
-        # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
-        # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
-        # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
-        apply_compile(model, backend=comp.backend, fullgraph=not (experts or dims.cp_enabled),
-                      blocks=blocks)
-    zero1 = zero1_enabled(dims, p)
-    if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
-        apply_fsdp(
-            model,
-            dims.fsdp_mesh,
-            param_dtype=mixed_precision_dtype(t.mixed_precision_param, device),
-            reduce_dtype=mixed_precision_dtype(t.mixed_precision_reduce, device),
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            zero_stage=max(p.zero_stage, 2),
-            pp_enabled=dims.pp_enabled,
-            blocks=blocks,
-            # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
-            # gradients are summed over fewer ranks, so divide by the dense reduction size.
-            expert_units=experts,
-            expert_mesh=dims.expert_fsdp_mesh if experts else None,
-            expert_gradient_divide_factor=dims.gradient_reduction_size,
-        )
+    with real_tensors():  # sharding a meta model is host work, also in a dry run's fake mode
+        if dims.tp_enabled:
+            apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
+                                  sequence_parallel=p.enable_sequence_parallel,
+                                  float8=bool(float8 and float8.enable),
+                                  loss_parallel=loss_parallel_enabled(dims, p))
+        experts: list[nn.Module] = []
+        if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
+            experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
+        if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
+            apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
+                                   comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
+        apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
+                                       save_ops=ac.selective_op_save_list, blocks=blocks)
+        if comp.enable and "model" in comp.components:
+            # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
+            # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
+            # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
+            apply_compile(model, backend=comp.backend, fullgraph=not (experts or dims.cp_enabled),
+                          blocks=blocks)
+        zero1 = zero1_enabled(dims, p)
+        if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
+            apply_fsdp(
+                model,
+                dims.fsdp_mesh,
+                param_dtype=mixed_precision_dtype(t.mixed_precision_param, device),
+                reduce_dtype=mixed_precision_dtype(t.mixed_precision_reduce, device),
+                reshard_after_forward=p.fsdp_reshard_after_forward,
+                zero_stage=max(p.zero_stage, 2),
+                pp_enabled=dims.pp_enabled,
+                blocks=blocks,
+                # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
+                # gradients are summed over fewer ranks, so divide by the dense reduction size.
+                expert_units=experts,
+                expert_mesh=dims.expert_fsdp_mesh if experts else None,
+                expert_gradient_divide_factor=dims.gradient_reduction_size,
+            )
     if init_weights is not None:
-        model.to_empty(device=device)
+        to_empty(model, device)  # (a dry run: fake parameters)
         init_weights(model)
     if not zero1:
         return model

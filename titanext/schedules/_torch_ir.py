@@ -296,3 +296,49 @@ def torch_pipeline_order(cls: type, pp: int, microbatches: int, stages_per_rank:
               for i in range(stages_per_rank)]
     order = cls(stages, microbatches, loss_fn=lambda out, target: out).pipeline_order
     return {r: [a for a in acts if a is not None] for r, acts in order.items()}
+
+
+def loopback_stage_metadata(schedule, hidden: torch.Tensor) -> None:
+    """Dry run (torch's fake process group): answer a schedule's start-up exchanges locally.
+
+    On its first step torch 2.13 votes over the pp ranks whether shapes must be inferred
+    (``.item()`` on a received tensor) and then sends each stage's output metadata to the next
+    stage (and gradient metadata back). A fake process group delivers nothing, so here every
+    stage infers its shapes (DYNAMIC) and receives ``hidden``'s metadata, the activation that
+    flows between any two stages of a decoder (``[micro-batch, local sequence, dim]``, its
+    dtype, requires_grad), and its gradient's; sends do nothing. Raises RuntimeError on a torch
+    without this start-up protocol (the dry run then cannot run pipelines)."""
+    from torch.distributed.pipelining import _utils as u
+
+    names = ("InferenceMode", "_StageForwardMeta", "_StageBackwardMeta", "_derive_grad_metas",
+             "extract_tensor_metas")
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    if not all(hasattr(u, n) for n in names) or not hasattr(schedule, "_warmup_p2p") \
+            or not all(hasattr(s, "_recv_meta") for s in stages):
+        raise RuntimeError("this torch's pipelining has no _warmup_p2p / _recv_meta start-up "
+                           "protocol (torch 2.13 has): a dry run cannot run pipeline stages")
+    fwd = u._StageForwardMeta(forward_metas=u.extract_tensor_metas((hidden,)))
+    bwd = u._StageBackwardMeta(backward_metas=u._derive_grad_metas(fwd.forward_metas))
+
+    def warmup(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = u.InferenceMode.DYNAMIC
+
+    schedule._warmup_p2p = warmup
+    for stage in stages:
+        stage._recv_meta = lambda src, stage=stage: fwd if src < stage.stage_index else bwd
+        stage._send_meta = lambda meta, dst: None
+
+
+def around_stage_init(schedule, context: Callable) -> None:
+    """Run a schedule's one-off stage start-up (shape inference on its first step) inside
+    ``context()``: the dry run's memory tracker pauses its module hooks there (they break the
+    ``autograd.grad`` of torch's backward shape inference)."""
+    name = "_initialize_stages" if hasattr(schedule, "_initialize_stages") else "_initialize_stage"
+    init = getattr(schedule, name)
+
+    def wrapped(*args, **kwargs):
+        with context():
+            return init(*args, **kwargs)
+
+    setattr(schedule, name, wrapped)
