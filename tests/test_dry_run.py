@@ -62,3 +62,59 @@ def test_fake_world_rules():
     assert e.value.problems == ["comm.fake_rank = 4 must be below the dry run's world size 4"]
     with pytest.raises(ConfigError) as e:  # real mode keeps the launcher's world size
         load_config(None, ["--parallelism.tensor_parallel_degree=2"], world_size=1)
+
+
+# -- truth both ways: dry run against a real gloo run, planner against the dry run --------------
+
+TRUTH_CASES = {  # 4 ranks each; every case runs for real and as a dry run in ONE spawn
+    "fsdp": ("debug_model.toml", []),
+    "tp": ("debug_model.toml", ["--parallelism.tensor_parallel_degree=2"]),
+    "cp": ("debug_model.toml", ["--parallelism.context_parallel_degree=2"]),
+    "pp": ("debug_pp.toml", []),
+    "ep": ("debug_moe.toml", ["--parallelism.expert_parallel_degree=2"]),
+}
+DRY_RANKS = (0, 3)  # a dry run of every rank would only repeat these (pp: first and last)
+# The planner's 15% holds on these; on debug_moe (EP) it misses part of the routed
+# activations (open in docs/dry_run.md).
+PLANNER_CASES = ("fsdp", "tp", "cp", "pp")
+
+
+def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int, float]]:
+    """{case: (real peak, dry-run peak, planner)} on this rank (dry runs on DRY_RANKS only)."""
+    import torch.distributed as dist
+
+    from titanext._fake_backend import init_fake_process_group
+    from titanext.dry_run import measure, measure_real
+
+    base = ["--training.dataset=synthetic", "--metrics.enable_tensorboard=false",
+            "--checkpoint.enable=false", f"--job.dump_folder={folder}/{rank}"]
+    real = {name: measure_real(load_config(str(ROOT / "train_configs" / config),
+                                           [*base, *args], world_size=world_size)).peak
+            for name, (config, args) in TRUTH_CASES.items()}
+    dist.barrier()
+    dist.destroy_process_group()
+    init_fake_process_group(rank, world_size)  # the same process now plays its rank
+    out = {}
+    for name, (config, args) in TRUTH_CASES.items():
+        if rank in DRY_RANKS:
+            fake = measure(load_config(str(ROOT / "train_configs" / config), [
+                *base, *args, "--comm.mode=fake_backend", f"--comm.fake_world_size={world_size}",
+                f"--comm.fake_rank={rank}"]))
+            out[name] = (real[name], fake.peak, fake.planner)
+    return out
+
+
+def test_dry_run_matches_the_real_run_and_the_planner_matches_the_dry_run(tmp_path):
+    """The dry run's peak is within 5% of the same tracker's peak in a real gloo run of the same
+    config (FSDP, TP, CP, PP and EP at 4 ranks), and the planner within 15% of the dry run."""
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_truth, 4, args=(str(tmp_path),), timeout_s=240)
+    bad = []
+    for rank in DRY_RANKS:
+        for name, (real, fake, planner) in results[rank].items():
+            if abs(fake / real - 1) > 0.05:
+                bad.append(f"{name} rank {rank}: dry run {fake} vs real {real} bytes")
+            if name in PLANNER_CASES and abs(planner / fake - 1) > 0.15:
+                bad.append(f"{name} rank {rank}: planner {planner:.0f} vs dry run {fake} bytes")
+    assert not bad, "\n".join(bad)

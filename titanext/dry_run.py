@@ -49,6 +49,9 @@ __all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float
            "measure_real", "planner_peak_bytes"]
 
 GiB, GB = 2**30, 1e9
+# Gradient-accumulation rounds a dry run runs: the first creates the gradients, the second is
+# the steady state every later round repeats (same tensors, same collectives).
+MEASURED_ROUNDS = 2
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _SKIP = ("wait", "barrier", "monitored_barrier")
 
@@ -180,14 +183,26 @@ def measure(cfg: JobConfig) -> DryRunResult:
     mode = fake_tensor_mode()
     with mode:
         trainer = Trainer(cfg)
+    if trainer.dims.ep_enabled:
+        notes.append("EP dispatch assumes perfectly balanced routing (fake tensors carry no "
+                     "token counts): expert activations and all-to-all bytes are estimated")
     if trainer.pipeline is not None:
         with mode:
             loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))
     batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    rounds = len(batches)
+    if rounds > MEASURED_ROUNDS:  # later rounds repeat the second one exactly
+        batches = batches[:MEASURED_ROUNDS]
+        notes.append(f"gradient accumulation: {MEASURED_ROUNDS} of {rounds} rounds run (the "
+                     "peak is the second round's); step comm is scaled by "
+                     f"{rounds}/{MEASURED_ROUNDS}")
     memory, peak, comm = _measure_step(trainer, batches, mode)
+    scale = rounds / len(batches)
     result = DryRunResult(rank, world_size, memory, peak,
-                          planner_peak_bytes(cfg, world_size, rank), dict(comm.bytes),
-                          dict(comm.calls), time.time() - start)
+                          planner_peak_bytes(cfg, world_size, rank),
+                          {k: round(v * scale) for k, v in comm.bytes.items()},
+                          {k: round(v * scale) for k, v in comm.calls.items()},
+                          time.time() - start)
     result.notes = notes
     return result
 

@@ -140,6 +140,11 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
             mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
         else:
             mem["gathered params"] = 0.0
+        if sharded and lo.pp > 1:
+            # PP x FSDP: the schedule reduce-scatters once per step, so FSDP accumulates the
+            # unsharded gradients of this rank's stages over the micro-batches (in the reduce
+            # dtype when it differs from the param dtype; measured by the dry run)
+            mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
         stages = len(rk.stages)
         mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
                               * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from titanext._fake_backend import is_fake
 from titanext.plugins._counting import Counters
 
 __all__ = [
@@ -159,12 +160,17 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     n_local = n_exp // world
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts.contiguous(), group=pg)  # recv[s*L + e]: from s for e
-    host = torch.cat([counts, recv]).cpu()  # the one sync
-    for c in _COUNTERS:
-        c.count_exchanges += 1
-        c.host_syncs += 1
-    send_splits = host[:n_exp].view(world, n_local).sum(1).tolist()
-    recv_splits = host[n_exp:].view(world, n_local).sum(1).tolist()
+    if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
+        rows = x.shape[0]
+        send_splits = [rows // world + (r < rows % world) for r in range(world)]
+        recv_splits = list(send_splits)
+    else:
+        host = torch.cat([counts, recv]).cpu()  # the one sync
+        for c in _COUNTERS:
+            c.count_exchanges += 1
+            c.host_syncs += 1
+        send_splits = host[:n_exp].view(world, n_local).sum(1).tolist()
+        recv_splits = host[n_exp:].view(world, n_local).sum(1).tolist()
     if sum(send_splits) != x.shape[0]:
         raise ValueError(f"num_tokens_per_expert sums to {sum(send_splits)} but x has "
                          f"{x.shape[0]} rows")
