@@ -261,6 +261,22 @@ def test_deferred_split_with_op_level_selective_ac_matches_one_process(tmp_path)
         _check(ref, got, f"{name} + op-level SAC")
 
 
+def test_float8_split_schedules_match_one_process_float8(tmp_path):
+    """float8 (emulated on CPU) under split schedules with deferral on (the default): torchao's
+    Float8Linear keeps its own backward (dW during I; one log line says so), everything else
+    defers. Reference: float8 in one process over the same micro-batches (gradient
+    accumulation), so every float8 scale (amax of one micro-batch) is the same."""
+    f8 = ["--float8.enable=true"]
+    ref = run_distributed(_train_many, 1, args=(
+        [["--model.flavor=debugtiny", "--training.local_batch_size=2",
+          "--training.global_batch_size=8", *f8]], str(tmp_path / "ref")), timeout_s=120)[0][0]
+    schedules = ["ZBH1", "ZBH2"]
+    results = run_distributed(_train_many, 2, args=(_runs("debugtiny", schedules, 4, f8),
+                                                    str(tmp_path)), timeout_s=240)
+    for name, got in zip(schedules, _merge(results), strict=True):
+        _check(ref, got, f"{name} + float8", param_rtol=3e-5)
+
+
 def test_parity_check_can_fail(tmp_path):
     """A pipeline whose loss scale were wrong (here: a different lr) must be caught."""
     ref = run_distributed(_train_many, 1, args=(
