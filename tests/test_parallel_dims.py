@@ -67,3 +67,22 @@ def test_mesh_views_ep_borrows_from_dp_shard_and_cp():
     sizes = dict(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=1, ep=4)
     out = run_distributed(_mesh_views, 4, args=(sizes,))[0]
     assert out["ep"] == 4 and out["dp_shard_cp"] == 4 and out["dp"] == 2 and out["fsdp_ndim"] == 1
+
+
+def _cp_sub_axes(rank, world_size):
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=4, tp=1, pp=1, ep=1, world_size=world_size,
+                     cp_ulysses=2)
+    d.build_mesh("cpu")
+    ring, ulysses, cp = (d.view(n) for n in ("cp_ring", "cp_ulysses", "cp"))
+    return (ring.size(), ulysses.size(), cp.size(), ring.get_local_rank(),
+            ulysses.get_local_rank(), cp.get_local_rank())
+
+
+def test_hybrid_cp_splits_cp_into_ring_times_ulysses():
+    """cp = cp_ring x cp_ulysses, Ulysses innermost (adjacent ranks), and cp, the flattened
+    view that shards the batch, numbers rank c = ring_rank * u + ulysses_rank."""
+    for rank, (r, u, cp, ring_rank, ulysses_rank, cp_rank) in enumerate(
+            run_distributed(_cp_sub_axes, 4)):
+        assert (r, u, cp) == (2, 2, 4)
+        assert (ring_rank, ulysses_rank) == divmod(rank, 2)
+        assert cp_rank == ring_rank * u + ulysses_rank == rank
