@@ -257,7 +257,8 @@ def test_path_errors_name_the_path_and_what_is_allowed(tmp_path):
         make("text", str(csv))
     folder = tmp_path / "folder"
     folder.mkdir()
-    with pytest.raises(ValueError, match=r"folder with no \.txt or \.jsonl or \.parquet or \.arrow files"):
+    with pytest.raises(ValueError,
+                       match=r"folder with no \.txt or \.jsonl or \.parquet or \.arrow files"):
         make("text", str(folder))
     with pytest.raises(ValueError,
                        match=r"only read with dataset = 'text' or 'tokens'.*'shakespeare'"):
