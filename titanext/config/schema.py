@@ -212,9 +212,9 @@ class Training:
     document_masking: bool = _field(False)
     """Packed documents do not attend to each other: the loader numbers the documents of each
     row (a new one after every EOS), attention stays causal within a document (with or without
-    CP: ring, Ulysses and hybrid skip the blocks that share no document), and RoPE positions
-    restart at each document start. The loss is unchanged: every token predicts the next one,
-    and the EOS between documents stays."""
+    CP: ring, Ulysses and hybrid skip the blocks that share no document; also under TP, FSDP
+    and PP with every schedule), and RoPE positions restart at each document start. The loss
+    is unchanged: every token predicts the next one, and the EOS between documents stays."""
 
 
 @dataclass
