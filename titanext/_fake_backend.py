@@ -10,6 +10,7 @@ Nothing else in titanext imports them; a torch that moves one breaks only this m
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -32,6 +33,11 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
 def fake_tensor_mode() -> FakeTensorMode:
     """The mode a dry run builds and steps in (real inputs, such as data batches, turn fake)."""
+    # FakeTensorMode asks its logger for the effective level on every op, which walks the
+    # logger hierarchy unless the logger has a level of its own (7% of a 70B dry run)
+    log = logging.getLogger(FakeTensorMode.__module__)
+    if log.level == logging.NOTSET:
+        log.setLevel(log.getEffectiveLevel())
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 

@@ -117,6 +117,10 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
                                                  ulysses=lo.ulysses)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
+    # The loss's backward, on top of the saved activations, per token and local vocabulary
+    # entry: the logits the train step still holds (a) and the fp32 gradients of the
+    # log-softmax output and of the logits (8) (measured by the dry run, docs/dry_run.md)
+    loss_backward = lo.tokens * (a + 8) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses)
                      if moe else 0.0)
@@ -149,6 +153,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
         mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
                               * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
                               + (head_act if rk.head else 0.0))
+        mem["loss backward"] = loss_backward if rk.head else 0.0
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis
