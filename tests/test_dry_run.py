@@ -48,6 +48,11 @@ def test_bad_fake_world_exits_2_with_one_line():
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "world size 6" in out.stderr
+    out = dry_run("debug_model.toml", "--comm.fake_world_size=8", "--comm.fake_rank=8",
+                  timeout=60)  # a rank outside the fake world
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "comm.fake_rank = 8" in out.stderr
 
 
 def test_fake_world_rules():

@@ -334,7 +334,11 @@ def around_stage_init(schedule, context: Callable) -> None:
     """Run a schedule's one-off stage start-up (shape inference on its first step) inside
     ``context()``: the dry run's memory tracker pauses its module hooks there (they break the
     ``autograd.grad`` of torch's backward shape inference)."""
-    name = "_initialize_stages" if hasattr(schedule, "_initialize_stages") else "_initialize_stage"
+    name = next((n for n in ("_initialize_stages", "_initialize_stage") if hasattr(schedule, n)),
+                None)
+    if name is None:
+        raise RuntimeError("this torch's pipeline schedules have no _initialize_stage(s): a dry "
+                           "run cannot measure pipeline stages (torch 2.13 has it)")
     init = getattr(schedule, name)
 
     def wrapped(*args, **kwargs):
