@@ -88,7 +88,10 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
     # DualPipe: two copies of a pp-stage model, the others pp x stages_per_rank stages
     n_stages = num_stages_for(cls.placement, pp, n_per_rank)
     compiled = cfg.compile.enable and "model" in cfg.compile.components
-    problems = list(schedule_problems(name, pp=pp, microbatches=mb, compiled=compiled,
+    # torch's split walks the autograd graph (not on compiled stages); deferral needs no walk
+    autograd_split = getattr(p, "pipeline_parallel_split_backward", "deferred") == "autograd"
+    problems = list(schedule_problems(name, pp=pp, microbatches=mb,
+                                      compiled=compiled and autograd_split,
                                       stages_per_rank=n_per_rank))
     if compiled and cls.placement == "v" and not hasattr(cls, "generate") \
             and not any("compile" in q for q in problems):

@@ -321,8 +321,8 @@ class Parallelism:
     compute them: 'deferred' runs one plain backward for I in which every linear (and MoE
     expert GEMM) queues its weight-gradient GEMM, and W runs the queue
     (titanext.plugins.weight_grad); 'autograd' is torch's stage_backward_input /
-    stage_backward_weight pair (walks the graph twice and keeps it alive until W). No effect on
-    schedules without I/W actions (1F1B, GPipe, Interleaved1F1B)."""
+    stage_backward_weight pair (walks the graph twice and keeps it alive until W; rejected with
+    compile). No effect on schedules without I/W actions (1F1B, GPipe, Interleaved1F1B)."""
     pipeline_parallel_microbatches: int = _field(-1, check=_minus_one_or_positive,
                                                  rule="-1 or >= 1")
     """Micro-batches per pipeline step (local_batch_size must be divisible by it); -1 means

@@ -71,7 +71,7 @@ from torch.distributed.pipelining import PipelineStage
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
-           "weight_grad_deferral"]
+           "has_deferred_modules", "weight_grad_deferral"]
 
 logger = logging.getLogger("titanext")
 
@@ -322,6 +322,12 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
         logger.info("weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
                     "gradients are computed in the input-gradient step, not deferred", float8)
     return converted
+
+
+def has_deferred_modules(model: nn.Module) -> bool:
+    """Whether ``model`` holds modules converted by :func:`defer_weight_grads` (their forward
+    inside a deferral context is a graph break: compile such blocks without ``fullgraph``)."""
+    return any(isinstance(m, (DeferredLinear, DeferredGroupedExperts)) for m in model.modules())
 
 
 # -- pipeline stages ----------------------------------------------------------------------------
