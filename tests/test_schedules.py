@@ -223,3 +223,36 @@ def test_generated_schedules_match_one_process(pp, microbatches, names):
             for s, grads in r[name][1].items():
                 for got, want in zip(grads, ref_grads[s]):
                     assert ((got - want).norm() / want.norm()).item() < 1e-5, (name, s)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_mirrored_gradient_sum_posts_messages_in_one_order_on_both_partners(pp, monkeypatch):
+    """NCCL ignores P2P tags and matches a pair's messages in issue order: the end-of-step
+    exchange must post the copies' gradients in the same order on both partners (rank r holds
+    [r, pp-1-r], its partner [pp-1-r, r]), or a send meets a receive of another stage."""
+    import types
+
+    import titanext.schedules.dualpipe as dp
+
+    shapes = {s: (s + 2, s + 3) for s in range(pp)}  # every stage's parameter another shape
+    posted: dict[int, list] = {}
+
+    def stage(index, rank):
+        mod = nn.Module()
+        mod.w = nn.Parameter(torch.zeros(shapes[index]))
+        mod.w.grad = torch.ones(shapes[index])
+        return types.SimpleNamespace(stage_index=index, submod=mod, group=None, group_size=pp,
+                                     group_rank=rank)
+
+    for rank in range(pp):
+        log = posted.setdefault(rank, [])
+        monkeypatch.setattr(dp.dist, "P2POp",
+                            lambda op, t, peer, group, tag, log=log: log.append(
+                                (op.__name__, peer, tuple(t.shape))))
+        monkeypatch.setattr(dp.dist, "batch_isend_irecv", lambda ops: [])
+        dp.MirroredGradSum([stage(rank, rank), stage(pp - 1 - rank, rank)]).finish()
+    for rank in range(pp):
+        partner = pp - 1 - rank
+        sent = [shape for op, peer, shape in posted[rank] if op == "isend"]
+        received = [shape for op, peer, shape in posted[partner] if op == "irecv"]
+        assert sent == received, (rank, sent, received)

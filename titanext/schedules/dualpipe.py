@@ -227,9 +227,12 @@ class DualPipe(ChainRuntime):
         self.sum_mirrored_grads = sum_mirrored_grads
         self._mirror = MirroredGradSum(stages)
         self._final: list = []  # copies whose gradients are final, to start at the next chunk
-        # FSDP reduce-scatters a copy's gradient after its last chunk: sum the shards at the end
-        self._early = not any(isinstance(m, FSDPModule) for st in stages
-                              for m in st.submod.modules())
+        # An early start needs P2P messages matched by tag, which gloo does and NCCL does not
+        # (NCCL matches a pair's messages in issue order, and the partner reaches that copy's
+        # last chunk at another point of its own order); and FSDP reduce-scatters a copy's
+        # gradient after its last chunk. Otherwise every copy is summed at the end.
+        self._early = dist.get_backend(stages[0].group) == "gloo" and not any(
+            isinstance(m, FSDPModule) for st in stages for m in st.submod.modules())
         self._install_handlers()
         order = dualpipe_order(pp, n_microbatches)
         owner = dualpipe_owner(pp, n_microbatches)
@@ -338,7 +341,9 @@ class MirroredGradSum:
         self.pending[stage.stage_index] = (params, recv, dist.batch_isend_irecv(ops))
 
     def finish(self) -> None:
-        for stage in self.stages:
+        # by stage index, the same order on both partners (rank r holds [r, pp-1-r], its
+        # partner [pp-1-r, r]): a backend that matches messages in issue order pairs them right
+        for stage in sorted(self.stages, key=lambda s: s.stage_index):
             self.start(stage)
         pending, self.pending = self.pending, {}
         for _, _, works in pending.values():  # every send is done before a gradient changes
