@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-from titanext._fake_backend import real_tensors
 from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
 from titanext.errors import TrainingDiverged
 from titanext.faults import exit_process, inject_test_fault, report_once, run_guarded
@@ -39,6 +38,7 @@ if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from titanext._fake_backend import real_tensors
     from titanext.checkpoint import CheckpointManager, manifest_info
     from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
     from titanext.data import dataloader_from_config
