@@ -285,12 +285,10 @@ def test_user_model_example_runs_and_matches(tmp_path):
     import subprocess
     import sys
 
-    from tests.distributed import free_port
-
     root = pathlib.Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(free_port()), str(root / "examples" / "context_parallel.py")],
+         "--standalone", str(root / "examples" / "context_parallel.py")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     full, cp = map(float, re.search(r"full-sequence loss (\S+)  context-parallel loss (\S+)",
@@ -306,12 +304,10 @@ def test_own_attention_example_runs_ring_ulysses_and_hybrid_exactly(tmp_path):
     import subprocess
     import sys
 
-    from tests.distributed import free_port
-
     root = pathlib.Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-         "--master_port", str(free_port()),
+         "--standalone",
          str(root / "examples" / "context_parallel_attention.py")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

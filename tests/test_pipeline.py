@@ -344,13 +344,11 @@ def test_example_with_own_stages_runs_and_matches(tmp_path):
     import subprocess
     import sys
 
-    from tests.distributed import free_port
-
     root = pathlib.Path(__file__).resolve().parents[1]
     names = ["ZBV", "DualPipe", "ZBH1"]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(free_port()), str(root / "examples" / "pipeline_own_stages.py"),
+         "--standalone", str(root / "examples" / "pipeline_own_stages.py"),
          *names], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     errors = dict(re.findall(r"^(\w+): largest parameter error vs one process: (\S+)$",
