@@ -924,3 +924,17 @@ def test_ulysses_hybrid_and_document_masking_configs_load():
                              "--parallelism.context_parallel_degree=4",
                              "--parallelism.pipeline_parallel_degree=2"], world_size=8)
     assert cfg.training.document_masking and cfg.parallelism.pipeline_parallel_degree == 2
+
+
+@pytest.mark.parametrize("flag", ["--help", "--print-config"])
+def test_help_and_print_config_piped_into_a_closed_reader_exit_0_without_a_traceback(flag):
+    """`python -m titanext.train --help | head -1`: the reader closes the pipe early."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "titanext.train", "--config",
+                             "train_configs/debug_model.toml", flag],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # the reader is gone before anything is written (`head` at its end)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err

@@ -27,7 +27,7 @@ from typing import NoReturn
 from titanext.errors import CheckpointError, ConfigError, TrainingDiverged
 
 __all__ = ["abort_process_group", "elastic_store", "exit_process", "inject_test_fault",
-           "report_once", "run_guarded"]
+           "print_output", "report_once", "run_guarded"]
 
 # Under torchrun the first worker to exit non-zero gets the others SIGTERMed: ranks that stay
 # silent wait this long, so that rank 0 (slower to start, say) prints the shared error first.
@@ -97,6 +97,16 @@ def exit_process(code: int) -> NoReturn:
                 pass
         os._exit(code)
     sys.exit(code)
+
+
+def print_output(text: str) -> int:
+    """Print what ``--help`` or ``--print-config`` asked for; exit code 0 even when the reader
+    closed the pipe early (``--help | head``: no BrokenPipeError traceback)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        pass
+    return 0
 
 
 def _say(message: str, everyone: bool = False) -> None:

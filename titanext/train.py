@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
 from titanext.errors import TrainingDiverged
-from titanext.faults import exit_process, inject_test_fault, report_once, run_guarded
+from titanext.faults import exit_process, inject_test_fault, print_output, report_once, run_guarded
 
 
 def _cli_only(argv: Sequence[str]) -> bool:
@@ -271,17 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config_path, overrides, flags = parse_cli(argv)
         if flags.get("help"):
-            try:
-                print(config_help())
-            except BrokenPipeError:  # `--help | head`
-                pass
-            return 0
+            return print_output(config_help())
         cfg = load_config(config_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return report_once(e.problems)  # printed by rank 0 (under torchrun too)
     if flags.get("print_config"):
-        print(to_toml(cfg))
-        return 0
+        return print_output(to_toml(cfg))
     if cfg.comm.mode == "fake_backend":  # one process plays one rank of a fake world
         return dry_run(cfg)
 
