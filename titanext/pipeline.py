@@ -446,8 +446,11 @@ class PipelineRunner:
             # torch splits step's keyword tensors along dim 0 like the inputs and passes
             # micro-batch j's slice to every stage's forward of j (first or not)
             kwargs.update(self.stage_kwargs(*extra))
+            # return_outputs=False: the last stage keeps no logits of finished micro-batches
+            # (torch's default holds all of them, then concatenates them: 2 x 2 GiB on the
+            # 70B config's last stage)
             with self._loss_context():  # loss parallel: its backward runs inside step too
-                self.schedule.step(*args, **kwargs)
+                self.schedule.step(*args, return_outputs=False, **kwargs)
             for loss in losses:  # the schedule's record of what each micro-batch returned
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 self._loss_sum += loss.detach().to(torch.float64) / self._scale

@@ -117,6 +117,7 @@ class ChainRuntime(Runtime):
         self.register_custom_function(W, lambda a, ctx: self._weight(a))
         self.register_custom_function(OVERLAP, self._overlap)
         self._titan_losses: dict[int, torch.Tensor] = {}
+        self._save_outputs = True
         self._early_sends: list[dist.Work] = []
         self._done_count: Counter[int] = Counter()
 
@@ -137,7 +138,8 @@ class ChainRuntime(Runtime):
         self._sync(stage)
         if not stage.is_first and prev_local is None:
             _wait(self.fwd_recv_ops.pop((a.stage_index, j)))
-        out = stage.forward_one_chunk(j, ctx.arg_mbs[j], ctx.kwarg_mbs[j])
+        out = stage.forward_one_chunk(j, ctx.arg_mbs[j], ctx.kwarg_mbs[j],
+                                      save_forward_output=self._save_outputs)
         if stage.is_last and self._loss_fn is not None:
             self._titan_losses[j] = self._compute_loss(out, ctx.target_mbs[j])
         if next_local is not None:
@@ -179,6 +181,11 @@ class ChainRuntime(Runtime):
         stage = self._stage(bwd.stage_index)
         if not stage.is_first and self._chain(bwd.stage_index, bwd.microbatch_index)[0] is None:
             self._early_sends += _issue(stage.get_bwd_send_ops(bwd.microbatch_index))
+
+    def step(self, *args, return_outputs: bool = True, **kwargs):
+        # the custom F handler saves the last stage's outputs only when step returns them
+        self._save_outputs = return_outputs
+        return super().step(*args, return_outputs=return_outputs, **kwargs)
 
     def _step_microbatches(self, *args, **kwargs):
         self._titan_losses.clear()
