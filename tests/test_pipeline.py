@@ -260,20 +260,27 @@ def test_pp2_x_fsdp2_and_grad_accum_match_one_process(tmp_path):
         _check(ref, got, label, param_rtol=3e-5 if "accum" in label else 1e-5)
 
 
+def _split_schedules_match_one_process(tmp_path, flavor, ref_batch, extra, what, *,
+                                       schedules=("ZBH1", "ZBV"), timeout_s=240, **check):
+    """``schedules`` at pp = 2 (deferred weight gradients, the default) with the overrides
+    ``extra`` against one process with the same ``extra`` over ``ref_batch``."""
+    ref = run_distributed(_train_many, 1, args=(
+        [[f"--model.flavor={flavor}", *ref_batch, *extra]], str(tmp_path / "ref")),
+        timeout_s=timeout_s)[0][0]
+    results = run_distributed(_train_many, 2, args=(_runs(flavor, list(schedules), 4, extra),
+                                                    str(tmp_path)), timeout_s=timeout_s)
+    for name, got in zip(schedules, _merge(results), strict=True):
+        _check(ref, got, f"{name} + {what}", **check)
+
+
 def test_deferred_split_with_op_level_selective_ac_matches_one_process(tmp_path):
     """Op-level selective AC under split schedules: with deferred weight gradients there is one
     backward per micro-batch (the recompute runs during I), so torch's op-level checkpoint works;
     ZBH1 and ZBV (V placement, local stage hand-off) at pp = 2."""
-    sac = ["--activation_checkpoint.mode=selective",
-           "--activation_checkpoint.selective_ac_option=op"]
-    ref = run_distributed(_train_many, 1, args=(
-        [["--model.flavor=debugmodel", "--training.local_batch_size=8", *sac]],
-        str(tmp_path / "ref")), timeout_s=120)[0][0]
-    schedules = ["ZBH1", "ZBV"]
-    results = run_distributed(_train_many, 2, args=(_runs("debugmodel", schedules, 4, sac),
-                                                    str(tmp_path)), timeout_s=240)
-    for name, got in zip(schedules, _merge(results), strict=True):
-        _check(ref, got, f"{name} + op-level SAC")
+    _split_schedules_match_one_process(
+        tmp_path, "debugmodel", ["--training.local_batch_size=8"],
+        ["--activation_checkpoint.mode=selective",
+         "--activation_checkpoint.selective_ac_option=op"], "op-level SAC")
 
 
 def test_float8_split_schedules_match_one_process_float8(tmp_path):
@@ -281,30 +288,18 @@ def test_float8_split_schedules_match_one_process_float8(tmp_path):
     Float8Linear keeps its own backward (dW during I; one log line says so), everything else
     defers. Reference: float8 in one process over the same micro-batches (gradient
     accumulation), so every float8 scale (amax of one micro-batch) is the same."""
-    f8 = ["--float8.enable=true"]
-    ref = run_distributed(_train_many, 1, args=(
-        [["--model.flavor=debugtiny", "--training.local_batch_size=2",
-          "--training.global_batch_size=8", *f8]], str(tmp_path / "ref")), timeout_s=120)[0][0]
-    schedules = ["ZBH1", "ZBH2"]
-    results = run_distributed(_train_many, 2, args=(_runs("debugtiny", schedules, 4, f8),
-                                                    str(tmp_path)), timeout_s=240)
-    for name, got in zip(schedules, _merge(results), strict=True):
-        _check(ref, got, f"{name} + float8", param_rtol=3e-5)
+    _split_schedules_match_one_process(
+        tmp_path, "debugtiny", ["--training.local_batch_size=2", "--training.global_batch_size=8"],
+        ["--float8.enable=true"], "float8", schedules=("ZBH1", "ZBH2"), param_rtol=3e-5)
 
 
 def test_compiled_split_schedules_with_deferral_match_one_process(tmp_path):
     """Per-block torch.compile (aot_eager: dynamo and AOT autograd without inductor's codegen
     time) under ZBH1 and ZBV with deferred weight gradients: the converted linears are graph
     breaks (blocks compile without fullgraph), against a compiled one-process run."""
-    c = ["--compile.enable=true", "--compile.backend=aot_eager"]
-    ref = run_distributed(_train_many, 1, args=(
-        [["--model.flavor=debugmodel", "--training.local_batch_size=8", *c]],
-        str(tmp_path / "ref")), timeout_s=180)[0][0]
-    schedules = ["ZBH1", "ZBV"]
-    results = run_distributed(_train_many, 2, args=(_runs("debugmodel", schedules, 4, c),
-                                                    str(tmp_path)), timeout_s=300)
-    for name, got in zip(schedules, _merge(results), strict=True):
-        _check(ref, got, f"{name} + compile")
+    _split_schedules_match_one_process(
+        tmp_path, "debugmodel", ["--training.local_batch_size=8"],
+        ["--compile.enable=true", "--compile.backend=aot_eager"], "compile", timeout_s=300)
 
 
 def test_parity_check_can_fail(tmp_path):
