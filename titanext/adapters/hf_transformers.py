@@ -49,6 +49,7 @@ from titanext.plugins.context_parallel import (
     shard_batch,
     shard_sequence,
 )
+from titanext.plugins.tensor_parallel import VocabParallelEmbedding
 
 __all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
            "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
@@ -70,13 +71,14 @@ def hf_llama_tp_plan() -> dict[str, ParallelStyle]:
     """Megatron-style TP for the Llama family's module names (no sequence parallelism).
 
     Attention heads and the SwiGLU hidden dimension are split (column-parallel in,
-    row-parallel out); the embedding is split over the vocabulary and the LM head's logits are
+    row-parallel out); the embedding is split over the vocabulary (its gradient too:
+    :class:`~titanext.plugins.tensor_parallel.VocabParallelEmbedding`) and the LM head's logits are
     gathered, so ``transformers``' own loss sees full logits. The attention code reshapes with
     ``-1`` heads, so each rank runs its local heads unchanged. Needs heads, KV heads,
     intermediate size and vocabulary divisible by the TP degree.
     """
     return {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate()),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
         "model.layers.*.self_attn.v_proj": ColwiseParallel(),
