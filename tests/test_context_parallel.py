@@ -282,14 +282,11 @@ def test_user_model_example_runs_and_matches(tmp_path):
     """examples/context_parallel.py (docs/context_parallel.md) under torchrun, 2 ranks."""
     import pathlib
     import re
-    import subprocess
-    import sys
+
+    from tests.distributed import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", str(root / "examples" / "context_parallel.py")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = run_example(root / "examples" / "context_parallel.py", 2, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     full, cp = map(float, re.search(r"full-sequence loss (\S+)  context-parallel loss (\S+)",
                                     out.stdout).groups())
@@ -301,25 +298,11 @@ def test_own_attention_example_runs_ring_ulysses_and_hybrid_exactly(tmp_path):
     ring, Ulysses and hybrid 2x2 with packed documents against masked SDPA on one process."""
     import pathlib
     import re
-    import subprocess
-    import sys
+
+    from tests.distributed import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    # The example runs whole (an error in it still fails the run); then the rank leaves with
-    # os._exit: at interpreter exit, 4 gloo ranks with 2-D mesh sub-groups on 2 busy cores
-    # occasionally abort in a C++ destructor ("terminate called without an active exception",
-    # rank 0, after every result is printed; about 1 run in 10 under load), a teardown race
-    # outside the example's code.
-    wrapper = tmp_path / "run_example.py"
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        f"runpy.run_path({str(root / 'examples' / 'context_parallel_attention.py')!r}, "
-        "run_name='__main__')\n"
-        "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-         "--standalone", str(wrapper)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = run_example(root / "examples" / "context_parallel_attention.py", 4, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     found = dict(re.findall(r"(.+): max relative error of out, dq, dk, dv (\S+)", out.stdout))
     assert set(found) == {"ring", "ulysses", "hybrid 2x2"}, out.stdout

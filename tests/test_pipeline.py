@@ -336,15 +336,13 @@ def test_example_with_own_stages_runs_and_matches(tmp_path):
     """examples/pipeline_own_stages.py (the example of docs/pipeline.md) under torchrun, 2 ranks."""
     import pathlib
     import re
-    import subprocess
-    import sys
+
+    from tests.distributed import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
     names = ["ZBV", "DualPipe", "ZBH1"]
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", str(root / "examples" / "pipeline_own_stages.py"),
-         *names], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    out = run_example(root / "examples" / "pipeline_own_stages.py", 2, *names, cwd=tmp_path,
+                      timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     errors = dict(re.findall(r"^(\w+): largest parameter error vs one process: (\S+)$",
                              out.stdout, re.M))

@@ -3,7 +3,7 @@ trainer overrides the parity tests share."""
 
 from titanext.local_launch import free_port, run_distributed
 
-__all__ = ["free_port", "fp32_trainer_overrides", "run_distributed"]
+__all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example"]
 
 
 def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:
@@ -21,3 +21,22 @@ def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = Non
         "--metrics.enable_tensorboard=false",
         "--metrics.log_freq=100",
     ]
+
+
+def run_example(script, nproc: int, *args: str, cwd, timeout: float = 120):
+    """``torchrun --standalone --nproc_per_node nproc script *args`` from ``cwd``; returns the
+    CompletedProcess (text output). The script runs whole through a small wrapper that then
+    leaves with ``os._exit`` (an error inside it still fails the run): at interpreter exit,
+    gloo's threads can race C++ static destructors and abort a rank that has finished
+    ("terminate called without an active exception"), which would fail a passing example."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    wrapper = Path(cwd) / f"_run_{Path(script).stem}.py"
+    wrapper.write_text("import os, runpy, sys\n"
+                       f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+                       "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(nproc), "--standalone", str(wrapper), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
