@@ -27,6 +27,27 @@ def test_layers_per_stage_even_and_lighter_ends():
         layers_per_stage(6, 3, explicit=[1, 2])
 
 
+def test_layers_per_stage_evens_out_ranks_not_only_stages():
+    from titanext.schedules import stage_owners
+
+    def per_rank(counts, owners):
+        return [sum(c for c, r in zip(counts, owners, strict=True) if r == q)
+                for q in sorted(set(owners))]
+
+    # V placement at pp 2: rank 0 holds stages 0 and 3; stages alone would give it 2 of 6 blocks
+    v = stage_owners("v", 2, 2)
+    assert v == [0, 1, 1, 0]
+    assert per_rank(layers_per_stage(6, 4), v) == [2, 4]
+    assert per_rank(layers_per_stage(6, 4, stage_ranks=v), v) == [3, 3]
+    for n_layers, pp in [(6, 2), (7, 2), (10, 4), (26, 4), (30, 8)]:
+        owners = stage_owners("v", pp, 2)
+        loads = per_rank(layers_per_stage(n_layers, 2 * pp, stage_ranks=owners), owners)
+        assert max(loads) - min(loads) <= 1, (n_layers, pp, loads)
+    # one stage per rank (or loop placement that is already even): the old split, unchanged
+    assert layers_per_stage(10, 4, stage_ranks=[0, 1, 2, 3]) == layers_per_stage(10, 4)
+    assert layers_per_stage(6, 4, stage_ranks=stage_owners("loop", 2, 2)) == [1, 2, 2, 1]
+
+
 def test_placement_comes_from_the_schedule_class():
     assert pipeline_stage_ids("1F1B", pp_rank=1, pp=4) == [1]
     assert pipeline_stage_ids("ZBH2", pp_rank=3, pp=4) == [3]

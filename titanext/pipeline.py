@@ -52,6 +52,7 @@ from titanext.schedules import (
     num_stages_for,
     resolved_stages_per_rank,
     stage_ids_for_rank,
+    stage_owners,
 )
 from titanext.schedules.dualpipe import clip_mirrored_grads, sum_mirrored_grads
 
@@ -79,15 +80,23 @@ def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
 
 def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: int = 0,
                      last_stage_less_layers: int = 0,
-                     explicit: Sequence[int] | None = None) -> list[int]:
+                     explicit: Sequence[int] | None = None,
+                     stage_ranks: Sequence[int] | None = None) -> list[int]:
     """Blocks per stage, as even as possible, with the first / last stage taking
     ``first_stage_less_layers`` / ``last_stage_less_layers`` fewer (they also hold the
     embedding / the norm and output head). ``explicit`` gives the counts directly.
+
+    ``stage_ranks[i]`` is the pp rank holding stage i (:func:`titanext.schedules.stage_owners`):
+    a block left over goes to a stage of the least loaded rank, so ranks, not only stages, stay
+    even. Under V placement rank 0 holds both ends; stages alone would give it the two light
+    ones (6 blocks, pp 2: [1, 2, 2, 1] puts 2 blocks on rank 0 and 4 on rank 1).
 
     >>> layers_per_stage(8, 4)
     [2, 2, 2, 2]
     >>> layers_per_stage(10, 4, first_stage_less_layers=1, last_stage_less_layers=1)
     [2, 3, 3, 2]
+    >>> layers_per_stage(6, 4), layers_per_stage(6, 4, stage_ranks=[0, 1, 1, 0])
+    ([1, 2, 2, 1], [2, 2, 1, 1])
     """
     if explicit:
         counts = list(explicit)
@@ -99,8 +108,16 @@ def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: i
     units = n_layers + first_stage_less_layers + last_stage_less_layers
     base, extra = divmod(units, n_stages)
     counts = [base] * n_stages
-    # Extra units go to the middle stages first, so the ends (embedding, head) stay light.
-    for i in (list(range(1, n_stages - 1)) + [0, n_stages - 1])[:extra]:
+    # Extra units go to the middle stages first, so the ends (embedding, head) stay light; with
+    # ``stage_ranks``, each to a stage of the rank with the fewest units so far.
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][:n_stages]
+    ranks = list(stage_ranks) if stage_ranks is not None else list(range(n_stages))
+    if len(ranks) != n_stages:
+        raise ValueError(f"stage_ranks = {ranks} must name the rank of each of {n_stages} stages")
+    for _ in range(extra):
+        load = {r: sum(c for c, q in zip(counts, ranks, strict=True) if q == r) for r in ranks}
+        i = min(order, key=lambda s: (load[ranks[s]], order.index(s)))
+        order.remove(i)
         counts[i] += 1
     counts[0] -= first_stage_less_layers
     counts[-1] -= last_stage_less_layers
@@ -360,7 +377,8 @@ class PipelineRunner:
         counts = layers_per_stage(len(model.layers), self.num_stages,
                                   first_stage_less_layers=first_stage_less_layers,
                                   last_stage_less_layers=last_stage_less_layers,
-                                  explicit=stage_layers)
+                                  explicit=stage_layers,
+                                  stage_ranks=stage_owners(cls.placement, pp, per_rank))
         self.stage_ids = pipeline_stage_ids(cls, pp_rank=pp_rank, pp=pp, stages_per_rank=per_rank)
         if parallelize_stage is None:
             from titanext.parallelize import parallelize

@@ -74,6 +74,7 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
         num_stages_for,
         resolved_stages_per_rank,
         schedule_problems,
+        stage_owners,
     )
 
     p, t, m = cfg.parallelism, cfg.training, cfg.model
@@ -114,7 +115,8 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
             layers_per_stage(n_layers, n_stages,
                              first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
                              last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                             explicit=p.pipeline_parallel_layers_per_stage)
+                             explicit=p.pipeline_parallel_layers_per_stage,
+                             stage_ranks=stage_owners(cls.placement, pp, n_per_rank))
         except ValueError as e:
             problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank}: {n_stages} "
                             f"stages: {e}")

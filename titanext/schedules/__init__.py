@@ -39,7 +39,7 @@ from titanext.schedules.zero_bubble import (
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
            "get_schedule_class", "leaves", "num_stages_for", "resolved_stages_per_rank",
-           "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank",
+           "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
            "validate_order"]
 
 
@@ -52,6 +52,19 @@ def stage_ids_for_rank(placement: str, rank: int, pp: int, stages_per_rank: int)
     if placement == "dualpipe":
         return [rank, pp - 1 - rank]
     return stage_ids(placement, rank, pp, stages_per_rank)
+
+
+def stage_owners(placement: str, pp: int, stages_per_rank: int) -> list[int]:
+    """The pp rank that holds each of the model's stages (DualPipe: the down copy's, stage s on
+    rank s; the up copy mirrors it, so both copies weigh the ranks alike).
+
+    >>> stage_owners("v", 2, 2), stage_owners("loop", 2, 2)
+    ([0, 1, 1, 0], [0, 1, 0, 1])
+    """
+    if placement == "dualpipe":
+        return list(range(pp))
+    owner = {s: r for r in range(pp) for s in stage_ids(placement, r, pp, stages_per_rank)}
+    return [owner[s] for s in range(pp * stages_per_rank)]
 
 
 def num_stages_for(placement: str, pp: int, stages_per_rank: int) -> int:
