@@ -114,6 +114,10 @@ class WeightGradQueue:
 
     def __init__(self) -> None:
         self._items: list[tuple[Callable, nn.Parameter, torch.Tensor, torch.Tensor, object]] = []
+        #: called with each parameter once its last queued GEMM of a ``run`` has been added
+        #: (set on the queue a stage was built with; queues ``take()`` made from it see it too)
+        self.after_each: Callable[[torch.Tensor], None] | None = None
+        self._source: WeightGradQueue | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -125,6 +129,7 @@ class WeightGradQueue:
     def take(self) -> WeightGradQueue:
         taken = WeightGradQueue()
         taken._items, self._items = self._items, []
+        taken._source = self
         return taken
 
     def tensors(self) -> list[torch.Tensor]:
@@ -137,8 +142,12 @@ class WeightGradQueue:
     @torch.no_grad()
     def run(self) -> None:
         items, self._items = self._items, []
-        for fn, param, x, dy, extra in items:
+        hook = self.after_each or (self._source.after_each if self._source is not None else None)
+        last = {id(item[1]): k for k, item in enumerate(items)} if hook is not None else {}
+        for k, (fn, param, x, dy, extra) in enumerate(items):
             _accumulate(param, fn(x, dy, param, extra))
+            if hook is not None and last[id(param)] == k:
+                hook(param)
 
     __call__ = run
 

@@ -37,6 +37,8 @@ even ``pp`` and even ``m >= 2pp``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -265,7 +267,17 @@ class DualPipe(ChainRuntime):
 
     def _weight(self, a) -> None:
         self._start_final()
-        super()._weight(a)
+        stage = self._stage(a.stage_index)
+        queue = getattr(stage, "weight_grad_queue", None)
+        last = (self.sum_mirrored_grads and self._early and queue is not None
+                and self._done_count[a.stage_index] + 1 == self._seen(a.stage_index))
+        if last:  # the copy's last W: send each weight's gradient once its last GEMM is in
+            queue.after_each = partial(self._mirror.start_param, stage)
+        try:
+            super()._weight(a)
+        finally:
+            if last:
+                queue.after_each = None
         self._mark_final(a.stage_index)
 
     def _step_microbatches(self, *args, **kwargs):
@@ -305,20 +317,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-#: P2P tag of a stage's mirrored-gradient messages: tag + stage index (the schedule's own
-#: activation messages use tag 0, so the two never match each other)
-_MIRROR_TAG = 7_000
+#: P2P tags of a stage's mirrored-gradient messages: tag + stage index x _TAGS_PER_STAGE +
+#: the parameter's index (the schedule's own activation messages use tag 0, so the two never
+#: match each other)
+_MIRROR_TAG, _TAGS_PER_STAGE = 7_000, 100_000
 
 
 class MirroredGradSum:
-    """The exchange behind :func:`sum_mirrored_grads`, startable one stage copy at a time.
+    """The exchange behind :func:`sum_mirrored_grads`, startable one stage copy, or one
+    parameter, at a time.
 
     ``start(stage)`` posts the sends of that copy's gradients (each parameter's own tensor, no
-    flattening copy) and the receives of the partner's copy of the same stage, tagged by the
-    stage index; ``finish()`` starts what is left, waits for everything and adds the partner's
-    gradients. Summing is a + b on one rank and b + a on the other, so the copies stay bitwise
-    equal. ``DualPipe`` starts a copy as soon as its last backward or W has run, so the
-    transfer overlaps the other copy's remaining chunks.
+    flattening copy) and the receives of the partner's copy of the same stage, each message
+    tagged by stage and parameter; ``start_param(stage, p)`` posts that copy's receives and
+    the send of one parameter whose gradient is final; ``finish()`` starts what is left, waits
+    for everything and adds the partner's gradients. Summing is a + b on one rank and b + a on
+    the other, so the copies stay bitwise equal. ``DualPipe`` (on gloo, which matches messages
+    by tag) starts a copy as soon as its last backward has run, and during a copy's last W
+    sends each weight's gradient as soon as its last GEMM is added, so the transfer overlaps
+    the remaining chunks.
     """
 
     def __init__(self, stages) -> None:
@@ -326,19 +343,55 @@ class MirroredGradSum:
         self.stages, self.group = list(stages), down.group
         peer = down.group_size - 1 - down.group_rank
         self.peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
-        self.pending: dict[int, tuple] = {}
+        #: stage index -> [params, grads, recv buffers, works, indices of sent params]
+        self.pending: dict[int, list] = {}
+
+    def _ops(self, stage, kind, tensors: dict[int, torch.Tensor]) -> list:
+        base = _MIRROR_TAG + stage.stage_index * _TAGS_PER_STAGE
+        return [dist.P2POp(kind, t, self.peer, self.group, base + i) for i, t in tensors.items()]
+
+    def _entry(self, stage) -> list:
+        params = list(stage.submod.parameters())
+        if len(params) >= _TAGS_PER_STAGE:
+            raise ValueError(f"a DualPipe stage with {len(params)} parameter tensors; at most "
+                             f"{_TAGS_PER_STAGE - 1}")
+        grads: list = [None] * len(params)
+        recv = [torch.empty_like(_local(p)) for p in params]
+        return [params, grads, recv, [], set()]
+
+    def _grad(self, entry, i) -> torch.Tensor:
+        p = entry[0][i]
+        g = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+        entry[1][i] = g.contiguous()
+        entry[4].add(i)
+        return entry[1][i]
 
     def start(self, stage) -> None:
-        if stage.stage_index in self.pending:
-            return
-        params = list(stage.submod.parameters())
-        grads = [(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
-                 .contiguous() for p in params]
-        recv = [torch.empty_like(g) for g in grads]
-        tag = _MIRROR_TAG + stage.stage_index
-        ops = [dist.P2POp(dist.isend, g, self.peer, self.group, tag) for g in grads]
-        ops += [dist.P2POp(dist.irecv, r, self.peer, self.group, tag) for r in recv]
-        self.pending[stage.stage_index] = (params, recv, dist.batch_isend_irecv(ops))
+        entry = self.pending.get(stage.stage_index)
+        if entry is None:  # one batch of every send and receive (NCCL groups it)
+            entry = self.pending[stage.stage_index] = self._entry(stage)
+            sends = {i: self._grad(entry, i) for i in range(len(entry[0]))}
+            ops = (self._ops(stage, dist.isend, sends)
+                   + self._ops(stage, dist.irecv, dict(enumerate(entry[2]))))
+        else:  # receives are out (start_param): the sends not made yet
+            ops = self._ops(stage, dist.isend, {i: self._grad(entry, i)
+                                                for i in range(len(entry[0]))
+                                                if i not in entry[4]})
+        if ops:
+            entry[3] += dist.batch_isend_irecv(ops)
+
+    def start_param(self, stage, param) -> None:
+        """Send ``param``'s final gradient now (receives for the whole copy are posted first);
+        needs a backend that matches P2P messages by tag (gloo)."""
+        entry = self.pending.get(stage.stage_index)
+        if entry is None:
+            entry = self.pending[stage.stage_index] = self._entry(stage)
+            entry[3] += dist.batch_isend_irecv(
+                self._ops(stage, dist.irecv, dict(enumerate(entry[2]))))
+        i = next(k for k, p in enumerate(entry[0]) if p is param)
+        if i not in entry[4]:
+            entry[3] += dist.batch_isend_irecv(
+                self._ops(stage, dist.isend, {i: self._grad(entry, i)}))
 
     def finish(self) -> None:
         # by stage index, the same order on both partners (rank r holds [r, pp-1-r], its
@@ -346,10 +399,10 @@ class MirroredGradSum:
         for stage in sorted(self.stages, key=lambda s: s.stage_index):
             self.start(stage)
         pending, self.pending = self.pending, {}
-        for _, _, works in pending.values():  # every send is done before a gradient changes
-            for w in works:
+        for entry in pending.values():  # every send is done before a gradient changes
+            for w in entry[3]:
                 w.wait()
-        for params, recv, _ in pending.values():
+        for params, _, recv, _, _ in pending.values():
             for p, theirs in zip(params, recv, strict=True):
                 _add_partner(p, theirs)
 

@@ -11,6 +11,7 @@ rank (first action's start to last action's end) and busy that rank's compute ti
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from titanext.schedules._torch_ir import B, F, I, W, leaves
@@ -85,17 +86,40 @@ class SimResult:
 _KIND = {F: "F", I: "I", W: "W", B: "B"}
 
 
-def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float = 1.0,
-           w: float = 1.0, comm: float = 0.0, stage_size: float = 1.0) -> SimResult:
+#: a chunk's cost: one figure for every stage, or one per stage index
+Cost = float | Mapping[int, float] | Sequence[float]
+
+
+def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
+           w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
+           overhead: float = 0.0, stage_size: float = 1.0) -> SimResult:
     """Simulate per-rank compute lists; raises ValueError if they deadlock.
 
     ``num_stages`` is the length of the chain a micro-batch runs through. The rank of a stage
     may depend on the micro-batch (DualPipe's two directions). An OVERLAP_F_B action runs its
     two chunks back to back on its rank.
+
+    Costs: ``f``, ``b`` (input gradient I), ``w`` (weight gradient W) and ``full_b`` (a full
+    backward B; default b + w) are each one figure or one per stage index (a real model's
+    first and last stages carry the embedding, the head and the loss). ``comm`` is the latency
+    of a cross-rank dependency; ``overhead`` is the runtime's own time per chunk on its rank
+    (issuing the chunk's sends and receives, bookkeeping), which occupies the rank but is not
+    counted as busy in ``bubble_ratio``.
+
+    >>> from titanext.schedules import schedule_order
+    >>> order = schedule_order("1F1B", pp=2, microbatches=4)
+    >>> replay(order, num_stages=2).makespan, replay(order, num_stages=2, f=[1, 2]).makespan
+    (15.0, 19.0)
     """
     order = {r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}
     owner = {(a.stage_index, a.microbatch_index): r for r, acts in order.items() for a in acts}
-    cost = {"F": f, "I": b, "W": w, "B": b + w}
+    by_kind = {"F": f, "I": b, "W": w, "B": full_b}
+
+    def cost(kind: str, stage: int) -> float:
+        if kind == "B" and full_b is None:
+            return cost("I", stage) + cost("W", stage)
+        c = by_kind[kind]
+        return float(c) if isinstance(c, (int, float)) else float(c[stage])
     done: dict[tuple[str, int, int], float] = {}
     pos = {r: 0 for r in order}
     free = {r: 0.0 for r in order}
@@ -132,8 +156,8 @@ def replay(order: dict[int, list], *, num_stages: int, f: float = 1.0, b: float 
                 if t is None:
                     break
                 start = max(t, free[r])
-                end = start + cost[kind]
-                free[r] = end
+                end = start + cost(kind, a.stage_index)
+                free[r] = end + overhead
                 done[(kind, a.stage_index, a.microbatch_index)] = end
                 if kind == "B":  # a full backward is also the input gradient others wait for
                     done[("I", a.stage_index, a.microbatch_index)] = end
