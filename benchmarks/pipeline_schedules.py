@@ -270,6 +270,15 @@ def _one_step(b, x, y) -> dict:
     return everyone
 
 
+def _input_of(e) -> tuple[str, int, int]:
+    """The chunk whose output event ``e`` needs: F the previous stage's F, I / B the next
+    stage's I / B (recorded as "I"), W its own I."""
+    kind, stage, j = e[0], e[3], e[4]
+    if kind == "F":
+        return ("F", stage - 1, j)
+    return ("I", stage + 1, j) if kind in "IB" else ("I", stage, j)
+
+
 def _hops(ranks: list[dict]) -> list[float]:
     """Cross-rank hop times: for every chunk whose input comes from another rank (F from the
     previous stage's F, I / B from the next stage's I / B) and whose rank sat idle when that
@@ -283,8 +292,7 @@ def _hops(ranks: list[dict]) -> list[float]:
     for q, r in enumerate(ranks):
         ends = sorted(e[2] for e in r["events"])
         for e in r["events"]:
-            dep = (("F", e[3] - 1, e[4]) if e[0] == "F" else
-                   ("I", e[3] + 1, e[4]) if e[0] in "IB" else None)
+            dep = _input_of(e) if e[0] != "W" else None
             if dep not in where or where[dep][0] == q:
                 continue
             sent = where[dep][1][2]
@@ -306,9 +314,7 @@ def _overheads(ranks: list[dict]) -> list[float]:
     for r in ranks:
         ev = sorted(r["events"], key=lambda e: e[1])
         for a, e in zip(ev, ev[1:]):
-            dep = (("F", e[3] - 1, e[4]) if e[0] == "F" else
-                   ("I", e[3] + 1, e[4]) if e[0] in "IB" else ("I", e[3], e[4]))
-            if ends.get(dep, 0.0) <= a[2]:
+            if ends.get(_input_of(e), 0.0) <= a[2]:
                 out.append(e[1] - a[2])
     return out
 
