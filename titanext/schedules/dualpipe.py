@@ -345,6 +345,9 @@ class MirroredGradSum:
         self.peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
         #: stage index -> [params, grads, recv buffers, works, indices of sent params]
         self.pending: dict[int, list] = {}
+        #: receive buffers kept from step to step on CPU, where a fresh tensor of a stage's
+        #: gradient size is fresh pages from the OS (a CUDA caching allocator reuses blocks)
+        self._buffers: dict[int, list[torch.Tensor]] = {}
 
     def _ops(self, stage, kind, tensors: dict[int, torch.Tensor]) -> list:
         base = _MIRROR_TAG + stage.stage_index * _TAGS_PER_STAGE
@@ -356,7 +359,13 @@ class MirroredGradSum:
             raise ValueError(f"a DualPipe stage with {len(params)} parameter tensors; at most "
                              f"{_TAGS_PER_STAGE - 1}")
         grads: list = [None] * len(params)
-        recv = [torch.empty_like(_local(p)) for p in params]
+        recv = self._buffers.get(stage.stage_index)
+        if recv is None or len(recv) != len(params) or any(
+                r.shape != _local(p).shape or r.dtype != p.dtype
+                for r, p in zip(recv, params, strict=True)):
+            recv = [torch.empty_like(_local(p)) for p in params]
+            if all(r.device.type == "cpu" for r in recv):
+                self._buffers[stage.stage_index] = recv
         return [params, grads, recv, [], set()]
 
     def _grad(self, entry, i) -> torch.Tensor:
@@ -426,7 +435,7 @@ def _add_partner(p: torch.Tensor, theirs: torch.Tensor) -> None:
     if p.grad is None:
         if _local(p) is not p:
             raise ValueError("sum_mirrored_grads: a DTensor parameter without a gradient")
-        p.grad = theirs
+        p.grad = theirs.clone()  # the receive buffer may be reused next step
     else:
         _local(p.grad).add_(theirs)
 
