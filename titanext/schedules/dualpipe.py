@@ -37,6 +37,7 @@ even ``pp`` and even ``m >= 2pp``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -323,6 +324,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _MIRROR_TAG, _TAGS_PER_STAGE = 7_000, 100_000
 
 
+@dataclass
+class _Exchange:
+    """One stage copy's exchange in flight: its parameters, the gradients sent so far (by
+    parameter index), the receive buffers and the P2P works."""
+
+    params: list
+    sent: dict[int, torch.Tensor]
+    recv: list[torch.Tensor]
+    works: list
+
+
 class MirroredGradSum:
     """The exchange behind :func:`sum_mirrored_grads`, startable one stage copy, or one
     parameter, at a time.
@@ -343,8 +355,7 @@ class MirroredGradSum:
         self.stages, self.group = list(stages), down.group
         peer = down.group_size - 1 - down.group_rank
         self.peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
-        #: stage index -> [params, grads, recv buffers, works, indices of sent params]
-        self.pending: dict[int, list] = {}
+        self.pending: dict[int, _Exchange] = {}  # by stage index
         #: receive buffers kept from step to step on CPU, where a fresh tensor of a stage's
         #: gradient size is fresh pages from the OS (a CUDA caching allocator reuses blocks)
         self._buffers: dict[int, list[torch.Tensor]] = {}
@@ -353,12 +364,11 @@ class MirroredGradSum:
         base = _MIRROR_TAG + stage.stage_index * _TAGS_PER_STAGE
         return [dist.P2POp(kind, t, self.peer, self.group, base + i) for i, t in tensors.items()]
 
-    def _entry(self, stage) -> list:
+    def _entry(self, stage) -> _Exchange:
         params = list(stage.submod.parameters())
         if len(params) >= _TAGS_PER_STAGE:
             raise ValueError(f"a DualPipe stage with {len(params)} parameter tensors; at most "
                              f"{_TAGS_PER_STAGE - 1}")
-        grads: list = [None] * len(params)
         recv = self._buffers.get(stage.stage_index)
         if recv is None or len(recv) != len(params) or any(
                 r.shape != _local(p).shape or r.dtype != p.dtype
@@ -366,28 +376,29 @@ class MirroredGradSum:
             recv = [torch.empty_like(_local(p)) for p in params]
             if all(r.device.type == "cpu" for r in recv):
                 self._buffers[stage.stage_index] = recv
-        return [params, grads, recv, [], set()]
+        return _Exchange(params, {}, recv, [])
 
-    def _grad(self, entry, i) -> torch.Tensor:
-        p = entry[0][i]
+    @staticmethod
+    def _grad(entry: _Exchange, i: int) -> torch.Tensor:
+        """Parameter i's gradient as sent (kept alive in ``entry.sent`` until the send is done)."""
+        p = entry.params[i]
         g = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
-        entry[1][i] = g.contiguous()
-        entry[4].add(i)
-        return entry[1][i]
+        entry.sent[i] = g.contiguous()
+        return entry.sent[i]
 
     def start(self, stage) -> None:
         entry = self.pending.get(stage.stage_index)
         if entry is None:  # one batch of every send and receive (NCCL groups it)
             entry = self.pending[stage.stage_index] = self._entry(stage)
-            sends = {i: self._grad(entry, i) for i in range(len(entry[0]))}
+            sends = {i: self._grad(entry, i) for i in range(len(entry.params))}
             ops = (self._ops(stage, dist.isend, sends)
-                   + self._ops(stage, dist.irecv, dict(enumerate(entry[2]))))
+                   + self._ops(stage, dist.irecv, dict(enumerate(entry.recv))))
         else:  # receives are out (start_param): the sends not made yet
             ops = self._ops(stage, dist.isend, {i: self._grad(entry, i)
-                                                for i in range(len(entry[0]))
-                                                if i not in entry[4]})
+                                                for i in range(len(entry.params))
+                                                if i not in entry.sent})
         if ops:
-            entry[3] += dist.batch_isend_irecv(ops)
+            entry.works += dist.batch_isend_irecv(ops)
 
     def start_param(self, stage, param) -> None:
         """Send ``param``'s final gradient now (receives for the whole copy are posted first);
@@ -395,11 +406,11 @@ class MirroredGradSum:
         entry = self.pending.get(stage.stage_index)
         if entry is None:
             entry = self.pending[stage.stage_index] = self._entry(stage)
-            entry[3] += dist.batch_isend_irecv(
-                self._ops(stage, dist.irecv, dict(enumerate(entry[2]))))
-        i = next(k for k, p in enumerate(entry[0]) if p is param)
-        if i not in entry[4]:
-            entry[3] += dist.batch_isend_irecv(
+            entry.works += dist.batch_isend_irecv(
+                self._ops(stage, dist.irecv, dict(enumerate(entry.recv))))
+        i = next(k for k, p in enumerate(entry.params) if p is param)
+        if i not in entry.sent:
+            entry.works += dist.batch_isend_irecv(
                 self._ops(stage, dist.isend, {i: self._grad(entry, i)}))
 
     def finish(self) -> None:
@@ -409,10 +420,10 @@ class MirroredGradSum:
             self.start(stage)
         pending, self.pending = self.pending, {}
         for entry in pending.values():  # every send is done before a gradient changes
-            for w in entry[3]:
+            for w in entry.works:
                 w.wait()
-        for params, _, recv, _, _ in pending.values():
-            for p, theirs in zip(params, recv, strict=True):
+        for entry in pending.values():
+            for p, theirs in zip(entry.params, entry.recv, strict=True):
                 _add_partner(p, theirs)
 
 
