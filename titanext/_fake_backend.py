@@ -95,6 +95,22 @@ def mem_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepTracker(MemTracker):
+        _propagating = 0  # inside DTensor's sharding propagation (global-shape fake tensors)
+
+        def __enter__(self):
+            _patch_sharding_propagation()
+            _TRACKERS.append(self)
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            _TRACKERS.remove(self)
+            return super().__exit__(*args)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self._propagating:  # metadata only: no memory on any device
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _pre_fw_hook(self, module, inputs):  # private hook of MemTracker
             tracker = self._mod_tracker
             if (module in self.memory_tracking and not tracker.is_bw
@@ -118,3 +134,41 @@ def mem_tracker():
                 self._mod_tracker.__enter__()
 
     return StepTracker()
+
+
+_TRACKERS: list = []  # the StepTrackers inside their context
+
+
+def _patch_sharding_propagation() -> None:
+    """Make the active :func:`mem_tracker` ignore DTensor's sharding propagation.
+
+    DTensor derives an op's output shape by running the op on fake tensors of the *global*
+    shape, in the active fake mode if there is one. MemTracker tells those tensors from the
+    local computation by the fake mode (torch 2.13): a real run's propagation makes a fresh
+    mode and is skipped, but in a dry run the active mode is the dry run's own, so every
+    uncached propagation was counted as memory: the 405B's first-stage peak held a float32
+    and a bfloat16 copy of the whole ``[vocabulary, dim]`` embedding gradient (11.7 GiB) that
+    no run allocates. Patched once per process, a no-op outside a tracker.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    name = "_propagate_tensor_meta_non_cached"
+    orig = getattr(ShardingPropagator, name, None)
+    if orig is None:
+        raise RuntimeError(f"titanext dry run: this torch has no ShardingPropagator.{name}; "
+                           "the dry run's memory tracker needs it (torch 2.11 and 2.13 have it)")
+    if getattr(orig, "_titanext", False):
+        return
+
+    def propagate(self, op_schema):
+        for tracker in _TRACKERS:
+            tracker._propagating += 1
+        try:
+            return orig(self, op_schema)
+        finally:
+            for tracker in _TRACKERS:
+                tracker._propagating -= 1
+
+    propagate._titanext = True
+    setattr(ShardingPropagator, name, propagate)
+

@@ -69,13 +69,13 @@ def microbatch_times(lo: Layout, device: Device, efficiency: float) -> list[Micr
 
 
 def pipeline_pass(lo: Layout, mt: MicrobatchTime, p2p: float
-                  ) -> tuple[float, float, list[int]]:
+                  ) -> tuple[float, float, list[int], list | None]:
     """(time of one pass: a pipeline flush or one micro-batch, bubble ratio, micro-batches in
-    flight on each pp rank at its peak)."""
+    flight on each pp rank at its peak, the simulated actions (None without pp))."""
     if lo.pp == 1:
-        return mt.total, 0.0, [1]
+        return mt.total, 0.0, [1], None
     pass_time, sim = simulate_times(lo.pipe, f=mt.f, i=mt.i, w=mt.w, comm=p2p)
-    return pass_time, sim.bubble_ratio, sim.peak_activations
+    return pass_time, sim.bubble_ratio, sim.peak_activations, sim.events
 
 
 def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, units: int,
@@ -118,9 +118,9 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     busiest = max(range(lo.pp), key=lambda r: per_rank[r].total)
     rank = lo.pipe.ranks[busiest]
     comm, mt, p2p = model_parallel_comm(lo, device, rank, per_rank[busiest])
-    pass_time, bubble, in_flight = pipeline_pass(lo, mt, p2p)
+    pass_time, bubble, in_flight, events = pipeline_pass(lo, mt, p2p)
     compute = lo.passes * sum((per_rank[busiest].f, per_rank[busiest].i, per_rank[busiest].w))
-    memories, psis = memory_per_pp_rank(lo, in_flight)
+    memories, psis = memory_per_pp_rank(lo, in_flight, events)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
     psi_dense, psi_experts = psis[busiest]
     comm += data_parallel_comm(lo, rank, psi_dense, psi_experts)

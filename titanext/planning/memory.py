@@ -21,7 +21,8 @@ The GPT layer of Korthikanti et al. (the playbook's figure) is :func:`gpt_activa
 34 s b h + 5 a s^2 b bytes per layer in 16-bit. The Llama form drops the s^2 term (attention
 scores are never stored), the dropout masks and the GELU input, and adds SwiGLU's gate.
 Under TP the parts split by heads or FFN columns divide by tp, the norm parts only with SP,
-and the all-gathered matmul inputs (2 h) never; under CP every part divides by cp and ring
+and the all-gathered matmul inputs (2 h) and the row-wise matmuls' outputs (partial sums of
+width h, saved by selective AC) never; under CP every part divides by cp and ring
 attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h). Ulysses (u ranks) saves
 the head-sharded, whole-sequence q, k, v: as many bytes as the sequence shards, except that
 kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads).
@@ -88,10 +89,13 @@ def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool
     # q, k, v, out (ring: K/V unexpanded)
     attention = a * (2 * h + 2 * hkv) if cp > 1 else a * 4 * h
     if mode == "selective":
-        sharded = a * (3 * h + 2 * hkv + 2 * f) + 4 * n  # matmul and attention outputs
+        # matmul and attention outputs: q, k, v, attention, w1, w3 (split by TP), and the
+        # outputs of the row-wise matmuls wo and w2: partial sums of the whole width h before
+        # TP's reduce(-scatter), never split (the 8B dry run at TP 2: 2 x 128 MiB per block)
+        sharded = a * (2 * h + 2 * hkv + 2 * f) + 4 * n
         if cp > 1:  # the ring is not an SDPA op: its output is recomputed
             sharded -= a * h + 4 * n
-        return (sharded / tp + a * h / (tp if sp else 1)) / cp
+        return (sharded / tp + a * 2 * h + a * h / (tp if sp else 1)) / cp
     sharded = attention + a * 4 * f + 4 * n
     norms = a * 4 * h + 8  # residual inputs and normalised values of the two norms, rstds
     matmul_inputs = a * 2 * h  # gathered under TP, so never divided by tp
@@ -106,21 +110,55 @@ def state_elements(lo: Layout, psi_dense: float, psi_experts: float, ranks: int)
     return psi_dense / ranks + psi_experts / max(1, ranks // lo.ep)
 
 
-def memory_per_pp_rank(lo: Layout, in_flight: list[int]
+def _params(lo: Layout, layer_ids, embedding: bool, head: bool) -> tuple[float, float, int]:
+    """(dense, expert) parameters on one rank of these blocks (and the embedding or the head),
+    after TP and EP, and their number of parameter tensors."""
+    shape, moe, tp = lo.shape, lo.shape.moe, lo.tp
+    n_m = len(moe.layer_ids.intersection(layer_ids)) if moe else 0
+    n = len(layer_ids)
+    dense = ((n - n_m) * (shape.layer_sharded / tp + shape.layer_replicated)
+             + n_m * ((moe.sharded / tp + moe.replicated) if moe else 0)
+             + (shape.embedding / tp if embedding else 0)
+             + (shape.output / tp + shape.final_norm if head else 0))
+    experts = n_m * moe.experts / lo.ep if moe else 0.0
+    tensors = (n - n_m) * shape.layer_tensors + n_m * (moe.tensors if moe else 0) + embedding \
+        + 2 * head
+    return dense, experts, tensors
+
+
+def _compiled(lo: Layout, component: str) -> bool:
+    c = lo.cfg.compile
+    return c.enable and component in c.components
+
+
+def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
+    """Bytes per token of one block that a split backward keeps from its input-gradient pass (I)
+    to its weight-gradient pass (W): every matmul's input and output gradient. Under TP with SP
+    the inputs of the column-wise matmuls and the output gradients of the row-wise ones are the
+    gathered sequence (4 h); the rest is split by tp: a (4 h + (2 h + 2 h_kv + 3 f) / tp)."""
+    h, hkv, tp = lo.shape.dim, lo.shape.kv_dim, lo.tp
+    return lo.a * (4 * h + (2 * h + 2 * hkv + 3 * ffn) / tp) / lo.cp
+
+
+def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                        ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
     """(bytes by category, (dense, expert) parameters) of each pp rank.
 
-    ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's).
+    ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
+    ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
+    which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`).
     """
-    shape, moe, tp, ep, a = lo.shape, lo.shape.moe, lo.tp, lo.ep, lo.a
+    shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
                                                  ulysses=lo.ulysses)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     # The loss's backward, on top of the saved activations, per token and local vocabulary
-    # entry: the logits the train step still holds (a) and the fp32 gradients of the
-    # log-softmax output and of the logits (8) (measured by the dry run, docs/dry_run.md)
-    loss_backward = lo.tokens * (a + 8) * shape.vocab / tp
+    # entry: the logits the train step still holds (a) and float32 vocabulary-sized tensors:
+    # eager log_softmax's backward holds the gradient of its output (nll_loss's zeros), exp of
+    # the output and the logits' gradient at once (12, measured by the dry run); a compiled
+    # loss fuses the exp away (8: the two gradients; not measured: dynamo does not run there)
+    loss_backward = lo.tokens * (a + (8 if _compiled(lo, "loss") else 12)) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses)
                      if moe else 0.0)
@@ -128,13 +166,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
     memories, psis = [], []
     for r, rk in enumerate(lo.pipe.ranks):
         n_m = lo.n_moe(rk)
-        psi_dense = ((rk.layers - n_m) * (shape.layer_sharded / tp + shape.layer_replicated)
-                     + n_m * ((moe.sharded / tp + moe.replicated) if moe else 0)
-                     + (shape.embedding / tp if rk.embedding else 0)
-                     + (shape.output / tp + shape.final_norm if rk.head else 0))
-        psi_experts = n_m * moe.experts / ep if moe else 0.0
-        tensors = ((rk.layers - n_m) * shape.layer_tensors + n_m * (moe.tensors if moe else 0)
-                   + rk.embedding + 2 * rk.head)
+        psi_dense, psi_experts, tensors = _params(lo, rk.layer_ids, rk.embedding, rk.head)
         state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
         mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
                # two fp32 moments per element, and a 4-byte step per parameter tensor
@@ -142,18 +174,122 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int]
                + 4 * tensors}
         if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
             mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
+            if not lo.reshard:  # the embedding and the head stay gathered too
+                mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
+                                               + (shape.output / tp if rk.head else 0))
         else:
             mem["gathered params"] = 0.0
-        if sharded and lo.pp > 1:
-            # PP x FSDP: the schedule reduce-scatters once per step, so FSDP accumulates the
-            # unsharded gradients of this rank's stages over the micro-batches (in the reduce
-            # dtype when it differs from the param dtype; measured by the dry run)
-            mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
-        stages = len(rk.stages)
-        mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
-                              * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
-                              + (head_act if rk.head else 0.0))
-        mem["loss backward"] = loss_backward if rk.head else 0.0
+        if lo.pp > 1 and events is not None:
+            mem.update(_pipeline_peak(lo, r, rk, events, sharded=sharded,
+                                      grads=mem.pop("grads (fp32)"), per_layer=per_layer,
+                                      per_moe_layer=per_moe_layer, head_act=head_act,
+                                      loss_backward=loss_backward))
+        else:
+            if sharded and lo.pp > 1:
+                mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
+            stages = len(rk.stages)
+            mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
+                                  * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
+                                  + (head_act if rk.head else 0.0))
+            mem["loss backward"] = loss_backward if rk.head else 0.0
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis
+
+
+def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: float,
+                   per_layer: float, per_moe_layer: float, head_act: float,
+                   loss_backward: float) -> dict[str, float]:
+    """The step's memory peak of pipeline rank ``r``, replaying its simulated actions in order.
+
+    Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
+
+    - **activations**: each micro-batch between its F and its backward holds
+      ``T x (the blocks' saved bytes + the stage output (a h / tp_sp) [+ the head's])``;
+    - **backward transients**: a full backward (B) under full AC recomputes one block (its
+      saved bytes without AC); a split backward keeps :func:`_weight_grad_inputs` of every
+      block of the stage from the micro-batch's I to its W, which torch's runtime runs next to
+      each other (one micro-batch at a time; the dry run's 70B: +4.1 GiB at I, -5.1 at W);
+    - **pipeline buffers**: torch's stage preallocates, for every micro-batch, a receive
+      buffer for its input activation (all but the first stage) and for its output gradient
+      (all but the last): ``m x T a h / tp_sp`` each, for the whole step;
+    - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients over the
+      micro-batches and reduce-scatters once, after the stage's last backward. FSDP converts
+      each backward's gradient to the reduce dtype (``reduce_bytes`` per parameter, from the
+      stage's first backward to its reduce); a split backward's W leaves the param-dtype
+      gradient too (``a`` more, until the next input-gradient pass or the reduce);
+    - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
+      step by a step with gradient accumulation);
+    - **loss backward**: the last stage's backward first runs the loss backward, whose
+      transients are freed before the blocks' (the larger of the two counts).
+
+    Measured against the dry run (docs/dry_run.md): 405B (Interleaved1F1B) peaks at its last
+    stage's second backward, 70B (ZBV) at the end of the step, 671B (DualPipe) in a backward.
+    """
+    shape, moe, a, m = lo.shape, lo.shape.moe, lo.a, lo.pipe.microbatches
+    last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
+    boundary = lo.tokens_mb * a * shape.dim / (lo.tp if lo.sp else 1) / lo.cp
+    none_layer = activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
+                                                  cp=lo.cp, ulysses=lo.ulysses)
+    none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
+                                                 cp=lo.cp, moe=True, ulysses=lo.ulysses)
+                if moe else 0.0)
+    wgrad_dense = _weight_grad_inputs(lo, shape.ffn)
+    wgrad_moe = _weight_grad_inputs(lo, moe.top_k * moe.hidden + moe.shared_hidden) if moe else 0
+    split = any(e.kind == "W" for e in events)
+    act, wact, acc, grad, transient, recv = {}, {}, {}, {}, {}, 0.0
+    psi_rank = sum(_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
+    for s, ids in zip(rk.stages, rk.stage_layer_ids):
+        n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
+        n_d = len(ids) - n_m
+        act[s] = (lo.tokens_mb * (n_d * per_layer + n_m * per_moe_layer) + boundary
+                  + (head_act if s == last_stage else 0.0))
+        wact[s] = lo.tokens_mb * (n_d * wgrad_dense + n_m * wgrad_moe)
+        psi = sum(_params(lo, ids, s == 0, s == last_stage)[:2])
+        acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if split else 0)) * psi \
+            if sharded else 0.0
+        grad[s] = grads * psi / psi_rank if psi_rank else 0.0
+        recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
+                     if lo.ac == "full" else 0.0)
+        transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
+        recv += m * boundary * ((s != 0) + (s != last_stage))
+    live = dict.fromkeys(rk.stages, 0)
+    done = dict.fromkeys(rk.stages, 0)
+    acc_on = dict.fromkeys(rk.stages, False)
+    reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
+
+    def snapshot(extra=(0.0, 0.0)) -> dict[str, float]:
+        return {"grads (fp32)": sum(grad[s] for s in rk.stages if reduced[s]),
+                "unsharded grads (pp)": sum(acc[s] for s in rk.stages if acc_on[s]),
+                "activations": sum(live[s] * act[s] for s in rk.stages),
+                "pipeline buffers": recv, "backward transients": extra[0],
+                "loss backward": extra[1]}
+
+    best: dict[str, float] = snapshot()
+    for e in sorted((e for e in events if e.rank == r and e.stage in live),
+                    key=lambda e: e.start):
+        s = e.stage
+        extra = (0.0, 0.0)
+        if e.kind == "F":
+            live[s] += 1
+        else:
+            if e.kind in ("I", "B"):
+                acc_on[s] = True
+            # the loss backward runs first and is freed before the blocks' backward starts
+            recompute, loss = transient[s]
+            block = wact[s] if e.kind in ("I", "W") else recompute
+            extra = (0.0, loss) if e.kind != "W" and loss > block else (block, 0.0)
+        now = snapshot(extra)
+        if sum(now.values()) > sum(best.values()):
+            best = now
+        if e.kind in ("I", "B"):
+            live[s] -= 1
+        if e.kind in ("B", "W"):
+            done[s] += 1
+            if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
+                reduced[s] = True
+                now = snapshot()
+                if sum(now.values()) > sum(best.values()):
+                    best = now
+                acc_on[s] = False
+    return best

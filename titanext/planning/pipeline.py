@@ -33,6 +33,7 @@ class RankStages:
     head: bool
     sends: int
     layer_ids: tuple[int, ...] = ()  # the model's block indices in this rank's stages
+    stage_layer_ids: tuple[tuple[int, ...], ...] = ()  # the same, stage by stage
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
         # neighbour lives on the same rank (the V's turn)
         sends = sum((s + 1 < n_stages and (mirrored or owner[s + 1] != r))
                     + (s > 0 and (mirrored or owner[s - 1] != r)) for s in stages)
-        layer_ids = tuple(i for s in stages for i in range(starts[s], starts[s] + counts[s]))
+        per_stage = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
+        layer_ids = tuple(i for ids_s in per_stage for i in ids_s)
         ranks.append(RankStages(tuple(stages), len(layer_ids), 0 in stages,
-                                n_stages - 1 in stages, sends, layer_ids))
+                                n_stages - 1 in stages, sends, layer_ids, per_stage))
     return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks))
 
 
