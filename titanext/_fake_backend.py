@@ -1,9 +1,12 @@
 """Every private torch name the dry run (``[comm] mode = "fake_backend"``) uses, in one place.
 
 Private in torch 2.11 and 2.13 alike (checked against both): ``FakeStore`` (the store of
-torch's ``"fake"`` process-group backend), ``FakeTensorMode`` / ``FakeTensor`` /
-``unset_fake_temporarily`` (fake tensors), ``MemTracker`` (per-category memory of a step),
-``TorchDispatchMode`` and ``tree_leaves`` (the collective byte counter).
+torch's ``"fake"`` process-group backend; ``HashStore`` where it is missing),
+``FakeTensorMode`` / ``FakeTensor`` / ``unset_fake_temporarily`` (fake tensors), ``MemTracker``
+and its private hooks and state (per-category memory of a step; a clear error names any that
+is missing), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
+propagation, kept out of the memory count), ``TorchDispatchMode`` and ``tree_leaves`` (the
+collective byte counter).
 Nothing else in titanext imports them; a torch that moves one breaks only this module.
 """
 
@@ -26,9 +29,11 @@ __all__ = ["TorchDispatchMode", "fake_tensor_mode", "host_float", "init_fake_pro
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """Make this process rank ``rank`` of ``world_size`` over torch's fake backend: every
     collective returns at once without moving data."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # imported on use only
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:  # an empty store class; torch's fake backend accepts any store (HashStore too)
+        from torch.testing._internal.distributed.fake_pg import FakeStore as Store
+    except ImportError:
+        Store = dist.HashStore
+    dist.init_process_group("fake", store=Store(), rank=rank, world_size=world_size)
 
 
 def fake_tensor_mode() -> FakeTensorMode:
@@ -133,7 +138,17 @@ def mem_tracker():
             finally:
                 self._mod_tracker.__enter__()
 
-    return StepTracker()
+    tracker = StepTracker()
+    missing = [n for n in _MEM_TRACKER_NAMES if not hasattr(tracker, n)]
+    if missing:
+        raise RuntimeError(f"titanext dry run: this torch's MemTracker lacks {missing}, which the "
+                           "dry run's tracker uses (torch 2.11 and 2.13 have them)")
+    return tracker
+
+
+# MemTracker's private names the step tracker reads or overrides
+_MEM_TRACKER_NAMES = ("_pre_fw_hook", "_update_peak_stats", "_curr_mem_snap", "_peak_mem",
+                      "_peak_mem_snap", "_mod_tracker", "memory_tracking")
 
 
 _TRACKERS: list = []  # the StepTrackers inside their context

@@ -27,6 +27,14 @@ attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h). Ulysses (u 
 the head-sharded, whole-sequence q, k, v: as many bytes as the sequence shards, except that
 kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads).
 
+A pipeline rank's peak is found by replaying the simulated schedule (the same action lists
+torch runs) stage by stage, see :func:`_pipeline_peak`: activations of the micro-batches in
+flight, torch's per-micro-batch receive buffers, FSDP's unsharded gradient accumulators from a
+stage's first backward to its reduce-scatter, the sharded gradients after it, and the
+transients of the backward running (AC's recompute of a block, a split backward's weight-
+gradient inputs, or the loss backward). Every term was attributed tensor by tensor in the dry
+run of the shipped configs (docs/dry_run.md).
+
 >>> zero_bytes_per_rank(1e9, 8, 3) / 1e9       # ZeRO-3: 16 Psi / N
 2.0
 """
@@ -181,7 +189,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
             mem["gathered params"] = 0.0
         if lo.pp > 1 and events is not None:
             mem.update(_pipeline_peak(lo, r, rk, events, sharded=sharded,
-                                      grads=mem.pop("grads (fp32)"), per_layer=per_layer,
+                                      grads=mem["grads (fp32)"], per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward))
         else:
@@ -205,11 +213,12 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
     Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
 
     - **activations**: each micro-batch between its F and its backward holds
-      ``T x (the blocks' saved bytes + the stage output (a h / tp_sp) [+ the head's])``;
+      ``T x (the blocks' saved bytes + the stage output (a h / tp_sp) [+ the head's])``; under
+      a split backward it then holds :func:`_weight_grad_inputs` of every block from its I to
+      its W (the 70B's rank 0 runs W right after I: +4.1 GiB at I, -5.1 GiB at W; its middle
+      ranks defer seven Ws to the cooldown and peak at 79 GiB there);
     - **backward transients**: a full backward (B) under full AC recomputes one block (its
-      saved bytes without AC); a split backward keeps :func:`_weight_grad_inputs` of every
-      block of the stage from the micro-batch's I to its W, which torch's runtime runs next to
-      each other (one micro-batch at a time; the dry run's 70B: +4.1 GiB at I, -5.1 at W);
+      saved bytes without AC);
     - **pipeline buffers**: torch's stage preallocates, for every micro-batch, a receive
       buffer for its input activation (all but the first stage) and for its output gradient
       (all but the last): ``m x T a h / tp_sp`` each, for the whole step;
@@ -235,7 +244,12 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
                                                  cp=lo.cp, moe=True, ulysses=lo.ulysses)
                 if moe else 0.0)
     wgrad_dense = _weight_grad_inputs(lo, shape.ffn)
-    wgrad_moe = _weight_grad_inputs(lo, moe.top_k * moe.hidden + moe.shared_hidden) if moe else 0
+    # a MoE block: its attention and shared experts like a dense block's, and per routed row
+    # (k per token, replicated over tp) the experts' inputs and output gradients (2 h) and
+    # the SwiGLU product and two hidden gradients (3 f_e): the DeepSeek-V3 dry run's index_select
+    # / index_add rows of [k T, h] per block and micro-batch
+    wgrad_moe = (_weight_grad_inputs(lo, moe.shared_hidden)
+                 + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
     split = any(e.kind == "W" for e in events)
     act, wact, acc, grad, transient, recv = {}, {}, {}, {}, {}, 0.0
     psi_rank = sum(_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
@@ -254,6 +268,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
         recv += m * boundary * ((s != 0) + (s != last_stage))
     live = dict.fromkeys(rk.stages, 0)
+    pending = dict.fromkeys(rk.stages, 0)  # between I and W
     done = dict.fromkeys(rk.stages, 0)
     acc_on = dict.fromkeys(rk.stages, False)
     reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
@@ -261,35 +276,42 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
     def snapshot(extra=(0.0, 0.0)) -> dict[str, float]:
         return {"grads (fp32)": sum(grad[s] for s in rk.stages if reduced[s]),
                 "unsharded grads (pp)": sum(acc[s] for s in rk.stages if acc_on[s]),
-                "activations": sum(live[s] * act[s] for s in rk.stages),
+                "activations": sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
                 "pipeline buffers": recv, "backward transients": extra[0],
                 "loss backward": extra[1]}
 
     best: dict[str, float] = snapshot()
-    for e in sorted((e for e in events if e.rank == r and e.stage in live),
-                    key=lambda e: e.start):
-        s = e.stage
-        extra = (0.0, 0.0)
-        if e.kind == "F":
-            live[s] += 1
-        else:
-            if e.kind in ("I", "B"):
-                acc_on[s] = True
-            # the loss backward runs first and is freed before the blocks' backward starts
-            recompute, loss = transient[s]
-            block = wact[s] if e.kind in ("I", "W") else recompute
-            extra = (0.0, loss) if e.kind != "W" and loss > block else (block, 0.0)
+
+    def consider(extra=(0.0, 0.0)) -> None:
+        nonlocal best
         now = snapshot(extra)
         if sum(now.values()) > sum(best.values()):
             best = now
+
+    for e in (e for e in events if e.rank == r and e.stage in live):  # in execution order
+        s = e.stage
+        recompute, loss = transient[s]
+        if e.kind == "F":
+            live[s] += 1
+            consider()
+            continue
         if e.kind in ("I", "B"):
+            acc_on[s] = True
+            consider((0.0, loss))  # the loss backward runs first, freed before the blocks'
+        if e.kind == "I":  # then its weight-gradient inputs build up
             live[s] -= 1
+            pending[s] += 1
+            consider()
+        elif e.kind == "B":
+            consider((recompute, 0.0))
+            live[s] -= 1
+        else:
+            consider()
+            pending[s] -= 1
         if e.kind in ("B", "W"):
             done[s] += 1
             if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
                 reduced[s] = True
-                now = snapshot()
-                if sum(now.values()) > sum(best.values()):
-                    best = now
+                consider()
                 acc_on[s] = False
     return best

@@ -82,11 +82,13 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
 @functools.lru_cache(maxsize=1024)
 def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
                       f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0):
-    """:func:`titanext.schedules.simulate`, cached (the advice asks for the same ones often)."""
+    """:func:`titanext.schedules.simulate` of the action lists the trainer runs (a generated
+    schedule's for equal costs, as the trainer builds it, unless it measures its own), with
+    these costs; cached (the advice asks for the same ones often)."""
     from titanext.schedules import simulate
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
-                    stages_per_rank=stages_per_rank)
+                    stages_per_rank=stages_per_rank, runtime_order=True)
 
 
 def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float):

@@ -212,13 +212,16 @@ def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: in
 
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
-             w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None) -> SimResult:
+             w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
+             runtime_order: bool = False) -> SimResult:
     """Replay schedule ``name``'s action lists with these costs.
 
     ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
     through 1/pp of the model; a schedule with k stages per rank (same model) runs stages of
     cost f/k, and ``peak_memory`` counts activations in the same 1/pp units. A full backward
-    B costs b + w. ``comm`` is the latency of each cross-rank send.
+    B costs b + w. ``comm`` is the latency of each cross-rank send. A generated schedule's
+    lists are generated for these costs; with ``runtime_order`` they are the lists the trainer
+    runs instead (generated for equal costs, except Auto's, which the trainer measures).
 
     >>> r = simulate("1F1B", pp=4, microbatches=8)
     >>> round(r.bubble_ratio, 4), r.peak_activations
@@ -228,8 +231,10 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
     costs = dict(f=f * share, b=b * share, w=w * share, comm=comm)
+    order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
+                   else dict(f=f, b=b, w=w, comm=comm))
     order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
-                           f=f, b=b, w=w, comm=comm)
+                           **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
