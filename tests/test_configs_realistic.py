@@ -20,7 +20,7 @@ REAL = {
                            "compile.enable": True, "model.flavor": "8B"}),
     "llama3_70b_multinode.toml": (64, {"parallelism.tensor_parallel_degree": 8, "dp_shard": 2,
                                        "parallelism.pipeline_parallel_degree": 4,
-                                       "parallelism.pipeline_parallel_schedule": "ZBV",
+                                       "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
                                        "model.flavor": "70B"}),
 }
 

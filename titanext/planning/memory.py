@@ -154,7 +154,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
 
     ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
     ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
-    which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`).
+    which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`;
+    without it, every term at its own maximum).
     """
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
@@ -208,7 +209,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
 def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: float,
                    per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float) -> dict[str, float]:
-    """The step's memory peak of pipeline rank ``r``, replaying its simulated actions in order.
+    """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
+    trainer runs them (``events``, :func:`titanext.planning.pipeline.simulate_times`).
 
     Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
 
@@ -230,10 +232,11 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
       step by a step with gradient accumulation);
     - **loss backward**: the last stage's backward first runs the loss backward, whose
-      transients are freed before the blocks' (the larger of the two counts).
+      transients are freed before the blocks' backward starts.
 
-    Measured against the dry run (docs/dry_run.md): 405B (Interleaved1F1B) peaks at its last
-    stage's second backward, 70B (ZBV) at the end of the step, 671B (DualPipe) in a backward.
+    Measured against the dry run (docs/dry_run.md): the 405B's rank 0 (Interleaved1F1B) peaks
+    in its later stage's second backward, the 70B's (ZBV) in a W, the middle ranks of ZBV and
+    DualPipe in the cooldown where the deferred Ws' inputs pile up.
     """
     shape, moe, a, m = lo.shape, lo.shape.moe, lo.a, lo.pipe.microbatches
     last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
