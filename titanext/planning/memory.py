@@ -230,7 +230,8 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
       stage's first backward to its reduce); a split backward's W leaves the param-dtype
       gradient too (``a`` more, until the next input-gradient pass or the reduce);
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
-      step by a step with gradient accumulation);
+      step by a step with gradient accumulation); without FSDP the gradients accumulate in
+      place from the stage's first backward;
     - **loss backward**: the last stage's backward first runs the loss backward, whose
       transients are freed before the blocks' backward starts.
 
@@ -277,7 +278,8 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
     reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
 
     def snapshot(extra=(0.0, 0.0)) -> dict[str, float]:
-        return {"grads (fp32)": sum(grad[s] for s in rk.stages if reduced[s]),
+        return {"grads (fp32)": sum(grad[s] for s in rk.stages  # without FSDP: param.grad
+                                    if reduced[s] or (acc_on[s] and not sharded)),
                 "unsharded grads (pp)": sum(acc[s] for s in rk.stages if acc_on[s]),
                 "activations": sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
                 "pipeline buffers": recv, "backward transients": extra[0],
