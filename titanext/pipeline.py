@@ -114,11 +114,15 @@ def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: i
     ranks = list(stage_ranks) if stage_ranks is not None else list(range(n_stages))
     if len(ranks) != n_stages:
         raise ValueError(f"stage_ranks = {ranks} must name the rank of each of {n_stages} stages")
+    load = dict.fromkeys(ranks, 0)
+    for c, r in zip(counts, ranks, strict=True):
+        load[r] += c
+    rank_first = {s: k for k, s in enumerate(order)}
     for _ in range(extra):
-        load = {r: sum(c for c, q in zip(counts, ranks, strict=True) if q == r) for r in ranks}
-        i = min(order, key=lambda s: (load[ranks[s]], order.index(s)))
+        i = min(order, key=lambda s: (load[ranks[s]], rank_first[s]))
         order.remove(i)
         counts[i] += 1
+        load[ranks[i]] += 1
     counts[0] -= first_stage_less_layers
     counts[-1] -= last_stage_less_layers
     if min(counts) < 1 or sum(counts) != n_layers:
