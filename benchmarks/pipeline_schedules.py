@@ -279,15 +279,18 @@ def _input_of(e) -> tuple[str, int, int]:
     return ("I", stage + 1, j) if kind in "IB" else ("I", stage, j)
 
 
-def _hops(ranks: list[dict]) -> list[float]:
+def _chunks(ranks: list[dict]) -> dict[tuple[str, int, int], tuple[int, tuple]]:
+    """(kind, stage, micro-batch) -> (rank, event) of every chunk of the step (a B is recorded
+    as "I": it is the input gradient the previous stage waits for)."""
+    return {(e[0] if e[0] != "B" else "I", e[3], e[4]): (q, e)
+            for q, r in enumerate(ranks) for e in r["events"]}
+
+
+def _hops(ranks: list[dict], where: dict) -> list[float]:
     """Cross-rank hop times: for every chunk whose input comes from another rank (F from the
     previous stage's F, I / B from the next stage's I / B) and whose rank sat idle when that
     input's chunk ended, the time from that end to this chunk's start: sending, receiving and
-    waking up, what the simulator's ``comm`` stands for."""
-    where = {}
-    for q, r in enumerate(ranks):
-        for e in r["events"]:
-            where[(e[0] if e[0] != "B" else "I", e[3], e[4])] = (q, e)
+    waking up, what the simulator's ``comm`` stands for. ``where``: :func:`_chunks`."""
     out = []
     for q, r in enumerate(ranks):
         ends = sorted(e[2] for e in r["events"])
@@ -302,19 +305,17 @@ def _hops(ranks: list[dict]) -> list[float]:
     return out
 
 
-def _overheads(ranks: list[dict]) -> list[float]:
+def _overheads(ranks: list[dict], where: dict) -> list[float]:
     """The runtime's own time between two chunks of a rank when nothing had to be waited for
     (the next chunk's input was there when the previous chunk ended): issuing sends and
-    receives, bookkeeping, the loss. What the simulator's ``overhead`` stands for."""
-    ends = {}
-    for r in ranks:
-        for e in r["events"]:
-            ends[(e[0] if e[0] != "B" else "I", e[3], e[4])] = e[2]
+    receives, bookkeeping, the loss. What the simulator's ``overhead`` stands for.
+    ``where``: :func:`_chunks`."""
     out = []
     for r in ranks:
         ev = sorted(r["events"], key=lambda e: e[1])
         for a, e in zip(ev, ev[1:]):
-            if ends.get(_input_of(e), 0.0) <= a[2]:
+            dep = where.get(_input_of(e))
+            if dep is None or dep[1][2] <= a[2]:
                 out.append(e[1] - a[2])
     return out
 
@@ -345,12 +346,13 @@ def _summary(ranks: list[dict]) -> dict:
         for e in r["events"]:
             per_stage.setdefault((e[0], e[3]), []).append(e[2] - e[1])
     idle = [_idle(r, first, last) for r in ranks]
-    overheads = _overheads(ranks)
+    where = _chunks(ranks)
+    overheads = _overheads(ranks, where)
     return {"step": max(r["end"] for r in ranks) - min(r["start"] for r in ranks),
             "makespan": last - first, "busy": sum(busy) / len(busy), "kinds": kinds,
             "stage_kinds": {k: sum(t) / len(t) for k, t in per_stage.items()},
             "idle": {k: sum(i[k] for i in idle) / len(idle) for k in idle[0]},
-            "hops": _hops(ranks),
+            "hops": _hops(ranks, where),
             "overhead": sum(overheads) / len(overheads) if overheads else 0.0}
 
 
