@@ -53,18 +53,18 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
     from titanext.schedules import get_schedule_class, num_stages_for, stage_owners
 
     spr = resolved_stages_per_rank(schedule, stages_per_rank) if pp > 1 else 1
-    # DualPipe's two copies each have pp stages (rank r holds r of one and pp-1-r of the other)
-    n_stages = num_stages_for(get_schedule_class(schedule).placement, pp, spr) if pp > 1 else 1
     placement = get_schedule_class(schedule).placement if pp > 1 else "loop"
+    # DualPipe's two copies each have pp stages (rank r holds r of one and pp-1-r of the other)
+    n_stages = num_stages_for(placement, pp, spr)
+    owner = stage_owners(placement, pp, spr)
     counts = layers_per_stage(n_layers, n_stages, first_stage_less_layers=first_stage_less_layers,
                               last_stage_less_layers=last_stage_less_layers,
                               explicit=list(layers_per_stage_explicit) or None,
-                              stage_ranks=stage_owners(placement, pp, spr))
+                              stage_ranks=owner)
     ids = [pipeline_stage_ids(schedule, pp_rank=r, pp=pp, stages_per_rank=spr) if pp > 1 else [0]
            for r in range(pp)]
-    owner = {s: r for r, stages in enumerate(ids) for s in stages}
     # DualPipe: a copy's neighbouring stages always live on other ranks
-    mirrored = pp > 1 and get_schedule_class(schedule).placement == "dualpipe"
+    mirrored = placement == "dualpipe"
     starts = [sum(counts[:s]) for s in range(n_stages)]
     ranks = []
     for r, stages in enumerate(ids):
