@@ -37,7 +37,7 @@ even ``pp`` and even ``m >= 2pp``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -333,6 +333,11 @@ class _Exchange:
     sent: dict[int, torch.Tensor]
     recv: list[torch.Tensor]
     works: list
+    #: id(parameter) -> its position in ``params`` (its tag offset)
+    index: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = {id(p): i for i, p in enumerate(self.params)}
 
 
 class MirroredGradSum:
@@ -408,7 +413,7 @@ class MirroredGradSum:
             entry = self.pending[stage.stage_index] = self._entry(stage)
             entry.works += dist.batch_isend_irecv(
                 self._ops(stage, dist.irecv, dict(enumerate(entry.recv))))
-        i = next(k for k, p in enumerate(entry.params) if p is param)
+        i = entry.index[id(param)]
         if i not in entry.sent:
             entry.works += dist.batch_isend_irecv(
                 self._ops(stage, dist.isend, {i: self._grad(entry, i)}))
