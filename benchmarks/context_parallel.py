@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanext.local_launch import run_distributed
-from titanext.metrics import format_table
+from titanext.components.metrics import format_table
+from titanext.launch.local import run_distributed
 from titanext.plugins.context_parallel import (
     _step_slices,
     count_comm,
@@ -224,7 +224,7 @@ def layer_rows(world, seq, heads, kv_heads, dim, iters) -> list[dict]:
 
 def _train_tps(rank, world, overrides, steps):
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     base = ["--model.flavor=debugmodel", "--training.dataset=synthetic",
             f"--training.steps={steps}", "--training.seq_len=2048",

@@ -55,8 +55,8 @@ def write_corpus(path: Path, megabytes: float) -> int:
 
 def child(mode: str, path: str) -> None:
     """Runs in a fresh process: read the whole corpus once, print a JSON line of figures."""
+    from titanext.components.tokenizer import ByteTokenizer
     from titanext.data import build_dataloader, load_documents, pack_documents
-    from titanext.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     base = _rss_mb()
@@ -108,7 +108,7 @@ def bench_rss(mb: float, repeats: int) -> None:
 
 
 def bench_tokenize(copies: int, repeats: int, tokenizer: str) -> None:
-    from titanext.data.tokenize import tokenize_corpus
+    from titanext.data.pretokenize import tokenize_corpus
 
     spec = ("name", "byte") if tokenizer == "byte" else ("path", tokenizer)
     cores = os.cpu_count() or 1

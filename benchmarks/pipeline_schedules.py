@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanext.local_launch import run_distributed
-from titanext.metrics import format_table
+from titanext.components.metrics import format_table
+from titanext.launch.local import run_distributed
 from titanext.schedules import (
     _SIMULATED,
     build_schedule,

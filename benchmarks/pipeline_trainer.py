@@ -3,7 +3,7 @@
     python benchmarks/pipeline_trainer.py [--markdown] [--rounds 6] [--steps-per-turn 2]
         [--schedules 1F1B,ZBH1,ZBH2,ZBV,Auto,DualPipeV,DualPipe] [--autograd-split]
 
-Every schedule gets its own ``titanext.train.Trainer`` (debug model, pp = 2 on gloo, one
+Every schedule gets its own ``titanext.trainer.Trainer`` (debug model, pp = 2 on gloo, one
 thread per rank, 8 micro-batches of 2 x 512 tokens, fp32, synthetic data), all built in one
 2-process spawn. After two warm-up steps each (Auto measures F, I, W on its first step and
 switches), the trainers take turns: each round runs ``--steps-per-turn`` timed steps of every
@@ -25,8 +25,8 @@ import time
 
 import torch.distributed as dist
 
-from titanext.local_launch import run_distributed
-from titanext.metrics import format_table
+from titanext.components.metrics import format_table
+from titanext.launch.local import run_distributed
 
 SCHEDULES = ["1F1B", "ZBH1", "ZBH2", "ZBV", "Auto", "DualPipeV", "DualPipe"]
 BATCH, SEQ, MICROBATCHES = 16, 512, 8
@@ -47,7 +47,7 @@ def _overrides(schedule: str, split: str, folder: str) -> list[str]:
 def _turns(rank, world, variants, rounds, per_turn, folder):
     """Per variant: every timed step's seconds, grouped by round."""
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     trainers = {}
     for i, (name, split) in enumerate(variants):

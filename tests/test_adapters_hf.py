@@ -63,7 +63,7 @@ def _rel_errors(grads, ref):
 def _fsdp_tp_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titanext.adapters.hf_transformers import hf_blocks, hf_llama_tp_plan
+    from titanext.hf.transformers import hf_blocks, hf_llama_tp_plan
     from titanext.plugins.fsdp import apply_fsdp
     from titanext.plugins.tensor_parallel import apply_tensor_parallel
 
@@ -95,7 +95,7 @@ def _cp_body(rank, world_size, layout, comm):
 def _cp_run(cp, layout, comm):
     """Loss and full gradients with CP attention through the HF hook over ``cp`` (a group,
     or a 2D (ring, Ulysses) mesh: hybrid)."""
-    from titanext.adapters.hf_transformers import apply_hf_context_parallel, hf_shard_batch
+    from titanext.hf.transformers import apply_hf_context_parallel, hf_shard_batch
     from titanext.plugins.context_parallel import shard_batch
 
     model = _model()
@@ -143,7 +143,7 @@ def test_ring_attention_through_the_hf_attention_hook(reference, layout, comm):
 
 
 def _cp_mistakes_body(rank, world_size):
-    from titanext.adapters.hf_transformers import apply_hf_context_parallel
+    from titanext.hf.transformers import apply_hf_context_parallel
     from titanext.plugins.context_parallel import shard_batch
 
     model = _model()
@@ -207,8 +207,8 @@ def _pp_reference():
 
 
 def _pp_body(rank, world_size, schedules):
-    from titanext.adapters.hf_transformers import hf_pipeline_stage
-    from titanext.pipeline import build_pipeline, layers_per_stage, pipeline_stage_ids
+    from titanext.distributed.pipeline import build_pipeline, layers_per_stage, pipeline_stage_ids
+    from titanext.hf.transformers import hf_pipeline_stage
     from titanext.schedules import get_schedule_class
 
     tokens, labels = _batch()
@@ -253,7 +253,7 @@ def test_pipeline_stages_of_hf_llama_match_the_plain_model():
 
 
 def test_pipeline_stage_rejects_tied_embeddings_and_bad_counts():
-    from titanext.adapters.hf_transformers import hf_pipeline_stage
+    from titanext.hf.transformers import hf_pipeline_stage
 
     model = _pp_model()
     with pytest.raises(ValueError, match="sum to the model's 4 decoder layers"):
@@ -288,7 +288,7 @@ def _moe_reference():
 def _ep_body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titanext.adapters.hf_transformers import apply_hf_expert_parallel
+    from titanext.hf.transformers import apply_hf_expert_parallel
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     model = _moe_model()
@@ -324,8 +324,8 @@ def test_expert_parallel_on_hf_qwen3_moe_matches_the_plain_model():
 def _cp_documents_body(rank, world_size):
     """Packed documents through the HF attention hook (ring and Ulysses): the logits each
     document gets when the plain model runs it alone."""
-    from titanext.adapters.hf_transformers import apply_hf_context_parallel
     from titanext.data import document_positions
+    from titanext.hf.transformers import apply_hf_context_parallel
     from titanext.plugins.context_parallel import shard_sequence
 
     tokens, _ = _batch()

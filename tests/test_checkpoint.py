@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import titanext.checkpoint as ckpt_module
+import titanext.components.checkpoint as ckpt_module
 from tests.distributed import run_distributed
-from titanext.checkpoint import CheckpointManager
+from titanext.components.checkpoint import CheckpointManager
 from titanext.models import ModelArgs
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, multiple_of=32)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from titanext.checkpoint import CheckpointManager, manifest_info, resume_problems
+from titanext.components.checkpoint import CheckpointManager, manifest_info, resume_problems
 from titanext.config import JobConfig
 from titanext.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 from titanext.models import ModelArgs
@@ -155,7 +155,7 @@ def test_every_rank_raises_the_same_error_without_waiting(tmp_path):
 
 
 def _scheduled(folder, steps: int, lr: float, load_step="latest"):
-    from titanext.optim import build_lr_scheduler
+    from titanext.components.optim import build_lr_scheduler
 
     model = Transformer(SMALL)
     model.init_weights(seed=0)

@@ -31,7 +31,7 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
     from torch.distributed.tensor import DTensor
 
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     out = []
     for i, overrides in enumerate(runs):
@@ -69,7 +69,8 @@ CASES = {
         1e-5),
     # MoE: experts split over ep = 2 (borrowed from dp_shard), dense parts over tp, with the
     # aux-loss-free bias update (its counts summed over pp and dp; the shape-inference forward
-    # of torch's PipelineStage left out, see titanext.pipeline.ignore_shape_inference_forward)
+    # of torch's PipelineStage left out, see
+    # titanext.distributed.pipeline.ignore_shape_inference_forward)
     # and the sequence aux loss.
     # ... with deferred weight gradients (the default; explicit here): the experts' grouped
     # GEMMs and the TP linears queue dW during I, run at W.

@@ -22,6 +22,7 @@ from titanext.config import (
     SECTIONS,
     ConfigError,
     JobConfig,
+    check_config,
     config_help,
     field_docs,
     gradient_accumulation_steps,
@@ -29,7 +30,6 @@ from titanext.config import (
     parse_cli,
     resolved_dp_shard,
     to_toml,
-    validate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -614,7 +614,7 @@ def test_cp_layout_uses_the_plugin_names_and_reads_none_as_contiguous(tmp_path):
     cfg.parallelism.context_parallel_load_balance = "none"
     with pytest.raises(ConfigError, match="is an alias that only TOML files and the command line "
                                           "accept; set 'contiguous'"):
-        validate(cfg)
+        check_config(cfg)
 
 
 def test_cp_with_pp_is_accepted_at_load():
@@ -819,17 +819,17 @@ def test_config_error_is_a_value_error_that_survives_pickling():
 
 
 def test_validate_checks_configs_built_in_python():
-    validate(JobConfig(), world_size=8)
+    check_config(JobConfig(), world_size=8)
     cfg = JobConfig()
     cfg.parallelism.tensor_parallel_degree = "2"
     cfg.training.steps = 0
     with pytest.raises(ConfigError) as info:
-        validate(cfg, world_size=8)
+        check_config(cfg, world_size=8)
     assert info.value.problems == [
         "training.steps = 0 is out of range; it must be >= 1",
         "parallelism.tensor_parallel_degree = '2' has the wrong type: expected integer, got string"]
     with pytest.raises(ConfigError, match="world size 0 must be a positive integer"):
-        validate(JobConfig(), world_size=0)
+        check_config(JobConfig(), world_size=0)
 
 
 def test_loading_starts_no_process_group_and_writes_nothing(tmp_path):

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from titanext.config import load_config, resolved_dp_shard
-from titanext.plan import plan_config
+from titanext.planning.cli import plan_config
 from titanext.train import main
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "train_configs")

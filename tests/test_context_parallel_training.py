@@ -71,7 +71,7 @@ def _runs(rank, world_size, runs, dump_folder):
     from torch.distributed.tensor import DTensor
 
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     out = []
     for i, overrides in enumerate(runs):

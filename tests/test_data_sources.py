@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from titanext.components.tokenizer import ByteTokenizer
 from titanext.data import (
     build_dataloader,
     check_dataset,
@@ -22,10 +23,9 @@ from titanext.data import (
     readers,
 )
 from titanext.data.__main__ import main
-from titanext.data.tokenize import tokenize_corpus
+from titanext.data.pretokenize import tokenize_corpus
 from titanext.data.tokens import permute
 from titanext.errors import ConfigError
-from titanext.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 EOS, BOS = TOK.eos_id, TOK.bos_id
@@ -416,7 +416,7 @@ def test_document_masking_adds_ids_and_leaves_inputs_and_labels_alone(corpus, tm
 
 def test_hf_tokenizer_shards_match_the_text_stream_and_refuse_the_byte_tokenizer(corpus, tmp_path):
     from tests.hf_artifacts import make_bpe_tokenizer
-    from titanext.tokenizer import HFTokenizer
+    from titanext.hf.tokenizer import HFTokenizer
 
     hf_dir = make_bpe_tokenizer(str(tmp_path / "hf"))
     hf = HFTokenizer(hf_dir)

@@ -100,7 +100,7 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
     import torch.distributed as dist
 
     from titanext._fake_backend import init_fake_process_group
-    from titanext.dry_run import measure, measure_real
+    from titanext.launch.dry_run import measure, measure_real
 
     base = ["--training.dataset=synthetic", "--metrics.enable_tensorboard=false",
             "--checkpoint.enable=false", f"--job.dump_folder={folder}/{rank}"]

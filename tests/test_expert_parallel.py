@@ -277,7 +277,7 @@ TRAIN_CASES_4 = {
 def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str) -> dict:
     """{case: (losses, grad norms, full params)} after STEPS steps of each case."""
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     out = {}
     for name, overrides in cases.items():

@@ -195,7 +195,7 @@ TRAIN = ["--model.flavor=debugtiny", "--training.dataset=synthetic", "--training
 
 
 def _train_losses(rank: int, world_size: int, overrides: list[str], folder: str) -> list[float]:
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     return Trainer(load_config(None, [*TRAIN, f"--job.dump_folder={folder}", *overrides])).train()
 

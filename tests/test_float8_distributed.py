@@ -25,7 +25,7 @@ AG = ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_scale=
 def _train(rank: int, world_size: int, overrides: list[str], dump_folder: str):
     from titanext.config import load_config
     from titanext.plugins.float8 import float8_linear_fqns
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
                       world_size=world_size)
@@ -168,7 +168,7 @@ def test_user_model_fsdp_float8_matches_one_process(float8_all_gather):
 
 def _train_until(rank: int, world_size: int, overrides: list[str], dump_folder: str, until: int):
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
                       world_size=world_size)

@@ -17,13 +17,13 @@ from tests.hf_artifacts import (
     make_tiny_mixtral,
     make_tiny_qwen3,
 )
-from titanext.convert import hf_to_dcp
-from titanext.convert import main as convert_main
+from titanext.components.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
-from titanext.hf_checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint
+from titanext.hf.checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint
+from titanext.hf.convert import hf_to_dcp
+from titanext.hf.convert import main as convert_main
 from titanext.models import build_model
 from titanext.models.hf import model_args_from_hf
-from titanext.tokenizer import build_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -151,8 +151,8 @@ def _load_layouts(rank: int, world_size: int, dirs: dict[str, str], export_root:
                   ) -> dict[str, dict[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
-    from titanext.parallel_dims import ParallelDims
-    from titanext.pipeline import split_model
+    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.pipeline import split_model
     from titanext.plugins.expert_parallel import apply_expert_parallel
     from titanext.plugins.fsdp import apply_fsdp
     from titanext.plugins.tensor_parallel import apply_tensor_parallel

@@ -56,7 +56,7 @@ def job(tmp_path_factory):
 
 
 def _probe_batch(hf: str) -> torch.Tensor:
-    from titanext.tokenizer import build_tokenizer
+    from titanext.components.tokenizer import build_tokenizer
 
     tok = build_tokenizer("hf", hf)
     ids = tok.encode("ROMEO: But, soft! what light through yonder window breaks? " * 6,
@@ -89,7 +89,7 @@ OTHER_LAYOUTS = {
 
 def _train_and_probe(rank: int, world_size: int, overrides: list[str], dirs: dict[str, str]
                      ) -> tuple[list[float], float, dict[str, list[float]]]:
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides, world_size=world_size))
     losses = trainer.train()
@@ -113,8 +113,8 @@ def _train_and_probe(rank: int, world_size: int, overrides: list[str], dirs: dic
 def test_hf_start_train_export_reload(job):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from titanext.components.tokenizer import build_tokenizer
     from titanext.data import build_dataloader
-    from titanext.tokenizer import build_tokenizer
 
     (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
                                         args=(job["overrides"], job), timeout_s=180)
@@ -132,7 +132,7 @@ def test_hf_start_train_export_reload(job):
     # The same step's DCP checkpoint converted offline gives the same safetensors, bitwise.
     from safetensors.torch import load_file
 
-    from titanext.convert import main as convert_main
+    from titanext.hf.convert import main as convert_main
 
     offline = os.path.join(job["root"], "offline")
     assert convert_main(["dcp-to-hf", os.path.join(job["root"], "run", "checkpoint",
@@ -230,6 +230,6 @@ def test_example_builder_and_config(tmp_path, monkeypatch):
     cfg = load_config(str(root / "train_configs" / "hf_llama_example.toml"), world_size=2)
     assert (cfg.model.flavor, cfg.model.tokenizer, cfg.checkpoint.last_save_in_hf) == (
         "hf", "hf", True)
-    from titanext.plan import model_shape
+    from titanext.planning.cli import model_shape
 
     assert (model_shape(cfg).n_layers, model_shape(cfg).dim) == (4, 128)  # the planner reads it

@@ -113,7 +113,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_titanext_has_no_import_cycle():
     graph = import_graph()
-    assert "titanext.config.rules" in graph and "titanext.parallel_dims" in graph
+    assert "titanext.config.rules" in graph and "titanext.distributed.parallel_dims" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -130,12 +130,12 @@ def test_graph_reads_relative_type_checking_and_function_level_imports(tmp_path)
         from typing import TYPE_CHECKING
         from titanext.errors import ConfigError
         if TYPE_CHECKING:
-            from titanext.parallel_dims import ParallelDims
+            from titanext.distributed.parallel_dims import ParallelDims
         def f():
             from titanext.train import main
     """)
     tree = ast.parse(src)
-    known = {"titanext", "titanext.errors", "titanext.parallel_dims", "titanext.train"}
+    known = {"titanext", "titanext.errors", "titanext.distributed.parallel_dims", "titanext.train"}
     edges = set()
     for node in _import_time_nodes(tree.body):
         edges |= _targets(node, "titanext.x", False, known)

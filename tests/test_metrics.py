@@ -10,8 +10,13 @@ import types
 import pytest
 import torch
 
-import titanext.metrics as metrics_mod
-from titanext.metrics import MetricsLogger, device_peak_flops, format_table, peak_flops_for_name
+import titanext.components.metrics as metrics_mod
+from titanext.components.metrics import (
+    MetricsLogger,
+    device_peak_flops,
+    format_table,
+    peak_flops_for_name,
+)
 
 CPU = torch.device("cpu")
 
@@ -24,7 +29,7 @@ def make_logger(tmp_path, **kw) -> MetricsLogger:
 
 
 class FakeClock:
-    """Stands in for ``time`` in titanext.metrics, so throughput is exact."""
+    """Stands in for ``time`` in titanext.components.metrics, so throughput is exact."""
 
     def __init__(self) -> None:
         self.now = 0.0

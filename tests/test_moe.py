@@ -301,7 +301,7 @@ def _train_moe(rank: int, world_size: int, cases: dict[str, list[str]], folder: 
     from torch.distributed.tensor import DTensor
 
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     results = {}
     for name, overrides in cases.items():

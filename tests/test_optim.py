@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_lambda
+from titanext.components.optim import build_lr_scheduler, build_optimizer, lr_lambda
+from titanext.distributed.utils import clip_grad_norm_
 
 
 def factors(total, **kw):

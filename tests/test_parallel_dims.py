@@ -6,7 +6,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from titanext.config import ConfigError
-from titanext.parallel_dims import ParallelDims
+from titanext.distributed.parallel_dims import ParallelDims
 
 
 def dims(**kw):

@@ -20,7 +20,7 @@ BASE = fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny")
 
 def _train(rank: int, world_size: int, overrides: list[str], dump_folder: str):
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}", *overrides],
                       world_size=world_size)

@@ -9,8 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_distributed
 from titanext.config import ConfigError, load_config
+from titanext.distributed.pipeline import layers_per_stage, pipeline_stage_ids, split_model
 from titanext.models import build_model, get_model_args
-from titanext.pipeline import layers_per_stage, pipeline_stage_ids, split_model
 
 STEPS = 2
 
@@ -177,7 +177,7 @@ def _register_pp8():
 def _train_many(rank, world_size, runs, dump_folder, pp8=False):
     """Several Trainer runs in one spawn (start-up dominates on 2 cores)."""
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     if pp8:
         _register_pp8()
@@ -380,7 +380,7 @@ def _dualpipe_resume(rank, world_size, folder):
     import shutil
 
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     def run(sub, schedule, until=None):
         cfg = load_config(None, [

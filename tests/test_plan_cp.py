@@ -44,9 +44,9 @@ def _register_kv2():
 def _counted_and_planned(rank, world_size, runs, dump):
     """Per run: (counted messages, counted bytes, planned messages, planned bytes, CP rows)."""
     from titanext.config import load_config
-    from titanext.plan import plan_config
+    from titanext.planning.cli import plan_config
     from titanext.plugins.context_parallel import count_comm
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     _register_kv2()
     out = []

@@ -140,7 +140,7 @@ def test_compile_each_block_of_user_model():
     torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-5)
 
 
-# -- the whole recipe: titanext.parallelize.parallelize on a user's model ----------------------
+# -- the whole recipe: titanext.distributed.parallelize.parallelize on a user's model -----------
 class LayeredModel(nn.Module):
     """A user model that follows the block protocol (its blocks in ``layers``)."""
 
@@ -168,8 +168,8 @@ def _parallelize_body(rank, world_size):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from titanext.config import ActivationCheckpoint, Parallelism
-    from titanext.parallel_dims import ParallelDims
-    from titanext.parallelize import parallelize
+    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.parallelize import parallelize
 
     out = {}
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=world_size)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from titanext import config_docs
+from titanext.config import docs as config_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -25,7 +25,7 @@ BASE = [
 
 def _run(rank, world_size, overrides, folder, until_step=None):
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", *overrides],
                       world_size=world_size)
@@ -53,7 +53,7 @@ def test_resume_under_another_layout_continues_the_curve(tmp_path):
 
 def _diverge(rank, world_size, folder):
     from titanext.config import load_config
-    from titanext.train import Trainer, TrainingDiverged
+    from titanext.trainer import Trainer, TrainingDiverged
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", "--checkpoint.interval=1"],
                       world_size=world_size)
@@ -83,9 +83,9 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def _crash_in_save(rank, world_size, folder):
-    import titanext.checkpoint as ckpt
+    import titanext.components.checkpoint as ckpt
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", "--checkpoint.interval=2"],
                       world_size=world_size)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from titanext.support_matrix import (
+from titanext.config.support_matrix import (
     BEGIN_MARK,
     END_MARK,
     UPDATE_COMMAND,

@@ -64,8 +64,9 @@ def test_help_lists_every_key_with_its_docstring():
 
 
 # What `python -m titanext.train --help` must not load: the training stack it does not need.
-HEAVY = ("titanext.parallel_dims", "titanext.parallelize", "titanext.pipeline",
-         "titanext.checkpoint", "titanext.plugins.fsdp", "titanext.models.llama",
+HEAVY = ("titanext.distributed.parallel_dims", "titanext.distributed.parallelize",
+         "titanext.distributed.pipeline", "titanext.trainer",
+         "titanext.components.checkpoint", "titanext.plugins.fsdp", "titanext.models.llama",
          "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining")
 _MODULES_AFTER = """
 import runpy, sys

@@ -1,7 +1,7 @@
 """The trainer under faults, as a user runs it: a raising rank, unwritable folders, checkpoint
 errors, a changed config on resume, the pipeline banner, and torchrun's elastic restarts.
 
-Fault injection is the test-only ``TITANEXT_TEST_FAULT`` variable (titanext.faults).
+Fault injection is the test-only ``TITANEXT_TEST_FAULT`` variable (titanext.launch.faults).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _lrs(text: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_checkpoint_errors_and_a_changed_config_on_resume(tmp_path):
-    from titanext.optim import lr_lambda
+    from titanext.components.optim import lr_lambda
 
     dump = [f"--job.dump_folder={tmp_path}", "--checkpoint.enable", "--checkpoint.interval=2"]
     first = _train([*dump, "--training.steps=4", "--optimizer.lr=1e-3"])
@@ -160,7 +160,7 @@ def test_pipeline_banner_counts_the_whole_model_and_this_ranks_share(tmp_path):
 
 
 def _torchrun(args, dump, restarts=0, **extra):
-    cmd = [sys.executable, "-m", "titanext.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "titanext.launch.run", "--standalone", "--nproc_per_node", "2",
            f"--max-restarts={restarts}", *SMALL, "--training.steps=8",
            "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval=5",
            f"--job.dump_folder={dump}", *args]

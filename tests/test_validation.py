@@ -62,9 +62,9 @@ def _losses(rank: int, world_size: int, runs: list[list[str]], dump: str, train:
             ) -> list[dict]:
     """Each run's validation result: after training (and saving) when ``train``, else after
     loading the checkpoint the training run saved."""
+    from titanext.components.validation import Validator
     from titanext.config import load_config
-    from titanext.train import Trainer
-    from titanext.validate import Validator
+    from titanext.trainer import Trainer
 
     out = []
     for i, overrides in enumerate(runs):
@@ -85,7 +85,7 @@ def _train_with_validation(rank: int, world_size: int, overrides: list[str], dum
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from titanext.config import load_config
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     cfg = load_config(None, [*fp32_trainer_overrides(steps=4, seq_len=SEQ), *overrides,
                              f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=true",

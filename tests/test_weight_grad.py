@@ -328,7 +328,7 @@ def _trainer_split_calls(rank: int, world_size: int, dump_folder: str) -> dict[s
     from tests.distributed import fp32_trainer_overrides
     from titanext.config import load_config
     from titanext.plugins import weight_grad
-    from titanext.train import Trainer
+    from titanext.trainer import Trainer
 
     calls = {"torch_input": 0, "torch_weight": 0, "deferred_w": 0, "deferred_gemms": 0}
 

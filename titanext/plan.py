@@ -1,122 +1,26 @@
-"""Planner: per-rank memory, communication, bubble and throughput of a layout, and advice.
+"""Old path of :mod:`titanext.planning.cli` (re-exports only)."""
 
-    python -m titanext.plan --config train_configs/llama3_70b.toml --world-size 64 \\
-        [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] \\
-        [--section.key=value ...]
-
-It answers "which degrees should I use?" in seconds, without a process group, following the
-Ultra-Scale Playbook's procedure: keep what fits in memory, reach the target batch, then rank
-by estimated throughput (TP inside a node is cheap, across nodes expensive).
-
-This module is the command line; the estimates live in :mod:`titanext.planning`:
-:mod:`~titanext.planning.layout` (the resolved layout), :mod:`~titanext.planning.memory`
-(model state and activations, with the formulas), :mod:`~titanext.planning.comm`,
-:mod:`~titanext.planning.pipeline` (bubble), :mod:`~titanext.planning.roofline` (compute),
-:mod:`~titanext.planning.estimate` (:func:`plan_config`, assembling them) and
-:mod:`~titanext.planning.advice` (:func:`advise`). The names below stay importable from here.
-"""
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
-import sys
-from collections.abc import Sequence
-
-from titanext.config import ConfigError, load_config, parse_cli
-from titanext.planning.advice import advise, toml_snippet
-from titanext.planning.estimate import Plan, plan_config
-from titanext.planning.hardware import DEVICES, GB, Device
-from titanext.planning.memory import (
+from titanext.planning.cli import (
+    DEVICES,
+    Device,
+    ModelShape,
+    Plan,
     activation_bytes_per_token_layer,
+    advise,
     gpt_activation_bytes,
+    main,
+    memory_svg,
+    model_shape,
+    plan_config,
+    toml_snippet,
     zero_bytes_per_rank,
 )
-from titanext.planning.report import layout_name, memory_svg
-from titanext.planning.shapes import ModelShape, model_shape
 
-__all__ = ["DEVICES", "Device", "ModelShape", "Plan", "activation_bytes_per_token_layer",
-           "advise", "gpt_activation_bytes", "main", "memory_svg", "model_shape", "plan_config",
-           "toml_snippet", "zero_bytes_per_rank"]
+__all__ = ["activation_bytes_per_token_layer", "advise", "Device", "DEVICES",
+           "gpt_activation_bytes", "main", "memory_svg", "model_shape", "ModelShape",
+           "Plan", "plan_config", "toml_snippet", "zero_bytes_per_rank"]
 
+if __name__ == "__main__":  # python -m titanext.plan
+    import sys
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from titanext.metrics import format_table
-
-    ap = argparse.ArgumentParser(prog="python -m titanext.plan",
-                                 description=__doc__.splitlines()[0], add_help=True)
-    ap.add_argument("--world-size", type=int, required=True, help="number of GPUs")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--device", choices=sorted(DEVICES), default="h100")
-    ap.add_argument("--peak-tflops", type=float, help="override the device's dense bf16 TFLOP/s")
-    ap.add_argument("--hbm-gb", type=float, help="override the device's memory (GB)")
-    ap.add_argument("--efficiency", type=float, default=0.6,
-                    help="fraction of peak FLOP/s the kernels reach (default 0.6)")
-    ap.add_argument("--top", type=int, default=5, help="layouts to advise")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    ap.add_argument("--svg", help="write the memory picture to this file")
-    known, rest = ap.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    problems = []
-    if known.world_size < 1:
-        problems.append(f"--world-size = {known.world_size} must be >= 1")
-    if not 0 < known.efficiency <= 1:
-        problems.append(f"--efficiency = {known.efficiency} must be in (0, 1]")
-    if known.gpus_per_node < 1:
-        problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
-    device = DEVICES[known.device]
-    if known.peak_tflops:
-        device = dataclasses.replace(device, bf16_flops=known.peak_tflops * 1e12)
-    if known.hbm_gb:
-        device = dataclasses.replace(device, hbm_bytes=known.hbm_gb * GB)
-    try:
-        path, overrides, _ = parse_cli(rest)
-        if problems:
-            raise ConfigError(problems)
-        cfg = load_config(path, overrides, world_size=known.world_size)
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"titanext.plan: error: {problem}", file=sys.stderr)
-        return 2
-    current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
-                          efficiency=known.efficiency)
-    advice = advise(path, overrides, known.world_size, device=device,
-                    gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency)
-    if known.svg:
-        with open(known.svg, "w") as f:
-            labels = ["config", *(f"#{i + 1}" for i in range(len(advice)))]
-            f.write(memory_svg([current, *advice], labels, device.hbm_bytes))
-    if known.json:
-        print(json.dumps({"device": dataclasses.asdict(device),
-                          "config": dataclasses.asdict(current),
-                          "advice": [dataclasses.asdict(pl) for pl in advice]}, indent=1))
-        return 0
-    shape = model_shape(cfg)
-    print(f"{cfg.model.name} {cfg.model.flavor}: {shape.total / 1e9:.2f}B parameters on "
-          f"{known.world_size} x {device.name} ({known.gpus_per_node} per node)\n")
-    print(f"Memory per rank, this config ({layout_name(current.layout)}):")
-    rows = [{"category": k, "GB": v / GB} for k, v in current.memory.items()]
-    rows.append({"category": "total", "GB": current.memory_total / GB})
-    rows.append({"category": f"HBM ({'fits' if current.fits else 'does NOT fit'} in 90%)",
-                 "GB": device.hbm_bytes / GB})
-    print(format_table(rows))
-    print("\nCommunication per step and rank:")
-    print(format_table([{"parallelism": c["parallelism"], "collectives": c["collectives"],
-                         "GB": c["bytes"] / GB, "level": c["level"], "time (s)": c["time_s"]}
-                        for c in current.comm] or [{"parallelism": "none"}]))
-    tm = current.time
-    print(f"\nStep {tm['step_s']:.2f} s (compute {tm['compute_s']:.2f} s, exposed comm "
-          f"{tm['exposed_comm_s']:.2f} s, bubble {tm['bubble']:.1%}), MFU {tm['mfu']:.1%}, "
-          f"{tm['tokens_per_s']:,.0f} tokens/s\n")
-    print(f"Advice: the {len(advice)} fastest layouts that fit and validate:")
-    print(format_table([{"#": i + 1, "layout": layout_name(pl.layout),
-                         "memory GB": pl.memory_total / GB, "MFU": f"{pl.time['mfu']:.1%}",
-                         "tokens/s": pl.time["tokens_per_s"]}
-                        for i, pl in enumerate(advice)]))
-    for i, pl in enumerate(advice[:3]):
-        print(f"\n# layout #{i + 1}\n{toml_snippet(pl)}")
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -1,268 +1,33 @@
-"""The training entrypoint: ``torchrun --nproc_per_node N -m titanext.train --config FILE``.
+"""The training command line: ``torchrun --nproc_per_node N -m titanext.train --config FILE``.
 
-The build (:meth:`Trainer.__init__`): mesh, meta model, converters (float8), then
-:func:`titanext.parallelize.parallelize` (or a :class:`titanext.pipeline.PipelineRunner` that
-parallelizes each stage), optimizer, data, checkpoints, metrics. :meth:`Trainer.train_step` is
-one optimizer step for every layout. The loss is the token-loss sum over the tokens of the
-*global* batch (counted once); FSDP/DDP average gradients over ``gradient_reduction_size``
-ranks, so each rank scales its backward by that size, as one process on the whole batch.
+It parses the config and its overrides, exits 2 on a bad config before anything starts (one
+line per problem), answers ``--help`` and ``--print-config`` without importing torch, then runs
+the dry run (``[comm] mode = "fake_backend"``) or the :class:`titanext.trainer.Trainer`, guarded
+so that no rank waits on another rank's error.
+
+>>> main(["--config", "train_configs/debug_model.toml", "--print-config"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 
-from titanext.config import ConfigError, JobConfig, config_help, load_config, parse_cli, to_toml
-from titanext.errors import TrainingDiverged
-from titanext.faults import exit_process, inject_test_fault, print_output, report_once, run_guarded
+from titanext.config import ConfigError, config_help, load_config, parse_cli, to_toml
+from titanext.launch.faults import exit_process, print_output, report_once, run_guarded
+
+__all__ = ["main"]  # and Trainer, loaded on first use (see __getattr__)
 
 
-def _cli_only(argv: Sequence[str]) -> bool:
-    """``--help``, ``--print-config`` and CLI errors are answered without torch's stack."""
-    try:
-        return any(parse_cli(list(argv))[2].values())
-    except ConfigError:
-        return True
+def __getattr__(name: str):
+    # ``from titanext.train import Trainer`` keeps working without loading torch for --help.
+    if name == "Trainer":
+        from titanext.trainer import Trainer
 
-
-if __name__ != "__main__" or not _cli_only(sys.argv[1:]):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from titanext._fake_backend import real_tensors
-    from titanext.checkpoint import CheckpointManager, manifest_info
-    from titanext.config import gradient_accumulation_steps, model_args, ulysses_degree
-    from titanext.data import dataloader_from_config
-    from titanext.dry_run import dry_run, host_float
-    from titanext.hf_checkpoint import load_initial_weights, save_hf_checkpoint
-    from titanext.metrics import MetricsLogger
-    from titanext.models import build_model
-    from titanext.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-    from titanext.parallel_dims import (
-        ParallelDims,
-        init_distributed,
-        set_determinism,
-        set_process_group_timeout,
-    )
-    from titanext.parallelize import cp_layout, loss_parallel_enabled, parallelize, zero1_enabled
-    from titanext.pipeline import PipelineRunner
-    from titanext.plugins.context_parallel import prepare_batch, shard_sequence
-    from titanext.plugins.float8 import apply_float8, precompute_float8_scales
-    from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
-    from titanext.preflight import check_preflight
-    from titanext.tokenizer import build_tokenizer
-    from titanext.validate import Validator
-
-IGNORE_INDEX = -100
-
-
-class Trainer:
-    """Builds everything from a :class:`JobConfig` and runs the loop (initialises
-    ``torch.distributed`` from torchrun's environment, or as one process)."""
-
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        t, p, f8 = cfg.training, cfg.parallelism, cfg.float8
-        self.device = init_distributed(cfg.comm.init_timeout_seconds)
-        self.rank, world_size = dist.get_rank(), dist.get_world_size()
-        set_determinism(t.seed, t.deterministic)
-        self.dims = dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size,
-            cp_ulysses=ulysses_degree(p))
-        dims.build_mesh(self.device.type)
-        self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
-        self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
-        self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
-        self.compute_loss = self.token_loss_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.compute_loss = torch.compile(self.token_loss_sum, backend=cfg.compile.backend)
-
-        # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
-        self.model_args = model_args(cfg)  # the flavor's, with the [moe] overrides
-        model = build_model(cfg.model.name, self.model_args, device="meta")
-        self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
-        if f8.enable:  # converters run first, on the meta model
-            apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
-                         auto_filter=f8.auto_filter, emulate=f8.emulate, device=self.device,
-                         enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
-        self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
-        self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
-        parallelize_part = functools.partial(  # the recipe, for the model or each stage
-            parallelize, dims=dims, parallelism=p, compile=cfg.compile, float8=f8, training=t,
-            activation_checkpoint=cfg.activation_checkpoint, device=self.device,
-            init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
-            else (lambda m: m.init_weights(seed=t.seed)))
-        self.pipeline: PipelineRunner | None = None
-        if dims.pp_enabled:  # every stage runs RoPE on the positions of this rank's slice
-            positions = torch.arange(t.seq_len, device=self.device)
-            if dims.cp_enabled:
-                positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
-            self.pipeline = PipelineRunner.from_config(
-                model, dims, p, local_batch_size=t.local_batch_size, device=self.device,
-                loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
-                position_ids=positions, parallelize_stage=parallelize_part,
-                reset_stage_state=reset_routing_counts, loss_context=self._loss_context)
-            self.model_parts = self.pipeline.parts
-            self.model = self.train_module = self.model_parts[0]
-        else:  # train_module: the DDP wrapper under ZeRO-1
-            self.model, self.train_module = model, parallelize_part(model)
-            self.model_parts = [model]
-        self._pp_group = self.pipeline.pp_group if self.pipeline else None
-        self.moe_balancing.weigh_aux_loss(self.model_parts,
-                                          self.grad_accum_steps * t.local_batch_size)
-
-        o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
-        self.optimizer = build_optimizer(
-            [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr,
-            betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if zero1_enabled(dims, p) else None)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
-            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
-        with real_tensors():  # a dry run's data are real tokens (they turn fake in the step)
-            self.dataloader = dataloader_from_config(
-                t, self.tokenizer, dims.dp_mesh.get_local_rank(), dims.dp,
-                document_masking=t.document_masking)
-        self.validator = Validator(self)  # [validation]: held-out loss every freq steps
-        self.checkpointer = CheckpointManager(
-            folder=os.path.join(cfg.job.dump_folder, c.folder), interval=c.interval,
-            keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
-            enable=c.enable, model_parts=self.model_parts, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            manifest=manifest_info(cfg, dims))
-        self.step, self._resumed = 0, False
-
-    @staticmethod
-    def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies (fp32); normalised by the caller."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               reduction="sum", ignore_index=IGNORE_INDEX)
-
-    def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
-
-    def _forward_backward(self, microbatches, scale: float) -> torch.Tensor:
-        """Backward of every micro-batch's loss x ``scale``; returns the unscaled loss sum."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels, positions, docs) in enumerate(microbatches):
-            # DDP (ZeRO-1) all-reduces on every backward unless told otherwise; FSDP's
-            # per-micro-batch reduce-scatter is what keeps its gradients sharded.
-            skip_sync = self.train_module is not self.model and i < len(microbatches) - 1
-            sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
-            with sync, self._loss_context():
-                logits = self.train_module(inputs, positions, document_ids=docs)
-                loss = self.compute_loss(logits, labels)
-                (loss * scale).backward()
-            if isinstance(loss, DTensor):
-                loss = loss.full_tensor()
-            loss_sum += loss.detach().to(torch.float64)
-            del logits, loss
-        return loss_sum
-
-    def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[float, float]:
-        """One optimizer step over this rank's micro-batches; returns (global loss, grad norm)."""
-        dims, max_norm = self.dims, self.cfg.training.max_norm
-        loss_group = dims.loss_mesh.get_group()
-        # Under CP each rank counts (and sums the loss of) only its own slice of the tokens,
-        # with the slice's global positions for RoPE (document masking: in-document positions).
-        cp = dims.cp_mesh if dims.cp_enabled else None
-        microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout, device=self.device)
-                        for mb in microbatches]
-        local_tokens = sum(host_float((y != IGNORE_INDEX).sum(), y.numel()) for _, y, *_ in
-                           microbatches)  # (a dry run's labels are fake: all count)
-        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts, group=loss_group)
-        global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
-        scale = dims.gradient_reduction_size / global_tokens
-        if self.pipeline is not None:  # document ids and their positions reach every stage
-            loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
-            grad_norm = self.pipeline.clip_grad_norm(max_norm)
-        else:
-            loss_sum = self._forward_backward(microbatches, scale)
-            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
-        dist.all_reduce(loss_sum, group=loss_group)
-        mean_loss, grad_norm = host_float(loss_sum / global_tokens), host_float(grad_norm)
-        if self.cfg.comm.mode == "real" and not (math.isfinite(mean_loss + grad_norm)):
-            raise TrainingDiverged(
-                f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping "
-                "without an optimizer step (the last good checkpoint is kept)")
-        self.optimizer.step()
-        dp_group = loss_group if dims.loss_mesh.size() > 1 else None
-        self.moe_balancing.step(self.model_parts, pp_group=self._pp_group, dp_group=dp_group)
-        if self.cfg.float8.enable and self.cfg.float8.precompute_scale:
-            for part in self.model_parts:  # one all-reduce for every all-gathered weight's scale
-                precompute_float8_scales(part)
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return mean_loss, grad_norm
-
-    def train(self, until_step: int | None = None) -> list[float]:
-        """Resume if a checkpoint exists, then train to ``training.steps`` (or ``until_step``).
-
-        ``until_step`` stops early without changing the schedule, as a preempted job would.
-        Returns this call's per-step losses.
-        """
-        cfg, t, m, c = self.cfg, self.cfg.training, self.cfg.metrics, self.cfg.checkpoint
-        last_step = t.steps if until_step is None else min(until_step, t.steps)
-        if not self._resumed:  # a second train() call continues in memory
-            self.step, self._resumed = self.checkpointer.load(), True
-            if self.step == 0 and c.initial_load_path:  # nothing to resume yet
-                load_initial_weights(self.model_parts, c.initial_load_path, self.model_args,
-                                     in_hf=c.initial_load_in_hf)
-        tokens_per_step = self.grad_accum_steps * t.local_batch_size * self.dims.dp * t.seq_len
-        metrics = MetricsLogger(
-            job_dir=cfg.job.dump_folder, rank=self.rank, is_logging_rank=self.rank == 0,
-            log_freq=m.log_freq, total_steps=t.steps, enable_tensorboard=m.enable_tensorboard,
-            tb_folder=m.save_tb_folder, device=self.device,
-            flops_per_token=self.model.num_flops_per_token(t.seq_len),
-            num_devices=dist.get_world_size(), color=not m.disable_color_printing,
-            progress_bar=m.progress_bar)
-        d, n, mc = self.dims, self.num_params, cfg.model
-        mine = sum(part.num_params() for part in self.model_parts)  # this rank's stages
-        share = f", this rank's stages {mine / 1e6:.2f}M" if self.pipeline else ""
-        if self.rank == 0:
-            print(f"titanext: {mc.name}/{mc.flavor} ({n / 1e6:.2f}M params{share}) on "
-                  f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate="
-                  f"{d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep} | "
-                  f"zero_stage={cfg.parallelism.zero_stage} | grad accumulation "
-                  f"{self.grad_accum_steps} | {tokens_per_step} tokens/step", flush=True)
-        losses = []
-        try:
-            while self.step < last_step:
-                lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-                loss, grad_norm = self.train_step(self.next_microbatches())
-                self.step += 1
-                if self.step == 1:
-                    set_process_group_timeout(cfg.comm.train_timeout_seconds)
-                losses.append(loss)
-                metrics.record_tokens(tokens_per_step)
-                shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
-                metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown,
-                            tb_extra=tb)
-                self.validator.maybe_run(self.step, metrics)
-                self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
-                inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
-                if self.step == t.steps and c.last_save_in_hf and c.enable:
-                    save_hf_checkpoint(self.model_parts, os.path.join(
-                        cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,
-                        tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path)
-        finally:
-            metrics.close()
-        return losses
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -278,9 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags.get("print_config"):
         return print_output(to_toml(cfg))
     if cfg.comm.mode == "fake_backend":  # one process plays one rank of a fake world
+        from titanext.launch.dry_run import dry_run
+
         return dry_run(cfg)
 
     def run() -> None:
+        from titanext.launch.preflight import check_preflight
+        from titanext.trainer import Trainer
+
         check_preflight(cfg)  # output folders and the checkpoint, before the process group
         trainer = Trainer(cfg)
         start = time.time()

@@ -1,7 +1,7 @@
-"""Test helpers that run a body in several gloo processes (see titanext.local_launch), and the
+"""Test helpers that run a body in several gloo processes (see titanext.launch.local), and the
 trainer overrides the parity tests share."""
 
-from titanext.local_launch import free_port, run_distributed
+from titanext.launch.local import free_port, run_distributed
 
 __all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example"]
 

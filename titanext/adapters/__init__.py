@@ -1,1 +1,1 @@
-"""Adapters for models from other libraries (optional dependencies; import them explicitly)."""
+"""Old home of the ``transformers`` adapters, now :mod:`titanext.hf.transformers`."""

@@ -7,8 +7,8 @@ The package has three parts, each with one job:
 - :mod:`~titanext.config.loader`: TOML reading with ``[job] extends``, command-line overrides,
   ``--help`` (:func:`config_help`) and ``--print-config`` (:func:`to_toml`).
 - :mod:`~titanext.config.rules`: every cross-field rule, one owner per rule;
-  :class:`~titanext.parallel_dims.ParallelDims`, the pipeline and the planner call the same
-  functions.
+  :class:`~titanext.distributed.parallel_dims.ParallelDims`, the pipeline and the planner
+  call the same functions.
 
 Importing the package does not import torch.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from titanext.config.loader import config_help, field_docs, load_config, parse_cli, to_toml
 from titanext.config.rules import (
+    check_config,
     gradient_accumulation_steps,
     model_args,
     resolved_dp_shard,
@@ -74,5 +75,6 @@ __all__ = [
     "resolved_dp_shard",
     "to_toml",
     "ulysses_degree",
+    "check_config",
     "validate",
 ]

@@ -11,10 +11,12 @@ the planner all call, so each is written once (:mod:`titanext.config.rules` re-e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from titanext.errors import ConfigError
 
 __all__ = ["accumulation_steps", "batch_problem", "degree_problems", "ep_layout_problem",
-           "resolve_dp_shard", "resolve_microbatches"]
+           "layers_per_stage", "resolve_dp_shard", "resolve_microbatches"]
 
 
 # -- parallel degrees (plain ints: ParallelDims calls these too) ----------------------------------
@@ -130,3 +132,60 @@ def accumulation_steps(*, global_batch_size: int, local_batch_size: int, dp_repl
 def resolve_microbatches(pp: int, requested: int, local_batch_size: int) -> int:
     """``pipeline_parallel_microbatches`` with -1 resolved: 2 x pp, capped at the batch size."""
     return requested if requested > 0 else max(1, min(2 * pp, local_batch_size))
+
+
+# -- pipeline split (plain ints: the config rules, the pipeline and the planner call it) -------
+
+def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: int = 0,
+                     last_stage_less_layers: int = 0,
+                     explicit: Sequence[int] | None = None,
+                     stage_ranks: Sequence[int] | None = None) -> list[int]:
+    """Blocks per stage, as even as possible, with the first / last stage taking
+    ``first_stage_less_layers`` / ``last_stage_less_layers`` fewer (they also hold the
+    embedding / the norm and output head). ``explicit`` gives the counts directly.
+
+    ``stage_ranks[i]`` is the pp rank holding stage i (:func:`titanext.schedules.stage_owners`):
+    a block left over goes to a stage of the least loaded rank, so ranks, not only stages, stay
+    even. Under V placement rank 0 holds both ends; stages alone would give it the two light
+    ones (6 blocks, pp 2: [1, 2, 2, 1] puts 2 blocks on rank 0 and 4 on rank 1).
+
+    >>> layers_per_stage(8, 4)
+    [2, 2, 2, 2]
+    >>> layers_per_stage(10, 4, first_stage_less_layers=1, last_stage_less_layers=1)
+    [2, 3, 3, 2]
+    >>> layers_per_stage(6, 4), layers_per_stage(6, 4, stage_ranks=[0, 1, 1, 0])
+    ([1, 2, 2, 1], [2, 2, 1, 1])
+    """
+    if explicit:
+        counts = list(explicit)
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(f"pipeline_parallel_layers_per_stage = {counts} must have {n_stages} "
+                             f"entries >= 1 summing to n_layers = {n_layers}")
+        return counts
+    # Count the embedding and head as virtual layers, spread all units evenly, remove them again.
+    units = n_layers + first_stage_less_layers + last_stage_less_layers
+    base, extra = divmod(units, n_stages)
+    counts = [base] * n_stages
+    # Extra units go to the middle stages first, so the ends (embedding, head) stay light; with
+    # ``stage_ranks``, each to a stage of the rank with the fewest units so far.
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][:n_stages]
+    ranks = list(stage_ranks) if stage_ranks is not None else list(range(n_stages))
+    if len(ranks) != n_stages:
+        raise ValueError(f"stage_ranks = {ranks} must name the rank of each of {n_stages} stages")
+    load = dict.fromkeys(ranks, 0)
+    for c, r in zip(counts, ranks, strict=True):
+        load[r] += c
+    rank_first = {s: k for k, s in enumerate(order)}
+    for _ in range(extra):
+        i = min(order, key=lambda s: (load[ranks[s]], rank_first[s]))
+        order.remove(i)
+        counts[i] += 1
+        load[ranks[i]] += 1
+    counts[0] -= first_stage_less_layers
+    counts[-1] -= last_stage_less_layers
+    if min(counts) < 1 or sum(counts) != n_layers:
+        raise ValueError(f"n_layers = {n_layers} cannot be split into {n_stages} stages with "
+                         f"first_stage_less_layers = {first_stage_less_layers} and "
+                         f"last_stage_less_layers = {last_stage_less_layers}: counts {counts}; "
+                         "every stage needs at least one layer")
+    return counts

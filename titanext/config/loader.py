@@ -330,7 +330,7 @@ def load_config(path: str | None, args: Sequence[str] = (), *,
     ``args`` are overrides, ``--section.key=value`` or ``--section.key value``; their text is
     parsed by the key's type (booleans as true/false/1/0/yes/no, lists comma-separated).
     ``path=None`` starts from the defaults. With ``world_size`` the parallel degrees are checked
-    against it (see :func:`~titanext.config.rules.validate`). Raises :class:`ConfigError`
+    against it (see :func:`~titanext.config.rules.check_config`). Raises :class:`ConfigError`
     listing every problem found.
 
     >>> cfg = load_config(None, ["--parallelism.tensor_parallel_degree", "2"], world_size=8)

@@ -3,13 +3,13 @@
 The layout arithmetic (degree product, EP layout, batch and gradient accumulation, pipeline
 micro-batches) is plain-int functions in :mod:`titanext.config.degrees`, re-exported here, so
 the runtime calls the same rule the config checks at load:
-:class:`titanext.parallel_dims.ParallelDims` validates its degrees with
+:class:`titanext.distributed.parallel_dims.ParallelDims` validates its degrees with
 :func:`degree_problems`, the planner counts gradient accumulation with
 :func:`accumulation_steps` and pipeline micro-batches with :func:`resolve_microbatches`.
 :func:`collect_problems` runs every rule over a :class:`~titanext.config.schema.JobConfig` and
-returns one line per problem; :func:`validate` raises them as one :class:`ConfigError`.
+returns one line per problem; :func:`check_config` raises them as one :class:`ConfigError`.
 
->>> validate(JobConfig(), world_size=4)
+>>> check_config(JobConfig(), world_size=4)
 
 Imports of the model registry, the schedules and the pipeline helpers are local to the rules
 that need them, so that ``import titanext.config`` stays light (no torch).
@@ -27,6 +27,7 @@ from titanext.config.degrees import (
     batch_problem,
     degree_problems,
     ep_layout_problem,
+    layers_per_stage,
     resolve_dp_shard,
     resolve_microbatches,
 )
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["accumulation_steps", "batch_problem", "collect_problems", "degree_problems",
            "ep_layout_problem", "fake_world_size", "gradient_accumulation_steps", "model_args",
            "pipeline_config_problems", "resolve_dp_shard", "resolve_microbatches",
-           "resolved_dp_shard", "validate"]
+           "resolved_dp_shard", "check_config", "validate"]
 
 
 # -- parallel degrees ---------------------------------------------------------------------------
@@ -68,7 +69,6 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
     :func:`titanext.schedules.schedule_problems`; this adds what involves other sections.
     """
     from titanext.models import MODEL_FLAVORS, get_model_args
-    from titanext.pipeline import layers_per_stage
     from titanext.schedules import (
         get_schedule_class,
         num_stages_for,
@@ -161,7 +161,7 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 # -- model, MoE, expert parallelism, float8 -------------------------------------------------------
 
 def _tokenizer_vocab(name: str) -> int:
-    from titanext.tokenizer import build_tokenizer
+    from titanext.components.tokenizer import build_tokenizer
 
     return build_tokenizer(name).vocab_size
 
@@ -273,8 +273,9 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
+    from titanext.config.hf_rules import hf_problems
     from titanext.models import get_model_args
-    from titanext.models.hf import hf_config_from_model_args, hf_problems
+    from titanext.models.hf import hf_config_from_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -564,7 +565,7 @@ def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
     """(vocab size, EOS id) of the configured tokenizer, or Nones when it cannot be built (its
     own rule reports why)."""
-    from titanext.tokenizer import build_tokenizer
+    from titanext.components.tokenizer import build_tokenizer
 
     try:
         tok = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
@@ -583,18 +584,22 @@ def fake_world_size(cfg: JobConfig) -> int:
             * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Check every field and every cross-field rule; raise :class:`ConfigError` listing all.
 
     Works on any :class:`JobConfig`, including one built or modified in Python. With
     ``world_size`` the degrees must multiply to it (``data_parallel_shard_degree = -1`` takes the
     rest); without it only what does not depend on it is checked, with -1 counted as 1.
 
-    >>> validate(JobConfig(), world_size=4)
+    >>> check_config(JobConfig(), world_size=4)
     """
     found = collect_problems(cfg, world_size)
     if found:
         raise ConfigError(found)
+
+
+#: The old name of :func:`check_config` (``titanext.config.validate`` keeps working).
+validate = check_config
 
 
 def resolved_dp_shard(cfg: JobConfig, world_size: int | None) -> int:

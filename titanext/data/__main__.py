@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from titanext.data.tokenize import tokenize_corpus
+from titanext.data.pretokenize import tokenize_corpus
 from titanext.errors import ConfigError
 
 

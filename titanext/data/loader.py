@@ -19,6 +19,7 @@ from titanext.data.sources import (
 from titanext.data.streaming import StreamingTextWindows
 from titanext.data.tokens import TokenShardWindows
 from titanext.errors import ConfigError
+from titanext.models.layers import document_positions  # re-exported
 
 __all__ = ["DATASETS", "TokenDataLoader", "build_dataloader", "dataloader_from_config",
            "document_ids",
@@ -73,20 +74,6 @@ def document_ids(inputs: torch.Tensor, eos_id: int, bos_id: int | None = None) -
     if bos_id is not None and bos_id != eos_id:
         starts[:, 1:] |= inputs[:, 1:] == bos_id
     return starts.long().cumsum(dim=1)
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 at each document start, from :func:`document_ids` [batch, seq].
-
-    >>> document_positions(torch.tensor([[0, 0, 1, 1, 1, 2, 3]])).tolist()
-    [[0, 1, 0, 1, 2, 0, 0]]
-    """
-    seq = doc_ids.shape[-1]
-    column = torch.arange(seq, device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    first = torch.where(starts, column, torch.zeros_like(column)).cummax(dim=-1).values
-    return column - first
 
 
 class TokenDataLoader:
@@ -247,7 +234,7 @@ def dataloader_from_config(training: Any, tokenizer: Tokenizer, dp_rank: int, dp
     ``[validation]`` section) the held-out one, read unshuffled with its own batch size.
 
     >>> from titanext.config import load_config
-    >>> from titanext.tokenizer import ByteTokenizer
+    >>> from titanext.components.tokenizer import ByteTokenizer
     >>> t = load_config(None, ["--training.seq_len=32"]).training
     >>> dataloader_from_config(t, ByteTokenizer(), 0, 1).next_batch()[0].shape
     torch.Size([8, 32])

@@ -22,7 +22,7 @@ CORPUS = Path(__file__).resolve().parent.parent / "assets" / "shakespeare.txt"
 
 
 class Tokenizer(Protocol):
-    """What the loader needs from a tokenizer (``titanext.tokenizer.ByteTokenizer`` fits).
+    """What the loader needs from a tokenizer (``components.tokenizer.ByteTokenizer`` fits).
 
     ``bos_id`` is optional (read with ``getattr``); it only marks document starts for
     document masking.
@@ -50,7 +50,7 @@ def pack_documents(docs: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     Stored as int16 when the vocabulary fits (byte tokens do), int32 otherwise, to keep a big
     corpus small in memory; windows are widened to ``torch.long`` only when batched.
 
-    >>> from titanext.tokenizer import ByteTokenizer
+    >>> from titanext.components.tokenizer import ByteTokenizer
     >>> pack_documents(["ab", "c"], ByteTokenizer()).tolist()
     [97, 98, 257, 99, 257]
     """

@@ -18,7 +18,7 @@ windows, which is what makes the stream independent of the dp layout (ranks toke
 text; pre-tokenize with ``python -m titanext.data tokenize`` when that costs too much).
 
 >>> import tempfile, os
->>> from titanext.tokenizer import ByteTokenizer
+>>> from titanext.components.tokenizer import ByteTokenizer
 >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "a.txt"), "w").write("abcdefg")
 >>> src = StreamingTextWindows.open(d, tokenizer=ByteTokenizer(), seq_len=3, seed=0,
 ...                                 shuffle=False)

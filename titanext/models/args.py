@@ -87,7 +87,7 @@ class ModelArgs:
     (0, 1), (2, 3), ... (Meta's Llama checkpoints, titanext's named flavors); ``"half"`` rotates
     (i, i + head_dim/2) (Hugging Face's ``rotate_half``; the ``hf`` flavor). The two differ only
     by a fixed permutation of the rows of ``wq`` and ``wk`` inside each head
-    (:mod:`titanext.hf_checkpoint` applies it when a checkpoint changes convention).
+    (:mod:`titanext.hf.checkpoint` applies it when a checkpoint changes convention).
     """
 
     dim: int = 256

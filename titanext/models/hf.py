@@ -25,10 +25,10 @@ import os
 from typing import Any
 
 from titanext.errors import ConfigError
+from titanext.hf.tokenizer import read_json
 from titanext.models.args import ModelArgs, MoEArgs, RopeScaling
-from titanext.tokenizer import _read_json
 
-__all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "hf_problems", "load_hf_config",
+__all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "load_hf_config",
            "model_args_from_hf"]
 
 #: architecture -> model_type of the HF configs the ``hf`` flavor builds.
@@ -44,7 +44,7 @@ def load_hf_config(path: str) -> tuple[dict[str, Any], str]:
     if not os.path.isdir(path):
         raise ConfigError(f"model.hf_assets_path = {path!r} is not a directory; it must hold a "
                           "Hugging Face config.json (and tokenizer.json)")
-    return _read_json(file), file
+    return read_json(file), file
 
 
 def _rope(cfg: dict[str, Any], where: str, problems: list[str]
@@ -230,60 +230,3 @@ def hf_config_from_model_args(args: ModelArgs, *, dtype: str = "float32",
     if eos_id is not None:
         cfg["eos_token_id"] = eos_id
     return cfg
-
-
-def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, model_vocab: int | None,
-                tp: int = 1, pp: int = 1, initial_load_path: str | None = None,
-                initial_load_in_hf: bool = False, model_args: ModelArgs | None = None
-                ) -> list[str]:
-    """The config rules of the HF path, one line per problem (for titanext.config's rules):
-
-    - ``flavor = "hf"`` or ``tokenizer = "hf"`` need ``hf_assets_path``; its config.json /
-      tokenizer.json must parse and describe something titanext implements;
-    - the tokenizer's ids must fit the model's embedding (``model_vocab``, or the hf config's);
-    - tied embeddings cannot be split over pipeline stages;
-    - ``initial_load_path`` must match the model (shapes read from headers only).
-
-    ``model_args`` is the model of a named flavor (None for ``flavor = "hf"``).
-    """
-    problems: list[str] = []
-    needs_assets = [k for k, v in (("model.flavor", flavor), ("model.tokenizer", tokenizer))
-                    if v == "hf"]
-    if needs_assets and not hf_assets_path:
-        return [f"{k} = 'hf' needs model.hf_assets_path (a Hugging Face model directory with "
-                "config.json and tokenizer.json)" for k in needs_assets]
-    args = model_args
-    if flavor == "hf":
-        try:
-            args = model_args_from_hf(hf_assets_path)
-        except ConfigError as e:
-            problems.extend(e.problems)
-    if tokenizer == "hf":
-        from titanext.tokenizer import HFTokenizer
-
-        try:
-            tok = HFTokenizer(hf_assets_path)
-        except ConfigError as e:
-            problems.extend(e.problems)
-        else:
-            vocab = args.vocab_size if args is not None else model_vocab
-            if vocab is not None and tok.vocab_size > vocab:
-                problems.append(f"{tok.file}: the tokenizer has {tok.vocab_size} token ids, more "
-                                f"than the model's vocab_size = {vocab}; use a model whose "
-                                "embedding holds the tokenizer's vocabulary")
-    if args is not None and args.tie_embeddings and pp > 1:
-        problems.append(
-            f"parallelism.pipeline_parallel_degree = {pp}: the model ties its input and output "
-            "embeddings (config.json tie_word_embeddings = true), which live on the first and "
-            "the last pipeline stage; use FSDP / HSDP / TP / CP / EP, or an untied model")
-    if initial_load_path and args is not None and not problems:
-        from titanext.hf_checkpoint import check_dcp_checkpoint, check_hf_checkpoint
-
-        try:
-            if initial_load_in_hf:
-                check_hf_checkpoint(initial_load_path, args)
-            else:
-                check_dcp_checkpoint(initial_load_path, args)
-        except ConfigError as e:
-            problems.extend(e.problems)
-    return problems

@@ -1,7 +1,9 @@
-"""Layers shared by the dense decoder and the MoE layer.
+"""Layers shared by the dense decoder and the MoE layer, and the positions RoPE reads.
 
 :class:`FeedForward` is the decoder's dense SwiGLU and also each MoE layer's shared expert, so it
 lives here rather than in :mod:`~titanext.models.llama`, which imports the MoE layer.
+:func:`document_positions` turns document ids into positions that restart at each document (the
+data loader and context parallelism both hand them to the model).
 
 >>> import torch
 >>> FeedForward(dim=8, hidden_dim=16)(torch.randn(2, 8)).shape
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeedForward"]
+__all__ = ["FeedForward", "document_positions"]
 
 
 class FeedForward(nn.Module):
@@ -28,3 +30,18 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at each document start, from document ids [batch, seq]
+    (:func:`titanext.data.document_ids`).
+
+    >>> document_positions(torch.tensor([[0, 0, 1, 1, 1, 2, 3]])).tolist()
+    [[0, 1, 0, 1, 2, 0, 0]]
+    """
+    seq = doc_ids.shape[-1]
+    column = torch.arange(seq, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    first = torch.where(starts, column, torch.zeros_like(column)).cummax(dim=-1).values
+    return column - first

@@ -245,7 +245,7 @@ class Transformer(nn.Module):
 
         ``position_ids`` ([seq] or [batch, seq]) feed RoPE; ``document_ids`` ([batch, seq]
         integers) restrict attention to tokens of the same packed document (pass positions that
-        restart at each document with them, e.g. ``titanext.data.document_positions``).
+        restart at each document with them, e.g. ``titanext.models.layers.document_positions``).
         Returns logits [batch, seq, vocab] (or hidden states if this part has no output head).
         """
         if position_ids is None:

@@ -1,4 +1,4 @@
-"""The planner (``python -m titanext.plan``; the command line is :mod:`titanext.plan`).
+"""The planner (``python -m titanext.plan``; the command line is :mod:`titanext.planning.cli`).
 
 One estimate (:func:`~titanext.planning.estimate.plan_config`) is assembled from named pieces:
 
@@ -8,7 +8,7 @@ One estimate (:func:`~titanext.planning.estimate.plan_config`) is assembled from
 - :mod:`~titanext.planning.memory`: parameters, gradients, optimizer state and activations per
   rank (the formulas are in its docstring).
 - :mod:`~titanext.planning.comm`: bytes and collectives per parallelism, alpha-beta times.
-- :mod:`~titanext.planning.pipeline`: a schedule's stages per rank, micro-batches in flight and
+- :mod:`~titanext.planning.stages`: a schedule's stages per rank, micro-batches in flight and
   bubble, from the schedule simulator.
 - :mod:`~titanext.planning.roofline`: the time of one micro-batch through a rank's layers.
 - :mod:`~titanext.planning.hardware`: per-GPU peak FLOP/s, memory and link figures (H100, H200,

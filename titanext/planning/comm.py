@@ -17,8 +17,8 @@ from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.memory import state_elements
 from titanext.planning.moe import all_to_all_bytes
-from titanext.planning.pipeline import RankStages
 from titanext.planning.roofline import MicrobatchTime
+from titanext.planning.stages import RankStages
 
 __all__ = ["comm_time", "context_parallel_comm", "data_parallel_comm", "model_parallel_comm"]
 

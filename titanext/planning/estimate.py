@@ -26,8 +26,8 @@ from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel
 from titanext.planning.hardware import DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, state_elements
-from titanext.planning.pipeline import simulate_times
 from titanext.planning.roofline import MicrobatchTime, microbatch_time, optimizer_time
+from titanext.planning.stages import simulate_times
 
 __all__ = ["Plan", "microbatch_times", "pipeline_pass", "plan_config", "step_time"]
 

@@ -1,8 +1,9 @@
 """Per-GPU figures for the planner's roofline.
 
-The dense tensor-core peaks come from :func:`titanext.metrics.peak_flops_for_name` (the same
-table the trainer's MFU uses), so the two never disagree. Memory, HBM bandwidth and link
-bandwidths are vendor datasheet figures per GPU and per direction: NVLink inside a node, the
+The dense tensor-core peaks come from
+:func:`titanext.components.metrics.peak_flops_for_name` (the same table the trainer's MFU
+uses), so the two never disagree. Memory, HBM bandwidth and link bandwidths are vendor
+datasheet figures per GPU and per direction: NVLink inside a node, the
 GPU's network card (InfiniBand / RoCE) between nodes. Latencies are per collective step,
 typical of NCCL rings on these fabrics.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanext.metrics import peak_flops_for_name
+from titanext.components.metrics import peak_flops_for_name
 
 GB = 1e9
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from titanext.config import JobConfig, resolved_dp_shard, ulysses_degree
 from titanext.config.degrees import accumulation_steps, resolve_microbatches
 from titanext.planning.moe import with_ep
-from titanext.planning.pipeline import PipelineLayout, RankStages, pipeline_layout
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
+from titanext.planning.stages import PipelineLayout, RankStages, pipeline_layout
 
 __all__ = ["Layout", "dtype_bytes", "level", "resolve_layout"]
 

@@ -210,7 +210,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
                    per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
-    trainer runs them (``events``, :func:`titanext.planning.pipeline.simulate_times`).
+    trainer runs them (``events``, :func:`titanext.planning.stages.simulate_times`).
 
     Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
 

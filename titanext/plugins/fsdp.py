@@ -10,7 +10,7 @@ MixedPrecisionPolicy. A 2D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
 ZeRO stages (as in the Ultra-Scale Playbook): 3 = parameters, gradients and optimizer state
 sharded (reshard after forward); 2 = the same but parameters stay gathered between forward
 and backward; 1 = replicated parameters with DDP and a sharded optimizer
-(:func:`apply_ddp` + ``ZeroRedundancyOptimizer``, see ``titanext.optim``).
+(:func:`apply_ddp` + ``ZeroRedundancyOptimizer``, see ``titanext.components.optim``).
 """
 
 from __future__ import annotations

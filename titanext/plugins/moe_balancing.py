@@ -28,7 +28,7 @@ __all__ = ["MoEBalancing", "reset_routing_counts"]
 
 def reset_routing_counts(module: nn.Module) -> None:
     """Forget the routing counts of every MoE block in ``module`` (e.g. of a forward that
-    only inferred shapes, see ``titanext.pipeline.ignore_shape_inference_forward``)."""
+    only inferred shapes, see ``titanext.distributed.pipeline.ignore_shape_inference_forward``)."""
     for m in module.modules():
         if isinstance(m, MoE):
             m.tokens_per_expert.zero_()

@@ -38,7 +38,8 @@ Rules:
   passes torch's public ``dw_builder`` hook, so the input-gradient step runs one plain autograd
   backward (no graph walk, no retain_graph) and that micro-batch's closures go to torch's W
   step; a full backward runs them at once. Any schedule runs it, torch's included.
-  ``titanext.pipeline`` does this when ``pipeline_parallel_split_backward = "deferred"``.
+  ``titanext.distributed.pipeline`` does this when
+  ``pipeline_parallel_split_backward = "deferred"``.
 - Inside a context with a queue, every backward queues dW, even a ``torch.autograd.grad`` that
   asks only for inputs (torch's stage shape inference does that on the first step): keep such
   calls outside (the stage class does).

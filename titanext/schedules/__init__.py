@@ -23,11 +23,11 @@ from __future__ import annotations
 from titanext._hints import did_you_mean
 from titanext.schedules import dualpipe, zero_bubble
 from titanext.schedules._torch_ir import (
+    check_actions,
     is_single_stage,
     leaves,
     torch_pipeline_order,
     torch_schedule_class,
-    validate,
 )
 from titanext.schedules.simulator import SimResult, replay
 from titanext.schedules.zero_bubble import (
@@ -38,7 +38,8 @@ from titanext.schedules.zero_bubble import (
 )
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "get_schedule_class", "leaves", "num_stages_for", "resolved_stages_per_rank",
+           "get_schedule_class", "leaves", "num_stages_for", "pipeline_stage_ids",
+           "resolved_stages_per_rank",
            "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
            "validate_order"]
 
@@ -65,6 +66,20 @@ def stage_owners(placement: str, pp: int, stages_per_rank: int) -> list[int]:
         return list(range(pp))
     owner = {s: r for r in range(pp) for s in stage_ids(placement, r, pp, stages_per_rank)}
     return [owner[s] for s in range(pp * stages_per_rank)]
+
+
+def pipeline_stage_ids(schedule: str | type, *, pp_rank: int, pp: int,
+                       stages_per_rank: int | None = None) -> list[int]:
+    """Global stage indices held by ``pp_rank``, from the schedule's declared placement.
+
+    >>> pipeline_stage_ids("1F1B", pp_rank=1, pp=4)
+    [1]
+    >>> pipeline_stage_ids("Interleaved1F1B", pp_rank=1, pp=4, stages_per_rank=2)
+    [1, 5]
+    """
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    n = resolved_stages_per_rank(cls, stages_per_rank)
+    return stage_ids_for_rank(getattr(cls, "placement", "loop"), pp_rank, pp, n)
 
 
 def num_stages_for(placement: str, pp: int, stages_per_rank: int) -> int:
@@ -170,7 +185,7 @@ def build_schedule(schedule: str | type, stages: list, n_microbatches: int, loss
     torch's single-stage GPipe / 1F1B take the one stage object, every other class the list.
     ``costs`` (f, b, w, comm) regenerate a schedule that uses them (Auto) for measured times;
     ``kwargs`` go to the constructor (e.g. ``scale_grads=False``). The one schedule factory:
-    :func:`titanext.pipeline.build_pipeline` and the trainer's pipeline call it.
+    :func:`titanext.distributed.pipeline.build_pipeline` and the trainer's pipeline call it.
 
     >>> # schedule = build_schedule("ZBH1", [stage], 8, loss_fn=loss_fn, scale_grads=False)
     """
@@ -188,7 +203,7 @@ def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbat
                    ) -> None:
     """torch's own check of per-rank compute lists (overlapped F&B pairs counted as their two
     actions); raises on an invalid schedule."""
-    validate({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
+    check_actions({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
              num_stages, microbatches)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from titanext.metrics import format_table
+from titanext.components.metrics import format_table
 from titanext.schedules import _SIMULATED, schedule_problems, simulate
 
 

@@ -86,7 +86,7 @@ def leaves(a: Action) -> tuple[Action, ...]:
     return tuple(a.sub_actions) if a.sub_actions is not None else (a,)
 
 
-def validate(compute: dict[int, list], pp: int, num_stages: int, microbatches: int) -> None:
+def check_actions(compute: dict[int, list], pp: int, num_stages: int, microbatches: int) -> None:
     """torch's own check of a compute-only schedule (raises on an invalid one)."""
     _s._validate_schedule(compute, pp, num_stages, microbatches)
 

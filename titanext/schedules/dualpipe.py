@@ -454,19 +454,3 @@ def _add_partner(p: torch.Tensor, theirs: torch.Tensor) -> None:
         p.grad = theirs.clone()  # the receive buffer may be reused next step
     else:
         _local(p.grad).add_(theirs)
-
-
-def clip_mirrored_grads(down: list, up: list, max_norm: float, *, pp_group=None) -> torch.Tensor:
-    """Global-norm clipping for DualPipe's two copies: the norm counts every stage once (the
-    ``down`` copies' parameters, summed over ``pp_group``) and both copies take the same factor,
-    so mirrored copies stay bitwise equal. Call after :func:`sum_mirrored_grads`; returns the
-    norm. ``titanext.train`` does this; the factor is ``titanext.optim.clip_grad_norm_``'s."""
-    from titanext.optim import clip_grad_norm_
-
-    total = clip_grad_norm_(down, 0.0, pp_group=pp_group)  # measure only
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [_local(p.grad) for p in (*down, *up) if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return total

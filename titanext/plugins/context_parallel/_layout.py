@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanext.data.loader import document_positions
+from titanext.models.layers import document_positions
 from titanext.plugins.context_parallel._comm import Group, as_group
 
 LAYOUTS = ("zigzag", "contiguous")

@@ -45,7 +45,8 @@ def load_tokenizer(spec: tuple[str, ...]) -> Any:
     """The tokenizer for ``spec``: ``("name", "byte")``, ``("path", DIR_OR_JSON)`` (a Hugging
     Face tokenizer.json or the directory holding it) or ``("config", FILE, *overrides)`` (the
     config's ``[model] tokenizer`` and ``hf_assets_path``)."""
-    from titanext.tokenizer import HFTokenizer, build_tokenizer
+    from titanext.components.tokenizer import build_tokenizer
+    from titanext.hf.tokenizer import HFTokenizer
 
     kind, *rest = spec
     if kind == "config":

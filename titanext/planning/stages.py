@@ -1,9 +1,10 @@
 """What the configured pipeline schedule means for each pp rank.
 
 The stages a rank holds, and the layers in them, come from the same functions the trainer
-uses (:mod:`titanext.pipeline`); micro-batches in flight and the bubble come from replaying
-the schedule's own action lists in the simulator (:func:`titanext.schedules.simulate`), with
-the micro-batch's forward, input-gradient and weight-gradient times as costs.
+uses (:func:`titanext.config.degrees.layers_per_stage`,
+:func:`titanext.schedules.pipeline_stage_ids`); micro-batches in flight and the bubble come from
+replaying the schedule's own action lists in the simulator (:func:`titanext.schedules.simulate`),
+with the micro-batch's forward, input-gradient and weight-gradient times as costs.
 
 >>> pl = pipeline_layout("1F1B", pp=4, microbatches=8, n_layers=8)
 >>> [r.layers for r in pl.ranks], pl.ranks[0].embedding, pl.ranks[3].head
@@ -18,8 +19,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from titanext.pipeline import layers_per_stage, pipeline_stage_ids
-from titanext.schedules import resolved_stages_per_rank
+from titanext.config.degrees import layers_per_stage
+from titanext.schedules import pipeline_stage_ids, resolved_stages_per_rank
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,192 @@
+"""The parallelize recipe, in one visible order: TP -> EP -> CP -> AC -> compile -> FSDP / DDP.
+
+:func:`parallelize` applies titanext's plugins to a model (or one pipeline stage of it) as the
+trainer does. It reads only the config sections it is given (the same dataclasses as the
+TOML sections, defaults where a section is left out), never a whole JobConfig or a global,
+so it runs on your own model too:
+
+- the model's repeated blocks are ``model.layers`` (an ``nn.ModuleList`` / ``nn.ModuleDict``)
+  or the ``blocks`` you pass: they become the FSDP units, the AC and the compile regions;
+- tensor parallelism follows ``tp_plan`` (a dict from FQN, wildcards allowed, to
+  ``ParallelStyle``; default: titanext's Llama plan, see ``titanext.plugins.tensor_parallel``);
+- expert parallelism converts modules that follow the experts protocol
+  (``titanext.plugins.expert_parallel``), context parallelism attention modules that expose
+  ``attn_fn`` (``titanext.plugins.context_parallel``).
+
+Build the model on the meta device and pass ``init_weights``: the parameters are then
+allocated (``to_empty``) and initialised after sharding, so no rank ever holds the whole
+model. ZeRO-1 (``parallelism.zero_stage = 1``) wraps the materialised model in DDP, so it needs
+``init_weights`` (or an already materialised model).
+
+Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
+
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from titanext.config import ActivationCheckpoint
+    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.utils import init_distributed
+    from titanext.distributed.parallelize import parallelize
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class MyModel(nn.Module):
+        def __init__(self, d=64, n=4):
+            super().__init__()
+            self.layers = nn.ModuleList(Block(d) for _ in range(n))  # the block protocol
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return x
+
+    device = init_distributed()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    dims.build_mesh(device.type)
+    torch.manual_seed(0)
+    model = parallelize(MyModel(), dims, activation_checkpoint=ActivationCheckpoint(mode="full"),
+                        tp_plan={"layers.*.up": ColwiseParallel(),
+                                 "layers.*.down": RowwiseParallel()})
+    model(torch.randn(8, 16, 64)).square().mean().backward()   # FSDP x TP gradients
+
+``tests/test_plugins_user_model.py::test_parallelize_user_model_matches_one_process`` runs
+this (and ZeRO-1 from a meta model) against one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from titanext._fake_backend import real_tensors, to_empty
+from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
+from titanext.distributed.parallel_dims import ParallelDims
+from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+from titanext.plugins.compile import apply_compile
+from titanext.plugins.context_parallel import apply_context_parallel
+from titanext.plugins.expert_parallel import apply_expert_parallel
+from titanext.plugins.fsdp import apply_ddp, apply_fsdp
+from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel
+
+__all__ = ["cp_layout", "loss_parallel_enabled", "mixed_precision_dtype", "parallelize",
+           "zero1_enabled"]
+
+
+def cp_layout(parallelism: Parallelism) -> str:
+    """The sequence layout of context parallelism: "zigzag" (load-balanced causal attention)
+    or "contiguous" (``context_parallel_load_balance = "none"``)."""
+    return "zigzag" if parallelism.context_parallel_load_balance == "zigzag" else "contiguous"
+
+
+def loss_parallel_enabled(dims: ParallelDims, parallelism: Parallelism) -> bool:
+    """Whether the output layer stays sharded over tp (compute the loss in ``loss_parallel()``)."""
+    return dims.tp_enabled and parallelism.enable_loss_parallel
+
+
+def zero1_enabled(dims: ParallelDims, parallelism: Parallelism) -> bool:
+    """ZeRO-1: DDP over every rank that reduces gradients (dp and cp) and a sharded optimizer."""
+    return parallelism.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
+
+
+def mixed_precision_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """A ``training.mixed_precision_*`` value as a dtype ("auto": bf16 on CUDA, else fp32)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    parallelism: Parallelism | None = None,
+    activation_checkpoint: ActivationCheckpoint | None = None,
+    compile: Compile | None = None,
+    float8: Float8 | None = None,
+    training: Training | None = None,
+    device: torch.device | str | None = None,
+    init_weights: Callable[[nn.Module], None] | None = None,
+    tp_plan: TPPlan | None = None,
+    blocks: Iterable[nn.Module] | None = None,
+) -> nn.Module:
+    """Apply TP -> EP -> CP -> AC -> compile -> FSDP/HSDP (or DDP for ZeRO-1) to ``model``.
+
+    Args:
+        model: the whole model or one pipeline stage, usually on the meta device.
+        dims: the parallel degrees, with ``dims.build_mesh()`` called.
+        parallelism, activation_checkpoint, compile, float8, training: the config sections the
+            recipe reads (``titanext.config``); a section left out takes its defaults. Of
+            ``float8`` only ``enable`` matters here (float8 TP styles); convert the model with
+            ``titanext.plugins.float8.apply_float8`` before calling this.
+        device: where ``init_weights`` materialises the model (default: the mesh's device type).
+        init_weights: ``fn(model)`` that initialises the parameters; when given, the model is
+            moved to ``device`` with ``to_empty`` after sharding and ``fn`` runs on it.
+        tp_plan: the tensor-parallel plan for your own model (default: titanext's Llama plan).
+        blocks: the repeated blocks if the model has no ``layers`` container.
+
+    Returns the module to train: ``model`` itself (changed in place), or its DDP wrapper under
+    ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
+    """
+    p = parallelism or Parallelism()
+    ac = activation_checkpoint or ActivationCheckpoint()
+    comp = compile or Compile()
+    t = training or Training()
+    device = torch.device(device if device is not None else dims.world_mesh.device_type)
+    blocks = list(blocks) if blocks is not None else None
+    with real_tensors():  # sharding a meta model is host work, also in a dry run's fake mode
+        if dims.tp_enabled:
+            apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
+                                  sequence_parallel=p.enable_sequence_parallel,
+                                  float8=bool(float8 and float8.enable),
+                                  loss_parallel=loss_parallel_enabled(dims, p))
+        experts: list[nn.Module] = []
+        if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
+            experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
+        if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
+            apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
+                                   comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
+        apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
+                                       save_ops=ac.selective_op_save_list, blocks=blocks)
+        if comp.enable and "model" in comp.components:
+            # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
+            # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
+            # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
+            # Deferred weight gradients: each converted linear runs eagerly (a graph break).
+            from titanext.plugins.weight_grad import has_deferred_modules
+
+            fullgraph = not (experts or dims.cp_enabled or has_deferred_modules(model))
+            apply_compile(model, backend=comp.backend, fullgraph=fullgraph, blocks=blocks)
+        zero1 = zero1_enabled(dims, p)
+        if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
+            apply_fsdp(
+                model,
+                dims.fsdp_mesh,
+                param_dtype=mixed_precision_dtype(t.mixed_precision_param, device),
+                reduce_dtype=mixed_precision_dtype(t.mixed_precision_reduce, device),
+                reshard_after_forward=p.fsdp_reshard_after_forward,
+                zero_stage=max(p.zero_stage, 2),
+                pp_enabled=dims.pp_enabled,
+                blocks=blocks,
+                # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
+                # gradients are summed over fewer ranks, so divide by the dense reduction size.
+                expert_units=experts,
+                expert_mesh=dims.expert_fsdp_mesh if experts else None,
+                expert_gradient_divide_factor=dims.gradient_reduction_size,
+            )
+    if init_weights is not None:
+        to_empty(model, device)  # (a dry run: fake parameters)
+        init_weights(model)
+    if not zero1:
+        return model
+    if any(q.is_meta for q in model.parameters()):
+        raise ValueError("parallelism.zero_stage = 1 wraps the model in DDP, which needs real "
+                         "parameters: pass init_weights=... or a materialised model")
+    # ZeRO-1: DDP over replicated parameters (+ a sharded optimizer, titanext.components.optim).
+    return apply_ddp(model, dims.loss_mesh)

@@ -1,0 +1,446 @@
+"""Pipeline parallelism: split a model into stages, place them on ranks, build the schedule.
+
+Three small steps, each usable on a user's own model:
+
+1. :func:`layers_per_stage` decides how many blocks each of ``pp x stages_per_rank`` stages
+   holds (the first and last stages may take fewer, since they also hold the embedding and
+   the output head).
+2. :func:`pipeline_stage_ids` says which stages a pp rank holds, from the schedule class's
+   declared placement ("loop" or "v"); nothing here looks at a schedule's name.
+3. :func:`split_model` cuts one stage out of a (meta) model; :func:`build_pipeline` wraps the
+   stage modules in ``PipelineStage`` objects and builds the schedule.
+
+Between 3's two calls the caller applies TP / AC / compile / FSDP to each stage module exactly
+as to a whole model (:func:`titanext.distributed.parallelize.parallelize`).
+:class:`PipelineRunner` does all of it for a model and runs the training step (the trainer's
+pipeline path).
+
+>>> import torch
+>>> from titanext.models import build_model, get_model_args
+>>> model = build_model("llama3", get_model_args("llama3", "debugtiny"), device="meta")
+>>> n = len(model.layers)
+>>> counts = layers_per_stage(n, 2)
+>>> stage0 = split_model(model, counts, 0)
+>>> stage0.output is None and stage0.tok_embeddings is not None
+True
+>>> pipeline_stage_ids("ZBV", pp_rank=0, pp=2)
+[0, 3]
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
+from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
+from titanext.plugins.weight_grad import (
+    DeferredPipelineStage,
+    WeightGradQueue,
+    defer_weight_grads,
+)
+from titanext.schedules import (  # pipeline_stage_ids is re-exported
+    build_schedule,
+    get_schedule_class,
+    num_stages_for,
+    pipeline_stage_ids,
+    resolved_stages_per_rank,
+    stage_ids_for_rank,
+    stage_owners,
+)
+from titanext.schedules.dualpipe import sum_mirrored_grads
+
+#: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
+SPLIT_BACKWARD = ("deferred", "autograd")
+
+__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
+           "pass_position_ids", "ignore_shape_inference_forward",
+           "StageTimer", "PipelineRunner"]
+
+
+def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
+                blocks: str = "layers", first: Sequence[str] = ("tok_embeddings",),
+                last: Sequence[str] = ("norm", "output")) -> nn.Module:
+    """A copy of ``model`` that keeps only stage ``stage_index``'s blocks.
+
+    ``model.<blocks>`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of blocks in order; the
+    attributes in ``first`` stay only on stage 0 and those in ``last`` only on the last stage
+    (elsewhere they become ``None``, so the model's ``forward`` must skip a ``None`` part, as
+    :class:`titanext.models.llama.Transformer` does). Call it on a meta-device model: the copy
+    is then free. Block names (``layers.5``) are kept, so checkpoints stay layout-independent.
+    """
+    counts = list(counts)
+    if not 0 <= stage_index < len(counts):
+        raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
+    src = getattr(model, blocks, None)
+    if not isinstance(src, nn.ModuleDict | nn.ModuleList):
+        raise ValueError(f"model.{blocks} must be an nn.ModuleDict or nn.ModuleList of blocks")
+    if sum(counts) != len(src):
+        raise ValueError(f"layer counts {counts} sum to {sum(counts)}, but model.{blocks} has "
+                         f"{len(src)} blocks")
+    start = sum(counts[:stage_index])
+    keep = range(start, start + counts[stage_index])
+    # Copy without the blocks, then attach the kept ones (deepcopy of a meta model is cheap).
+    setattr(model, blocks, type(src)())
+    try:
+        stage = copy.deepcopy(model)
+    finally:
+        setattr(model, blocks, src)
+    if isinstance(src, nn.ModuleDict):
+        names = list(src.keys())
+        kept = {names[i]: copy.deepcopy(src[names[i]]) for i in keep}
+        setattr(stage, blocks, nn.ModuleDict(kept))
+    else:
+        setattr(stage, blocks, nn.ModuleList([copy.deepcopy(src[i]) for i in keep]))
+    for name in first if stage_index != 0 else ():
+        setattr(stage, name, None)
+    for name in last if stage_index != len(counts) - 1 else ():
+        setattr(stage, name, None)
+    return stage
+
+
+def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None, *,
+                      kwarg: str = "position_ids") -> None:
+    """Call ``stage_module`` with ``position_ids`` from now on (``None`` stops it).
+
+    A pipeline schedule feeds a stage only what the previous stage sent, but every stage runs
+    RoPE and needs the global positions of the tokens its rank holds (a slice of them under
+    context parallelism; hidden states under sequence parallelism are shorter than the
+    sequence, so a stage cannot derive them). Positions are the same for every micro-batch, so
+    they are attached once, as a forward pre-hook that adds ``kwarg=position_ids`` to each call
+    that does not pass that keyword itself (per-micro-batch positions, e.g. restarted at each
+    packed document, come through the schedule instead: :meth:`PipelineRunner.step`). The
+    module's ``forward`` must accept that keyword.
+
+    >>> from titanext.models import build_model, get_model_args
+    >>> m = build_model("llama3", get_model_args("llama3", "debugtiny"), device="cpu")
+    >>> pass_position_ids(m, torch.arange(8))
+    >>> m(torch.zeros(1, 8, dtype=torch.long)).shape[1]
+    8
+    """
+    old = getattr(stage_module, "_titanext_positions_hook", None)
+    if old is not None:
+        old.remove()
+        stage_module._titanext_positions_hook = None
+    if position_ids is None:
+        return
+
+    def add_positions(module, args, kwargs):
+        return args, {kwarg: position_ids, **kwargs}
+
+    stage_module._titanext_positions_hook = stage_module.register_forward_pre_hook(
+        add_positions, with_kwargs=True)
+
+
+def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
+                   num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
+                   schedule: str | type, microbatches: int, loss_fn: Callable,
+                   costs: dict[str, float] | None = None,
+                   schedule_kwargs: dict | None = None, weight_grad_queue=None):
+    """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
+
+    ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
+    schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
+    ``costs`` (f, b, w, comm) go to schedules that use them (Auto); ``schedule_kwargs`` to the
+    schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). With a
+    ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
+    converted by ``defer_weight_grads``) the stages are
+    :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
+    Returns (stages, schedule).
+
+    Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
+
+        ids = pipeline_stage_ids("ZBH2", pp_rank=rank, pp=2)
+        counts = layers_per_stage(len(model.layers), 2)
+        mods = [split_model(model, counts, i) for i in ids]
+        for m in mods:
+            m.to_empty(device="cpu"); m.init_weights(seed=0)
+        stages, sched = build_pipeline(mods, ids, num_stages=2, pp_group=dist.group.WORLD,
+                                       device=torch.device("cpu"), schedule="ZBH2",
+                                       microbatches=4, loss_fn=my_loss)
+        sched.step(tokens, target=labels, losses=[])   # first / last rank pass what they own
+    """
+    # Deferred weight gradients: the stage runs one plain backward for I and hands that
+    # micro-batch's queued weight GEMMs to W (PipelineStage's public dw_builder hook)
+    kind, extra = PipelineStage, {}
+    if weight_grad_queue is not None:
+        kind, extra = DeferredPipelineStage, {"weight_grad_queue": weight_grad_queue}
+    stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
+                   **extra)
+              for mod, i in zip(stage_modules, stage_indices, strict=True)]
+    return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
+                                  scale_grads=False, **(schedule_kwargs or {}))
+
+
+def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
+                                   reset: Callable[[nn.Module], None]) -> None:
+    """Call ``reset(module)`` just before each stage module's *second* forward call.
+
+    A ``PipelineStage`` built without ``input_args`` learns its shapes on the first
+    ``schedule.step`` by calling its module once before the first micro-batch (torch 2.13: on
+    micro-batch 0 for the first stage and on uninitialised tensors for the others; older
+    torch: on meta tensors). State that forwards accumulate (e.g. the MoE routing counts the
+    expert-bias update uses) must not keep that call: ``reset`` clears it. Call this right
+    after every :func:`build_pipeline` (new stages infer again).
+
+    >>> from titanext.models.moe import MoE
+    >>> ignore_shape_inference_forward(parts, lambda m: [x.tokens_per_expert.zero_()
+    ...     for x in m.modules() if isinstance(x, MoE)])          # doctest: +SKIP
+    """
+    for module in stage_modules:
+        state: dict = {"calls": 0}
+
+        def pre_hook(mod: nn.Module, args, state=state) -> None:
+            state["calls"] += 1
+            if state["calls"] == 2:
+                reset(mod)
+                state["handle"].remove()
+
+        state["handle"] = module.register_forward_pre_hook(pre_hook)
+
+
+class StageTimer:
+    """Times each stage's F, I (input grad), W (weight grad) and full B per micro-batch.
+
+    Wraps the stage objects' chunk methods (public methods of torch's PipelineStage) for as
+    long as it is attached; ``costs(pp_group)`` returns mean times, max over the pp ranks, as
+    the ``f``, ``b``, ``w`` of the Auto schedule (a full B is split as I = W = B / 2).
+    """
+
+    def __init__(self, stages: Sequence):
+        self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
+        self._orig = []
+        for st in stages:
+            for meth, key in (("forward_one_chunk", "f"), ("backward_one_chunk", None),
+                              ("backward_weight_one_chunk", "w")):
+                fn = getattr(st, meth)
+                self._orig.append((st, meth, fn))
+                setattr(st, meth, self._wrap(fn, key))
+
+    def _wrap(self, fn, key):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            k = key or ("full" if kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+                        else "b")
+            self.times[k].append(time.perf_counter() - t0)
+            return out
+        return timed
+
+    def detach(self) -> None:
+        for st, meth, fn in self._orig:
+            setattr(st, meth, fn)
+        self._orig = []
+
+    def costs(self, pp_group: dist.ProcessGroup | None) -> dict[str, float]:
+        def mean(xs): return sum(xs) / len(xs) if xs else 0.0
+        f, b, w, full = (mean(self.times[k]) for k in ("f", "b", "w", "full"))
+        if not self.times["b"]:
+            b = w = full / 2
+        t = torch.tensor([f, b, w], dtype=torch.float64)
+        if pp_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
+        f, b, w = (max(float(x), 1e-6) for x in t)
+        return {"f": 1.0, "b": b / f, "w": w / f}
+
+
+class PipelineRunner:
+    """This rank's pipeline stages of a model and the schedule that trains them.
+
+    Built once from the whole (meta) model, it owns the pipeline's whole life:
+
+    - the schedule class, resolved once from ``schedule`` (a name or class), and its placement;
+    - the split (:func:`layers_per_stage`, :func:`split_model`) and which stages this rank holds
+      (:func:`pipeline_stage_ids`);
+    - each stage module shaped by ``parallelize_stage`` (default:
+      :func:`titanext.distributed.parallelize.parallelize` with the defaults, then
+      ``init_weights()``) and handed ``position_ids``;
+    - the schedule (:func:`build_pipeline`); a schedule that ``measures_costs`` (Auto) is timed
+      on the first :meth:`step` (:class:`StageTimer`) and rebuilt for the measured costs;
+    - the loss: ``loss_fn(output, target)`` returns a micro-batch's token-loss *sum*; the
+      runner multiplies it by :meth:`step`'s ``loss_scale`` for the backward and sums the
+      unscaled values it records;
+    - gradients of mirrored stage copies (DualPipe) and clipping (:meth:`clip_grad_norm`).
+    - deferred weight gradients (``split_backward="deferred"``, schedules with I and W
+      actions): the stage modules' linears are converted by
+      :func:`titanext.plugins.weight_grad.defer_weight_grads`, I runs one plain backward that
+      queues their dW GEMMs, and W runs that micro-batch's queue; ``"autograd"`` keeps torch's
+      ``stage_backward_input`` / ``stage_backward_weight`` split.
+
+    The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
+    stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
+
+        runner = PipelineRunner(model, dims, schedule="ZBH1", microbatches=4,
+                                loss_fn=token_loss_sum, device=device,
+                                parallelize_stage=lambda m: parallelize(m, dims, ...))
+        optimizer = build_optimizer([p for part in runner.parts for p in part.parameters()])
+        loss_sum = runner.step(batches, loss_scale=dp_size / global_tokens)
+        grad_norm = runner.clip_grad_norm(max_norm)
+        optimizer.step()
+
+    Tested against one process in tests/test_pipeline.py (every schedule, through the trainer).
+    """
+
+    def __init__(self, model: nn.Module, dims, *, schedule: str | type, microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, stages_per_rank: int | None = None,
+                 stage_layers: Sequence[int] | None = None, first_stage_less_layers: int = 0,
+                 last_stage_less_layers: int = 0, position_ids: torch.Tensor | None = None,
+                 parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+                 reset_stage_state: Callable[[nn.Module], None] | None = None,
+                 loss_context: Callable[[], AbstractContextManager] = nullcontext,
+                 split_backward: str = "deferred"):
+        cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+        self.schedule_class, self.device, self.microbatches = cls, device, microbatches
+        self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
+        pp = dims.pp
+        per_rank = resolved_stages_per_rank(cls, stages_per_rank)
+        # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
+        # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
+        self.mirrored = cls.placement == "dualpipe"
+        self._mirror_summed = False  # step() summed them (clip_grad_norm must not again)
+        self.num_stages = num_stages_for(cls.placement, pp, per_rank)
+        # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
+        self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
+                                                                          per_rank)
+                                for r in range(pp))
+        counts = layers_per_stage(len(model.layers), self.num_stages,
+                                  first_stage_less_layers=first_stage_less_layers,
+                                  last_stage_less_layers=last_stage_less_layers,
+                                  explicit=stage_layers,
+                                  stage_ranks=stage_owners(cls.placement, pp, per_rank))
+        self.stage_ids = pipeline_stage_ids(cls, pp_rank=pp_rank, pp=pp, stages_per_rank=per_rank)
+        if parallelize_stage is None:
+            from titanext.distributed.parallelize import parallelize
+
+            def parallelize_stage(m: nn.Module) -> nn.Module:
+                return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
+
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                             f"{', '.join(SPLIT_BACKWARD)}")
+        # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
+        # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
+        self.weight_grad_queue = None
+        parts = [split_model(model, counts, i) for i in self.stage_ids]
+        if split_backward == "deferred" and cls.splits_backward:
+            self.weight_grad_queue = WeightGradQueue()
+            for part in parts:  # a converter: before TP / FSDP, on the meta stage
+                defer_weight_grads(part)
+        self.parts = [parallelize_stage(part) for part in parts]
+        # Every stage runs RoPE but only the first sees the tokens: each is handed the positions
+        # its rank's slice of the sequence holds (the same for every micro-batch and step).
+        for part in self.parts if position_ids is not None else ():
+            pass_position_ids(part, position_ids)
+        self._token_loss, self._loss_context, self._reset = loss_fn, loss_context, reset_stage_state
+        self._scale = 1.0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.costs: dict[str, float] | None = None  # Auto's measured f, b, w
+        self._build()
+        # Auto: time F, I and W on the first step, then switch to the schedule made for them.
+        self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
+
+    @classmethod
+    def from_config(cls, model: nn.Module, dims, parallelism, *, local_batch_size: int,
+                    **kwargs) -> PipelineRunner:
+        """The runner a config's ``[parallelism]`` section describes (its ``pipeline_parallel_*``
+        keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
+        p = parallelism
+        return cls(model, dims, schedule=p.pipeline_parallel_schedule,
+                   split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
+                   microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
+                                                     local_batch_size),
+                   stages_per_rank=p.pipeline_parallel_stages_per_rank,
+                   stage_layers=p.pipeline_parallel_layers_per_stage,
+                   first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                   last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers, **kwargs)
+
+    def _build(self) -> None:
+        self.stages, self.schedule = build_pipeline(
+            self.parts, self.stage_ids, num_stages=self.num_stages, pp_group=self.pp_group,
+            device=self.device, schedule=self.schedule_class, microbatches=self.microbatches,
+            loss_fn=self._scaled_loss, costs=self.costs, weight_grad_queue=self.weight_grad_queue,
+            # mirrored gradients are summed once per optimizer step (after accumulation)
+            schedule_kwargs={"sum_mirrored_grads": False} if self.mirrored else None)
+        if self._reset is not None:
+            ignore_shape_inference_forward(self.parts, self._reset)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per micro-batch on the last stage, inside ``schedule.step`` (already in the loss
+        context: a nested one would switch loss parallel off before the backward)."""
+        return self._token_loss(output, target) * self._scale
+
+    def step(self, batches: Sequence[tuple[torch.Tensor, ...]], *,
+             loss_scale: float) -> torch.Tensor:
+        """One ``schedule.step`` per batch (gradient accumulation), with every micro-batch's
+        loss multiplied by ``loss_scale`` for the backward. A batch is (inputs, labels) or
+        (inputs, labels, position_ids, document_ids) as :func:`titanext.plugins.context_parallel.
+        prepare_batch` returns it: [batch, seq] document ids and their positions are split into
+        micro-batches with the inputs and handed to *every* stage's forward (each stage's
+        attention masks its micro-batch's documents; RoPE restarts per document), for every
+        schedule. Returns the unscaled loss sum (float64) of this rank's data-parallel share,
+        summed over the pp ranks and counted once; sum it over the data-parallel ranks
+        yourself. One call per optimizer step: under DualPipe the last batch's schedule step
+        also sums the mirrored copies' gradients (overlapped with its last chunks)."""
+        self._scale = loss_scale
+        self._loss_sum.zero_()
+        first, last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        for i, (inputs, labels, *extra) in enumerate(batches):
+            if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
+                self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
+            args = (inputs.to(self.device),) if first else ()
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            # torch splits step's keyword tensors along dim 0 like the inputs and passes
+            # micro-batch j's slice to every stage's forward of j (first or not)
+            kwargs.update(self.stage_kwargs(*extra))
+            # return_outputs=False: the last stage keeps no logits of finished micro-batches
+            # (torch's default holds all of them, then concatenates them: 2 x 2 GiB on the
+            # 70B config's last stage)
+            with self._loss_context():  # loss parallel: its backward runs inside step too
+                self.schedule.step(*args, return_outputs=False, **kwargs)
+            for loss in losses:  # the schedule's record of what each micro-batch returned
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                self._loss_sum += loss.detach().to(torch.float64) / self._scale
+        if self._timer is not None:  # Auto's measuring step is done: switch schedules
+            self.costs = self._timer.costs(self.pp_group)
+            self._timer.detach()
+            self._timer = None
+            self._build()
+        loss_sum = self._loss_sum.clone()
+        dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage saw the loss
+        return loss_sum / self._loss_copies
+
+    def stage_kwargs(self, position_ids: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The per-micro-batch keywords of every stage's forward: document ids and their
+        [batch, seq] positions (positions shared by all rows stay in the position hook)."""
+        out = {}
+        if document_ids is not None:
+            out["document_ids"] = document_ids.to(self.device)
+        if position_ids is not None and position_ids.dim() == 2:
+            out["position_ids"] = position_ids.to(self.device)
+        return out
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients by their global norm over the pp group; returns the
+        norm. Mirrored copies (DualPipe) first get their summed gradient (bitwise equal on
+        both) and count once in the norm."""
+        if self.mirrored:
+            if not self._mirror_summed:
+                sum_mirrored_grads(self.stages)
+            self._mirror_summed = False
+            return clip_mirrored_grads(list(self.parts[0].parameters()),
+                                       list(self.parts[1].parameters()), max_norm,
+                                       pp_group=self.pp_group)
+        params = [q for part in self.parts for q in part.parameters()]
+        return clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
+

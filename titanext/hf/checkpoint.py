@@ -1,0 +1,457 @@
+"""Hugging Face safetensors checkpoints in and out of titanext models.
+
+- :func:`hf_names`: the state-dict adapter, titanext FQN -> HF tensor names (a stacked expert
+  weight maps to one HF tensor per expert).
+- :func:`check_hf_checkpoint`: every tensor the model needs is there with the right shape, or
+  a :class:`~titanext.errors.ConfigError` naming the first mismatched tensor, both shapes and
+  the file. It reads only the safetensors headers, so validation runs it before training.
+- :func:`load_hf_weights`: fill a (meta-built, parallelized, materialised) model, or the
+  pipeline stages one rank holds, from an HF directory under any layout (FSDP, TP, PP, EP).
+  Each rank reads only its own shards: the 1:1 tensors through
+  ``torch.distributed.checkpoint.HuggingFaceStorageReader`` (DCP plans the reads from the
+  DTensor shards), stacked experts and permuted q/k projections by safetensors slice reads of
+  this rank's chunk.
+- :func:`save_hf_checkpoint`: write ``model*.safetensors`` (+ index), ``config.json`` and the
+  tokenizer files, loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+  Collective: every rank calls it; each tensor is gathered once and written by the lowest
+  rank that holds it.
+
+RoPE: models with ``rope_layout="half"`` (the ``hf`` flavor) use HF's pairing and load
+unchanged. For ``"interleaved"`` models (the named llama3 flavors), ``wq``/``wk`` rows are
+permuted inside each head on the way in and out, as Meta's and HF's conversion scripts do.
+
+>>> load_hf_weights([model], "path/to/hf_dir", args)                     # doctest: +SKIP
+>>> save_hf_checkpoint([model], "out/step-10-hf", args, tokenizer=tok)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanext.errors import ConfigError
+from titanext.models.args import ModelArgs
+
+__all__ = ["check_dcp_checkpoint", "check_hf_checkpoint", "hf_names", "hf_tensor_index",
+           "load_hf_weights", "load_initial_weights",
+           "permute_for_rope", "save_hf_checkpoint", "to_hf_state_dict"]
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+_EXPERTS = {"moe.experts.w1": "w1", "moe.experts.w2": "w2", "moe.experts.w3": "w3"}
+# MoE names per family: Mixtral's, and Qwen3-MoE's (the models with QK-norm).
+_ROUTER = {False: "block_sparse_moe.gate.weight", True: "mlp.gate.weight"}
+_EXPERT_NAME = {False: "block_sparse_moe.experts.{e}.{w}.weight",
+                True: "mlp.experts.{e}.{w}.weight"}
+_QWEN_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# titanext state with no HF counterpart: the aux-loss-free routing bias (zero unless trained
+# with load_balance_coeff) is skipped, with a warning on export when it is not zero.
+_NO_HF = ("moe.router.expert_bias",)
+
+
+def hf_names(fqn: str, args: ModelArgs) -> list[str] | None:
+    """HF names of titanext tensor ``fqn``: one name, or one per expert for a stacked expert
+    weight ([num_experts, ...]); None for state HF does not have (tied ``output.weight``, the
+    routing bias).
+
+    >>> from titanext.models import ModelArgs
+    >>> hf_names("layers.3.attention.wq.weight", ModelArgs())
+    ['model.layers.3.self_attn.q_proj.weight']
+    """
+    if fqn == "tok_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if fqn == "norm.weight":
+        return ["model.norm.weight"]
+    if fqn == "output.weight":
+        return None if args.tie_embeddings else ["lm_head.weight"]
+    m = _LAYER.match(fqn)
+    if m is None:
+        raise KeyError(f"{fqn!r} has no Hugging Face name")
+    layer, rest = m.groups()
+    prefix = f"model.layers.{layer}."
+    if rest in _PER_LAYER:
+        return [prefix + _PER_LAYER[rest]]
+    if rest == "moe.router.gate.weight":
+        return [prefix + _ROUTER[args.qk_norm]]
+    if rest in _EXPERTS:
+        w = _EXPERTS[rest]
+        w = _QWEN_EXPERT_W[w] if args.qk_norm else w
+        template = _EXPERT_NAME[args.qk_norm]
+        return [prefix + template.format(e=e, w=w) for e in range(args.moe.num_experts)]
+    if rest in _NO_HF:
+        return None
+    raise KeyError(f"{fqn!r} has no Hugging Face name")
+
+
+def _is_stacked(fqn: str) -> bool:
+    """Whether ``fqn`` is a stacked expert weight [num_experts, ...] (one HF tensor each)."""
+    return fqn.endswith(tuple(_EXPERTS))
+
+
+def permute_for_rope(w: torch.Tensor, n_heads: int, *, to_hf: bool) -> torch.Tensor:
+    """Rows of a q/k projection [n_heads * head_dim, ...] from titanext's interleaved RoPE
+    pairing to HF's half pairing (``to_hf=True``) or back. Row 2j + c of a head is row
+    c * head_dim/2 + j in HF's layout."""
+    head_dim = w.shape[0] // n_heads
+    if to_hf:
+        return w.unflatten(0, (n_heads, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+    return w.unflatten(0, (n_heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _permuted_heads(fqn: str, args: ModelArgs) -> int | None:
+    """Heads of ``fqn`` if it is a q/k projection that needs the RoPE permutation, else None."""
+    if args.rope_layout == "half":
+        return None
+    if fqn.endswith("attention.wq.weight"):
+        return args.n_heads
+    if fqn.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+# -- reading --------------------------------------------------------------------------------
+def hf_tensor_index(path: str) -> dict[str, tuple[str, list[int], str]]:
+    """HF tensor name -> (file, shape, dtype) from the safetensors headers under ``path``."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a directory")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r} holds no *.safetensors "
+                          "file (with initial_load_in_hf = true it must be a Hugging Face "
+                          "model directory)")
+    index: dict[str, tuple[str, list[int], str]] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    index[key] = (file, list(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
+    return index
+
+
+def _expected(args: ModelArgs) -> Iterator[tuple[str, str, list[int]]]:
+    """(titanext fqn, HF name, HF shape) of every tensor the whole model loads, in order."""
+    from titanext.models import build_model
+
+    model = build_model("llama3", args, device="meta")
+    for fqn, t in model.state_dict().items():
+        names = hf_names(fqn, args)
+        if names is None:
+            continue
+        shape = list(t.shape[1:]) if _is_stacked(fqn) else list(t.shape)
+        for name in names:
+            yield fqn, name, shape
+
+
+def check_hf_checkpoint(path: str, args: ModelArgs) -> dict[str, tuple[str, list[int], str]]:
+    """The tensor index of ``path`` if it holds every tensor of the model ``args`` describes,
+    with matching shapes; else ConfigError naming the first missing or mismatched tensor, its
+    file and both shapes. Reads only headers."""
+    index = hf_tensor_index(path)
+    for fqn, name, shape in _expected(args):
+        if name not in index:
+            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor {name!r} (for "
+                              f"{fqn}) is missing; the checkpoint does not match the model")
+        file, found, _ = index[name]
+        if found != shape:
+            raise ConfigError(f"checkpoint.initial_load_path: {file}: tensor {name!r} has shape "
+                              f"{found}, but the model's {fqn} needs {shape}; the checkpoint does "
+                              "not match model.flavor")
+    return index
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(local tensor, global offsets, sizes) of this rank's shard of ``t``."""
+    if isinstance(t, DTensor):
+        chunks = t.__create_chunk_list__()  # DCP's own protocol: this rank's shard
+        assert len(chunks) == 1, "one chunk per rank expected"
+        return t.to_local(), list(chunks[0].offsets), list(chunks[0].sizes)
+    return t, [0] * t.dim(), list(t.shape)
+
+
+def _read_slice(handles: dict[str, Any], index: dict, name: str,
+                slices: Sequence[slice]) -> torch.Tensor:
+    from safetensors import safe_open
+
+    file = index[name][0]
+    if file not in handles:
+        handles[file] = safe_open(file, framework="pt")
+    return handles[file].get_slice(name)[tuple(slices)]
+
+
+@torch.no_grad()
+def _load_by_slices(fqn: str, param: torch.Tensor, args: ModelArgs, index: dict,
+                    handles: dict[str, Any]) -> None:
+    """Fill this rank's shard of ``param`` by safetensors slice reads (experts, permuted q/k)."""
+    local, offsets, sizes = _local(param)
+    if local.numel() == 0:
+        return
+    names = hf_names(fqn, args)
+    if _is_stacked(fqn):  # dim 0 is the expert
+        rest = [slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:])]
+        for i, e in enumerate(range(offsets[0], offsets[0] + sizes[0])):
+            local[i].copy_(_read_slice(handles, index, names[e], rest))
+        return
+    heads = _permuted_heads(fqn, args)
+    if heads is None:  # a 1:1 tensor (the reader when DCP's HF reader is not used)
+        chunk = [slice(o, o + s) for o, s in zip(offsets, sizes)]
+        local.copy_(_read_slice(handles, index, names[0], chunk))
+        return
+    head_dim = args.head_dim
+    first, last = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
+    cols = [slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:])]
+    rows = _read_slice(handles, index, names[0], [slice(first * head_dim, last * head_dim), *cols])
+    rows = permute_for_rope(rows, last - first, to_hf=False)
+    start = offsets[0] - first * head_dim
+    local.copy_(rows[start:start + sizes[0]])
+
+
+def _dcp_load(state: dict[str, torch.Tensor], path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with warnings.catch_warnings():  # one process without a process group is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+
+
+def _dcp_hf_reader_available() -> bool:
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs, *,
+                    use_dcp: bool | None = None) -> None:
+    """Load the HF checkpoint at ``path`` into ``model_parts`` (this rank's model or pipeline
+    stages, already parallelized and materialised). Collective when torch.distributed is
+    initialised: every rank calls it. ConfigError (the same on every rank) if the checkpoint
+    does not match ``args``.
+
+    ``use_dcp`` (default: when torch has it) reads the 1:1 tensors through DCP's
+    ``HuggingFaceStorageReader``; with False every tensor goes through this module's
+    safetensors slice reads of the rank's chunk (the same bytes, without DCP's planner)."""
+    if use_dcp is None:
+        use_dcp = _dcp_hf_reader_available()
+    index = check_hf_checkpoint(path, args)
+    direct: dict[str, torch.Tensor] = {}
+    sliced: list[tuple[str, torch.Tensor]] = []
+    for part in model_parts:
+        for fqn, param in part.state_dict(keep_vars=True).items():
+            names = hf_names(fqn, args)
+            if names is None:
+                continue
+            if not use_dcp or _is_stacked(fqn) or _permuted_heads(fqn, args) is not None:
+                sliced.append((fqn, param))
+            else:
+                direct[names[0]] = param.data if isinstance(param, nn.Parameter) else param
+    if use_dcp:
+        _dcp_load(direct, path)  # in place into each rank's shards
+    handles: dict[str, Any] = {}
+    for fqn, param in sliced:
+        _load_by_slices(fqn, param.data if isinstance(param, nn.Parameter) else param, args,
+                        index, handles)
+    for part in model_parts:
+        if hasattr(part, "tie_weights"):
+            part.tie_weights()
+
+
+# -- writing --------------------------------------------------------------------------------
+def to_hf_state_dict(fqn: str, full: torch.Tensor, args: ModelArgs
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF (name, tensor) pairs of titanext tensor ``fqn`` with full value ``full``."""
+    names = hf_names(fqn, args)
+    if names is None:
+        return
+    if _is_stacked(fqn):
+        for e, name in enumerate(names):
+            yield name, full[e].contiguous()
+        return
+    heads = _permuted_heads(fqn, args)
+    if heads is not None:
+        full = permute_for_rope(full, heads, to_hf=True)
+    yield names[0], full.contiguous()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_hf_assets(out: str, args: ModelArgs, *, dtype: torch.dtype,
+                    tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
+    """config.json (from ``args``; the source config.json's other fields kept) and the
+    tokenizer files (those of ``tokenizer.asset_files()``, or of ``hf_assets_path``)."""
+    from titanext.hf.tokenizer import TOKENIZER_FILES
+    from titanext.models.hf import hf_config_from_model_args
+
+    base = None
+    if hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "config.json")):
+        with open(os.path.join(hf_assets_path, "config.json"), encoding="utf-8") as f:
+            base = json.load(f)
+    cfg = hf_config_from_model_args(
+        args, dtype=str(dtype).removeprefix("torch."), base=base,
+        bos_id=getattr(tokenizer, "bos_id", None) if tokenizer is not None else None,
+        eos_id=getattr(tokenizer, "eos_id", None) if tokenizer is not None else None)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    files = list(tokenizer.asset_files()) if hasattr(tokenizer, "asset_files") else []
+    if not files and hf_assets_path:
+        files = [os.path.join(hf_assets_path, n) for n in TOKENIZER_FILES
+                 if os.path.isfile(os.path.join(hf_assets_path, n))]
+    for file in files:
+        shutil.copy(file, os.path.join(out, os.path.basename(file)))
+
+
+@torch.no_grad()
+def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelArgs, *,
+                       tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
+    """Write the model as an HF checkpoint into ``out`` (atomically: ``out.tmp``, then a
+    rename). Collective: every rank calls it with its model parts. Each rank gathers the full
+    tensors of its parts; the lowest rank holding a tensor writes it, one
+    ``model-<k>-of-<n>.safetensors`` file per writing rank (a pipeline stage each), and rank 0
+    writes the index, config.json and the tokenizer files."""
+    from safetensors.torch import save_file
+
+    held: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        for fqn, t in part.state_dict().items():
+            held[fqn] = t
+    names = _all_gather_object(sorted(held))
+    owner: dict[str, int] = {}
+    for r, fqns in enumerate(names):
+        for fqn in fqns:
+            owner.setdefault(fqn, r)
+    rank = _rank()
+    tensors: dict[str, torch.Tensor] = {}
+    dtype = torch.float32
+    for fqn in sorted(held):  # the same order on every rank of a tensor's mesh
+        t = held[fqn]
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        dtype = full.dtype
+        if fqn.endswith("router.expert_bias") and owner[fqn] == rank and bool(full.any()):
+            warnings.warn(f"{fqn} (aux-loss-free routing bias) is not zero; transformers' Mixtral "
+                          "has no such bias, so the export routes tokens differently",
+                          stacklevel=2)
+        if owner[fqn] == rank:
+            for name, value in to_hf_state_dict(fqn, full, args):
+                tensors[name] = value.detach().cpu().clone()
+    writers = sorted(set(owner.values()))
+    tmp = out + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    file_of: dict[str, str] = {}
+    if rank in writers:
+        k = writers.index(rank) + 1
+        fname = ("model.safetensors" if len(writers) == 1
+                 else f"model-{k:05d}-of-{len(writers):05d}.safetensors")
+        save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+        file_of = dict.fromkeys(tensors, fname)
+    maps = _all_gather_object(file_of)
+    if rank == 0:
+        weight_map = {k: v for m in maps for k, v in m.items()}
+        if len(writers) > 1:
+            total = sum(os.path.getsize(os.path.join(tmp, f)) for f in set(weight_map.values()))
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        write_hf_assets(tmp, args, dtype=dtype, tokenizer=tokenizer,
+                        hf_assets_path=hf_assets_path)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        print(f"titanext: wrote the Hugging Face checkpoint {out}", flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# -- initial weights ------------------------------------------------------------------------
+def check_dcp_checkpoint(path: str, args: ModelArgs) -> None:
+    """ConfigError unless the titanext DCP checkpoint ``path`` holds every model tensor of
+    ``args`` with the right shape (names the first mismatched tensor and both shapes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titanext.models import build_model
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint (no "
+                          ".metadata file); for a Hugging Face directory set "
+                          "checkpoint.initial_load_in_hf = true")
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for fqn, t in build_model("llama3", args, device="meta").state_dict().items():
+        meta = saved.get(f"model.{fqn}")
+        if meta is None:
+            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} is "
+                              "missing; the checkpoint does not match model.flavor")
+        if list(meta.size) != list(t.shape):
+            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} has "
+                              f"shape {list(meta.size)}, but the model needs {list(t.shape)}; "
+                              "the checkpoint does not match model.flavor")
+
+
+@torch.no_grad()
+def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs, *,
+                         in_hf: bool) -> None:
+    """Start from ``path`` (``[checkpoint] initial_load_path``): an HF directory with
+    ``in_hf`` (:func:`load_hf_weights`), else the model of a titanext DCP checkpoint (a
+    training ``step-N`` folder or ``python -m titanext.convert hf-to-dcp`` output; optimizer
+    and trainer state are not read). Collective; any layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if in_hf:
+        load_hf_weights(model_parts, path, args)
+        if _rank() == 0:
+            print(f"titanext: initial weights from the Hugging Face checkpoint {path}", flush=True)
+        return
+    check_dcp_checkpoint(path, args)
+    states = [get_model_state_dict(part) for part in model_parts]
+    merged = {fqn: t for state in states for fqn, t in state.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        dcp.load({"model": merged}, checkpoint_id=path)
+    for part, state in zip(model_parts, states):
+        set_model_state_dict(part, {fqn: merged[fqn] for fqn in state})
+        if hasattr(part, "tie_weights"):
+            part.tie_weights()
+    if _rank() == 0:
+        print(f"titanext: initial weights from the DCP checkpoint {path}", flush=True)

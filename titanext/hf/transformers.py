@@ -1,0 +1,354 @@
+"""Adapters that let titanext plugins run inside Hugging Face ``transformers`` models.
+
+The plugins themselves know nothing about ``transformers``; everything model-library-specific
+lives here: where the decoder blocks are, a TP plan for the Llama family's module names, and
+the hook that routes the library's attention to ring attention. ``transformers`` is an optional
+dependency (the ``dev`` extra); nothing else in titanext imports this module.
+
+Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
+
+- FSDP2: ``apply_fsdp(model, mesh, blocks=hf_blocks(model))``.
+- TP: ``apply_tensor_parallel(model, tp_mesh, plan=hf_llama_tp_plan())`` (Llama, Mistral,
+  Qwen2 and other models with the same module names).
+- CP: ``apply_hf_context_parallel(model, cp_mesh)`` registers a ``transformers`` attention
+  function that calls :func:`titanext.plugins.context_parallel.ring_attention` and records the
+  layout on the model; shard the batch with ``hf_shard_batch(model, input_ids, labels)`` (the
+  recorded layout) and pass its ``position_ids``. Every forward checks them: missing positions,
+  or positions of another layout (a batch sharded with ``shard_batch(..., layout=other)``),
+  raise a ValueError instead of silently wrong gradients.
+- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM
+  (embedding + rotary on the first stage, its decoder layers, norm + LM head on the last; RoPE
+  computed in every stage from the position ids), to hand to
+  :func:`titanext.distributed.pipeline.build_pipeline` with any titanext schedule.
+- EP: ``apply_hf_expert_parallel(model, ep_mesh)`` replaces the library's experts modules
+  (Qwen3-MoE, Mixtral: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
+  ``experts(tokens, top_k_index, top_k_weights)``) by one that splits the experts over
+  ``ep_mesh`` and moves tokens with titanext's ``dispatch_tokens`` / ``combine_tokens``.
+- float8: ``apply_float8(model, filter_fqns=["lm_head"])`` needs no adapter.
+
+>>> from transformers import LlamaConfig, LlamaForCausalLM           # doctest: +SKIP
+>>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, ...))  # doctest: +SKIP
+>>> apply_tensor_parallel(model, mesh["tp"], plan=hf_llama_tp_plan())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from titanext.plugins.context_parallel import (
+    LAYOUTS,
+    cp_attention_fn,
+    cp_world_size,
+    shard_batch,
+    shard_sequence,
+)
+from titanext.plugins.tensor_parallel import VocabParallelEmbedding
+
+__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
+           "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
+
+_ids = itertools.count()
+
+
+def hf_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a ``transformers`` causal LM (``model.model.layers``), in order."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder block list at model.layers; pass "
+                         "blocks= explicitly to the plugin")
+    return list(layers)
+
+
+def hf_llama_tp_plan() -> dict[str, ParallelStyle]:
+    """Megatron-style TP for the Llama family's module names (no sequence parallelism).
+
+    Attention heads and the SwiGLU hidden dimension are split (column-parallel in,
+    row-parallel out); the embedding is split over the vocabulary (its gradient too:
+    :class:`~titanext.plugins.tensor_parallel.VocabParallelEmbedding`) and the LM head's logits are
+    gathered, so ``transformers``' own loss sees full logits. The attention code reshapes with
+    ``-1`` heads, so each rank runs its local heads unchanged. Needs heads, KV heads,
+    intermediate size and vocabulary divisible by the TP degree.
+    """
+    return {
+        "model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate()),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigzag",
+                              comm: str = "p2p", kernel: str = "auto",
+                              ulysses_degree: int | None = None) -> str:
+    """Make a ``transformers`` model's attention run as CP attention over ``cp_mesh``.
+
+    The options are :func:`titanext.plugins.context_parallel.apply_context_parallel`'s: a 1D
+    ``cp_mesh`` runs the ring (``comm`` "p2p" / "allgather") or Ulysses (``comm="alltoall"``),
+    a 2D (ring, Ulysses) mesh runs hybrid. A ``document_ids=`` keyword of the model call
+    ([batch, local_seq], sharded like the inputs) reaches the attention and masks documents.
+
+    Registers an attention function with ``transformers.AttentionInterface`` (the library's own
+    hook for custom kernels) and switches ``model`` to it; returns the registered name. Inputs
+    must be sharded with :func:`hf_shard_batch` (or ``shard_batch`` with the same ``layout``)
+    and the returned positions passed as ``model(input_ids, position_ids=position_ids)``, so
+    RoPE uses the global positions. Causal attention without padding only: an explicit
+    padding mask cannot be split across ranks, so a non-causal mask raises.
+
+    The layout is recorded on the model (``model.titanext_cp_layout``) and every forward checks
+    that ``position_ids`` are present and are this rank's positions in that layout, so a batch
+    sharded in another layout or a forgotten ``position_ids`` raises a ValueError (it would
+    otherwise train on silently wrong gradients). The check compares ``local_seq`` integers.
+    """
+    from transformers import AttentionInterface
+
+    ring = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
+                           ulysses_degree=ulysses_degree)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query [B, H, S, D], key/value [B, KVH, S, D] (un-expanded), as the ring wants them.
+        if dropout:
+            raise ValueError(f"context parallelism: attention dropout = {dropout} is not "
+                             "supported; set the model's attention_dropout to 0")
+        if attention_mask is not None and not getattr(module, "is_causal", True):
+            raise ValueError("context parallelism supports causal attention without a padding "
+                             "mask; got a non-causal attention mask")
+        out = ring(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
+                   document_ids=kwargs.get("document_ids"))
+        return out.transpose(1, 2).contiguous(), None  # [B, S, H, D], no attention weights
+
+    name = f"titanext_ring_{next(_ids)}"
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    model.titanext_cp_layout = layout
+    model.titanext_cp_group = cp_mesh
+    model.register_forward_pre_hook(_PositionCheck(model, cp_mesh, layout), with_kwargs=True)
+    return name
+
+
+def hf_shard_batch(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """This CP rank's slice of a batch in the layout ``model`` was set up with.
+
+    Returns (input_ids, labels, position_ids [1, local_seq]); pass the positions to the model.
+
+    >>> ids, labels, position_ids = hf_shard_batch(model, ids, labels)   # doctest: +SKIP
+    >>> model(input_ids=ids, position_ids=position_ids).logits           # doctest: +SKIP
+    """
+    layout = getattr(model, "titanext_cp_layout", None)
+    if layout is None:
+        raise ValueError(f"{type(model).__name__} has no context parallelism: call "
+                         "apply_hf_context_parallel(model, cp_mesh) first")
+    ids, labels, positions = shard_batch(input_ids, labels, model.titanext_cp_group, layout=layout)
+    return ids, labels, positions[None]
+
+
+class _PositionCheck:
+    """Forward pre-hook: ``position_ids`` must be this rank's global positions in ``layout``."""
+
+    def __init__(self, model: nn.Module, group, layout: str):
+        self.group, self.layout = group, layout
+        self.signature = inspect.signature(model.forward)
+        self._expected: dict[tuple[int, str, torch.device], torch.Tensor] = {}
+
+    def positions(self, local_seq: int, layout: str, device: torch.device) -> torch.Tensor:
+        key = (local_seq, layout, device)
+        if key not in self._expected:
+            world = cp_world_size(self.group)
+            full = torch.arange(local_seq * world, device=device)
+            self._expected[key] = shard_sequence(full, 0, self.group, layout)
+        return self._expected[key]
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = self.signature.bind_partial(*args, **kwargs).arguments
+        position_ids = bound.get("position_ids")
+        hint = ("shard the batch with hf_shard_batch(model, input_ids, labels) and pass its "
+                "position_ids")
+        if position_ids is None:
+            raise ValueError("context parallelism: position_ids is missing; each rank holds a "
+                             "slice of every sequence, so RoPE needs the global positions: "
+                             f"{hint}")
+        if kwargs.get("document_ids") is not None:
+            return  # packed documents: positions restart at each document start
+        local = position_ids.shape[-1]
+        if bool((position_ids == self.positions(local, self.layout, position_ids.device)).all()):
+            return
+        for other in LAYOUTS:
+            if other != self.layout and bool(
+                    (position_ids == self.positions(local, other, position_ids.device)).all()):
+                raise ValueError(
+                    f"context parallelism: the batch was sharded with layout = {other!r}, but "
+                    f"apply_hf_context_parallel set up the attention with layout = "
+                    f"{self.layout!r}; {hint} (it uses the model's layout)")
+        raise ValueError(f"context parallelism: position_ids are not this rank's global "
+                         f"positions in layout {self.layout!r}; {hint}")
+
+
+class HFCausalLMStage(nn.Module):
+    """One pipeline stage of a ``transformers`` decoder-only causal LM (Llama family layout:
+    ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``).
+
+    ``forward(x, position_ids=None)`` takes token ids on the first stage and hidden states
+    [batch, seq, hidden] elsewhere; it returns logits on the last stage and hidden states
+    elsewhere. Every stage computes the rotary embeddings itself from ``position_ids``
+    ([seq] or [batch, seq]; default ``arange(seq)``), so no tuple of tensors crosses a stage
+    boundary. Under CP hand each stage the sharded positions once with
+    :func:`titanext.distributed.pipeline.pass_position_ids`. Parameter names are the library's own
+    (``model.layers.5.mlp.up_proj.weight``), so a stage loads its slice of a full state dict
+    with ``load_state_dict(sd, strict=False)`` and :func:`hf_llama_tp_plan` applies unchanged.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.config = model.config
+        self.model = nn.Module()  # keeps the library's "model." prefix in parameter names
+        self.model.embed_tokens = inner.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
+        self.model.norm = inner.norm if last else None
+        self.model.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head if last else None
+
+    def reset_rotary_embedding(self, device: torch.device | str) -> None:
+        """Rebuild the rotary module on ``device``: its ``inv_freq`` is a non-persistent buffer,
+        so after a meta-device build and ``to_empty`` no checkpoint restores it."""
+        rotary = self.model.rotary_emb
+        self.model.rotary_emb = type(rotary)(config=self.config, device=device)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        m = self.model
+        h = m.embed_tokens(x) if m.embed_tokens is not None else x  # [batch, seq, hidden]
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        # As the library's own decoder does: None for SDPA's is_causal path, a mask otherwise.
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        cos_sin = m.rotary_emb(h, position_ids=position_ids)
+        for layer in m.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=cos_sin,
+                      position_ids=position_ids)
+        if m.norm is not None:
+            h = m.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int) -> HFCausalLMStage:
+    """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
+    decoder layers each (see :func:`titanext.distributed.pipeline.layers_per_stage`).
+
+    The stage shares its modules with ``model`` (no copy): build the model on the meta device,
+    cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
+    initialise the weights. Tied input and output embeddings cannot live on two stages; untie
+    them (``tie_word_embeddings=False``). Tested in
+    tests/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
+
+    >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)     # doctest: +SKIP
+    >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)             # doctest: +SKIP
+    >>> stages = [hf_pipeline_stage(model, counts, i) for i in ids]      # doctest: +SKIP
+    >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)     # doctest: +SKIP
+    """
+    counts = list(counts)
+    n_layers = len(hf_blocks(model))
+    if sum(counts) != n_layers or min(counts) < 1:
+        raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's "
+                         f"{n_layers} decoder layers")
+    if not 0 <= stage_index < len(counts):
+        raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
+    if len(counts) > 1 and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings = True shares one weight between the first and the "
+                         "last stage; build the model with tie_word_embeddings=False for PP")
+    start = sum(counts[:stage_index])
+    return HFCausalLMStage(model, range(start, start + counts[stage_index]),
+                           first=stage_index == 0, last=stage_index == len(counts) - 1)
+
+
+class HFExpertParallel(nn.Module):
+    """A ``transformers`` experts module with its experts split over a 1D ``ep_mesh``.
+
+    Holds the same parameters under the same names (``gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I], now DTensors ``Shard(0)``: rank r keeps experts r*E/W .. (r+1)*E/W - 1) and keeps
+    the library's call ``forward(tokens [T, H], top_k_index [T, k], top_k_weights [T, k])``.
+    Each (token, expert) assignment is sorted by expert, sent to the expert's rank with
+    :func:`titanext.plugins.expert_parallel.dispatch_tokens`, computed there (SwiGLU per local
+    expert), sent back with ``combine_tokens``, weighted and summed per token.
+    """
+
+    def __init__(self, experts: nn.Module, ep_mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for flag in ("is_transposed", "has_bias"):
+            if getattr(experts, flag, False):
+                raise ValueError(f"{type(experts).__name__}: {flag} = True layouts are not "
+                                 "supported by the expert-parallel adapter")
+        self.num_experts = experts.num_experts
+        self.act_fn = experts.act_fn
+        self.ep_mesh = ep_mesh
+        if self.num_experts % ep_mesh.size():
+            raise ValueError(f"{self.num_experts} experts cannot be split over {ep_mesh.size()} "
+                             "ep ranks; choose an ep degree that divides the expert count")
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)
+            self.register_parameter(name, nn.Parameter(
+                distribute_tensor(p.detach(), ep_mesh, [Shard(0)]), requires_grad=p.requires_grad))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        from titanext.plugins.expert_parallel import combine_tokens, dispatch_tokens
+
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)                       # assignment j -> token j // k
+        order = torch.argsort(flat, stable=True)             # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        rows, local_counts, route = dispatch_tokens(hidden_states[order // k], counts, self.ep_mesh)
+        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        outs = []
+        for e, x in enumerate(torch.split(rows, local_counts.tolist())):  # local experts
+            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, down[e]))
+        back = combine_tokens(torch.cat(outs), route)        # rows in `order`, home again
+        back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, order // k,
+                                                          back.to(hidden_states.dtype))
+
+
+def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
+    """Replace every experts module of a ``transformers`` MoE model (a module with
+    ``gate_up_proj``, ``down_proj``, ``act_fn`` and ``num_experts``, as Qwen3-MoE and Mixtral
+    have) by :class:`HFExpertParallel` over the 1D ``ep_mesh``; returns their FQNs.
+
+    Each ep rank feeds its own tokens (data parallel over the ep ranks); dense parameters stay
+    replicated, so reduce their gradients over the ep ranks as data parallelism does (FSDP over
+    the same ranks, or an all-reduce), while each expert's gradient is already complete on the
+    rank that holds it. Tested in tests/test_adapters_hf.py against the unsplit model.
+
+    >>> apply_hf_expert_parallel(model, mesh["ep"])          # doctest: +SKIP
+    ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
+    """
+    chosen = [(fqn, m) for fqn, m in model.named_modules()
+              if all(hasattr(m, a) for a in ("gate_up_proj", "down_proj", "act_fn", "num_experts"))]
+    if not chosen:
+        raise ValueError(f"{type(model).__name__} has no experts module with gate_up_proj / "
+                         "down_proj; expert parallelism needs an MoE model")
+    for fqn, m in chosen:
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, HFExpertParallel(m, ep_mesh))
+    return [fqn for fqn, _ in chosen]

@@ -1,0 +1,248 @@
+"""Dry run: ``[comm] mode = "fake_backend"`` (docs/dry_run.md).
+
+One ordinary process becomes rank ``comm.fake_rank`` of ``comm.fake_world_size`` over torch's
+fake process group, builds the real :class:`~titanext.trainer.Trainer` (mesh, meta model, every
+plugin, pipeline split and schedule) under a fake-tensor mode, and runs one full training step
+(forward, backward, optimizer) through :meth:`~titanext.trainer.Trainer.train_step`. Tensors
+are fake (shapes, dtypes and devices only) and collectives return at once, so a 512-rank
+layout of a 405B model is checked on a laptop:
+
+    python -m titanext.train --config train_configs/llama3_8b.toml --comm.mode=fake_backend
+
+It measures this rank's memory with torch's ``MemTracker`` (parameters, gradients, optimizer
+state, activations including the pipeline's in-flight micro-batches, the peak of the step) and
+every collective's bytes with a dispatch mode (torch's ``CommDebugMode`` fails in its module
+hooks on the 8B config's activation-checkpointed blocks in torch 2.13, so calls and bytes are
+counted here), prints a table and ends with one line::
+
+    titanext: dry run: rank R of N, peak memory X.XX GiB (planner: Y.YY GiB), step comm Z.ZZ GB
+
+Collective bytes are each call's largest buffer: the gathered output of an all-gather, the
+input of a reduce-scatter, the tensor of an all-reduce, send or receive, the input of an
+all-to-all (what the call moves through this rank's buffers, not wire bytes of a ring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from titanext._fake_backend import (
+    TorchDispatchMode,
+    fake_tensor_mode,
+    host_float,
+    init_fake_process_group,
+    mem_tracker,
+    tree_leaves,
+)
+from titanext.config import JobConfig
+from titanext.config.rules import fake_world_size
+from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
+
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
+           "measure_real", "planner_peak_bytes"]
+
+GiB, GB = 2**30, 1e9
+# Gradient-accumulation rounds a dry run runs: the first creates the gradients, the second is
+# the steady state every later round repeats (same tensors, same collectives).
+MEASURED_ROUNDS = 2
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_SKIP = ("wait", "barrier", "monitored_barrier")
+
+
+class CommBytes(TorchDispatchMode):
+    """Bytes and calls per collective op (``c10d`` and functional collectives) run inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = getattr(func, "namespace", "")
+        name = func.__name__.split(".")[0]
+        if ns in _COMM_NAMESPACES and not any(s in name for s in _SKIP):
+            sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
+                         if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())]
+            key = name.strip("_").removesuffix("_coalesced").removesuffix("_base")
+            self.bytes[key] += max(sizes, default=0)
+            self.calls[key] += 1
+        return func(*args, **kwargs)
+
+
+class DryRunResult:
+    """What :func:`dry_run` measured (bytes) and the planner's figure for the same rank."""
+
+    def __init__(self, rank: int, world_size: int, memory: dict[str, int], peak: int,
+                 planner: float, comm: dict[str, int], calls: dict[str, int], seconds: float):
+        self.rank, self.world_size, self.memory, self.peak = rank, world_size, memory, peak
+        self.planner, self.comm, self.calls, self.seconds = planner, comm, calls, seconds
+        self.notes: list[str] = []  # what is estimated or changed rather than measured
+
+    @property
+    def comm_total(self) -> int:
+        return sum(self.comm.values())
+
+    def summary(self) -> str:
+        return (f"titanext: dry run: rank {self.rank} of {self.world_size}, peak memory "
+                f"{self.peak / GiB:.2f} GiB (planner: {self.planner / GiB:.2f} GiB), "
+                f"step comm {self.comm_total / GB:.2f} GB")
+
+
+def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int) -> float:
+    """What :func:`titanext.planning.cli.plan_config` gives for ``rank``'s pipeline position."""
+    from titanext.planning.estimate import plan_config
+
+    plan = plan_config(cfg, world_size)
+    pp = cfg.parallelism.pipeline_parallel_degree
+    pp_rank = rank // (world_size // pp)  # pp is the mesh's outermost axis
+    return float(sum(plan.memory_per_pp_rank[pp_rank].values()))
+
+
+def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
+    """The config a dry run steps (and :func:`measure_real` compares with): the target cluster's.
+
+    ``mixed_precision_param = "auto"`` becomes ``"bfloat16"``, what a CUDA run uses (the dry run
+    itself runs on the CPU device, where "auto" would mean float32); ``torch.compile`` is off
+    (dynamo does not trace under an outer fake mode). Returns the config and a note per change.
+    """
+    notes = []
+    if cfg.training.mixed_precision_param == "auto" or cfg.compile.enable:
+        cfg = copy.deepcopy(cfg)
+    if cfg.training.mixed_precision_param == "auto":
+        cfg.training.mixed_precision_param = "bfloat16"
+        notes.append('mixed_precision_param = "auto" is bfloat16 here, as on a CUDA cluster')
+    if cfg.compile.enable:
+        cfg.compile.enable = False
+        notes.append("torch.compile is off in a dry run: eager activations (an upper bound)")
+    return cfg, notes
+
+
+def stage_activation(trainer) -> torch.Tensor:
+    """An empty tensor like the activation between two pipeline stages of the trainer's
+    decoder: ``[micro-batch, sequence / cp (/ tp under SP), dim]``, in the compute dtype (FSDP's
+    param dtype, else float32), requiring grad."""
+    from titanext.distributed.parallelize import mixed_precision_dtype
+    from titanext.schedules._torch_ir import microbatch_count
+
+    cfg, dims = trainer.cfg, trainer.dims
+    t, p = cfg.training, cfg.parallelism
+    mb = t.local_batch_size // microbatch_count(trainer.pipeline.schedule)
+    seq = t.seq_len // dims.cp // (dims.tp if dims.tp_enabled and p.enable_sequence_parallel else 1)
+    fsdp = dims.fsdp_enabled or dims.dp_replicate > 1
+    dtype = mixed_precision_dtype(t.mixed_precision_param, "cuda") if fsdp else torch.float32
+    return torch.empty(mb, seq, trainer.model_args.dim, dtype=dtype, device=trainer.device,
+                       requires_grad=True)
+
+
+def _create_optimizer_state(trainer) -> None:
+    """An optimizer step on zero gradients, so that the measured step is a steady-state one:
+    its peak holds the optimizer state next to the gradients and activations (a first step
+    creates the state only at its end)."""
+    for part in trainer.model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes]:
+    """One train step of ``trainer`` under MemTracker and the byte counter (inside ``mode``, a
+    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm)."""
+    with mode:  # the optimizer state exists in every step but the first: create it
+        _create_optimizer_state(trainer)
+    tracker = mem_tracker()
+    tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    if trainer.pipeline is not None:  # torch's first-step shape inference, untracked by module
+        around_stage_init(trainer.pipeline.schedule, tracker.module_hooks_paused)
+    with mode, tracker, CommBytes() as comm:
+        trainer.train_step(batches)
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    peak = memory.pop("Total", sum(memory.values()))
+    return memory, peak, comm
+
+
+def measure(cfg: JobConfig) -> DryRunResult:
+    """Build the trainer on the fake backend and measure one training step."""
+    from titanext.trainer import Trainer
+
+    world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
+    start = time.time()
+    cfg, notes = dry_run_config(cfg)
+    if not dist.is_initialized():
+        init_fake_process_group(rank, world_size)
+    mode = fake_tensor_mode()
+    with mode:
+        trainer = Trainer(cfg)
+    if trainer.dims.ep_enabled:
+        notes.append("EP dispatch assumes perfectly balanced routing (fake tensors carry no "
+                     "token counts): expert activations and all-to-all bytes are estimated")
+    if trainer.pipeline is not None:
+        with mode:
+            loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))
+    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    rounds = len(batches)
+    if rounds > MEASURED_ROUNDS:  # later rounds repeat the second one exactly
+        batches = batches[:MEASURED_ROUNDS]
+        notes.append(f"gradient accumulation: {MEASURED_ROUNDS} of {rounds} rounds run (the "
+                     "peak is the second round's); step comm is scaled by "
+                     f"{rounds}/{MEASURED_ROUNDS}")
+    memory, peak, comm = _measure_step(trainer, batches, mode)
+    scale = rounds / len(batches)
+    result = DryRunResult(rank, world_size, memory, peak,
+                          planner_peak_bytes(cfg, world_size, rank),
+                          {k: round(v * scale) for k, v in comm.bytes.items()},
+                          {k: round(v * scale) for k, v in comm.calls.items()},
+                          time.time() - start)
+    result.notes = notes
+    return result
+
+
+def measure_real(cfg: JobConfig) -> DryRunResult:
+    """The same measurement on a real run: call on every rank of an initialised process group
+    (gloo on CPU). Builds the trainer with real tensors from :func:`dry_run_config`'s config
+    (the dry run's dtype) and measures one training step with the same tracker; this is what a
+    dry run's figures are checked against (tests/test_dry_run.py)."""
+    from titanext.trainer import Trainer
+
+    start = time.time()
+    cfg, notes = dry_run_config(cfg)
+    trainer = Trainer(cfg)
+    memory, peak, comm = _measure_step(trainer, trainer.next_microbatches(),
+                                       contextlib.nullcontext())
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    result = DryRunResult(rank, world_size, memory, peak,
+                          planner_peak_bytes(cfg, world_size, rank), dict(comm.bytes),
+                          dict(comm.calls), time.time() - start)
+    result.notes = notes
+    return result
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """``python -m titanext.train`` in fake_backend mode: measure, print the table, return 0."""
+    from titanext.components.metrics import format_table
+
+    result = measure(cfg)
+    rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
+    rows.append({"memory": "peak of the step", "GiB": result.peak / GiB})
+    rows.append({"memory": "planner", "GiB": result.planner / GiB})
+    print(format_table(rows))
+    comm_rows = [{"collective": k, "calls": result.calls[k], "GB": v / GB}
+                 for k, v in sorted(result.comm.items())]
+    print(format_table(comm_rows or [{"collective": "none"}]))
+    for note in result.notes:
+        print(f"titanext: dry run: note: {note}")
+    ratio = result.peak / result.planner if result.planner else math.nan
+    print(f"titanext: dry run built and stepped in {result.seconds:.1f}s; measured / planner "
+          f"peak = {ratio:.2f}")
+    print(result.summary(), flush=True)
+    return 0
