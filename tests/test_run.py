@@ -126,7 +126,7 @@ def _env():
 def test_the_real_command_validates_then_trains(tmp_path):
     def run(*extra):
         return subprocess.run(
-            [sys.executable, "-m", "titanext.launch.run", "--standalone", "--nproc_per_node", "2",
+            [sys.executable, "-m", "titanext.run", "--standalone", "--nproc_per_node", "2",
              "--config", DEBUG, f"--job.dump_folder={tmp_path}", "--training.steps=2",
              "--training.seq_len=32", "--metrics.enable_tensorboard=false", *extra],
             capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())

@@ -5,7 +5,11 @@ line per problem), answers ``--help`` and ``--print-config`` without importing t
 the dry run (``[comm] mode = "fake_backend"``) or the :class:`titanext.trainer.Trainer`, guarded
 so that no rank waits on another rank's error.
 
->>> main(["--config", "train_configs/debug_model.toml", "--print-config"])  # doctest: +SKIP
+>>> main(["--config", "train_configs/debug_model.toml", "--print-config"])  # doctest: +ELLIPSIS
+# resolved titanext config ...
+[job]
+...
+0
 """
 
 from __future__ import annotations

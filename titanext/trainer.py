@@ -10,7 +10,7 @@ that size, as one process on the whole batch. The command line is :mod:`titanext
 
 >>> from titanext.config import load_config
 >>> cfg = load_config("train_configs/debug_model.toml", ["--training.steps=2"])
->>> losses = Trainer(cfg).train()       # doctest: +SKIP
+>>> losses = Trainer(cfg).train()   # trains the debug model: a minute  # doctest: +SKIP
 """
 
 from __future__ import annotations

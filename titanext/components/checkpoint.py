@@ -32,9 +32,9 @@ every rank has finished writing, so an interrupted save never looks like a check
 >>> ckpt = CheckpointManager(folder="outputs/ckpt", interval=100, keep_latest_k=2,
 ...                          load_step="latest", last_save=True, enable=True,
 ...                          model_parts=[model], optimizer=opt, lr_scheduler=sched,
-...                          dataloader=loader)                          # doctest: +SKIP
->>> step = ckpt.load()                    # 0 when there is nothing to resume  # doctest: +SKIP
->>> ckpt.maybe_save(step + 1)             # saves when step % interval == 0    # doctest: +SKIP
+...                          dataloader=loader)         # in a training job  # doctest: +SKIP
+>>> step = ckpt.load()         # 0 when there is nothing to resume  # doctest: +SKIP
+>>> ckpt.maybe_save(step + 1)  # saves when step % interval == 0    # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -3,8 +3,12 @@
 Gradient clipping is :func:`titanext.distributed.utils.clip_grad_norm_`.
 
 
->>> opt = build_optimizer(model.parameters(), name="AdamW", lr=3e-4)          # doctest: +SKIP
->>> sched = build_lr_scheduler(opt, warmup_steps=100, total_steps=1000)       # doctest: +SKIP
+>>> import torch
+>>> model = torch.nn.Linear(4, 4)
+>>> opt = build_optimizer(model.parameters(), name="AdamW", lr=3e-4)
+>>> sched = build_lr_scheduler(opt, warmup_steps=100, total_steps=1000)
+>>> round(sched.get_last_lr()[0], 12)  # warm-up starts at lr / 100
+3e-06
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ describe something titanext implements), the tokenizer's vocabulary against the 
 embeddings against pipeline stages, and ``[checkpoint] initial_load_path`` against the model
 (shapes read from file headers only). :mod:`titanext.config.rules` calls it while loading.
 
->>> hf_problems(flavor="hf", tokenizer="byte", hf_assets_path=None, model_vocab=None)[0][:52]
-"model.flavor = 'hf' needs model.hf_assets_path (a Hug"
+>>> hf_problems(flavor="hf", tokenizer="byte", hf_assets_path=None, model_vocab=None)[0][:46]
+"model.flavor = 'hf' needs model.hf_assets_path"
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
 
     >>> from titanext.models.moe import MoE
     >>> ignore_shape_inference_forward(parts, lambda m: [x.tokens_per_expert.zero_()
-    ...     for x in m.modules() if isinstance(x, MoE)])          # doctest: +SKIP
+    ...     for x in m.modules() if isinstance(x, MoE)])  # stages built  # doctest: +SKIP
     """
     for module in stage_modules:
         state: dict = {"calls": 0}

@@ -20,8 +20,8 @@ RoPE: models with ``rope_layout="half"`` (the ``hf`` flavor) use HF's pairing an
 unchanged. For ``"interleaved"`` models (the named llama3 flavors), ``wq``/``wk`` rows are
 permuted inside each head on the way in and out, as Meta's and HF's conversion scripts do.
 
->>> load_hf_weights([model], "path/to/hf_dir", args)                     # doctest: +SKIP
->>> save_hf_checkpoint([model], "out/step-10-hf", args, tokenizer=tok)   # doctest: +SKIP
+>>> load_hf_weights([model], "path/to/hf_dir", args)   # an HF directory  # doctest: +SKIP
+>>> save_hf_checkpoint([model], "out/step-10-hf", args, tokenizer=tok)  # same  # doctest: +SKIP
 """
 
 from __future__ import annotations

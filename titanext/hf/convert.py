@@ -231,9 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           max_shard_gb=ns.max_shard_gb)
     except ConfigError as e:
         for problem in e.problems:
-            print(f"titanext.hf.convert: error: {problem}", file=sys.stderr)
+            print(f"titanext.convert: error: {problem}", file=sys.stderr)
         return 2
-    print(f"titanext.hf.convert: wrote {n} tensors to {ns.dst}", file=sys.stderr)
+    print(f"titanext.convert: wrote {n} tensors to {ns.dst}", file=sys.stderr)
     return 0
 
 

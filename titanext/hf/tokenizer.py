@@ -65,8 +65,8 @@ class HFTokenizer:
     tokenizers without a BOS token (Qwen's); ``eos_id`` is required, because documents are
     packed with EOS between them.
 
-    >>> tok = HFTokenizer("tests/assets/tiny_hf")              # doctest: +SKIP
-    >>> tok.decode(tok.encode("To be, or not to be"))          # doctest: +SKIP
+    >>> tok = HFTokenizer("path/to/hf_dir")    # an HF model directory  # doctest: +SKIP
+    >>> tok.decode(tok.encode("To be, or not to be"))   # with it  # doctest: +SKIP
     'To be, or not to be'
     """
 

@@ -26,9 +26,9 @@ Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
   ``ep_mesh`` and moves tokens with titanext's ``dispatch_tokens`` / ``combine_tokens``.
 - float8: ``apply_float8(model, filter_fqns=["lm_head"])`` needs no adapter.
 
->>> from transformers import LlamaConfig, LlamaForCausalLM           # doctest: +SKIP
->>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, ...))  # doctest: +SKIP
->>> apply_tensor_parallel(model, mesh["tp"], plan=hf_llama_tp_plan())  # doctest: +SKIP
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, ...))  # your config  # doctest: +SKIP
+>>> apply_tensor_parallel(model, mesh["tp"], plan=hf_llama_tp_plan())  # torchrun  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def hf_shard_batch(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 
     Returns (input_ids, labels, position_ids [1, local_seq]); pass the positions to the model.
 
-    >>> ids, labels, position_ids = hf_shard_batch(model, ids, labels)   # doctest: +SKIP
-    >>> model(input_ids=ids, position_ids=position_ids).logits           # doctest: +SKIP
+    >>> ids, labels, position_ids = hf_shard_batch(model, ids, labels)  # torchrun  # doctest: +SKIP
+    >>> model(input_ids=ids, position_ids=position_ids).logits  # torchrun  # doctest: +SKIP
     """
     layout = getattr(model, "titanext_cp_layout", None)
     if layout is None:
@@ -258,10 +258,10 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int)
     them (``tie_word_embeddings=False``). Tested in
     tests/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
 
-    >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)     # doctest: +SKIP
-    >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)             # doctest: +SKIP
-    >>> stages = [hf_pipeline_stage(model, counts, i) for i in ids]      # doctest: +SKIP
-    >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)     # doctest: +SKIP
+    >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)  # your model  # doctest: +SKIP
+    >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)  # in a process group  # doctest: +SKIP
+    >>> stages = [hf_pipeline_stage(model, counts, i) for i in ids]  # torchrun  # doctest: +SKIP
+    >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)  # torchrun  # doctest: +SKIP
     """
     counts = list(counts)
     n_layers = len(hf_blocks(model))
@@ -340,7 +340,7 @@ def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
     the same ranks, or an all-reduce), while each expert's gradient is already complete on the
     rank that holds it. Tested in tests/test_adapters_hf.py against the unsplit model.
 
-    >>> apply_hf_expert_parallel(model, mesh["ep"])          # doctest: +SKIP
+    >>> apply_hf_expert_parallel(model, mesh["ep"])  # in a process group  # doctest: +SKIP
     ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
     """
     chosen = [(fqn, m) for fqn, m in model.named_modules()

@@ -16,7 +16,7 @@ attention) is not supported. The model uses
 HF's RoPE pairing (``rope_layout="half"``), so HF weights load without any permutation.
 
 >>> from titanext.models.hf import model_args_from_hf
->>> args = model_args_from_hf("path/to/hf_dir")          # doctest: +SKIP
+>>> args = model_args_from_hf("path/to/hf_dir")   # an HF model directory  # doctest: +SKIP
 """
 
 from __future__ import annotations

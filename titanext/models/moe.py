@@ -287,7 +287,7 @@ def update_expert_bias(model: nn.Module,
     counts reset. Layers with ``load_balance_coeff`` None or 0 only reset. Returns the loads
     [layers, E] (one all-reduce for all layers) or None if the model has no MoE.
 
-    >>> loads = update_expert_bias(model, group=None)        # doctest: +SKIP
+    >>> loads = update_expert_bias(model, group=None)  # after optimizer.step  # doctest: +SKIP
     """
     moes = _moe_modules(model)
     if not moes:

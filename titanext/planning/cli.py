@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(path, overrides, world_size=known.world_size)
     except ConfigError as e:
         for problem in e.problems:
-            print(f"titanext.planning.cli: error: {problem}", file=sys.stderr)
+            print(f"titanext.plan: error: {problem}", file=sys.stderr)
         return 2
     current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
                           efficiency=known.efficiency)

@@ -9,7 +9,9 @@
 The block's ``forward`` is replaced in place instead of wrapping the module, so parameter
 names (and therefore checkpoints) are the same with and without AC.
 
->>> apply_activation_checkpointing(model, mode="selective", option="op")   # doctest: +SKIP
+>>> from titanext.models import build_model, get_model_args
+>>> model = build_model("llama3", get_model_args("llama3", "debugtiny"), device="meta")
+>>> model = apply_activation_checkpointing(model, mode="selective", option="op")
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Blocks are compiled in place with ``nn.Module.compile`` so parameter names do no
 Compiling each repeated block (rather than the whole model) keeps the graphs small, lets FSDP
 hooks sit between them, and reuses one compiled graph for all blocks of the same shape.
 
->>> apply_compile(model, backend="inductor")        # doctest: +SKIP
+>>> apply_compile(model, backend="inductor")  # compiles on first call: seconds  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ has no sync at all. Where syncs remain: one per dispatch (step 2), once more whe
 checkpointing recomputes the layer, and inside the experts module if it needs host counts
 (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path does not).
 
->>> # under torchrun, ep_mesh = a 1D DeviceMesh over the ranks that split the experts
->>> apply_expert_parallel(model, ep_mesh)                       # doctest: +SKIP
+Under torchrun, with ``ep_mesh`` a 1D DeviceMesh over the ranks that split the experts:
+
+>>> apply_expert_parallel(model, ep_mesh)  # in a process group  # doctest: +SKIP
 ['layers.1.moe.experts', 'layers.3.moe.experts']
 
 Runnable example with a user's own model: ``examples/expert_parallel.py``.

@@ -4,8 +4,8 @@
 MixedPrecisionPolicy. A 2D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
 
 >>> from torch.distributed.device_mesh import init_device_mesh
->>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))   # under torchrun
->>> apply_fsdp(model, mesh, param_dtype=torch.float32)                    # doctest: +SKIP
+>>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))  # torchrun  # doctest: +SKIP
+>>> apply_fsdp(model, mesh, param_dtype=torch.float32)  # in a process group  # doctest: +SKIP
 
 ZeRO stages (as in the Ultra-Scale Playbook): 3 = parameters, gradients and optimizer state
 sharded (reshard after forward); 2 = the same but parameters stay gathered between forward

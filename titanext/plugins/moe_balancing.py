@@ -7,10 +7,10 @@ two copies of each block that see half of the micro-batches each). :class:`MoEBa
 sums the loads over both, updates the expert biases of the blocks this process holds, and
 keeps the loads (and the sequence aux loss) for the metrics.
 
->>> balancing = MoEBalancing(model, device=torch.device("cpu"))       # doctest: +SKIP
->>> optimizer.step()                                                  # doctest: +SKIP
->>> balancing.step(model_parts, pp_group=None, dp_group=dp_group)     # doctest: +SKIP
->>> shown, tensorboard_only = balancing.metrics(model_parts)          # doctest: +SKIP
+>>> balancing = MoEBalancing(model, device=torch.device("cpu"))  # a MoE model  # doctest: +SKIP
+>>> optimizer.step()                                   # in a training loop  # doctest: +SKIP
+>>> balancing.step(model_parts, pp_group=None, dp_group=dp_group)  # torchrun  # doctest: +SKIP
+>>> shown, tensorboard_only = balancing.metrics(model_parts)  # same loop  # doctest: +SKIP
 """
 
 from __future__ import annotations

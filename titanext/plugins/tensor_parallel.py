@@ -5,7 +5,7 @@ model can be parallelized with a dict written for it (FQNs may use ``*`` wildcar
 
 >>> from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 >>> plan = {"blocks.*.mlp.up": ColwiseParallel(), "blocks.*.mlp.down": RowwiseParallel()}
->>> apply_tensor_parallel(my_model, tp_mesh, plan)                    # doctest: +SKIP
+>>> apply_tensor_parallel(my_model, tp_mesh, plan)  # in a process group  # doctest: +SKIP
 
 ``llama_tp_plan`` is the plan of titanext's reference model (Megatron-style TP with sequence
 parallelism on the norms, and a vocab-sharded output for loss parallelism).

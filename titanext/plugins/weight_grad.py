@@ -364,7 +364,7 @@ class DeferredPipelineStage(PipelineStage):
     (``dw_builder``). torch's shape inference on the first step stays in plain mode.
 
     >>> stage = DeferredPipelineStage(module, stage_index=i, num_stages=n, device=device,
-    ...                               group=pp_group)                     # doctest: +SKIP
+    ...                               group=pp_group)  # in a process group  # doctest: +SKIP
     """
 
     def __init__(self, *args, weight_grad_queue: WeightGradQueue | None = None, **kwargs):

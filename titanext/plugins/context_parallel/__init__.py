@@ -17,8 +17,9 @@ across tiles).
 
 Nothing here depends on a particular SDPA backend, so it runs on CPU (gloo) and CUDA (nccl).
 
->>> # under torchrun with 2 ranks:  q, k, v are this rank's zigzag shards
->>> # out = ring_attention(q, k, v, cp_mesh.get_group())            # doctest: +SKIP
+Under torchrun with 2 ranks, where q, k, v are this rank's zigzag shards:
+
+>>> out = ring_attention(q, k, v, cp_mesh.get_group())  # in a process group  # doctest: +SKIP
 
 See ``apply_context_parallel`` for models and ``ring_attention_sdpa`` for code that calls
 ``F.scaled_dot_product_attention`` directly.

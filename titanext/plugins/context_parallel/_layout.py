@@ -88,7 +88,7 @@ def _gather(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
 def zigzag_shard(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Rank r of W keeps chunks r and 2W-1-r of the 2W equal chunks of ``x`` along ``dim``.
 
-    >>> # W = 2, x = [c0 c1 c2 c3] -> rank 0: [c0 c3], rank 1: [c1 c2]   # doctest: +SKIP
+    With W = 2 and ``x = [c0 c1 c2 c3]``, rank 0 keeps ``[c0 c3]`` and rank 1 ``[c1 c2]``.
     """
     return shard_sequence(x, dim, group, "zigzag")
 

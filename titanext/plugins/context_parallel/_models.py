@@ -95,9 +95,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Group, *, layout: str = "z
     ``position_ids`` passed on). For models that call ``F.scaled_dot_product_attention``
     directly, use :func:`ring_attention_sdpa` instead.
 
-    >>> # apply_context_parallel(model, mesh["cp"])                       # doctest: +SKIP
-    >>> # tokens, labels, pos = shard_batch(tokens, labels, mesh["cp"])   # doctest: +SKIP
-    >>> # loss = loss_fn(model(tokens, position_ids=pos), labels)         # doctest: +SKIP
+    >>> apply_context_parallel(model, mesh["cp"])  # in a process group  # doctest: +SKIP
+    >>> tokens, labels, pos = shard_batch(tokens, labels, mesh["cp"])  # torchrun  # doctest: +SKIP
+    >>> loss = loss_fn(model(tokens, position_ids=pos), labels)  # torchrun  # doctest: +SKIP
     """
     fn = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
                          ulysses_degree=ulysses_degree)
@@ -126,8 +126,8 @@ def ring_attention_sdpa(cp_mesh: Group, *, layout: str = "zigzag", comm: str = "
     GQA with fewer KV heads. Anything else raises a ValueError rather than computing the
     wrong thing.
 
-    >>> # with ring_attention_sdpa(mesh["cp"]):                           # doctest: +SKIP
-    >>> #     loss = loss_fn(model(tokens, position_ids=pos), labels)      # doctest: +SKIP
+    >>> with ring_attention_sdpa(mesh["cp"]):  # in a process group  # doctest: +SKIP
+    ...     loss = loss_fn(model(tokens, position_ids=pos), labels)
     """
     fn = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel)
     original = F.scaled_dot_product_attention

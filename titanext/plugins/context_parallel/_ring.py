@@ -281,8 +281,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
     >>> import torch, torch.distributed as dist
     >>> from titanext.plugins.context_parallel import ring_attention, zigzag_shard
-    >>> # inside each rank of a CP group `g` of size W, with full q, k, v of shape [B, H, S, D]:
-    >>> # out = ring_attention(*(zigzag_shard(t, 2, g) for t in (q, k, v)), g)  # doctest: +SKIP
+
+    Inside each rank of a CP group ``g`` of size W, with full q, k, v of shape [B, H, S, D]:
+
+    >>> shards = [zigzag_shard(t, 2, g) for t in (q, k, v)]  # torchrun  # doctest: +SKIP
+    >>> out = ring_attention(*shards, g)  # torchrun  # doctest: +SKIP
     """
     if layout not in LAYOUTS:
         raise ValueError(f"ring_attention: layout = {layout!r} is not one of {LAYOUTS}")

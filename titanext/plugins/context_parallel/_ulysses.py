@@ -67,9 +67,14 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     u x r ranks with cp rank = ring_rank * u + ulysses_rank. heads must divide by u; kv_heads
     must be a multiple of u or divide it (then each kv head is replicated to u / kv_heads ranks).
 
-    >>> # 4 ranks, mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
-    >>> # q, k, v = (zigzag_shard(t, 2, mesh._flatten("cp").get_group()) for t in (q, k, v))
-    >>> # out = hybrid_attention(q, k, v, mesh["cp_ulysses"], mesh["cp_ring"])  # doctest: +SKIP
+    On 4 ranks:
+
+    >>> names = ("cp_ring", "cp_ulysses")
+    >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)  # torchrun  # doctest: +SKIP
+    >>> cp = mesh._flatten("cp").get_group()  # torchrun  # doctest: +SKIP
+    >>> q, k, v = (zigzag_shard(t, 2, cp) for t in (q, k, v))  # torchrun  # doctest: +SKIP
+    >>> out = hybrid_attention(q, k, v, mesh["cp_ulysses"],
+    ...                        mesh["cp_ring"])  # torchrun  # doctest: +SKIP
     """
     name = "ulysses_attention" if ring_group is None else "hybrid_attention"
     if layout not in LAYOUTS:
@@ -114,8 +119,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     multiple of W or divide it. ``document_ids`` ([batch, local_seq]) mask attention across
     documents. Differentiable; every all-to-all's backward is the inverse all-to-all.
 
-    >>> # inside each rank of a CP group `g` of size W, with full q, k, v of shape [B, H, S, D]:
-    >>> # out = ulysses_attention(*(zigzag_shard(t, 2, g) for t in (q, k, v)), g)  # doctest: +SKIP
+    Inside each rank of a CP group ``g`` of size W, with full q, k, v of shape [B, H, S, D]:
+
+    >>> shards = [zigzag_shard(t, 2, g) for t in (q, k, v)]  # torchrun  # doctest: +SKIP
+    >>> out = ulysses_attention(*shards, g)  # torchrun  # doctest: +SKIP
     """
     return hybrid_attention(q, k, v, group, None, causal=causal, scale=scale, layout=layout,
                             document_ids=document_ids, kernel=kernel)
