@@ -50,9 +50,9 @@ def _layout_paths() -> list[str]:
     text = README.read_text(encoding="utf-8")
     section = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert section, "README.md has no '## Layout' section"
-    block = re.search(r"```\n(.*?)```", section.group(1), re.S)
-    assert block, "README.md's Layout section has no code block"
-    return [line.split()[0] for line in block.group(1).splitlines()
+    blocks = re.findall(r"```\n(.*?)```", section.group(1), re.S)
+    assert blocks, "README.md's Layout section has no code block"
+    return [line.split()[0] for block in blocks for line in block.splitlines()
             if line.startswith("titanext/")]
 
 
@@ -73,11 +73,14 @@ def test_layout_paths_exist():
     assert not missing, f"README.md's Layout names paths that are not in the tree: {missing}"
 
 
-def test_layout_lists_every_top_level_module_and_package():
+def test_layout_lists_every_module_and_package():
     listed = set(_layout_paths())
-    present = {f"titanext/{p.name}/" if p.is_dir() else f"titanext/{p.name}"
-               for p in (ROOT / "titanext").iterdir()
-               if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py")}
+    package = ROOT / "titanext"
+    present = {f"titanext/{p.relative_to(package).as_posix()}" + ("/" if p.is_dir() else "")
+               for p in package.rglob("*")
+               if "__pycache__" not in p.parts and "assets" not in p.parent.parts
+               and (p.is_dir() or (p.suffix == ".py" and
+                                   (p.name != "__init__.py" or p.parent == package)))}
     absent = sorted(present - listed)
     assert not absent, ("README.md's Layout misses these (add one line each to its code block): "
                         f"{absent}")
