@@ -10,6 +10,7 @@ and ``a.b``, so those count as edges too.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import subprocess
 import sys
@@ -109,7 +110,12 @@ def _targets(node: ast.stmt, module: str, is_package: bool, known: set[str]) -> 
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {k: set(v) for k, v in _import_graph(ROOT, PACKAGE).items()}
+
+
+@functools.lru_cache(maxsize=4)
+def _import_graph(root: Path, package: Path) -> dict[str, frozenset[str]]:
+    files = {_module_name(p): p for p in package.rglob("*.py")}
     known = set(files)
     graph = {}
     for module, path in files.items():
@@ -119,7 +125,7 @@ def import_graph() -> dict[str, set[str]]:
         for node in import_nodes(tree):
             edges |= _targets(node, module, is_package, known)
         # a package's own parents run before it, but they are not its imports
-        graph[module] = {m for m in edges if not module.startswith(m + ".")}
+        graph[module] = frozenset(m for m in edges if not module.startswith(m + "."))
     return graph
 
 
