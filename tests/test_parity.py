@@ -87,7 +87,11 @@ CASES = {
 # Ring attention sums the softmax in another order: its gradients agree with one process to
 # ~3e-7 (tests/test_context_parallel.py), and five Adam steps amplify that in the few
 # near-zero-gradient elements of wv to 1.2-1.5e-5. The losses still agree to 1e-5.
-PARAM_RTOL = {case: 3e-5 for case in CASES if "cp2" in case}
+# fsdp4's 4-way reduce-scatter sums in another order too; on some CPUs (AMD EPYC, 2026-11) one
+# element of layers.1.attention.wv (of 2048) whose gradient is at the rounding level moves by
+# 8.6e-6 under Adam while every other element agrees to 1.2e-7: 1.02e-5 for the tensor, 99.9%
+# of it from that element; losses agree to 1.4e-7.
+PARAM_RTOL = {case: 3e-5 for case in CASES if "cp2" in case or case == "fsdp4"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
