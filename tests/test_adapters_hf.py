@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import titanext.components.checkpoint as ckpt_module
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.components.checkpoint import CheckpointManager
 from titanext.models import ModelArgs
 

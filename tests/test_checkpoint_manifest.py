@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.components.checkpoint import CheckpointManager, manifest_info, resume_problems
 from titanext.config import JobConfig
 from titanext.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (heads, kv_heads)
 
@@ -283,7 +283,7 @@ def test_user_model_example_runs_and_matches(tmp_path):
     import pathlib
     import re
 
-    from tests.distributed import run_example
+    from tests.spawn import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
     out = run_example(root / "examples" / "context_parallel.py", 2, cwd=tmp_path)
@@ -299,7 +299,7 @@ def test_own_attention_example_runs_ring_ulysses_and_hybrid_exactly(tmp_path):
     import pathlib
     import re
 
-    from tests.distributed import run_example
+    from tests.spawn import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
     out = run_example(root / "examples" / "context_parallel_attention.py", 4, cwd=tmp_path)

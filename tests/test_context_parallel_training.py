@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 STEPS = 4
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64, flavor="debugtiny")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 SEQ, BATCH, DIM = 48, 2, 8
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-5}

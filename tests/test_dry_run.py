@@ -123,7 +123,7 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
 def test_dry_run_matches_the_real_run_and_the_planner_matches_the_dry_run(tmp_path):
     """The dry run's peak is within 5% of the same tracker's peak in a real gloo run of the same
     config (FSDP, TP, CP, PP and EP at 4 ranks), and the planner within 15% of the dry run."""
-    from tests.distributed import run_distributed
+    from tests.spawn import run_distributed
 
     results = run_distributed(_truth, 4, args=(str(tmp_path),), timeout_s=240)
     bad = []

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.distributed import free_port
+from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

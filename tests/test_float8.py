@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.config import ConfigError, load_config
 from titanext.models import build_model, get_model_args
 from titanext.plugins import float8 as float8_mod

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 STEPS = 4
 BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny"),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 32, 4, 2, 8, 48
 QKV = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_distributed
 from tests.hf_artifacts import (
     make_bpe_tokenizer,
     make_tiny_llama,
     make_tiny_mixtral,
     make_tiny_qwen3,
 )
+from tests.spawn import run_distributed
 from titanext.components.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
 from titanext.hf.checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint

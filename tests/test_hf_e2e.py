@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
 from tests.hf_artifacts import make_bpe_tokenizer, make_tiny_llama, make_tiny_qwen3
+from tests.spawn import fp32_trainer_overrides, run_distributed
 from titanext.config import load_config
 from titanext.errors import ConfigError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.models.moe import (
     GroupedExperts,
     MoE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.config import ConfigError
 from titanext.distributed.parallel_dims import ParallelDims
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 STEPS = 5
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny")

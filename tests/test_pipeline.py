@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.config import ConfigError, load_config
 from titanext.distributed.pipeline import layers_per_stage, pipeline_stage_ids, split_model
 from titanext.models import build_model, get_model_args
@@ -358,7 +358,7 @@ def test_example_with_own_stages_runs_and_matches(tmp_path):
     import pathlib
     import re
 
-    from tests.distributed import run_example
+    from tests.spawn import run_example
 
     root = pathlib.Path(__file__).resolve().parents[1]
     names = ["ZBV", "DualPipe", "ZBH1"]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.config import ConfigError, gradient_accumulation_steps, load_config
 from titanext.planning.cli import (
     DEVICES,

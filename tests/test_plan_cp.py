@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 P, T = "--parallelism.", "--training."
 ULYSSES = [P + "context_parallel_comm=alltoall"]

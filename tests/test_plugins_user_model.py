@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 

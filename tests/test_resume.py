@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 BASE = [
     "--model.flavor=debugtiny",

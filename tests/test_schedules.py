@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.schedules import SCHEDULE_NAMES, get_schedule_class, simulate
 
 # -- simulator ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.schedules import (
     build_schedule,
     get_schedule_class,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")

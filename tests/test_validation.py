@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 SEQ = 64
 # A freshly initialised model barely uses positions (wrong RoPE positions under CP move its

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 VOCAB, DIM = 263, 32
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from titanext.models.moe import GroupedExperts
 from titanext.plugins.weight_grad import (
     DeferredLinear,
@@ -325,7 +325,7 @@ def _trainer_split_calls(rank: int, world_size: int, dump_folder: str) -> dict[s
     helpers and of deferred W runs (a silent fallback to torch's split would show up here)."""
     import torch.distributed.pipelining.stage as torch_stage
 
-    from tests.distributed import fp32_trainer_overrides
+    from tests.spawn import fp32_trainer_overrides
     from titanext.config import load_config
     from titanext.plugins import weight_grad
     from titanext.trainer import Trainer
