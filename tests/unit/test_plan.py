@@ -8,7 +8,6 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from tests import REPO_ROOT
 from tests.spawn import run_distributed
 from titanext.config import ConfigError, gradient_accumulation_steps, load_config
 from titanext.planning.cli import (
@@ -27,7 +27,7 @@ from titanext.planning.cli import (
     zero_bytes_per_rank,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 FP32 = ["--training.mixed_precision_param=float32"]
 
 

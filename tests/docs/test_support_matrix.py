@@ -3,10 +3,9 @@ as is."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests import REPO_ROOT
 from titanext.config.support_matrix import (
     BEGIN_MARK,
     END_MARK,
@@ -19,7 +18,7 @@ from titanext.config.support_matrix import (
     update_page,
 )
 
-PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "support_matrix.md")
+PAGE = str(REPO_ROOT / "docs" / "support_matrix.md")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests import REPO_ROOT
 from tests.spawn import run_distributed
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (heads, kv_heads)
@@ -280,12 +281,11 @@ def test_reference_model_loss_and_grads_match_one_process(layout, comm):
 
 def test_user_model_example_runs_and_matches(tmp_path):
     """examples/context_parallel.py (docs/context_parallel.md) under torchrun, 2 ranks."""
-    import pathlib
     import re
 
     from tests.spawn import run_example
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     out = run_example(root / "examples" / "context_parallel.py", 2, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     full, cp = map(float, re.search(r"full-sequence loss (\S+)  context-parallel loss (\S+)",
@@ -296,12 +296,11 @@ def test_user_model_example_runs_and_matches(tmp_path):
 def test_own_attention_example_runs_ring_ulysses_and_hybrid_exactly(tmp_path):
     """examples/context_parallel_attention.py (docs/context_parallel.md) under torchrun, 4 ranks:
     ring, Ulysses and hybrid 2x2 with packed documents against masked SDPA on one process."""
-    import pathlib
     import re
 
     from tests.spawn import run_example
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     out = run_example(root / "examples" / "context_parallel_attention.py", 4, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     found = dict(re.findall(r"(.+): max relative error of out, dq, dk, dv (\S+)", out.stdout))

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import REPO_ROOT
 from tests.spawn import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 SMALL = ["--config", DEBUG, "--model.flavor=debugtiny", "--training.dataset=synthetic",
          "--training.seq_len=32", "--training.local_batch_size=2",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
+from tests import REPO_ROOT
 from titanext.config import docs as config_docs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 

@@ -5,16 +5,16 @@ communication next to the planner's (docs/dry_run.md)."""
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
+from tests import REPO_ROOT
 from titanext.config import ConfigError, load_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 SUMMARY = re.compile(r"^titanext: dry run: rank (\d+) of (\d+), peak memory (\d+\.\d\d) GiB "
                      r"\(planner: (\d+\.\d\d) GiB\), step comm (\d+\.\d\d) GB$")
 

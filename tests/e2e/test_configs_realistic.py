@@ -7,11 +7,12 @@ import os
 
 import pytest
 
+from tests import REPO_ROOT
 from titanext.config import load_config, resolved_dp_shard
 from titanext.planning.cli import plan_config
 from titanext.train import main
 
-CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "train_configs")
+CONFIGS = str(REPO_ROOT / "train_configs")
 
 # file: (world size, what the config must hold)
 REAL = {

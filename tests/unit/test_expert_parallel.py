@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests import REPO_ROOT
 from tests.spawn import fp32_trainer_overrides, run_distributed
 
 
@@ -226,9 +227,8 @@ def test_apply_rejects_indivisible_experts():
 
 def _example(rank: int, world_size: int):
     import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "expert_parallel.py"
+    path = REPO_ROOT / "examples" / "expert_parallel.py"
     spec = importlib.util.spec_from_file_location("expert_parallel_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

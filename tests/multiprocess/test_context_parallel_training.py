@@ -53,7 +53,7 @@ CASES = {
 }
 # CP sums each softmax in another order (gradients agree to ~3e-7, see
 # test_context_parallel_ulysses.py); a few Adam steps amplify that in near-zero-gradient
-# elements, as in tests/test_parity.py. The losses still agree to 1e-5.
+# elements, as in tests/multiprocess/test_parity.py. The losses still agree to 1e-5.
 PARAM_RTOL = {name: 3e-5 if "cp" in name or "hybrid" in name else 1e-5 for name in CASES}
 
 

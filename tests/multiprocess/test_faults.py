@@ -11,11 +11,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from tests import REPO_ROOT
 from tests.spawn import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 # Rank 0 raises while rank 1 waits in an all-reduce (the TensorBoard-writer case of the issue).
 WORKER = """

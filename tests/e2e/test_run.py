@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import titanext.launch.run as launcher
+from tests import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 MOE = str(ROOT / "train_configs" / "debug_moe.toml")
 

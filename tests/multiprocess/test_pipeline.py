@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from tests import REPO_ROOT
 from tests.spawn import run_distributed
 from titanext.config import ConfigError, load_config
 from titanext.distributed.pipeline import layers_per_stage, pipeline_stage_ids, split_model
@@ -355,12 +356,11 @@ def test_pp4_schedules_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_example_with_own_stages_runs_and_matches(tmp_path):
     """examples/pipeline_own_stages.py (the example of docs/pipeline.md) under torchrun, 2 ranks."""
-    import pathlib
     import re
 
     from tests.spawn import run_example
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     names = ["ZBV", "DualPipe", "ZBH1"]
     out = run_example(root / "examples" / "pipeline_own_stages.py", 2, *names, cwd=tmp_path,
                       timeout=180)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import REPO_ROOT
 from tests.spawn import run_distributed
 from titanext.models.moe import (
     GroupedExperts,
@@ -348,10 +349,9 @@ def test_debugmoe_layouts_follow_one_process(moe_reference, tmp_path):
 
 def test_moe_layer_example_runs(capsys):
     """examples/moe_layer.py (the MoE example of docs/moe_ep.md) in this process, a few steps."""
-    import pathlib
     import runpy
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "moe_layer.py"
+    path = REPO_ROOT / "examples" / "moe_layer.py"
     runpy.run_path(str(path), run_name="example")["main"](steps=10)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines] == ["1", "10"]

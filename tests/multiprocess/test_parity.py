@@ -85,7 +85,7 @@ CASES = {
 
 
 # Ring attention sums the softmax in another order: its gradients agree with one process to
-# ~3e-7 (tests/test_context_parallel.py), and five Adam steps amplify that in the few
+# ~3e-7 (tests/multiprocess/test_context_parallel.py), and five Adam steps amplify that in the few
 # near-zero-gradient elements of wv to 1.2-1.5e-5. The losses still agree to 1e-5.
 PARAM_RTOL = {case: 3e-5 for case in CASES if "cp2" in case}
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import REPO_ROOT
 from tests.hf_artifacts import make_bpe_tokenizer, make_tiny_llama, make_tiny_qwen3
 from tests.spawn import fp32_trainer_overrides, run_distributed
 from titanext.config import load_config
@@ -220,9 +221,8 @@ def test_example_builder_and_config(tmp_path, monkeypatch):
     """examples/make_tiny_hf_model.py builds what train_configs/hf_llama_example.toml reads."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     monkeypatch.chdir(tmp_path)
     subprocess.run([sys.executable, str(root / "examples" / "make_tiny_hf_model.py"), "./tiny_hf",
                     "--jsonl", "./tiny_corpus.jsonl", "--vocab-size", "300"], check=True,

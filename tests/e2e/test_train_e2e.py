@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests import REPO_ROOT
 from tests.spawn import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
 
 

@@ -6,10 +6,11 @@ module of the package and fails on a private pipelining name.
 
 from __future__ import annotations
 
-import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "titanext"
+from tests import REPO_ROOT
+
+ROOT = REPO_ROOT / "titanext"
 ALLOWED = ROOT / "schedules" / "_torch_ir.py"
 
 # torch.distributed.pipelining's private classes, methods and attributes that titanext uses
