@@ -18,6 +18,7 @@ import titanext.config.degrees as degrees_mod
 import titanext.config.loader as loader_mod
 import titanext.config.rules as rules_mod
 import titanext.config.schema as schema_mod
+from tests import REPO_ROOT
 from titanext.config import (
     SECTIONS,
     ConfigError,
@@ -32,7 +33,7 @@ from titanext.config import (
     to_toml,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 CONFIGS = ROOT / "train_configs"
 SHIPPED = [("debug_model.toml", 4), ("llama3_8b.toml", 8), ("llama3_70b.toml", 64)]
 
