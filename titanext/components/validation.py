@@ -21,7 +21,7 @@ counts that a validation forward adds are restored, so the expert-bias update ne
 (50, 10, 8)
 
 Tested against one process under FSDP, PP (1F1B, ZBV), CP x TP and EP in
-tests/test_validation.py.
+tests/multiprocess/test_validation.py.
 """
 
 from __future__ import annotations

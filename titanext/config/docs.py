@@ -2,7 +2,7 @@
 
 ``titanext.config.config_help()`` is the one description of every key (its type, default,
 allowed values and the docstring under the field). This module turns that text into markdown
-tables and keeps the generated block of the page in sync; tests/test_readme.py fails when the
+tables and keeps the generated block of the page in sync; tests/docs/test_readme.py fails when the
 page is stale.
 
     python -m titanext.config_docs                                   # print the markdown

@@ -71,7 +71,7 @@ def _minus_one_or_positive(value: int) -> str | None:
 
 # Schedules that titanext provides with every supported torch. Only another name asks
 # titanext.schedules (which imports torch's pipelining), so a plain load stays torch-free;
-# tests/test_config.py checks that these are all in titanext.schedules.SCHEDULE_NAMES.
+# tests/unit/config/ checks that these are all in titanext.schedules.SCHEDULE_NAMES.
 _KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                     "ZBVZeroBubble", "ZBH1", "ZBH2", "ZBV", "DualPipe", "DualPipeV", "Auto")
 

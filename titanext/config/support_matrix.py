@@ -6,7 +6,7 @@ column's, at the world size their degrees multiply to, on the debug models (the 
 shape is read and its 27 blocks fill every pipeline split). A cell is supported exactly when the
 trainer accepts that config, and otherwise shows the validation's own reason as a footnote, so
 the table cannot drift from the rules: the copy in docs/support_matrix.md is compared with a
-fresh one in tests/test_support_matrix.py.
+fresh one in tests/docs/test_support_matrix.py.
 
     python -m titanext.support_matrix              # text table for the terminal
     python -m titanext.support_matrix --markdown   # the table of docs/support_matrix.md

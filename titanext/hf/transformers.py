@@ -5,7 +5,7 @@ lives here: where the decoder blocks are, a TP plan for the Llama family's modul
 the hook that routes the library's attention to ring attention. ``transformers`` is an optional
 dependency (the ``dev`` extra); nothing else in titanext imports this module.
 
-Covered (tested in tests/test_adapters_hf.py against the unparallelized model):
+Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallelized model):
 
 - FSDP2: ``apply_fsdp(model, mesh, blocks=hf_blocks(model))``.
 - TP: ``apply_tensor_parallel(model, tp_mesh, plan=hf_llama_tp_plan())`` (Llama, Mistral,
@@ -256,7 +256,7 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int)
     cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
     initialise the weights. Tied input and output embeddings cannot live on two stages; untie
     them (``tie_word_embeddings=False``). Tested in
-    tests/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
+    tests/multiprocess/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
 
     >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)  # your model  # doctest: +SKIP
     >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)  # in a process group  # doctest: +SKIP
@@ -338,7 +338,7 @@ def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
     Each ep rank feeds its own tokens (data parallel over the ep ranks); dense parameters stay
     replicated, so reduce their gradients over the ep ranks as data parallelism does (FSDP over
     the same ranks, or an all-reduce), while each expert's gradient is already complete on the
-    rank that holds it. Tested in tests/test_adapters_hf.py against the unsplit model.
+    rank that holds it. Tested in tests/multiprocess/test_adapters_hf.py against the unsplit model.
 
     >>> apply_hf_expert_parallel(model, mesh["ep"])  # in a process group  # doctest: +SKIP
     ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']

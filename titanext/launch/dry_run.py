@@ -211,7 +211,7 @@ def measure_real(cfg: JobConfig) -> DryRunResult:
     """The same measurement on a real run: call on every rank of an initialised process group
     (gloo on CPU). Builds the trainer with real tensors from :func:`dry_run_config`'s config
     (the dry run's dtype) and measures one training step with the same tracker; this is what a
-    dry run's figures are checked against (tests/test_dry_run.py)."""
+    dry run's figures are checked against (tests/e2e/test_dry_run.py)."""
     from titanext.trainer import Trainer
 
     start = time.time()

@@ -11,7 +11,7 @@ exists only while it is gathered (two units in flight).
 Activations (bytes per token per transformer layer, a = bytes of the activation dtype, h =
 dim, h_kv = kv_heads x head_dim, f = FFN hidden, n = heads), derived for titanext's Llama
 block (RMSNorm, SwiGLU, GQA, no dropout, flash-style SDPA so no s^2 term) and checked against
-saved-tensor measurements (tests/test_plan.py)::
+saved-tensor measurements (tests/unit/test_plan.py)::
 
     none:       a (10 h + 4 f) + 4 (n + 2)        # K/V expanded to n heads for SDPA
     selective:  a (5 h + 2 h_kv + 2 f) + 4 n      # outputs of matmuls and attention + block input

@@ -10,7 +10,7 @@ expert parallelism splits the routed experts over ep, and FSDP shards them over 
 - ``experts``: the routed experts ``3 x num_experts x dim x hidden`` (split by ep, not by tp).
 
 Saved activations per token of a MoE block (``a`` bytes per value; measured with saved-tensor
-hooks on ``debugmoe``, see tests/test_plan.py), on top of the block's attention part (the dense
+hooks on ``debugmoe``, see tests/unit/test_plan.py), on top of the block's attention part (the dense
 formula with ``f = 0``)::
 
     none:       a (3 k h + 4 k f_e + 4 f_s) + 4 E + 16 G + 40 k + 16

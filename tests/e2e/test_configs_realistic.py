@@ -1,0 +1,54 @@
+"""The realistic GPU configs validate at their world size (--print-config) and the planner says
+they fit in an H100's memory. No GPU is needed: both only read the config and the model shape."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests import REPO_ROOT
+from titanext.config import load_config, resolved_dp_shard
+from titanext.planning.cli import plan_config
+from titanext.train import main
+
+CONFIGS = str(REPO_ROOT / "train_configs")
+
+# file: (world size, what the config must hold)
+REAL = {
+    "llama3_8b.toml": (8, {"parallelism.tensor_parallel_degree": 2, "dp_shard": 4,
+                           "float8.enable": True, "float8.enable_fsdp_float8_all_gather": True,
+                           "compile.enable": True, "model.flavor": "8B"}),
+    "llama3_70b_multinode.toml": (64, {"parallelism.tensor_parallel_degree": 8, "dp_shard": 2,
+                                       "parallelism.pipeline_parallel_degree": 4,
+                                       "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
+                                       "model.flavor": "70B"}),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_realistic_config_validates_and_fits(name, monkeypatch, capsys):
+    world_size, expected = REAL[name]
+    path = os.path.join(CONFIGS, name)
+    # what torchrun sets; --print-config checks it
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    assert main(["--config", path, "--print-config"]) == 0
+    printed = capsys.readouterr()
+    assert "[parallelism]" in printed.out and "config error" not in printed.err
+
+    cfg = load_config(path, world_size=world_size)
+    for key, value in expected.items():
+        if key == "dp_shard":
+            assert resolved_dp_shard(cfg, world_size) == value, name
+        else:
+            section, field = key.split(".")
+            assert getattr(getattr(cfg, section), field) == value, (name, key)
+    plan = plan_config(cfg, world_size)  # H100 80 GB, 8 GPUs per node
+    assert plan.fits, (name, plan.memory_total / 1e9)
+
+
+def test_realistic_configs_are_rejected_at_the_wrong_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "48")
+    assert main(["--config", os.path.join(CONFIGS, "llama3_70b_multinode.toml"),
+                 "--print-config"]) == 2
+    assert "config error" in capsys.readouterr().err

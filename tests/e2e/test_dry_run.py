@@ -1,0 +1,136 @@
+"""The dry run (``[comm] mode = "fake_backend"``): one process plays rank R of N over torch's fake
+process group and fake tensors, builds the real trainer, steps once and prints its memory and
+communication next to the planner's (docs/dry_run.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests import REPO_ROOT
+from titanext.config import ConfigError, load_config
+
+ROOT = REPO_ROOT
+SUMMARY = re.compile(r"^titanext: dry run: rank (\d+) of (\d+), peak memory (\d+\.\d\d) GiB "
+                     r"\(planner: (\d+\.\d\d) GiB\), step comm (\d+\.\d\d) GB$")
+
+
+def dry_run(config: str, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # an ordinary process, no torchrun
+    return subprocess.run(
+        [sys.executable, "-m", "titanext.train", "--config", str(ROOT / "train_configs" / config),
+         "--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_a_large_config_dry_runs_and_the_planner_is_within_15_percent():
+    """The DeepSeek-V3 671B config at its real world size (rank 0 of 2048: PP 16 with DualPipe,
+    EP 64, ZeRO-2 over 128, full AC; the rank holds the embedding and the head) builds, steps
+    and fits its summary line; the planner is within 15% of the measured peak (~25 s)."""
+    out = dry_run("deepseek_v3_671b.toml", "--checkpoint.enable=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
+    assert m and (int(m[1]), int(m[2])) == (0, 2048), out.stdout[-2000:]
+    measured, planner = float(m[3]), float(m[4])
+    assert abs(planner / measured - 1) <= 0.15, (measured, planner)
+    assert "alltoall" in out.stdout and "send" in out.stdout  # EP and the pipeline moved data
+
+
+@pytest.mark.parametrize("world_size,rank", [(8, 3), (64, 63)])
+def test_debug_model_dry_run_prints_the_summary_line(world_size, rank):
+    out = dry_run("debug_model.toml", f"--comm.fake_world_size={world_size}",
+                  f"--comm.fake_rank={rank}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    m = SUMMARY.match(last)
+    assert m, last
+    assert (int(m[1]), int(m[2])) == (rank, world_size)
+    assert float(m[3]) > 0 and float(m[4]) > 0 and float(m[5]) > 0  # FSDP gathers and reduces
+    assert "allgather" in out.stdout and "reduce_scatter" in out.stdout
+
+
+def test_bad_fake_world_exits_2_with_one_line():
+    out = dry_run("debug_model.toml", "--comm.fake_world_size=6",
+                  "--parallelism.tensor_parallel_degree=4", timeout=60)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "world size 6" in out.stderr
+    out = dry_run("debug_model.toml", "--comm.fake_world_size=8", "--comm.fake_rank=8",
+                  timeout=60)  # a rank outside the fake world
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "comm.fake_rank = 8" in out.stderr
+
+
+def test_fake_world_rules():
+    cfg = load_config(None, ["--comm.mode=fake_backend", "--parallelism.tensor_parallel_degree=2",
+                             "--parallelism.pipeline_parallel_degree=2"], world_size=1)
+    from titanext.config.rules import fake_world_size
+
+    assert fake_world_size(cfg) == 4  # the degrees' product, dp_shard = -1 counting 1
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--comm.mode=fake_backend", "--comm.fake_world_size=4",
+                           "--comm.fake_rank=4"])
+    assert e.value.problems == ["comm.fake_rank = 4 must be below the dry run's world size 4"]
+    with pytest.raises(ConfigError) as e:  # real mode keeps the launcher's world size
+        load_config(None, ["--parallelism.tensor_parallel_degree=2"], world_size=1)
+
+
+# -- truth both ways: dry run against a real gloo run, planner against the dry run --------------
+
+TRUTH_CASES = {  # 4 ranks each; every case runs for real and as a dry run in ONE spawn
+    "fsdp": ("debug_model.toml", []),
+    "tp": ("debug_model.toml", ["--parallelism.tensor_parallel_degree=2"]),
+    "cp": ("debug_model.toml", ["--parallelism.context_parallel_degree=2"]),
+    "pp": ("debug_pp.toml", []),
+    "ep": ("debug_moe.toml", ["--parallelism.expert_parallel_degree=2"]),
+}
+DRY_RANKS = (0, 3)  # a dry run of every rank would only repeat these (pp: first and last)
+PLANNER_CASES = tuple(TRUTH_CASES)  # the planner's 15% holds on every case
+
+
+def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int, float]]:
+    """{case: (real peak, dry-run peak, planner)} on this rank (dry runs on DRY_RANKS only)."""
+    import torch.distributed as dist
+
+    from titanext._fake_backend import init_fake_process_group
+    from titanext.launch.dry_run import measure, measure_real
+
+    base = ["--training.dataset=synthetic", "--metrics.enable_tensorboard=false",
+            "--checkpoint.enable=false", f"--job.dump_folder={folder}/{rank}"]
+    real = {name: measure_real(load_config(str(ROOT / "train_configs" / config),
+                                           [*base, *args], world_size=world_size)).peak
+            for name, (config, args) in TRUTH_CASES.items()}
+    dist.barrier()
+    dist.destroy_process_group()
+    init_fake_process_group(rank, world_size)  # the same process now plays its rank
+    out = {}
+    for name, (config, args) in TRUTH_CASES.items():
+        if rank in DRY_RANKS:
+            fake = measure(load_config(str(ROOT / "train_configs" / config), [
+                *base, *args, "--comm.mode=fake_backend", f"--comm.fake_world_size={world_size}",
+                f"--comm.fake_rank={rank}"]))
+            out[name] = (real[name], fake.peak, fake.planner)
+    return out
+
+
+def test_dry_run_matches_the_real_run_and_the_planner_matches_the_dry_run(tmp_path):
+    """The dry run's peak is within 5% of the same tracker's peak in a real gloo run of the same
+    config (FSDP, TP, CP, PP and EP at 4 ranks), and the planner within 15% of the dry run."""
+    from tests.spawn import run_distributed
+
+    results = run_distributed(_truth, 4, args=(str(tmp_path),), timeout_s=240)
+    bad = []
+    for rank in DRY_RANKS:
+        for name, (real, fake, planner) in results[rank].items():
+            if abs(fake / real - 1) > 0.05:
+                bad.append(f"{name} rank {rank}: dry run {fake} vs real {real} bytes")
+            if name in PLANNER_CASES and abs(planner / fake - 1) > 0.15:
+                bad.append(f"{name} rank {rank}: planner {planner:.0f} vs dry run {fake} bytes")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,114 @@
+"""Checkpoints through the trainer: exact resume, resume under another layout, faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import run_distributed
+
+BASE = [
+    "--model.flavor=debugtiny",
+    "--training.dataset=synthetic",
+    "--training.seq_len=32",
+    "--training.steps=8",
+    "--training.local_batch_size=2",
+    "--training.mixed_precision_param=float32",
+    "--optimizer.lr=3e-3",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.enable_tensorboard=false",
+    "--metrics.log_freq=100",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=4",
+]
+
+
+def _run(rank, world_size, overrides, folder, until_step=None):
+    from titanext.config import load_config
+    from titanext.trainer import Trainer
+
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", *overrides],
+                      world_size=world_size)
+    trainer = Trainer(cfg)
+    return trainer.train(until_step=until_step)
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_curve_exactly(tmp_path):
+    full = run_distributed(_run, 4, args=([], str(tmp_path / "a")))[0]
+    first = run_distributed(_run, 4, args=([], str(tmp_path / "b")), kwargs={"until_step": 4})[0]
+    rest = run_distributed(_run, 4, args=([], str(tmp_path / "b")))[0]
+    assert len(first) == 4 and len(rest) == 4
+    assert first + rest == full  # bitwise: same layout, same order of operations
+
+
+def test_resume_under_another_layout_continues_the_curve(tmp_path):
+    """Saved with dp_shard=4, resumed with dp_shard=2 x tp=2."""
+    full = run_distributed(_run, 4, args=([], str(tmp_path / "a")))[0]
+    run_distributed(_run, 4, args=([], str(tmp_path / "b")), kwargs={"until_step": 4})
+    rest = run_distributed(
+        _run, 4, args=(["--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"],
+                       str(tmp_path / "b")))[0]
+    torch.testing.assert_close(torch.tensor(rest), torch.tensor(full[4:]), rtol=1e-5, atol=0)
+
+
+def _diverge(rank, world_size, folder):
+    from titanext.config import load_config
+    from titanext.trainer import Trainer, TrainingDiverged
+
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", "--checkpoint.interval=1"],
+                      world_size=world_size)
+    trainer = Trainer(cfg)
+    real = trainer.compute_loss
+
+    def poisoned(logits, labels):
+        loss = real(logits, labels)
+        return loss * float("nan") if trainer.step == 2 else loss  # the 3rd step goes NaN
+
+    trainer.compute_loss = poisoned
+    try:
+        trainer.train()
+    except TrainingDiverged as e:
+        return str(e), trainer.checkpointer.latest_step(), trainer.step
+    return None
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    results = run_distributed(_diverge, 2, args=(str(tmp_path),))
+    for message, latest, step in results:
+        assert "step 3" in message and "nan" in message.lower()
+        assert latest == 2 and step == 2
+    # ... and that checkpoint loads: a fresh run resumes from step 2.
+    rest = run_distributed(_run, 2, args=([], str(tmp_path)))[0]
+    assert len(rest) == 6
+
+
+def _crash_in_save(rank, world_size, folder):
+    import titanext.components.checkpoint as ckpt
+    from titanext.config import load_config
+    from titanext.trainer import Trainer
+
+    cfg = load_config(None, [*BASE, f"--job.dump_folder={folder}", "--checkpoint.interval=2"],
+                      world_size=world_size)
+    trainer = Trainer(cfg)
+    trainer.train(until_step=2)
+    real_save = ckpt.dcp.save
+
+    def crash(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt  # Ctrl-C after the data was written, before the commit
+
+    ckpt.dcp.save = crash
+    try:
+        trainer.train(until_step=4)
+    except KeyboardInterrupt:
+        pass
+    ckpt.dcp.save = real_save
+    return trainer.checkpointer.latest_step()
+
+
+@pytest.mark.slow
+def test_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    latest = run_distributed(_crash_in_save, 1, args=(str(tmp_path),))[0]
+    assert latest == 2
+    rest = run_distributed(_run, 1, args=([], str(tmp_path)))[0]
+    assert len(rest) == 6
