@@ -127,7 +127,8 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """Features that cannot run inside pipeline stages (checked only with pp > 1).
 
     Everything else composes with PP: FSDP/HSDP, TP/SP with loss parallel, CP (the stages get
-    the CP-sharded position ids), float8, full and layer-level AC (tests/multiprocess/test_composition.py).
+    the CP-sharded position ids), float8, full and layer-level AC
+    (tests/multiprocess/test_composition.py).
     ZeRO-1 and DualPipe x TP are rejected by :func:`pipeline_config_problems`.
     """
     p, ac = cfg.parallelism, cfg.activation_checkpoint

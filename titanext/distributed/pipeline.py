@@ -286,7 +286,8 @@ class PipelineRunner:
         grad_norm = runner.clip_grad_norm(max_norm)
         optimizer.step()
 
-    Tested against one process in tests/multiprocess/test_pipeline.py (every schedule, through the trainer).
+    Tested against one process in tests/multiprocess/test_pipeline.py (every schedule, through
+    the trainer).
     """
 
     def __init__(self, model: nn.Module, dims, *, schedule: str | type, microbatches: int,

@@ -93,7 +93,8 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
       u times the tokens for 1/u of the heads.
     - document masking adds one all-gather of the int64 document ids per forward and group.
 
-    Counted against the attention's own counter (``count_comm``) in tests/multiprocess/test_plan_cp.py.
+    Counted against the attention's own counter (``count_comm``) in
+    tests/multiprocess/test_plan_cp.py.
     """
     shape, p, a, tp, cp, u = lo.shape, lo.cfg.parallelism, lo.a, lo.tp, lo.cp, lo.ulysses
     r, tokens, passes = cp // u, lo.tokens, lo.passes
