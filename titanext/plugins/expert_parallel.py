@@ -62,7 +62,7 @@ from titanext.plugins._counting import Counters
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
     "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
-    "ModuleListExperts", "ExpertParallelExperts", "detect_experts_layout",
+    "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
 ]
 
 # -- communication accounting ----------------------------------------------------------------------
@@ -405,6 +405,28 @@ class ExpertParallelExperts(nn.Module):
         back = combine_tokens(self._local_experts(rows, local_counts), route)
         back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, back.to(x.dtype))
+
+
+def call_experts(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j top_k_weights[t, j] * experts[top_k_index[t, j]](x[t])`` for every token t, for
+    an ``nn.ModuleList`` of experts (one process: a loop over the experts) and for its
+    expert-parallel replacement (one call: dispatch, local experts, combine). Call this in a
+    Mixtral-style MoE's forward instead of looping over ``experts[e]`` yourself.
+
+    >>> experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    >>> x, idx = torch.randn(5, 4), torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    >>> call_experts(experts, x, idx, torch.full((5, 2), 0.5)).shape
+    torch.Size([5, 4])
+    """
+    if not isinstance(experts, nn.ModuleList):
+        return experts(x, top_k_index, top_k_weights)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = torch.where(top_k_index == e)
+        y = expert(x[token]) * top_k_weights[token, slot, None].to(x.dtype)
+        out = out.index_add(0, token, y.to(x.dtype))
+    return out
 
 
 def is_grouped_experts(name: str, module: nn.Module) -> bool:
