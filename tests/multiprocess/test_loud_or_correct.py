@@ -153,8 +153,10 @@ def _body(rank: int, world_size: int) -> dict:
 
 
 def _close(pairs: dict, what: str) -> None:
+    """Within 1e-5 of each element and of the tensor's scale (fp32 sums run in another order
+    under EP, so a tiny element of a large gradient carries the rounding of its neighbours)."""
     for name, (got, want) in pairs.items():
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
                                    msg=lambda m, n=name: f"{what} {n}: {m}")
 
 

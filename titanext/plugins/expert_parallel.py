@@ -303,7 +303,9 @@ class ModuleListExperts(ExpertsLayout):
             raise ValueError(f"ModuleListExperts: the experts of {type(module).__name__} must "
                              "share one structure, with parameters and no buffers")
         self.template = copy.deepcopy(experts[0]).to("meta")  # the forward, not the weights
-        return {n: torch.stack([e.get_parameter(n).detach() for e in experts]) for n in names}
+        return {n: nn.Parameter(torch.stack([e.get_parameter(n).detach() for e in experts]),
+                                requires_grad=experts[0].get_parameter(n).requires_grad)
+                for n in names}
 
     def expert(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(self.template, weights, (x,))
