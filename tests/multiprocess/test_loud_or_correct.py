@@ -11,8 +11,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.distributed import run_distributed
-from tests.own_models import EXPERT_LAYOUTS, GroupedQKVAttention, LlamaLikeModel, MoEModel, \
-    NoExpertsMoE
+from tests.own_models import (
+    EXPERT_LAYOUTS,
+    GroupedQKVAttention,
+    LlamaLikeModel,
+    MoEModel,
+    NoExpertsMoE,
+)
 
 
 def _full(t):

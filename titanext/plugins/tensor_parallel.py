@@ -14,7 +14,7 @@ Without a plan, ``apply_tensor_parallel`` uses that plan only on a model laid ou
 reference one (:func:`default_plan_problems`), else it raises; :func:`tp_plan_matches` lists
 what each rule of a plan matches, before anything is sharded.
 
-A fused projection has one of two row layouts (docs/fsdp_tp.md#fused-projections-qkv-gateup):
+A fused projection has one of two row layouts (docs/fsdp_tp.md#fused-projections):
 
 - concatenated parts ``[q; k; v]`` (or ``[gate; up]``): use :class:`FusedColwiseParallel`; a
   plain ``ColwiseParallel`` gives rank r rows r/tp of the stacked weight (all of q and half of
