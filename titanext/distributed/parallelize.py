@@ -71,7 +71,7 @@ from titanext.distributed.parallel_dims import ParallelDims
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import apply_context_parallel
-from titanext.plugins.expert_parallel import apply_expert_parallel
+from titanext.plugins.expert_parallel import ExpertsLayout, apply_expert_parallel
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel
 
@@ -115,6 +115,8 @@ def parallelize(
     init_weights: Callable[[nn.Module], None] | None = None,
     tp_plan: TPPlan | None = None,
     blocks: Iterable[nn.Module] | None = None,
+    experts: Callable[[str, nn.Module], bool] | None = None,
+    experts_layout: ExpertsLayout | None = None,
 ) -> nn.Module:
     """Apply TP -> EP -> CP -> AC -> compile -> FSDP/HSDP (or DDP for ZeRO-1) to ``model``.
 
@@ -128,8 +130,17 @@ def parallelize(
         device: where ``init_weights`` materialises the model (default: the mesh's device type).
         init_weights: ``fn(model)`` that initialises the parameters; when given, the model is
             moved to ``device`` with ``to_empty`` after sharding and ``fn`` runs on it.
-        tp_plan: the tensor-parallel plan for your own model (default: titanext's Llama plan).
+        tp_plan: the tensor-parallel plan for your own model. Without one, titanext's Llama
+            plan is used on a model laid out like titanext's Llama, and any other model raises
+            (``titanext.plugins.tensor_parallel.default_plan_problems``).
         blocks: the repeated blocks if the model has no ``layers`` container.
+        experts, experts_layout: under ep > 1, ``filter_fn`` and ``layout`` of
+            ``titanext.plugins.expert_parallel.apply_expert_parallel`` (default: the experts
+            modules it detects; none found is a ValueError, except in a pipeline stage).
+
+    Loud or correct: each plugin says what it did in one WARNING line (or raises a ValueError
+    naming the model class, what it looked for and the fix when a requested degree > 1 would
+    change nothing).
 
     Returns the module to train: ``model`` itself (changed in place), or its DDP wrapper under
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
@@ -146,9 +157,11 @@ def parallelize(
                                   sequence_parallel=p.enable_sequence_parallel,
                                   float8=bool(float8 and float8.enable),
                                   loss_parallel=loss_parallel_enabled(dims, p))
-        experts: list[nn.Module] = []
+        expert_units: list[nn.Module] = []
         if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
-            experts = [model.get_submodule(f) for f in apply_expert_parallel(model, dims.ep_mesh)]
+            found = apply_expert_parallel(model, dims.ep_mesh, filter_fn=experts,
+                                          layout=experts_layout, required=not dims.pp_enabled)
+            expert_units = [model.get_submodule(f) for f in found]
         if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
             apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
                                    comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
@@ -161,7 +174,7 @@ def parallelize(
             # Deferred weight gradients: each converted linear runs eagerly (a graph break).
             from titanext.plugins.weight_grad import has_deferred_modules
 
-            fullgraph = not (experts or dims.cp_enabled or has_deferred_modules(model))
+            fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model))
             apply_compile(model, backend=comp.backend, fullgraph=fullgraph, blocks=blocks)
         zero1 = zero1_enabled(dims, p)
         if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
@@ -176,8 +189,8 @@ def parallelize(
                 blocks=blocks,
                 # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
                 # gradients are summed over fewer ranks, so divide by the dense reduction size.
-                expert_units=experts,
-                expert_mesh=dims.expert_fsdp_mesh if experts else None,
+                expert_units=expert_units,
+                expert_mesh=dims.expert_fsdp_mesh if expert_units else None,
                 expert_gradient_divide_factor=dims.gradient_reduction_size,
             )
     if init_weights is not None:

@@ -49,6 +49,12 @@ from titanext.plugins.context_parallel import (
     shard_batch,
     shard_sequence,
 )
+from titanext.plugins.expert_parallel import (
+    ExpertParallelExperts,
+    StackedExperts,
+    apply_expert_parallel,
+    detect_experts_layout,
+)
 from titanext.plugins.tensor_parallel import VocabParallelEmbedding
 
 __all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
@@ -278,56 +284,23 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int)
                            first=stage_index == 0, last=stage_index == len(counts) - 1)
 
 
-class HFExpertParallel(nn.Module):
-    """A ``transformers`` experts module with its experts split over a 1D ``ep_mesh``.
-
-    Holds the same parameters under the same names (``gate_up_proj`` [E, 2I, H], ``down_proj``
-    [E, H, I], now DTensors ``Shard(0)``: rank r keeps experts r*E/W .. (r+1)*E/W - 1) and keeps
-    the library's call ``forward(tokens [T, H], top_k_index [T, k], top_k_weights [T, k])``.
-    Each (token, expert) assignment is sorted by expert, sent to the expert's rank with
-    :func:`titanext.plugins.expert_parallel.dispatch_tokens`, computed there (SwiGLU per local
-    expert), sent back with ``combine_tokens``, weighted and summed per token.
-    """
+class HFExpertParallel(ExpertParallelExperts):
+    """A ``transformers`` experts module with its experts split over a 1D ``ep_mesh``: titanext's
+    :class:`~titanext.plugins.expert_parallel.ExpertParallelExperts` with the library's fused
+    layout (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], or [E, in, out] with
+    ``is_transposed``; its ``act_fn``), keeping the parameter names and the library's call
+    ``forward(tokens [T, H], top_k_index [T, k], top_k_weights [T, k])``."""
 
     def __init__(self, experts: nn.Module, ep_mesh):
-        super().__init__()
-        from torch.distributed.tensor import Shard, distribute_tensor
+        layout = detect_experts_layout("experts", experts)
+        if not isinstance(layout, StackedExperts) or layout.gate != "gate_up_proj":
+            raise ValueError(f"{type(experts).__name__} has no 3-D gate_up_proj / down_proj "
+                             "expert weights")
+        super().__init__(experts, layout, ep_mesh)
 
-        for flag in ("is_transposed", "has_bias"):
-            if getattr(experts, flag, False):
-                raise ValueError(f"{type(experts).__name__}: {flag} = True layouts are not "
-                                 "supported by the expert-parallel adapter")
-        self.num_experts = experts.num_experts
-        self.act_fn = experts.act_fn
-        self.ep_mesh = ep_mesh
-        if self.num_experts % ep_mesh.size():
-            raise ValueError(f"{self.num_experts} experts cannot be split over {ep_mesh.size()} "
-                             "ep ranks; choose an ep degree that divides the expert count")
-        for name in ("gate_up_proj", "down_proj"):
-            p = getattr(experts, name)
-            self.register_parameter(name, nn.Parameter(
-                distribute_tensor(p.detach(), ep_mesh, [Shard(0)]), requires_grad=p.requires_grad))
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from titanext.plugins.expert_parallel import combine_tokens, dispatch_tokens
-
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)                       # assignment j -> token j // k
-        order = torch.argsort(flat, stable=True)             # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        rows, local_counts, route = dispatch_tokens(hidden_states[order // k], counts, self.ep_mesh)
-        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-        outs = []
-        for e, x in enumerate(torch.split(rows, local_counts.tolist())):  # local experts
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, down[e]))
-        back = combine_tokens(torch.cat(outs), route)        # rows in `order`, home again
-        back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
-        return torch.zeros_like(hidden_states).index_add_(0, order // k,
-                                                          back.to(hidden_states.dtype))
+def _is_hf_experts(fqn: str, m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("gate_up_proj", "down_proj", "act_fn", "num_experts"))
 
 
 def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
@@ -343,12 +316,7 @@ def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
     >>> apply_hf_expert_parallel(model, mesh["ep"])  # in a process group  # doctest: +SKIP
     ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
     """
-    chosen = [(fqn, m) for fqn, m in model.named_modules()
-              if all(hasattr(m, a) for a in ("gate_up_proj", "down_proj", "act_fn", "num_experts"))]
-    if not chosen:
+    if not any(_is_hf_experts(fqn, m) for fqn, m in model.named_modules()):
         raise ValueError(f"{type(model).__name__} has no experts module with gate_up_proj / "
                          "down_proj; expert parallelism needs an MoE model")
-    for fqn, m in chosen:
-        parent_name, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, HFExpertParallel(m, ep_mesh))
-    return [fqn for fqn, _ in chosen]
+    return apply_expert_parallel(model, ep_mesh, filter_fn=_is_hf_experts)

@@ -107,6 +107,8 @@ class RouterGate(nn.Linear):
     parameter dtypes. A subclass so that converters which take plain ``nn.Linear`` (float8)
     leave it alone."""
 
+    titanext_convert = False  # float8 / deferral keep it as it is, on purpose (no warning)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
 

@@ -44,6 +44,8 @@ Runnable example with a user's own model: ``examples/expert_parallel.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +61,8 @@ from titanext.plugins._counting import Counters
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
-    "CommCounter", "count_comm", "is_grouped_experts",
+    "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
+    "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
 ]
 
 # -- communication accounting ----------------------------------------------------------------------
@@ -232,6 +235,202 @@ class ExpertParallel(ParallelStyle):
                                  input_fn=self._input_fn, output_fn=self._output_fn)
 
 
+# -- experts in other layouts: adapters ------------------------------------------------------------
+
+
+class ExpertsLayout:
+    """How to run one expert of an experts module that does not follow the protocol: which
+    stacked weights ``[E, ...]`` it holds (:meth:`weights`) and expert e's function on its rows
+    (:meth:`expert`, given that expert's slices). :class:`ExpertParallelExperts` shards the
+    stacked weights over ep and calls :meth:`expert` for each local expert."""
+
+    def weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def expert(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StackedExperts(ExpertsLayout):
+    """Stacked SwiGLU-style experts: ``down(act(gate(x)) * up(x))`` per expert.
+
+    ``gate``, ``up``, ``down`` name the module's ``[E, ...]`` parameters; ``up=None`` means
+    ``gate`` is a fused gate_up weight (its output splits in two halves: gate, then up).
+    ``transposed=False``: each expert's weight is ``[out, in]`` (``F.linear``, as
+    ``nn.Linear``); ``True``: ``[in, out]`` (``x @ w``); ``"auto"``: decided from the input's
+    width (an error if the weight is square).
+    """
+
+    def __init__(self, gate: str = "w1", up: str | None = "w3", down: str = "w2", *,
+                 transposed: bool | str = "auto", act: Callable | None = None):
+        self.names = tuple(n for n in (gate, up, down) if n is not None)
+        self.gate, self.up, self.down, self.transposed = gate, up, down, transposed
+        self.act = act or torch.nn.functional.silu
+
+    def weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: getattr(module, n) for n in self.names}
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        t = self.transposed
+        if t == "auto":
+            if w.shape[0] == w.shape[1]:
+                raise ValueError(f"StackedExperts: a square [{w.shape[0]}, {w.shape[1]}] expert "
+                                 "weight does not say its orientation; pass transposed=True "
+                                 "([E, in, out]) or False ([E, out, in])")
+            t = w.shape[0] == x.shape[-1]
+        return x @ w if t else torch.nn.functional.linear(x, w)
+
+    def expert(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = self._mm(x, weights[self.gate])
+        gate, up = h.chunk(2, dim=-1) if self.up is None else (h, self._mm(x, weights[self.up]))
+        return self._mm(self.act(gate) * up, weights[self.down])
+
+    def __repr__(self) -> str:
+        return (f"StackedExperts(gate={self.gate!r}, up={self.up!r}, down={self.down!r}, "
+                f"transposed={self.transposed!r})")
+
+
+class ModuleListExperts(ExpertsLayout):
+    """An ``nn.ModuleList`` of per-expert modules of one structure (Mixtral style): their
+    parameters are stacked per name (``experts.0.fc1.weight`` ... -> ``experts.fc1.weight``
+    ``[E, ...]``) and each expert runs the original module's forward on its slices."""
+
+    def weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        experts = list(module)
+        names = [n for n, _ in experts[0].named_parameters()]
+        if any([n for n, _ in e.named_parameters()] != names for e in experts) or any(
+                True for e in experts for _ in e.buffers()):
+            raise ValueError(f"ModuleListExperts: the experts of {type(module).__name__} must "
+                             "share one structure, with parameters and no buffers")
+        self.template = copy.deepcopy(experts[0]).to("meta")  # the forward, not the weights
+        return {n: nn.Parameter(torch.stack([e.get_parameter(n).detach() for e in experts]),
+                                requires_grad=experts[0].get_parameter(n).requires_grad)
+                for n in names}
+
+    def expert(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.template, weights, (x,))
+
+
+_STACKED_NAMES = (("gate_up_proj", None, "down_proj"), ("w1", "w3", "w2"),
+                  ("gate_proj", "up_proj", "down_proj"))
+
+
+def detect_experts_layout(fqn: str, module: nn.Module) -> ExpertsLayout | str | None:
+    """The layout of ``module`` if it is an experts module titanext knows: "protocol" for
+    :class:`~titanext.models.moe.GroupedExperts`, a :class:`StackedExperts` for 3-D
+    ``gate_up_proj``/``down_proj`` (``is_transposed`` read from the module),
+    ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
+    :class:`ModuleListExperts` for an ``nn.ModuleList`` named ``experts``; else None."""
+    if is_grouped_experts(fqn, module):
+        return "protocol"
+    if isinstance(module, ExpertParallelExperts):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    for gate, up, down in _STACKED_NAMES:
+        names = [n for n in (gate, up, down) if n is not None]
+        if all(n in params and params[n].dim() == 3 for n in names):
+            if getattr(module, "has_bias", False) or any("bias" in n for n in params):
+                raise ValueError(f"{fqn}: stacked experts with biases are not supported by the "
+                                 "expert-parallel adapters; pass layout=... of your own")
+            transposed = getattr(module, "is_transposed", False if gate == "gate_up_proj"
+                                 else "auto")
+            return StackedExperts(gate, up, down, transposed=transposed,
+                                  act=getattr(module, "act_fn", None))
+    if (isinstance(module, nn.ModuleList) and fqn.rsplit(".", 1)[-1] == "experts"
+            and len(module) > 1 and len({type(m) for m in module}) == 1
+            and any(True for _ in module.parameters())):
+        return ModuleListExperts()
+    return None
+
+
+class ExpertParallelExperts(nn.Module):
+    """An experts module of another layout with its experts split over a 1D ``ep_mesh``.
+
+    Holds ``layout.weights(experts)`` as DTensor ``Shard(0)`` parameters (rank r keeps experts
+    r*E/W .. (r+1)*E/W - 1; names kept, a ModuleList's stacked per name) and is called either
+    as the protocol, ``experts(x_grouped_by_expert, num_tokens_per_expert)``, or as
+    ``experts(tokens [T, H], top_k_index [T, k], top_k_weights [T, k])`` (``transformers``'
+    call, returning the weighted sum per token). Rows go to their expert's rank with
+    :func:`dispatch_tokens` and come back with :func:`combine_tokens`. Indexing it
+    (``experts[e]``) raises: the experts now live on other ranks.
+    """
+
+    def __init__(self, experts: nn.Module, layout: ExpertsLayout, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.layout, self.ep_mesh = layout, ep_mesh
+        stacked = layout.weights(experts)
+        self.num_experts = next(iter(stacked.values())).shape[0]
+        if self.num_experts % ep_mesh.size():
+            raise ValueError(f"{self.num_experts} experts cannot be split over {ep_mesh.size()} "
+                             "ep ranks; choose an ep degree that divides the expert count")
+        self._names = list(stacked)
+        for name, w in stacked.items():
+            owner, _, leaf = name.rpartition(".")
+            parent = self
+            for part in owner.split(".") if owner else ():
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            parent.register_parameter(leaf, nn.Parameter(
+                distribute_tensor(w.detach(), ep_mesh, [Shard(0)]), requires_grad=w.requires_grad))
+
+    def __getitem__(self, index):
+        raise TypeError("expert parallelism moved these experts across ranks: call the experts "
+                        "once, as experts(tokens, top_k_index, top_k_weights) or experts(x, "
+                        "num_tokens_per_expert), instead of indexing experts[e] (docs/moe_ep.md)")
+
+    def __iter__(self):
+        return self.__getitem__(0)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def _local_experts(self, rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        local = {n: self.get_parameter(n).to_local() for n in self._names}
+        outs = [self.layout.expert({n: w[e] for n, w in local.items()}, x)
+                for e, x in enumerate(torch.split(rows, local_counts.tolist()))]
+        return torch.cat(outs)
+
+    def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
+        if len(routing) == 1:  # the protocol: rows grouped by expert
+            rows, local_counts, route = dispatch_tokens(x, routing[0], self.ep_mesh)
+            return combine_tokens(self._local_experts(rows, local_counts), route)
+        if len(routing) != 2:
+            raise TypeError("ExpertParallelExperts is called as experts(x, num_tokens_per_expert) "
+                            "or experts(tokens, top_k_index, top_k_weights)")
+        top_k_index, top_k_weights = routing
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)                       # assignment j -> token j // k
+        order = torch.argsort(flat, stable=True)             # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        rows, local_counts, route = dispatch_tokens(x[order // k], counts, self.ep_mesh)
+        back = combine_tokens(self._local_experts(rows, local_counts), route)
+        back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(x).index_add_(0, order // k, back.to(x.dtype))
+
+
+def call_experts(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j top_k_weights[t, j] * experts[top_k_index[t, j]](x[t])`` for every token t, for
+    an ``nn.ModuleList`` of experts (one process: a loop over the experts) and for its
+    expert-parallel replacement (one call: dispatch, local experts, combine). Call this in a
+    Mixtral-style MoE's forward instead of looping over ``experts[e]`` yourself.
+
+    >>> experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    >>> x, idx = torch.randn(5, 4), torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    >>> call_experts(experts, x, idx, torch.full((5, 2), 0.5)).shape
+    torch.Size([5, 4])
+    """
+    if not isinstance(experts, nn.ModuleList):
+        return experts(x, top_k_index, top_k_weights)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = torch.where(top_k_index == e)
+        y = expert(x[token]) * top_k_weights[token, slot, None].to(x.dtype)
+        out = out.index_add(0, token, y.to(x.dtype))
+    return out
+
+
 def is_grouped_experts(name: str, module: nn.Module) -> bool:
     """The default selection: instances of ``titanext.models.moe.GroupedExperts``."""
     try:
@@ -242,42 +441,95 @@ def is_grouped_experts(name: str, module: nn.Module) -> bool:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
-                          filter_fn: Callable[[str, nn.Module], bool] | None = None) -> list[str]:
+                          filter_fn: Callable[[str, nn.Module], bool] | None = None,
+                          layout: ExpertsLayout | None = None, required: bool = True
+                          ) -> list[str]:
     """Split the experts of every selected experts module over ``ep_mesh``, in place.
 
     Args:
         model: any module (on the meta device or materialised; a materialised model's expert
             weights are taken from ep rank 0 of each group, as ``distribute_tensor`` does).
         ep_mesh: a 1D mesh; its size must divide every selected module's expert count.
-        filter_fn: ``(fqn, module) -> bool`` choosing the experts modules (they must follow
-            the protocol in this module's docstring); default :func:`is_grouped_experts`.
-            Example: ``filter_fn=lambda fqn, m: isinstance(m, MyExperts)``.
+        filter_fn: ``(fqn, module) -> bool`` choosing the experts modules; default: every
+            module :func:`detect_experts_layout` knows. Example:
+            ``filter_fn=lambda fqn, m: isinstance(m, MyExperts)``.
+        layout: how the chosen modules compute (an :class:`ExpertsLayout` such as
+            ``StackedExperts(gate="wi", up=None, down="wo", transposed=True)``); default: the
+            detected one. A module in the protocol (this module's docstring) is wrapped in place
+            by :class:`ExpertParallel`; any other is replaced by :class:`ExpertParallelExperts`.
+        required: raise when ``ep_mesh`` has more than one rank and no experts are found (a
+            pipeline stage may legitimately have none: ``parallelize`` passes False there).
 
     Returns the FQNs of the modules it converted (nothing happens when ``ep_mesh`` has one
     rank). Apply it after tensor parallelism and before activation checkpointing, compile and
-    FSDP. See ``examples/expert_parallel.py``.
+    FSDP. See ``examples/expert_parallel.py`` and docs/moe_ep.md.
     """
-    filter_fn = filter_fn or is_grouped_experts
     _group(ep_mesh)
     world = ep_mesh.size()
-    chosen = [(fqn, m) for fqn, m in model.named_modules() if filter_fn(fqn, m)]
-    for fqn, m in chosen:
-        params = list(m.named_parameters(recurse=False))
-        if not params or len(params) != len(list(m.parameters())):
-            raise ValueError(f"{fqn}: an experts module must hold its expert weights directly "
-                             "(parameters with the expert index as dim 0, no submodules with "
-                             "parameters)")
-        n_exp = {p.shape[0] for _, p in params}
-        if len(n_exp) != 1:
-            raise ValueError(f"{fqn}: parameters disagree on the expert count (dim 0): "
-                             + ", ".join(f"{n} {tuple(p.shape)}" for n, p in params))
-        (n,) = n_exp
-        if n % world:
-            raise ValueError(f"{fqn}: {n} experts cannot be split over ep = {world} ranks; the ep "
-                             "degree must divide the number of experts")
+    chosen = []
+    for fqn, m in model.named_modules():
+        if filter_fn is not None and not filter_fn(fqn, m):
+            continue
+        found = layout or detect_experts_layout(fqn, m)
+        if found is None and filter_fn is None:
+            continue
+        if found is None or found == "protocol":
+            found = _check_protocol(fqn, m, world)
+        chosen.append((fqn, m, found))
+    if not chosen:
+        if world > 1 and required:
+            raise ValueError(_none_found(model, filter_fn))
+        return []
     if world == 1:
         return []
-    style = ExpertParallel()
-    for _, m in chosen:
-        style._apply(m, ep_mesh)
-    return [fqn for fqn, _ in chosen]
+    for fqn, m, found in chosen:
+        if found == "protocol":
+            ExpertParallel()._apply(m, ep_mesh)
+        else:
+            parent, _, child = fqn.rpartition(".")
+            model.get_submodule(parent).register_module(child,
+                                                        ExpertParallelExperts(m, found, ep_mesh))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("titanext").warning(
+            "expert parallel: %s: %d experts module(s) split over ep = %d: %s",
+            type(model).__name__, len(chosen), world,
+            ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
+    return [fqn for fqn, _, _ in chosen]
+
+
+def _kind(layout: ExpertsLayout | str) -> str:
+    return "protocol" if layout == "protocol" else type(layout).__name__
+
+
+def _check_protocol(fqn: str, m: nn.Module, world: int) -> str:
+    params = list(m.named_parameters(recurse=False))
+    if not params or len(params) != len(list(m.parameters())):
+        raise ValueError(f"{fqn} ({type(m).__name__}): unknown experts layout. Expert "
+                         "parallelism takes modules that hold their expert weights directly "
+                         "(expert index as dim 0, no submodules with parameters; see the "
+                         "protocol in docs/moe_ep.md), stacked gate/up/down weights, or an "
+                         "nn.ModuleList named experts; pass layout=StackedExperts(...), "
+                         "ModuleListExperts() or your own ExpertsLayout")
+    n_exp = {p.shape[0] for _, p in params}
+    if len(n_exp) != 1:
+        raise ValueError(f"{fqn}: parameters disagree on the expert count (dim 0): "
+                         + ", ".join(f"{n} {tuple(p.shape)}" for n, p in params))
+    (n,) = n_exp
+    if n % world:
+        raise ValueError(f"{fqn}: {n} experts cannot be split over ep = {world} ranks; the ep "
+                         "degree must divide the number of experts")
+    return "protocol"
+
+
+def _none_found(model: nn.Module, filter_fn) -> str:
+    named = [f"{fqn} ({type(m).__name__})" for fqn, m in model.named_modules()
+             if "expert" in fqn.rsplit(".", 1)[-1].lower()]
+    return (f"apply_expert_parallel: ep > 1 but {type(model).__name__} has no experts module "
+            + ("that filter_fn selects" if filter_fn else
+               "titanext knows. Looked for GroupedExperts, modules with 3-D stacked "
+               + " / ".join("/".join(n for n in names if n) for names in _STACKED_NAMES)
+               + " weights, and an nn.ModuleList named experts")
+            + (f"; modules named like experts, of an unknown layout: {', '.join(named)}"
+               if named else "")
+            + ". Fix: pass filter_fn=lambda fqn, m: ... selecting them and layout=StackedExperts"
+            "(...) / ModuleListExperts() / your own ExpertsLayout (docs/moe_ep.md), or ep = 1")

@@ -36,9 +36,9 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
 
 __all__ = [
@@ -107,8 +107,11 @@ def _fqn_matches(fqn: str, pattern: str) -> bool:
 def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence[str],
                  auto_filter: bool) -> str | None:
     """Why ``module`` stays in high precision, or None to convert it."""
-    if type(module) is not nn.Linear:  # subclasses may override forward: leave them alone
-        return "not a plain nn.Linear"
+    kind = linear_kind(module)
+    if kind is None:
+        return "not an nn.Linear"
+    if kind == "kept":
+        return f"{type(module).__name__} sets titanext_convert = False"
     for pattern in filter_fqns:
         if _fqn_matches(fqn, pattern):
             return f"in filter_fqns ({pattern!r})"
@@ -117,7 +120,12 @@ def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence
         return f"dims {k}x{n} not divisible by 16"
     if auto_filter and not auto_filter_keeps(recipe, n, k):
         return f"auto_filter: {k}x{n} is too small to gain from float8"
+    if kind == "own_forward":  # converting would replace that forward by nn.Linear's
+        return OWN_FORWARD
     return None
+
+
+OWN_FORWARD = "overrides forward"
 
 
 def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[str] = (),
@@ -167,31 +175,27 @@ def apply_float8(
         device: the device the model will train on, for ``emulate="auto"``.
         module_filter_fn: an extra ``(module, fqn) -> bool``; False keeps a linear as it is.
 
+    Linears are picked by behaviour: ``nn.Linear`` and its subclasses that keep
+    ``nn.Linear.forward`` convert; subclasses with their own forward are listed in one WARNING
+    line and convert only when ``module_filter_fn`` returns True for them (their forward is then
+    replaced by float8's linear); classes with ``titanext_convert = False`` stay as they are.
+
     Returns:
         The FQNs of the converted linears. Layers that stay in high precision are logged
         with the reason.
+
+    Raises:
+        ValueError: nothing converts (it names the model class and why each linear was kept).
     """
     _check_args(recipe, enable_fsdp_float8_all_gather)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     emulated = resolve_emulate(emulate, device)
+    chosen, skipped = _choose(model, recipe, tuple(filter_fqns), auto_filter, module_filter_fn)
     if emulated and emulate == "auto":
-        _log(logging.WARNING, "float8: %s has no float8 hardware, so float8 matmuls are emulated "
-             "(float8 numerics at high-precision speed); set emulate = false to insist", device)
-
-    chosen: list[str] = []
-    skipped: list[str] = []
-    filter_fqns = tuple(filter_fqns)
-    for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter)
-        if reason is None and module_filter_fn is not None and not module_filter_fn(module, fqn):
-            reason = "module_filter_fn"
-        if reason is None:
-            chosen.append(fqn)
-        else:
-            skipped.append(f"{fqn or '<root>'} ({reason})")
+        _log(logging.WARNING, "float8: %d linear(s) converted; %s has no float8 hardware, so "
+             "float8 matmuls are emulated (float8 numerics at high-precision speed); set "
+             "emulate = false to insist", len(chosen), device)
     wanted = set(chosen)
 
     def keep(module: nn.Module, fqn: str) -> bool:
@@ -217,10 +221,42 @@ def apply_float8(
     return chosen
 
 
-def _log(level: int, msg: str, *args) -> None:
-    """Log once per job, not once per rank."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.log(level, msg, *args)
+_log = log_rank0
+
+
+def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_filter: bool,
+            module_filter_fn: ModuleFilter | None) -> tuple[list[str], list[str]]:
+    """(FQNs to convert, "fqn (reason)" kept); warns about subclasses with their own forward
+    and raises when nothing would convert."""
+    chosen: list[str] = []
+    skipped: list[str] = []
+    own: list[tuple[str, nn.Module]] = []
+    for fqn, module in model.named_modules():
+        if linear_kind(module) is None:
+            continue
+        reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter)
+        wanted = module_filter_fn(module, fqn) if module_filter_fn is not None else None
+        if reason == OWN_FORWARD:
+            own.append((fqn, module))
+            reason = None if wanted else reason  # only an explicit True includes it
+        elif reason is None and wanted is False:
+            reason = "module_filter_fn"
+        if reason is None:
+            chosen.append(fqn)
+        else:
+            skipped.append(f"{fqn or '<root>'} ({reason})")
+    line = own_forward_line("float8", own, set(chosen))
+    if line:
+        _log(logging.WARNING, "%s", line)
+    if not chosen:
+        raise ValueError(
+            f"apply_float8: no linear of {type(model).__name__} converts to float8. Looked for "
+            "nn.Linear modules (subclasses too) with both dims divisible by 16, not named by "
+            "filter_fqns, accepted by module_filter_fn and auto_filter; found: "
+            f"{', '.join(skipped) or 'no nn.Linear at all'}. Fix: loosen filter_fqns / "
+            "module_filter_fn / auto_filter, return True from module_filter_fn for subclasses "
+            "that override forward, or leave float8 off for this model (docs/float8.md)")
+    return chosen, skipped
 
 
 def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:

@@ -125,6 +125,7 @@ class Float8BlockwiseLinear(nn.Linear):
     """An ``nn.Linear`` whose matmuls use blockwise float8 scaling; same parameters and names."""
 
     emulate: bool = False
+    titanext_convert = False  # already converted: converters leave it alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return float8_blockwise_linear(x, self.weight, self.bias, emulate=self.emulate)

@@ -15,6 +15,7 @@ and backward; 1 = replicated parameters with DDP and a sharded optimizer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -65,7 +66,8 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     expert_gradient_divide_factor: float | None = None,
 ) -> nn.Module:
-    """Shard ``model`` with FSDP2 over ``mesh`` (1D: FSDP, 2D: HSDP), in place.
+    """Shard ``model`` with FSDP2 over ``mesh`` (1D: FSDP, 2D: HSDP), in place; one WARNING
+    line says how many units it made.
 
     Args:
         model: any module; its blocks come from ``blocks`` or ``model.layers``.
@@ -87,6 +89,7 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = resolve_reshard_after_forward(reshard_after_forward, zero_stage=zero_stage,
                                             pp_enabled=pp_enabled)
+    expert_units = list(expert_units)
     for unit in expert_units:  # before the blocks that contain them
         fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
         if expert_gradient_divide_factor is not None:
@@ -97,6 +100,13 @@ def apply_fsdp(
         last = i == len(units) - 1
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=False if last else reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        experts = len(expert_units)
+        logging.getLogger("titanext").warning(
+            "fsdp: %s: %d block unit(s) + the root sharded over %s (%s ranks), "
+            "reshard_after_forward=%s%s", type(model).__name__, len(units), mesh.mesh_dim_names,
+            "x".join(str(n) for n in mesh.shape), reshard,
+            f", {experts} expert unit(s)" if experts else "")
     return model
 
 

@@ -10,10 +10,21 @@ model can be parallelized with a dict written for it (FQNs may use ``*`` wildcar
 ``llama_tp_plan`` is the plan of titanext's reference model (Megatron-style TP with sequence
 parallelism on the norms, and a vocab-sharded output for loss parallelism).
 
-A fused projection (one Linear computing ``[q; k; v]`` or ``[gate; up]``) needs
-:class:`FusedColwiseParallel`: a plain ``ColwiseParallel`` there gives rank r rows r/tp of the
-stacked weight (all of q and half of k, say), which runs without error and computes the wrong
-thing. A plan cannot be checked for this (the module does not say that it is fused).
+Without a plan, ``apply_tensor_parallel`` uses that plan only on a model laid out like the
+reference one (:func:`default_plan_problems`), else it raises; :func:`tp_plan_matches` lists
+what each rule of a plan matches, before anything is sharded.
+
+A fused projection has one of two row layouts (docs/fsdp_tp.md#fused-projections):
+
+- concatenated parts ``[q; k; v]`` (or ``[gate; up]``): use :class:`FusedColwiseParallel`; a
+  plain ``ColwiseParallel`` gives rank r rows r/tp of the stacked weight (all of q and half of
+  k, say) and computes the wrong thing without an error;
+- rows grouped per KV head (``[q_g; k_g; v_g]`` for each KV head g): plain ``ColwiseParallel``
+  is right when tp divides the KV heads (each rank gets whole groups), and
+  ``FusedColwiseParallel`` is wrong there.
+
+No style can tell the two apart (a Linear does not say what its rows mean): compare against one
+process once.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 __all__ = ["FusedColwiseParallel", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "llama_tp_plan"]
+           "default_plan_problems", "llama_tp_plan", "tp_plan_matches"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -170,22 +181,121 @@ def apply_tensor_parallel(
     float8 collectives. Otherwise TP
     communicates in high precision and says so; the linears still compute in float8. A custom
     ``plan`` is used as given (put torchao's ``Float8ColwiseParallel`` etc. in it yourself).
+
+    Loud or correct: one WARNING line says how many parameters were sharded and which rules
+    matched nothing. ``ValueError`` (naming the model class and the fix) when no plan is given
+    and :func:`default_plan_problems` finds the model unlike titanext's Llama, when no rule
+    matches any module, or when nothing was sharded. See :func:`tp_plan_matches`.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
-    if plan is None:
+    default = plan is None
+    if default:
         float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                              float8=float8)
-    present = [name for name, _ in model.named_modules()]
-    kept = {}
-    for fqn, style in plan.items():
-        for name in _matching(fqn, present):
-            kept[name] = style
+        problems = default_plan_problems(model, plan)
+        if problems:
+            raise ValueError(
+                f"apply_tensor_parallel: no tp_plan was given and {type(model).__name__} is not "
+                "laid out like titanext's Llama, which the default plan is for: "
+                + "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)"
+                                             if len(problems) > 6 else "")
+                + ". Fix: pass tp_plan={FQN pattern: ParallelStyle} for your model "
+                "(docs/fsdp_tp.md#tensor-parallelism-on-your-own-model); "
+                "tp_plan_matches(model, plan) shows what a plan's rules match")
+    matches = _plan_matches(model, plan)
+    kept = {name: plan[rule] for rule, names in matches.items() for name in names}
+    if not kept:
+        raise ValueError(
+            f"apply_tensor_parallel: no rule of the tp plan matches a module of "
+            f"{type(model).__name__} (rules: {', '.join(plan) or 'none'}), so tp = "
+            f"{tp_mesh.size()} would shard nothing. Fix: write the plan's keys as the model's "
+            "module FQNs (print [n for n, _ in model.named_modules()]), '*' for one component")
     shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, kept)
     _retie(model, shared)
+    _report(model, tp_mesh, matches)
     return model
+
+
+def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]) -> None:
+    """One WARNING line saying what TP did; ValueError when it sharded no parameter."""
+    params = dict(model.named_parameters())
+    sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
+    unused = [rule for rule, names in matches.items() if not names]
+    name = type(model).__name__
+    if not sharded and tp_mesh.size() > 1:
+        raise ValueError(
+            f"apply_tensor_parallel: the plan matched modules of {name} but sharded none of its "
+            f"{len(params)} parameters over tp = {tp_mesh.size()}; give the linears "
+            "ColwiseParallel / RowwiseParallel (or other parameter-sharding styles)")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("titanext").warning(
+            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s",
+            name, len(sharded), len(params), tp_mesh.size(), len(matches) - len(unused),
+            f"; matching no module (skipped): {', '.join(unused)}" if unused else "")
+
+
+def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
+    """Which modules each rule of ``plan`` (default: :func:`llama_tp_plan`) matches, before
+    anything is sharded: one row per rule with ``rule``, ``style``, ``modules`` (how many) and
+    ``matched`` (their FQNs, shortened). Print it with
+    ``titanext.components.metrics.format_table(rows)``.
+
+    >>> from torch.distributed.tensor.parallel import ColwiseParallel
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> [(r["rule"], r["modules"], r["matched"]) for r in tp_plan_matches(
+    ...     model, {"0": ColwiseParallel(), "*.up": ColwiseParallel()})]
+    [('0', 1, '0'), ('*.up', 0, '')]
+    """
+    plan = llama_tp_plan() if plan is None else plan
+    rows = []
+    for fqn, names in _plan_matches(model, plan).items():
+        shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
+        rows.append({"rule": fqn, "style": type(plan[fqn]).__name__, "modules": len(names),
+                     "matched": shown})
+    return rows
+
+
+def _plan_matches(model: nn.Module, plan: TPPlan) -> dict[str, list[str]]:
+    present = [name for name, _ in model.named_modules()]
+    return {fqn: _matching(fqn, present) for fqn in plan}
+
+
+#: Default-plan rules a Llama block may lack: QK-norm is Qwen3's only.
+_OPTIONAL_BLOCK_RULES = ("attention.q_norm", "attention.k_norm")
+
+
+def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[str]:
+    """Why the default plan (:func:`llama_tp_plan`) does not fit ``model``; empty when it fits.
+
+    It fits when the blocks are at ``layers.*`` and every block rule matches in every block
+    (QK-norm rules optional; a block has its ``feed_forward`` rules or a replicated ``moe``),
+    and every ``nn.Linear`` / ``nn.Embedding`` is named by a rule or sits in a ``moe``. A
+    pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
+    """
+    plan = llama_tp_plan() if plan is None else plan
+    modules = dict(model.named_modules())
+    names = list(modules)
+    targets = {n for key in plan for n in _matching(key, names)}
+    blocks = _matching("layers.*", names)
+    problems = [] if blocks else ["no blocks at layers.* (an nn.ModuleList / ModuleDict)"]
+    block_rules = [k.removeprefix("layers.*.") for k in plan if k.startswith("layers.*.")]
+    for b in blocks:
+        has_moe = f"{b}.moe" in modules
+        for rule in block_rules:
+            group = rule.split(".")[0]
+            if rule in _OPTIONAL_BLOCK_RULES or (has_moe and group == "feed_forward") or (
+                    not has_moe and group == "moe"):
+                continue
+            if f"{b}.{rule}" not in targets:
+                problems.append(f"rule layers.*.{rule} matches nothing in {b}")
+    for n, m in modules.items():
+        if isinstance(m, (nn.Linear, nn.Embedding)) and n not in targets and ".moe." not in (
+                f".{n}."):
+            problems.append(f"{n} ({type(m).__name__}) is named by no rule")
+    return problems
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -248,6 +358,22 @@ class FusedColwiseParallel(ColwiseParallel):
             raise ValueError(f"FusedColwiseParallel: split_sizes = {split_sizes!r}; give the "
                              "output size of every fused part, each >= 1")
 
+    def _problems(self, module: nn.Module, tp: int) -> list[str]:
+        """What this style can check about ``module`` (it cannot see what the rows mean)."""
+        if not isinstance(module, nn.Linear):
+            return ["it applies to an nn.Linear"]
+        rows = module.weight.shape[0]
+        problems = []
+        if sum(self.split_sizes) != rows:
+            problems.append(f"the split sizes add up to {sum(self.split_sizes)}, but the weight "
+                            f"has {rows} rows (out_features): give every part's output size")
+        if module.bias is not None and module.bias.shape[0] != rows:
+            problems.append(f"the bias has {module.bias.shape[0]} rows, the weight {rows}")
+        uneven = [n for n in self.split_sizes if n % tp]
+        if uneven:
+            problems.append(f"parts {uneven} are not divisible by tp = {tp}")
+        return problems
+
     def _blocks(self, tp: int, to_rank_major: bool) -> list[tuple[int, int]]:
         """(start, length) row ranges whose concatenation reorders the rows."""
         chunks = [n // tp for n in self.split_sizes]
@@ -267,14 +393,11 @@ class FusedColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
-        if not isinstance(module, nn.Linear):
-            raise ValueError("FusedColwiseParallel applies to nn.Linear, got "
-                             f"{type(module).__name__}")
-        if sum(self.split_sizes) != module.out_features or any(n % tp for n in self.split_sizes):
-            raise ValueError(
-                f"FusedColwiseParallel(split_sizes={self.split_sizes}) on a Linear with "
-                f"out_features = {module.out_features} over tp = {tp}: the sizes must add up to "
-                "out_features and each be divisible by tp")
+        for problem in self._problems(module, tp):
+            raise ValueError(f"FusedColwiseParallel(split_sizes={self.split_sizes}) on "
+                             f"{type(module).__name__}: {problem}. If the rows are grouped per KV "
+                             "head ([q_g; k_g; v_g] per group), use ColwiseParallel instead (tp "
+                             "must divide the KV heads); see docs/fsdp_tp.md#fused-projections")
         if self.output_layouts != (Shard(-1),) and self.output_layouts != Shard(-1):
             raise ValueError("FusedColwiseParallel keeps its output local (Shard(-1))")
         with torch.no_grad():

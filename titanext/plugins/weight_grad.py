@@ -70,6 +70,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
+from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
            "has_deferred_modules", "weight_grad_deferral"]
@@ -228,6 +229,8 @@ def _deferred_linear(x, weight, bias):
 class DeferredLinear(nn.Linear):
     """``nn.Linear`` whose weight gradient can be deferred (see the module docstring)."""
 
+    titanext_convert = False  # already converted
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _STATE.recording and torch.is_grad_enabled() and (
                 input.requires_grad or self.weight.requires_grad):
@@ -320,32 +323,66 @@ class DeferredGroupedExperts(GroupedExperts):
 
 # -- the converter ----------------------------------------------------------------------------
 
-_CONVERSIONS = {nn.Linear: DeferredLinear, GroupedExperts: DeferredGroupedExperts}
+_LINEAR_CLASSES: dict[type, type] = {nn.Linear: DeferredLinear}
+
+
+def _deferred_class(cls: type) -> type:
+    """``DeferredLinear``'s forward on top of ``cls`` (an ``nn.Linear`` subclass): isinstance
+    checks against ``cls`` and its attributes stay."""
+    if cls not in _LINEAR_CLASSES:
+        _LINEAR_CLASSES[cls] = type(f"Deferred{cls.__name__}", (DeferredLinear, cls),
+                                    {"__module__": cls.__module__})
+    return _LINEAR_CLASSES[cls]
 
 
 def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | None = None
                        ) -> list[str]:
-    """Convert ``model``'s plain ``nn.Linear`` and ``GroupedExperts`` modules, in place, so their
-    weight gradients can be deferred; returns the converted FQNs.
+    """Convert ``model``'s linears and ``GroupedExperts`` modules, in place, so their weight
+    gradients can be deferred; returns the converted FQNs.
 
-    ``module_filter_fn(module, fqn) -> bool`` keeps a module unconverted when it returns False
-    (the convention of :func:`titanext.plugins.float8.apply_float8`). Only modules whose type is
-    exactly ``nn.Linear`` / ``GroupedExperts`` convert (subclasses such as the MoE router gate
-    or torchao's ``Float8Linear`` override ``forward``); ``isinstance(m, nn.Linear)`` stays True,
-    so TP plans and FSDP apply as before. Run converters such as float8 first. Idempotent.
+    Linears are picked by behaviour (as :func:`titanext.plugins.float8.apply_float8` does):
+    ``nn.Linear`` and subclasses that keep ``nn.Linear.forward`` convert (the class becomes a
+    subclass of both, so ``isinstance`` checks, TP plans and FSDP apply as before); subclasses
+    with their own forward are listed in one WARNING line and convert only when
+    ``module_filter_fn(module, fqn)`` returns True for them (their forward is then a plain
+    linear's); any other module it returns False for stays unconverted. Classes with
+    ``titanext_convert = False`` (the MoE router gate, torchao's ``Float8Linear``) keep their
+    own backward. Run converters such as float8 first. Idempotent.
+
+    Raises ``ValueError`` when the model has nothing to convert (naming its class and the fix).
     """
-    converted, float8 = [], 0
+    converted, float8, already = [], 0, 0
+    own: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
-        if type(module).__name__ == "Float8Linear":
-            float8 += 1
-        target = _CONVERSIONS.get(type(module))
-        if target is None or (module_filter_fn is not None and not module_filter_fn(module, fqn)):
+        kind = linear_kind(module)
+        float8 += type(module).__name__ == "Float8Linear"
+        already += isinstance(module, (DeferredLinear, DeferredGroupedExperts))
+        candidate = kind in ("linear", "own_forward") or type(module) is GroupedExperts
+        wanted = module_filter_fn(module, fqn) if module_filter_fn and candidate else None
+        target = DeferredGroupedExperts if type(module) is GroupedExperts else None
+        if kind == "linear" or (kind == "own_forward" and wanted):
+            target = _deferred_class(type(module))
+        if kind == "own_forward":
+            own.append((fqn, module))
+        if target is None or wanted is False:
             continue
         module.__class__ = target
         converted.append(fqn)
+    line = own_forward_line("weight_grad", own, set(converted))
+    if line:
+        log_rank0(logging.WARNING, "%s", line)
     if float8:
-        logger.info("weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
-                    "gradients are computed in the input-gradient step, not deferred", float8)
+        log_rank0(logging.WARNING if not converted else logging.INFO,
+                  "weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
+                  "gradients are computed in the input-gradient step, not deferred", float8)
+    if not converted and not float8 and not already:
+        raise ValueError(
+            f"defer_weight_grads: nothing of {type(model).__name__} converts. Looked for "
+            "nn.Linear modules (subclasses that keep nn.Linear.forward, or that module_filter_fn "
+            "returns True for) and titanext GroupedExperts; found none"
+            f"{' (module_filter_fn excluded them)' if module_filter_fn else ''}. Fix: pass "
+            "module_filter_fn returning True for your linear-like modules, or use "
+            "split_backward = 'autograd' for this model (docs/pipeline.md)")
     return converted
 
 
