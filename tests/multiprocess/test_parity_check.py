@@ -316,8 +316,9 @@ def test_command_line_exit_codes():
                          cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == 4 and all(x.startswith("python -m titanext.parity: ") for x in lines)
     assert "--model 'nomodule:build'" in lines[0] and "mesh_shape = (3,)" in lines[1]
+    assert "tol = -1.0" in lines[2] and "batch = 4" in lines[3], lines
 
 
 def test_example_walks_a_library_style_model_through_tp_cp_and_pp():
