@@ -287,10 +287,40 @@ def test_user_model_example_runs_and_matches(tmp_path):
 
     root = REPO_ROOT
     out = run_example(root / "examples" / "context_parallel.py", 2, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    full, cp = map(float, re.search(r"full-sequence loss (\S+)  context-parallel loss (\S+)",
-                                    out.stdout).groups())
-    assert abs(full - cp) < 1e-5 * abs(full)
+    assert out.returncode == 0, out.stderr[-2000:]  # the example asserts its own checks
+    full, cp, err = map(float, re.search(
+        r"full-sequence loss (\S+)  context-parallel loss (\S+)  worst grad error (\S+)",
+        out.stdout).groups())
+    assert abs(full - cp) < 1e-5 * abs(full) and err < 1e-5
+    right = re.search(r"tables indexed by positions: loss (\S+) vs (\S+)  worst grad error (\S+)",
+                      out.stdout)
+    wrong = re.search(r"NOT indexed \(wrong\): loss (\S+) vs (\S+)  worst grad error (\S+)",
+                      out.stdout)
+    assert float(right.group(3)) < 1e-5 and float(wrong.group(3)) > 1e-3, out.stdout
+
+
+def _positions_shapes_body(rank, world_size):
+    from titanext.plugins.context_parallel import shard_batch
+
+    x = torch.arange(16).view(2, 8)
+    shapes = {}
+    for kind in ("seq", "row", "batch"):
+        _, _, pos = shard_batch(x, x, dist.group.WORLD, positions_shape=kind)
+        shapes[kind] = (tuple(pos.shape), pos.reshape(-1, 4)[0].tolist())
+    try:
+        shard_batch(x, x, dist.group.WORLD, positions_shape="2d")
+    except ValueError as e:
+        shapes["error"] = str(e)
+    return shapes
+
+
+def test_shard_batch_returns_positions_in_the_shape_the_model_takes():
+    """[local_seq], [1, local_seq] (Llama / HF position_ids) or [batch, local_seq]; the same
+    zigzag positions in each; an unknown shape names the choices."""
+    r0, r1 = run_distributed(_positions_shapes_body, 2, timeout_s=30)
+    assert r0["seq"] == ((4,), [0, 1, 6, 7]) and r1["seq"] == ((4,), [2, 3, 4, 5])
+    assert r0["row"] == ((1, 4), [0, 1, 6, 7]) and r0["batch"] == ((2, 4), [0, 1, 6, 7])
+    assert "'seq', 'row', 'batch'" in r0["error"]
 
 
 def test_own_attention_example_runs_ring_ulysses_and_hybrid_exactly(tmp_path):

@@ -68,6 +68,7 @@ from torch import nn
 from titanext._fake_backend import real_tensors, to_empty
 from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
 from titanext.distributed.parallel_dims import ParallelDims
+from titanext.plugins._blocks import find_blocks
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import apply_context_parallel
@@ -114,7 +115,7 @@ def parallelize(
     device: torch.device | str | None = None,
     init_weights: Callable[[nn.Module], None] | None = None,
     tp_plan: TPPlan | None = None,
-    blocks: Iterable[nn.Module] | None = None,
+    blocks: Iterable[nn.Module] | str | None = None,
     experts: Callable[[str, nn.Module], bool] | None = None,
     experts_layout: ExpertsLayout | None = None,
 ) -> nn.Module:
@@ -133,7 +134,8 @@ def parallelize(
         tp_plan: the tensor-parallel plan for your own model. Without one, titanext's Llama
             plan is used on a model laid out like titanext's Llama, and any other model raises
             (``titanext.plugins.tensor_parallel.default_plan_problems``).
-        blocks: the repeated blocks if the model has no ``layers`` container.
+        blocks: the repeated blocks if the model has no ``layers`` container: modules,
+            or the dotted path of their container (``"transformer.h"``).
         experts, experts_layout: under ep > 1, ``filter_fn`` and ``layout`` of
             ``titanext.plugins.expert_parallel.apply_expert_parallel`` (default: the experts
             modules it detects; none found is a ValueError, except in a pipeline stage).
@@ -150,7 +152,7 @@ def parallelize(
     comp = compile or Compile()
     t = training or Training()
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
-    blocks = list(blocks) if blocks is not None else None
+    blocks = find_blocks(model, blocks) if blocks is not None else None  # a path too
     with real_tensors():  # sharding a meta model is host work, also in a dry run's fake mode
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, tp_plan,

@@ -29,7 +29,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -41,6 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
+from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
 from titanext.plugins.weight_grad import (
     DeferredPipelineStage,
@@ -61,50 +61,10 @@ from titanext.schedules.dualpipe import sum_mirrored_grads
 #: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
 SPLIT_BACKWARD = ("deferred", "autograd")
 
-__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "build_pipeline",
+__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "StageModuleList",
+           "run_own_forward", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
            "StageTimer", "PipelineRunner"]
-
-
-def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
-                blocks: str = "layers", first: Sequence[str] = ("tok_embeddings",),
-                last: Sequence[str] = ("norm", "output")) -> nn.Module:
-    """A copy of ``model`` that keeps only stage ``stage_index``'s blocks.
-
-    ``model.<blocks>`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of blocks in order; the
-    attributes in ``first`` stay only on stage 0 and those in ``last`` only on the last stage
-    (elsewhere they become ``None``, so the model's ``forward`` must skip a ``None`` part, as
-    :class:`titanext.models.llama.Transformer` does). Call it on a meta-device model: the copy
-    is then free. Block names (``layers.5``) are kept, so checkpoints stay layout-independent.
-    """
-    counts = list(counts)
-    if not 0 <= stage_index < len(counts):
-        raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
-    src = getattr(model, blocks, None)
-    if not isinstance(src, nn.ModuleDict | nn.ModuleList):
-        raise ValueError(f"model.{blocks} must be an nn.ModuleDict or nn.ModuleList of blocks")
-    if sum(counts) != len(src):
-        raise ValueError(f"layer counts {counts} sum to {sum(counts)}, but model.{blocks} has "
-                         f"{len(src)} blocks")
-    start = sum(counts[:stage_index])
-    keep = range(start, start + counts[stage_index])
-    # Copy without the blocks, then attach the kept ones (deepcopy of a meta model is cheap).
-    setattr(model, blocks, type(src)())
-    try:
-        stage = copy.deepcopy(model)
-    finally:
-        setattr(model, blocks, src)
-    if isinstance(src, nn.ModuleDict):
-        names = list(src.keys())
-        kept = {names[i]: copy.deepcopy(src[names[i]]) for i in keep}
-        setattr(stage, blocks, nn.ModuleDict(kept))
-    else:
-        setattr(stage, blocks, nn.ModuleList([copy.deepcopy(src[i]) for i in keep]))
-    for name in first if stage_index != 0 else ():
-        setattr(stage, name, None)
-    for name in last if stage_index != len(counts) - 1 else ():
-        setattr(stage, name, None)
-    return stage
 
 
 def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None, *,

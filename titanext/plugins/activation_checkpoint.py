@@ -64,7 +64,7 @@ def apply_activation_checkpointing(
     mode: str = "full",
     option: str = "op",
     save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
-    blocks: Iterable[nn.Module] | None = None,
+    blocks: Iterable[nn.Module] | str | None = None,
 ) -> nn.Module:
     """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place."""
     if mode == "none":

@@ -19,7 +19,7 @@ __all__ = ["apply_compile"]
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True,
-                  blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+                  blocks: Iterable[nn.Module] | str | None = None) -> nn.Module:
     """Compile every block of ``model`` (``blocks`` or ``model.layers``) in place."""
     for block in find_blocks(model, blocks):
         block.compile(backend=backend, fullgraph=fullgraph)

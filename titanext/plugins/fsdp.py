@@ -60,7 +60,7 @@ def apply_fsdp(
     reshard_after_forward: str | bool | int = "default",
     zero_stage: int = 3,
     pp_enabled: bool = False,
-    blocks: Iterable[nn.Module] | None = None,
+    blocks: Iterable[nn.Module] | str | None = None,
     extra_units: Iterable[nn.Module] = (),
     expert_units: Iterable[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,

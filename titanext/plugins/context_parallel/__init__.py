@@ -43,6 +43,7 @@ from titanext.plugins.context_parallel._comm import (
 )
 from titanext.plugins.context_parallel._layout import (
     LAYOUTS,
+    POSITIONS_SHAPES,
     cp_rank,
     cp_world_size,
     layout_positions,
@@ -81,5 +82,5 @@ __all__ = [
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
     "RingPlan", "plan_work", "ulysses_order", "_step_slices", "MODEL_COMMS", "cp_attention_fn",
-    "cp_rank", "cp_world_size", "prepare_batch",
+    "cp_rank", "cp_world_size", "prepare_batch", "POSITIONS_SHAPES",
 ]

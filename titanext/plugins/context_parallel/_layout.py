@@ -98,20 +98,42 @@ def zigzag_unshard(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return unshard_sequence(x, dim, group, "zigzag")
 
 
+#: ``shard_batch(positions_shape=...)``: [local_seq], [1, local_seq] or [batch, local_seq].
+POSITIONS_SHAPES = ("seq", "row", "batch")
+
+
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor | None, group: Group, *,
-                layout: str = "zigzag", seq_dim: int = 1
+                layout: str = "zigzag", seq_dim: int = 1, positions_shape: str = "seq"
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Shard a batch for CP: (inputs, labels, position_ids), all in the same order.
 
-    ``position_ids`` ([local_seq], int64) are the global positions of the kept tokens, so RoPE
-    rotates each token by its true position. Pass them to the model's forward. With document
-    masking, shard the document ids and the per-document positions the same way
-    (``shard_sequence(t, 1, group, layout)``) and pass those instead.
+    ``position_ids`` (int64) are the global positions of the kept tokens, so RoPE rotates each
+    token by its true position. Pass them to the model's forward, in the shape it takes
+    (``positions_shape``): ``"seq"`` gives [local_seq], ``"row"`` [1, local_seq] (Llama-style
+    models, Hugging Face's ``position_ids``), ``"batch"`` [batch, local_seq] (a copy per row). A
+    model whose rotary tables take no positions argument must index its cos/sin by them
+    instead (docs/context_parallel.md, "Models whose rotary takes no positions"): without the
+    global positions CP trains silently wrong. With document masking, shard the document ids
+    and the per-document positions the same way (``shard_sequence(t, 1, group, layout)``) and
+    pass those instead.
+
+    >>> import torch.distributed as dist
+    >>> x = torch.arange(8).view(1, 8)
+    >>> shard_batch(x, x, dist.group.WORLD, positions_shape="row")[2]  # torchrun  # doctest: +SKIP
+    tensor([[0, 1, 6, 7]])
     """
+    if positions_shape not in POSITIONS_SHAPES:
+        raise ValueError(f"positions_shape = {positions_shape!r} is not one of "
+                         f"{', '.join(map(repr, POSITIONS_SHAPES))}")
     positions = torch.arange(inputs.shape[seq_dim], device=inputs.device)
     shard = [shard_sequence(t, seq_dim if t is not positions else 0, group, layout)
              if t is not None else None for t in (inputs, labels, positions)]
-    return shard[0], shard[1], shard[2]
+    pos = shard[2]
+    if positions_shape == "row":
+        pos = pos.unsqueeze(0)
+    elif positions_shape == "batch":
+        pos = pos.unsqueeze(0).expand(inputs.shape[0], -1).contiguous()
+    return shard[0], shard[1], pos
 
 
 def prepare_batch(inputs: torch.Tensor, labels: torch.Tensor | None,
