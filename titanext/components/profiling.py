@@ -154,7 +154,7 @@ class StepProfiler:
         its trace and table) and dump the CUDA memory history on its period."""
         if self._prof is not None:
             with warnings.catch_warnings():  # each window is its own trace, by design
-                warnings.filterwarnings("ignore", message="Profiler clears events")
+                warnings.filterwarnings("ignore", message=".*Profiler clears events")
                 self._prof.step()
         if self.cuda_history and step % self.cfg.profile_freq == 0:
             folder = self._folder(self.memory_root, step)
