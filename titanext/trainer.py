@@ -28,9 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanext._fake_backend import host_float, real_tensors
+from titanext._ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMIZER, PIPELINE, phase
 from titanext.components.checkpoint import CheckpointManager, manifest_info
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
+from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.tokenizer import build_tokenizer
 from titanext.components.validation import Validator
 from titanext.config import JobConfig, gradient_accumulation_steps, model_args, ulysses_degree
@@ -160,9 +162,11 @@ class Trainer:
             skip_sync = self.train_module is not self.model and i < len(microbatches) - 1
             sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
-                logits = self.train_module(inputs, positions, document_ids=docs)
-                loss = self.compute_loss(logits, labels)
-                (loss * scale).backward()
+                with phase(FORWARD):
+                    logits = self.train_module(inputs, positions, document_ids=docs)
+                    loss = self.compute_loss(logits, labels)
+                with phase(BACKWARD):
+                    (loss * scale).backward()
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
             loss_sum += loss.detach().to(torch.float64)
@@ -177,26 +181,40 @@ class Trainer:
         # Under CP each rank counts (and sums the loss of) only its own slice of the tokens,
         # with the slice's global positions for RoPE (document masking: in-document positions).
         cp = dims.cp_mesh if dims.cp_enabled else None
-        microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout, device=self.device)
-                        for mb in microbatches]
-        local_tokens = sum(host_float((y != IGNORE_INDEX).sum(), y.numel()) for _, y, *_ in
-                           microbatches)  # (a dry run's labels are fake: all count)
-        counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts, group=loss_group)
-        global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
+        with phase(DATA):
+            microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout,
+                                          device=self.device) for mb in microbatches]
+        with phase(LOSS):
+            local_tokens = sum(host_float((y != IGNORE_INDEX).sum(), y.numel()) for _, y, *_ in
+                               microbatches)  # (a dry run's labels are fake: all count)
+            counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(counts, group=loss_group)
+            global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
         scale = dims.gradient_reduction_size / global_tokens
         if self.pipeline is not None:  # document ids and their positions reach every stage
-            loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
-            grad_norm = self.pipeline.clip_grad_norm(max_norm)
+            with phase(PIPELINE):
+                loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
+            with phase(OPTIMIZER):
+                grad_norm = self.pipeline.clip_grad_norm(max_norm)
         else:
             loss_sum = self._forward_backward(microbatches, scale)
-            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
-        dist.all_reduce(loss_sum, group=loss_group)
-        mean_loss, grad_norm = host_float(loss_sum / global_tokens), host_float(grad_norm)
+            with phase(OPTIMIZER):
+                grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        with phase(LOSS):
+            dist.all_reduce(loss_sum, group=loss_group)
+            mean_loss, grad_norm = host_float(loss_sum / global_tokens), host_float(grad_norm)
         if self.cfg.comm.mode == "real" and not (math.isfinite(mean_loss + grad_norm)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping "
                 "without an optimizer step (the last good checkpoint is kept)")
+        with phase(OPTIMIZER):
+            self._optimizer_step()
+        return mean_loss, grad_norm
+
+    def _optimizer_step(self) -> None:
+        """Optimizer and LR steps, MoE bias update, float8 scales, zero_grad."""
+        dims = self.dims
+        loss_group = dims.loss_mesh.get_group()
         self.optimizer.step()
         dp_group = loss_group if dims.loss_mesh.size() > 1 else None
         self.moe_balancing.step(self.model_parts, pp_group=self._pp_group, dp_group=dp_group)
@@ -205,7 +223,6 @@ class Trainer:
                 precompute_float8_scales(part)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return mean_loss, grad_norm
 
     def train(self, until_step: int | None = None) -> list[float]:
         """Resume if a checkpoint exists, then train to ``training.steps`` (or ``until_step``).
@@ -238,25 +255,50 @@ class Trainer:
                   f"zero_stage={cfg.parallelism.zero_stage} | grad accumulation "
                   f"{self.grad_accum_steps} | {tokens_per_step} tokens/step", flush=True)
         losses = []
+        profiler = self.profiler()
         try:
-            while self.step < last_step:
-                lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
-                loss, grad_norm = self.train_step(self.next_microbatches())
-                self.step += 1
-                if self.step == 1:
-                    set_process_group_timeout(cfg.comm.train_timeout_seconds)
-                losses.append(loss)
-                metrics.record_tokens(tokens_per_step)
-                shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
-                metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown,
-                            tb_extra=tb)
-                self.validator.maybe_run(self.step, metrics)
-                self.checkpointer.maybe_save(self.step, last=self.step == t.steps)
-                inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
-                if self.step == t.steps and c.last_save_in_hf and c.enable:
-                    save_hf_checkpoint(self.model_parts, os.path.join(
-                        cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,
-                        tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path)
+            with profiler:
+                while self.step < last_step:
+                    lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
+                    with profiler.around_step(self.step + 1):
+                        with phase(DATA):
+                            microbatches = self.next_microbatches()
+                        loss, grad_norm = self.train_step(microbatches)
+                    self.step += 1
+                    if self.step == 1:
+                        set_process_group_timeout(cfg.comm.train_timeout_seconds)
+                    losses.append(loss)
+                    with phase(LOG):
+                        self._after_step(metrics, tokens_per_step, loss, grad_norm, lr)
+                    profiler.step(self.step)
         finally:
             metrics.close()
         return losses
+
+    def _after_step(self, metrics: MetricsLogger, tokens_per_step: int, loss: float,
+                    grad_norm: float, lr: float) -> None:
+        """Metrics, validation, checkpoints (and an injected test fault) after a step."""
+        cfg, c = self.cfg, self.cfg.checkpoint
+        metrics.record_tokens(tokens_per_step)
+        shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
+        metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown, tb_extra=tb)
+        self.validator.maybe_run(self.step, metrics)
+        self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+        inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
+        if self.step == cfg.training.steps and c.last_save_in_hf and c.enable:
+            save_hf_checkpoint(self.model_parts, os.path.join(
+                cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,
+                tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path)
+
+    def profiler(self) -> StepProfiler:
+        """The ``[profiling]`` driver of a training loop starting at the current step."""
+        pipe, shape = self.pipeline, None
+        if pipe is not None:
+            shape = PipelineShape(
+                schedule=self.cfg.parallelism.pipeline_parallel_schedule, pp=self.dims.pp,
+                pp_rank=self.dims.pp_mesh.get_local_rank(), microbatches=pipe.microbatches,
+                stages_per_rank=len(pipe.stage_ids), group=pipe.pp_group)
+        return StepProfiler(self.cfg.profiling, dump_folder=self.cfg.job.dump_folder,
+                            rank=self.rank, device=self.device, start_step=self.step,
+                            parts=self.model_parts, optimizer=self.optimizer, pipeline=shape,
+                            pipeline_schedule=pipe.schedule if pipe else None)

@@ -45,6 +45,7 @@ from titanext.config.schema import (
     MoEConfig,
     OptimizerConfig,
     Parallelism,
+    Profiling,
     Training,
 )
 from titanext.errors import ConfigError
@@ -65,6 +66,7 @@ __all__ = [
     "Model",
     "OptimizerConfig",
     "Parallelism",
+    "Profiling",
     "Training",
     "config_help",
     "field_docs",

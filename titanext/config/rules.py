@@ -31,6 +31,7 @@ from titanext.config.degrees import (
     resolve_dp_shard,
     resolve_microbatches,
 )
+from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
 from titanext.errors import ConfigError
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES
@@ -521,6 +522,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
             "zero_stage = 3")
 
     problems += _data_problems(cfg, skip)
+    problems += profiling_problems(cfg, skip)
     return problems
 
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from titanext._hints import did_you_mean as _did_you_mean
+from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
 from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
-           "Parallelism", "Training", "Validation", "field_problems", "field_rule"]
+           "Parallelism", "Profiling", "Training", "Validation", "field_problems", "field_rule"]
 
 
 # -- per-field constraints live next to the field ------------------------------------------------
@@ -67,54 +68,6 @@ def _field(
 
 def _minus_one_or_positive(value: int) -> str | None:
     return None if value == -1 or value >= 1 else "-1 or an integer >= 1"
-
-
-# Schedules that titanext provides with every supported torch. Only another name asks
-# titanext.schedules (which imports torch's pipelining), so a plain load stays torch-free;
-# tests/unit/config/ checks that these are all in titanext.schedules.SCHEDULE_NAMES.
-_KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                    "ZBVZeroBubble", "ZBH1", "ZBH2", "ZBV", "DualPipe", "DualPipeV", "Auto")
-
-
-def _pp_schedule(value: str) -> str | None:
-    if value in _KNOWN_SCHEDULES:
-        return None
-    from titanext.schedules import SCHEDULE_NAMES
-
-    if value in SCHEDULE_NAMES:
-        return None
-    hint = _did_you_mean(value, list(SCHEDULE_NAMES), fallback=False)
-    return f"one of {', '.join(SCHEDULE_NAMES)}{hint}"
-
-
-def _ac_option(value: str) -> str | None:
-    # isdecimal() rejects '²' and similar, which int() would not parse anyway.
-    if value == "op" or (value.isdecimal() and int(value) >= 1):
-        return None
-    return "'op' or a positive integer written as a string, such as '2'"
-
-
-def _aten_ops(names: list[str]) -> str | None:
-    names = [n for n in names if n not in DEFAULT_SAVE_OPS]  # the defaults are known aten ops
-    if not names:
-        return None
-    import torch  # lazy: --help and TOML parsing should not pay for importing torch
-
-    for name in names:
-        if not hasattr(torch.ops.aten, name):
-            return f"aten op names only; {name!r} is not torch.ops.aten.{name}{_aten_hint(name)}"
-    return None
-
-
-def _aten_hint(name: str) -> str:
-    try:  # private, but only feeds a hint; losing it loses nothing else
-        import torch
-
-        known = {n.split("::", 1)[1].split(".", 1)[0]
-                 for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
-    except (AttributeError, RuntimeError):
-        return ""
-    return _did_you_mean(name, sorted(known), fallback=False)
 
 
 _COMPILE_COMPONENTS = ("model", "loss")
@@ -417,6 +370,37 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = _field(False)
+    """Run torch.profiler in windows: every rank writes one Chrome trace per window to
+    <job.dump_folder>/<save_traces_folder>/iteration_<N>/rank<R>_trace.json (open it in
+    Perfetto) and prints where the step's time went (docs/profiling.md)."""
+    save_traces_folder: str = _field("profile_traces")
+    """Trace folder, relative to job.dump_folder."""
+    profile_freq: int = _field(10, ge=1)
+    """A window closes every this many steps (at profile_freq, 2 x profile_freq, ...); also the
+    memory snapshot's period. Must not exceed training.steps."""
+    profiler_warmup: int = _field(3, ge=0)
+    """Steps the profiler runs untraced before each window's traced steps (its start-up cost
+    stays out of the trace)."""
+    profiler_active: int = _field(1, ge=1)
+    """Traced steps per window: the last profiler_active steps of every profile_freq
+    (profiler_warmup + profiler_active <= profile_freq)."""
+    enable_memory_snapshot: bool = _field(False)
+    """Write a memory snapshot every profile_freq steps to
+    <job.dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/: on CUDA the allocator's
+    history as the pickle https://pytorch.org/memory_viz reads; without CUDA, torch's
+    MemTracker breakdown (parameters, gradients, optimizer state, activations, temporaries)
+    of one step as JSON and an SVG stack (see memory_snapshot_kind)."""
+    save_memory_snapshot_folder: str = _field("memory_snapshot")
+    """Memory snapshot folder, relative to job.dump_folder."""
+    memory_snapshot_kind: str = _field("auto", choices=("auto", "cuda_history", "breakdown"))
+    """'auto': the CUDA history where CUDA exists, else the MemTracker breakdown (said in one
+    INFO line); 'cuda_history' insists on the CUDA pickle (a config error without CUDA);
+    'breakdown' always writes the MemTracker breakdown."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = _field(300, ge=1)
     """Collective timeout during start-up (model build, checkpoint load, compile)."""
@@ -541,6 +525,8 @@ class JobConfig:
     """Distributed checkpoints: saving, resuming and retention."""
     metrics: Metrics = field(default_factory=Metrics)
     """Console logging and TensorBoard."""
+    profiling: Profiling = field(default_factory=Profiling)
+    """torch.profiler traces, memory snapshots and the table of where each step went."""
     comm: Comm = field(default_factory=Comm)
     """Collective timeouts."""
     float8: Float8 = field(default_factory=Float8)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from titanext._ranges import phase, pp_chunk
 from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
@@ -165,6 +166,27 @@ def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
                 state["handle"].remove()
 
         state["handle"] = module.register_forward_pre_hook(pre_hook)
+
+
+def label_chunks(stages: Sequence) -> None:
+    """Open a profiler range (:func:`titanext._ranges.pp_chunk`) around each stage's F, I, W
+    and full-B chunk (torch's PipelineStage methods; a null context without a profiler): the
+    step table's per-stage costs and pipeline busy time come from them."""
+    for st in stages:
+        for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(st, meth, _labelled(getattr(st, meth), meth, st.stage_index))
+
+
+def _labelled(fn, meth: str, stage: int):
+    kind = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(meth)
+    names = {k: pp_chunk(k, stage) for k in "FIWB"}
+
+    def run(*args, **kwargs):
+        k = kind or ("B" if kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+                     else "I")
+        with phase(names[k]):
+            return fn(*args, **kwargs)
+    return run
 
 
 class StageTimer:
@@ -333,6 +355,7 @@ class PipelineRunner:
             schedule_kwargs={"sum_mirrored_grads": False} if self.mirrored else None)
         if self._reset is not None:
             ignore_shape_inference_forward(self.parts, self._reset)
+        label_chunks(self.stages)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per micro-batch on the last stage, inside ``schedule.step`` (already in the loss

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanext._ranges import CP, phase
 from titanext.plugins._counting import Counters
 
 Group = dist.ProcessGroup | DeviceMesh
@@ -118,12 +119,18 @@ class Ring:
             _record_send(send)
             ops.append(dist.P2POp(dist.isend, send, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return []
+        with phase(CP):
+            return dist.batch_isend_irecv(ops)
 
 
 def wait(works: list[dist.Work]) -> None:
-    for w in works:
-        w.wait()
+    if not works:
+        return
+    with phase(CP):
+        for w in works:
+            w.wait()
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, name: str = "all_gather"
@@ -134,13 +141,15 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, name: str = "al
     blocks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     record_collective(name, x)
     # The list form exists with the same meaning on every torch we support and backend.
-    dist.all_gather(blocks, x.contiguous(), group=group)
+    with phase(CP):
+        dist.all_gather(blocks, x.contiguous(), group=group)
     return blocks
 
 
 def reduce_scatter(out: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup) -> None:
     record_collective("reduce_scatter", stacked)
-    _reduce_scatter(out, stacked, group=group)
+    with phase(CP):
+        _reduce_scatter(out, stacked, group=group)
 
 
 # -- Ulysses: sequence-sharded <-> head-sharded ---------------------------------------------------
@@ -151,7 +160,8 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     recv = torch.empty_like(send)
     world = dist.get_world_size(group)
     record_collective("all_to_all", send, (world - 1) / world)  # row `rank` stays here
-    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    with phase(CP):
+        dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv
 
 
