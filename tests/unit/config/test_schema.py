@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-import titanext.config.schema as schema_mod
 from tests.unit.config.helpers import ROOT, all_keys, problems_of, the_problem, write
 from titanext.config import SECTIONS, field_docs
 
@@ -137,9 +136,8 @@ def test_edge_values_that_are_allowed(override):
 # -- the package stays light and names stay unambiguous ------------------------------------------
 
 def test_schedule_names_known_without_importing_schedules_are_real():
-    from titanext.schedules import SCHEDULE_NAMES
-
     from titanext.config import _checks
+    from titanext.schedules import SCHEDULE_NAMES
 
     assert set(_checks._KNOWN_SCHEDULES) <= set(SCHEDULE_NAMES)
 
