@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 from tests.own_models import (
     EXPERT_LAYOUTS,
     GroupedQKVAttention,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed import run_distributed
+from tests.spawn import run_distributed
 
 VOCAB, DIM, HEADS, SEQ, BATCH, LAYERS = 48, 32, 4, 8, 4, 4
 

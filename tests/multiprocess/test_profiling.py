@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
