@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.spawn import run_distributed
 from tests.own_models import (
     EXPERT_LAYOUTS,
     GroupedQKVAttention,
@@ -18,6 +17,7 @@ from tests.own_models import (
     MoEModel,
     NoExpertsMoE,
 )
+from tests.spawn import run_distributed
 
 
 def _full(t):
