@@ -91,7 +91,10 @@ CASES = {
 # element of layers.1.attention.wv (of 2048) whose gradient is at the rounding level moves by
 # 8.6e-6 under Adam while every other element agrees to 1.2e-7: 1.02e-5 for the tensor, 99.9%
 # of it from that element; losses agree to 1.4e-7.
-PARAM_RTOL = {case: 3e-5 for case in CASES if "cp2" in case or case == "fsdp4"}
+# zero3_dp4_reshard_never is fsdp4 with the parameters kept gathered: the same sums, the same
+# 1.02e-5.
+PARAM_RTOL = {case: 3e-5 for case in CASES
+              if "cp2" in case or case in ("fsdp4", "zero3_dp4_reshard_never")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
