@@ -10,7 +10,8 @@
   reads it back into :func:`titanext.components.step_table.step_breakdown`, and writes that as
   ``rank<R>_step_table.json`` next to it. The ranks' tables are gathered to rank 0, which
   prints one table with a column per rank (so a straggler or a heavy pipeline stage shows in
-  one look) and names the steps traced.
+  one look), names the steps traced, and draws the ranks' traces as one ``timeline.svg``
+  (:mod:`titanext.components.trace_svg`).
 - **Memory.** On CUDA, the allocator's history is recorded from the start and dumped every
   ``profile_freq`` steps as ``rank<R>_memory_snapshot.pickle`` (https://pytorch.org/memory_viz).
   Without CUDA (or with ``memory_snapshot_kind = "breakdown"``) one step per period runs under
@@ -44,12 +45,14 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 from titanext._fake_backend import mem_tracker
 from titanext.components.metrics import format_table
 from titanext.components.step_table import breakdown_rows, simulated_idle, step_breakdown
+from titanext.components.trace_svg import write_timeline
 from titanext.config import Profiling
 
 __all__ = ["PipelineShape", "StepProfiler", "memory_svg", "window_steps"]
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events the CUDA history keeps
 GiB = 2**30
+TIMELINE_RANKS = 32  # rank 0 draws the first 32 ranks' traces of each window
 
 
 @dataclass
@@ -210,6 +213,19 @@ class StepProfiler:
             print(f"titanext: profiling: steps {steps[0]}-{steps[-1]} traced ({len(steps)} "
                   f"step(s)); traces in {folder}", flush=True)
             print(format_table(breakdown_rows(gathered)), flush=True)
+            self._draw_timeline(folder, len(gathered), steps)
+
+    def _draw_timeline(self, folder: str, world: int, steps: list[int]) -> None:
+        """Rank 0 draws every rank's trace of the window (after the gather above, so each is
+        written) into ``timeline.svg``; a trace on another host's filesystem is left out."""
+        ranks = range(min(world, TIMELINE_RANKS))
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        path, missing = write_timeline(folder, ranks, f"{which}, every rank (ms)")
+        drawn = len(ranks) - len(missing)
+        note = "" if not missing else (f"; no trace of rank(s) {', '.join(map(str, missing))} "
+                                       "in this folder (on another host's filesystem?)")
+        print(f"titanext: profiling: timeline of {drawn} of {world} rank(s) in {path}{note}"
+              if drawn else f"titanext: profiling: no timeline{note}", flush=True)
 
     def _predict_bubble(self, table: dict[str, Any]) -> None:
         """The simulator's idle fraction for the measured per-stage chunk costs of every pp

@@ -33,11 +33,13 @@ import bisect
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from titanext._ranges import CP, EP_ALL_TO_ALL, LOSS, OPTIMIZER, PHASES, PIPELINE, PREFIX
 
-__all__ = ["breakdown_rows", "simulated_idle", "step_breakdown"]
+__all__ = ["TraceRanges", "breakdown_rows", "read_ranges", "simulated_idle", "step_breakdown",
+           "step_number"]
 
 _STEP = re.compile(r"ProfilerStep#(\d+)")
 _CHUNK = re.compile(re.escape(PREFIX) + r"pp_([FIWB])/s(\d+)$")
@@ -77,50 +79,75 @@ def _is_backend_comm(e: Mapping[str, Any]) -> bool:
     return name.startswith("gloo:") or (e.get("cat") == "kernel" and "nccl" in name.lower())
 
 
-def step_breakdown(trace: Mapping[str, Any]) -> dict[str, Any]:
-    """Milliseconds per traced step of ``trace`` (a Chrome trace dict): ``step_ms``,
-    ``phases`` (short names), ``unaccounted_ms``, ``comm`` (per kind), ``chunks`` (per stage:
-    mean ms of one F, I, W, B chunk, and counts) and ``pipeline`` (busy and idle per step);
-    ``steps`` lists the traced step numbers."""
+@dataclass
+class TraceRanges:
+    """The events of one rank's trace that the table and the timeline read, classified once
+    (:func:`read_ranges`); each event is the trace's own dict (``ts``, ``dur`` in us)."""
+
+    steps: list[dict]  # torch's ProfilerStep#N ranges
+    phases: list[dict]  # titanext's step-level ranges (PHASES); they do not nest
+    chunks: list[tuple[dict, str, int]]  # (event, "F" / "I" / "W" / "B", stage)
+    comm: list[tuple[dict, str]]  # (a collective as the backend ran it, its kind)
+    base_us: float = 0.0  # the trace's baseTimeNanoseconds in us: ts + base_us is host time
+
+
+def read_ranges(trace: Mapping[str, Any]) -> TraceRanges:
+    """Classify ``trace``'s (a Chrome trace dict of torch.profiler) complete events."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in events if _STEP.fullmatch(e["name"])]
     if not steps:
         raise ValueError("the trace has no ProfilerStep#N ranges: was it written by "
                          "torch.profiler with a schedule, over whole training steps?")
     main = steps[0]["tid"]
-    n = len(steps)
     on_main = sorted((e for e in events if e["tid"] == main), key=lambda e: (e["ts"], -e["dur"]))
-    phases: dict[str, float] = defaultdict(float)
-    chunks: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    out = TraceRanges(steps=steps, phases=[], chunks=[], comm=[],
+                      base_us=trace.get("baseTimeNanoseconds", 0) / 1e3)
     issues: list[tuple[float, str]] = []  # (issue time, kind) of each collective call
-    comm: dict[str, float] = defaultdict(float)
     stack: list[tuple[float, str]] = []
     for e in on_main:
         while stack and stack[-1][0] <= e["ts"]:
             stack.pop()
         name = e["name"]
         if name in PHASES:
-            phases[name.removeprefix(PREFIX)] += e["dur"]
+            out.phases.append(e)
         elif m := _CHUNK.match(name):
-            chunks[int(m.group(2))][m.group(1)].append(e["dur"])
+            out.chunks.append((e, m.group(1), int(m.group(2))))
         if name.startswith(_ISSUE):
             kind = _kind_of_stack([s for _, s in stack], name)
             issues.append((e["ts"], kind))
             if _is_backend_comm(e):  # a blocking call run on this thread (gloo's recv)
-                comm[kind] += e["dur"]
+                out.comm.append((e, kind))
         stack.append((e["ts"] + e["dur"], name))
     issue_times = [t for t, _ in issues]
     for e in events:  # collectives run by the backend's own threads (or the GPU)
         if e["tid"] != main and _is_backend_comm(e):
             i = bisect.bisect_right(issue_times, e["ts"]) - 1
-            comm[issues[i][1] if i >= 0 else "other collectives"] += e["dur"]
-    ms = 1e-3 / n
-    step_ms = sum(e["dur"] for e in steps) * ms
+            out.comm.append((e, issues[i][1] if i >= 0 else "other collectives"))
+    return out
+
+
+def step_breakdown(trace: Mapping[str, Any]) -> dict[str, Any]:
+    """Milliseconds per traced step of ``trace`` (a Chrome trace dict): ``step_ms``,
+    ``phases`` (short names), ``unaccounted_ms``, ``comm`` (per kind), ``chunks`` (per stage:
+    mean ms of one F, I, W, B chunk, and counts) and ``pipeline`` (busy and idle per step);
+    ``steps`` lists the traced step numbers."""
+    r = read_ranges(trace)
+    phases: dict[str, float] = defaultdict(float)
+    for e in r.phases:
+        phases[e["name"].removeprefix(PREFIX)] += e["dur"]
+    chunks: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for e, kind, stage in r.chunks:
+        chunks[stage][kind].append(e["dur"])
+    comm: dict[str, float] = defaultdict(float)
+    for e, kind in r.comm:
+        comm[kind] += e["dur"]
+    ms = 1e-3 / len(r.steps)
+    step_ms = sum(e["dur"] for e in r.steps) * ms
     phase_ms = {k: v * ms for k, v in phases.items()}
     busy = sum(sum(v) for kinds in chunks.values() for v in kinds.values()) * ms
     out: dict[str, Any] = {
         # torch numbers ProfilerStep#N by the steps done before it; training steps count from 1
-        "steps": sorted(int(_STEP.fullmatch(e["name"]).group(1)) + 1 for e in steps),
+        "steps": sorted(step_number(e) for e in r.steps),
         "step_ms": step_ms, "phases": phase_ms,
         "unaccounted_ms": step_ms - sum(phase_ms.values()),
         "comm": {k: v * ms for k, v in sorted(comm.items())},
@@ -132,6 +159,12 @@ def step_breakdown(trace: Mapping[str, Any]) -> dict[str, Any]:
         out["pipeline"] = {"busy_ms": busy, "idle_ms": wall - busy,
                            "idle_measured": 1 - busy / wall if wall else 0.0}
     return out
+
+
+def step_number(event: Mapping[str, Any]) -> int:
+    """The training step (1-based) of a ``ProfilerStep#N`` range: torch's N counts the steps
+    done before it."""
+    return int(_STEP.fullmatch(event["name"]).group(1)) + 1
 
 
 def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,

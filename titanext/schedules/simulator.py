@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 from titanext.schedules._torch_ir import B, F, I, W, leaves
 
+#: the colour and the name of each chunk kind in the timelines (this one and the profiler's)
+KIND_COLOURS = {"F": "#4c78a8", "I": "#f58518", "W": "#54a24b", "B": "#e45756"}
+KIND_NAMES = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward"}
+
 
 @dataclass
 class Event:
@@ -54,7 +58,7 @@ class SimResult:
 
     def svg(self, title: str = "") -> str:
         """The timeline as SVG: one row per rank, coloured by kind, labelled by micro-batch."""
-        colours = {"F": "#4c78a8", "I": "#f58518", "W": "#54a24b", "B": "#e45756"}
+        colours = KIND_COLOURS
         ranks = sorted({e.rank for e in self.events})
         scale, row = 900 / self.makespan, 26
         out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="980" '
@@ -72,11 +76,10 @@ class SimResult:
             out.append(f'<text x="8" y="{28 + i * row + 15}">rank {r}</text>')
         y = 28 + len(ranks) * row + 12
         kinds = [k for k in colours if any(e.kind == k for e in self.events)]
-        names = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward"}
         for i, k in enumerate(kinds):  # legend
             out.append(f'<rect x="{60 + 130 * i}" y="{y - 10}" width="12" height="12" '
                        f'fill="{colours[k]}"/>'
-                       f'<text x="{76 + 130 * i}" y="{y}">{k}: {names[k]}</text>')
+                       f'<text x="{76 + 130 * i}" y="{y}">{k}: {KIND_NAMES[k]}</text>')
         out.append(f'<text x="{60 + 130 * len(kinds)}" y="{y}">number = micro-batch; '
                    f'makespan {self.makespan:g}, bubble {self.bubble_ratio:.3f}</text>')
         out.append("</svg>")
