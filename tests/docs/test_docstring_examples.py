@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+from tests import REPO_ROOT
+
+ROOT = REPO_ROOT
 PACKAGE = ROOT / "titanext"
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # `>>> code  # reason  # doctest: +SKIP` (the reason: some words between the two comment marks)

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+from tests import REPO_ROOT
+
+ROOT = REPO_ROOT
 PACKAGE = ROOT / "titanext"
 
 #: Old import paths that stay as re-export shims -> the module that holds the code now.
