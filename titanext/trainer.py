@@ -41,6 +41,7 @@ from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import (
     cp_layout,
     loss_parallel_enabled,
+    mixed_precision_dtype,
     parallelize,
     zero1_enabled,
 )
@@ -83,6 +84,7 @@ class Trainer:
         self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
         self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
         self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
+        self._autocast = self._autocast_context(cfg, dims, self.device)
         self.compute_loss = self.token_loss_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.compute_loss = torch.compile(self.token_loss_sum, backend=cfg.compile.backend)
@@ -150,6 +152,18 @@ class Trainer:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                reduction="sum", ignore_index=IGNORE_INDEX)
 
+    @staticmethod
+    def _autocast_context(cfg: JobConfig, dims: ParallelDims, device: torch.device):
+        """Mixed precision where FSDP does not apply it (one rank, or ZeRO-1's DDP), as torchtitan
+        does: ``torch.autocast`` to ``training.mixed_precision_param`` around the forward. FSDP's
+        own parameter casting covers every other layout; pipeline stages keep their dtype."""
+        dtype = mixed_precision_dtype(cfg.training.mixed_precision_param, device)
+        fsdp = not zero1_enabled(dims, cfg.parallelism) and (dims.fsdp_enabled
+                                                             or dims.dp_replicate > 1)
+        if dtype == torch.float32 or fsdp or dims.pp_enabled:
+            return contextlib.nullcontext
+        return functools.partial(torch.autocast, device.type, dtype=dtype)
+
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
 
@@ -162,7 +176,7 @@ class Trainer:
             skip_sync = self.train_module is not self.model and i < len(microbatches) - 1
             sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
-                with phase(FORWARD):
+                with phase(FORWARD), self._autocast():
                     logits = self.train_module(inputs, positions, document_ids=docs)
                     loss = self.compute_loss(logits, labels)
                 with phase(BACKWARD):

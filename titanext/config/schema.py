@@ -140,8 +140,10 @@ class Training:
     max_norm: float = _field(1.0, ge=0)
     """Global gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
     mixed_precision_param: str = _field("auto", choices=("auto", "bfloat16", "float32"))
-    """Parameter dtype for compute under FSDP: auto = bfloat16 on CUDA, float32 on CPU (CPU
-    kernels gain little from bfloat16)."""
+    """Parameter dtype for compute: auto = bfloat16 on CUDA, float32 on CPU (CPU kernels gain
+    little from bfloat16). FSDP casts the parameters; where FSDP does not run (one rank, or
+    ZeRO-1's DDP) the forward runs under torch.autocast to this dtype instead, as torchtitan
+    does. Pipeline stages without FSDP keep float32."""
     mixed_precision_reduce: str = _field("float32", choices=("float32", "bfloat16"))
     """Gradient reduce-scatter / all-reduce dtype; float32 keeps the sum exact enough."""
     seed: int = _field(0, ge=0)
