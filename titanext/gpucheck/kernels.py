@@ -183,7 +183,8 @@ def check_deferred_weight_grads(ctx: Ctx) -> list[Row]:
     with weight_grad_deferral(queue):
         test_e(x, counts).float().square().mean().backward()
     queue.run()
-    err = max(rel_err(getattr(test_e, w).grad, getattr(experts, w).grad) for w in ("w1", "w2", "w3"))
+    err = max(rel_err(getattr(test_e, w).grad, getattr(experts, w).grad)
+              for w in ("w1", "w2", "w3"))
     tol = 1e-2 if dt == torch.bfloat16 else 1e-6
     out.append(Row(SECTION, f"deferred weight grads: grouped experts {str(dt)[6:]}",
                    "pass" if err <= tol else "FAIL", value=f"{err:.1e}", target=f"<= {tol:g}",

@@ -59,8 +59,9 @@ def measure_float8(ctx: Ctx) -> list[Row]:
         if recipe:
             mod = nn.Sequential(mod)
             apply_float8(mod, recipe=recipe, emulate=False, device=ctx.device)
-        step = torch.compile(lambda mod=mod: mod(x).sum().backward())
-        variants[recipe or "bf16"] = step
+        variants[recipe or "bf16"] = torch.compile(lambda mod=mod: mod(x).sum().backward())
+        if recipe == "blockwise":  # titanext's own kernels: eager too
+            variants["blockwise eager"] = lambda mod=mod: mod(x).sum().backward()
     rows += _speed_rows(f"linear {m}x{k}x{n}", ctx, variants)
     block, xb, cos, sin = block_inputs(ctx, 2, 4096, torch.bfloat16)
     variants = {}
@@ -83,9 +84,10 @@ def _speed_rows(what: str, ctx: Ctx, variants: dict) -> list[Row]:
             fn()
         except Exception as e:  # noqa: BLE001 -- reported in the table
             del variants[recipe]
-            first = (str(e).strip().splitlines() or [""])[0][:160]
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
             rows.append(Row(SECTION, f"{what} float8 {recipe}", "FAIL",
-                            note=f"{type(e).__name__}: {first}"))
+                            note=f"{type(e).__name__}: {' | '.join(lines[-3:])[:300]}",
+                            data={"error": str(e)[-4000:]}))
     ms = time_pairs(ctx, variants, rounds=10, warmup=2)
     base = ms["bf16"]
     rows += [Row(SECTION, f"{what} fwd+bwd bf16", "measured", value=f"{base:.2f} ms",

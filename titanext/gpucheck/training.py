@@ -35,7 +35,7 @@ def trainer_overrides(flavor: str, batch: int, seq: int, steps: int, *, fp32: bo
         "--metrics.log_freq=1000", "--training.max_norm=1.0",
         f"--training.mixed_precision_param={'float32' if fp32 else 'auto'}",
         f"--compile.enable={str(compile_).lower()}", f"--activation_checkpoint.mode={ac}",
-        *([f"--float8.enable=true", f"--float8.recipe={float8}", "--float8.filter_fqns=output",
+        *(["--float8.enable=true", f"--float8.recipe={float8}", "--float8.filter_fqns=output",
            "--float8.emulate=auto"] if float8 else []),
     ]
 

@@ -120,10 +120,12 @@ def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float
                 dout, q, ke, ve, o, lse_k, 0.0, causal, scale=scale,
                 attn_mask=None if mask is None else _additive(mask, q.dtype))
         else:
-            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            # No cumulative sequence lengths (None: not varlen; an empty tensor would be read
+            # as varlen and refused); the philox state is unused without dropout.
+            unused = torch.empty(0, device=q.device, dtype=torch.int64)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, o, lse.float().contiguous(), empty, empty, lq, k.shape[2], 0.0,
-                causal, empty, empty, scale=scale)
+                dout, q, ke, ve, o, lse.float().contiguous(), None, None, lq, k.shape[2], 0.0,
+                causal, unused, unused, scale=scale)
         return dq, _fold(dk, kvh), _fold(dv, kvh)
     qg, s = _scores(q, k, scale, causal, mask)
     acc = s.dtype

@@ -109,13 +109,21 @@ class _BlockwiseQDQMatmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+@torch.compiler.disable
+def _kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torchao's blockwise Triton GEMMs, run eagerly: Inductor on torch 2.11 (H200, checked by
+    ``python -m titanext.gpucheck``) writes these kernels' ``torch.bfloat16`` constexpr into
+    generated code that does not import torch ("NameError: name 'torch' is not defined")."""
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    return fp8_blockwise_mm.apply(x, weight, BLOCK_SIZE, torch.bfloat16, True)
+
+
 def float8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                             *, emulate: bool = False) -> torch.Tensor:
     """``F.linear`` with DeepSeek-style blockwise float8 operands (see the module docstring)."""
     if _use_kernels(x, weight, emulate):
-        from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
-
-        y = fp8_blockwise_mm.apply(x, weight, BLOCK_SIZE, torch.bfloat16, True)
+        y = _kernel_matmul(x, weight)
     else:
         y = _BlockwiseQDQMatmul.apply(x, weight, BLOCK_SIZE)
     return y if bias is None else y + bias.to(y.dtype)
