@@ -1,8 +1,8 @@
 """The README stays a short guide that matches the tree, and the docs pages stay true.
 
 - README.md has at most 450 lines, and its test command is the one CI runs.
-- Its Layout block names only paths that exist, and every top-level module and package of
-  titanext/.
+- Its Layout block (with the shims' block in docs/INTERFACES.md) names only paths that exist,
+  and every module and package of titanext/ at every depth.
 - Every relative link in README.md and docs/*.md points to an existing file (and heading).
 - docs/configuration.md holds the reference generated from ``--help``, so every config key is
   documented; the own-model page shows the shipped example script.
@@ -46,12 +46,19 @@ def _anchors(text: str) -> set[str]:
     return out
 
 
-def _layout_paths() -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert section, "README.md has no '## Layout' section"
+def _blocks(page, heading: str) -> list[str]:
+    text = page.read_text(encoding="utf-8")
+    section = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert section, f"{page.name} has no '## {heading}' section"
     blocks = re.findall(r"```\n(.*?)```", section.group(1), re.S)
-    assert blocks, "README.md's Layout section has no code block"
+    assert blocks, f"{page.name}'s {heading} section has no code block"
+    return blocks
+
+
+def _layout_paths() -> list[str]:
+    """README's Layout, plus the old flat paths (shims) that docs/INTERFACES.md lists."""
+    blocks = _blocks(README, "Layout") + _blocks(ROOT / "docs" / "INTERFACES.md",
+                                                 "Old import paths (shims)")
     return [line.split()[0] for block in blocks for line in block.splitlines()
             if line.startswith("titanext/")]
 

@@ -18,6 +18,7 @@ that need them, so that ``import titanext.config`` stays light (no torch).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -419,6 +420,10 @@ def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
         problems.append("float8.enable_fsdp_float8_all_gather = true needs FSDP, but "
                         "parallelism.zero_stage = 1 replicates parameters (DDP); use zero_stage "
                         "2 or 3")
+    if f.recipe != "blockwise" and importlib.util.find_spec("torchao") is None:
+        problems.append(f"float8.recipe = {f.recipe!r} needs torchao >= 0.17, which is not "
+                        "installed here (pip install torchao); recipe = 'blockwise' runs "
+                        "without it")
     if f.recipe == "blockwise" and p.tensor_parallel_degree > 1:
         problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
                         f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "

@@ -110,10 +110,11 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
     moe = shape.moe
     shard = resolved_dp_shard(cfg, world_size)
     dp, n_fsdp = rep * shard, shard * cp
-    # FSDP / HSDP apply the mixed-precision param dtype; without them (and under ZeRO-1's DDP)
-    # the parameters compute in float32 on any device
+    # FSDP / HSDP apply the mixed-precision param dtype; without them (one rank, ZeRO-1's DDP)
+    # the trainer's forward runs under autocast to it, except in pipeline stages (float32)
     zero1 = p.zero_stage == 1 and dp * cp > 1
-    a = dtype_bytes(t.mixed_precision_param, True) if not zero1 and (n_fsdp > 1 or rep > 1) else 4
+    fsdp = not zero1 and (n_fsdp > 1 or rep > 1)
+    a = dtype_bytes(t.mixed_precision_param, True) if fsdp or pp == 1 else 4
     # the trainer's own rule: global / (local x dp), and a ConfigError where it is not whole
     accum = accumulation_steps(global_batch_size=t.global_batch_size,
                                local_batch_size=t.local_batch_size, dp_replicate=rep,

@@ -346,3 +346,15 @@ def test_ulysses_hybrid_and_document_masking_configs_load():
                              "--parallelism.context_parallel_degree=4",
                              "--parallelism.pipeline_parallel_degree=2"], world_size=8)
     assert cfg.training.document_masking and cfg.parallelism.pipeline_parallel_degree == 2
+
+
+def test_float8_torchao_recipes_need_torchao_installed(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert the_problem(["--float8.enable=true", "--float8.recipe=rowwise"]) == (
+        "float8.recipe = 'rowwise' needs torchao >= 0.17, which is not installed here (pip "
+        "install torchao); recipe = 'blockwise' runs without it")
+    assert problems_of(["--float8.enable=true", "--float8.recipe=blockwise"]) == []
