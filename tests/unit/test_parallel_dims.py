@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.spawn import run_distributed
 from titanext.config import ConfigError
@@ -86,3 +87,26 @@ def test_hybrid_cp_splits_cp_into_ring_times_ulysses():
         assert (r, u, cp) == (2, 2, 4)
         assert (ring_rank, ulysses_rank) == divmod(rank, 2)
         assert cp_rank == ring_rank * u + ulysses_rank == rank
+
+
+@pytest.mark.parametrize("args, world, expect", [
+    (["--training.mixed_precision_param=bfloat16"], 1, torch.bfloat16),  # one rank: autocast
+    (["--training.mixed_precision_param=bfloat16", "--parallelism.zero_stage=1"], 2,
+     torch.bfloat16),  # ZeRO-1's DDP does not cast either
+    (["--training.mixed_precision_param=bfloat16"], 2, None),  # FSDP casts the parameters
+    (["--training.mixed_precision_param=float32"], 1, None),
+    (["--training.mixed_precision_param=bfloat16", "--parallelism.pipeline_parallel_degree=2",
+      "--parallelism.pipeline_parallel_schedule=1F1B"], 2, None),  # stages keep float32
+])
+def test_trainer_autocasts_where_fsdp_does_not_cast(args, world, expect):
+    from titanext.config import load_config
+    from titanext.trainer import Trainer
+
+    cfg = load_config(None, args, world_size=world)
+    p = cfg.parallelism
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=p.pipeline_parallel_degree,
+                        ep=1, world_size=world)
+    ctx = Trainer._autocast_context(cfg, dims, torch.device("cpu"))()
+    with ctx:
+        got = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    assert got == expect
