@@ -7,6 +7,7 @@ import contextlib
 import gc
 import io
 import logging
+import statistics
 import time
 
 import torch
@@ -40,33 +41,44 @@ def trainer_overrides(flavor: str, batch: int, seq: int, steps: int, *, fp32: bo
     ]
 
 
-def _run(overrides: list[str], steps: int, ctx: Ctx) -> dict:
-    """Build a Trainer, run ``steps`` steps; losses, per-step seconds, peak memory, MFU inputs."""
-    from titanext.trainer import Trainer
+class _Run:
+    """One single-device Trainer built from overrides, stepped on demand (timed, synced)."""
 
-    cfg = load_config(None, overrides, world_size=1)
-    if ctx.cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(cfg)
-    losses, seconds = [], []
-    for _ in range(steps):
-        batches = trainer.next_microbatches()
-        ctx.sync()
+    def __init__(self, overrides: list[str], ctx: Ctx):
+        from titanext.trainer import Trainer
+
+        self.ctx, self.cfg = ctx, load_config(None, overrides, world_size=1)
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.trainer = Trainer(self.cfg)
+        t = self.cfg.training
+        self.tokens_per_step = t.local_batch_size * t.seq_len
+        self.flops_per_token = self.trainer.model.num_flops_per_token(t.seq_len)
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+
+    def step(self) -> None:
+        batches = self.trainer.next_microbatches()
+        self.ctx.sync()
         t0 = time.perf_counter()
-        loss, _ = trainer.train_step(batches)
-        ctx.sync()
-        seconds.append(time.perf_counter() - t0)
-        losses.append(loss)
-    t = cfg.training
-    out = {"cfg": cfg, "losses": losses, "seconds": seconds,
-           "tokens_per_step": t.local_batch_size * t.seq_len,
-           "flops_per_token": trainer.model.num_flops_per_token(t.seq_len),
-           "peak_bytes": torch.cuda.max_memory_allocated() if ctx.cuda else None}
-    del trainer
-    gc.collect()
-    return out
+        loss, _ = self.trainer.train_step(batches)
+        self.ctx.sync()
+        self.seconds.append(time.perf_counter() - t0)
+        self.losses.append(loss)
+
+    def close(self) -> None:
+        del self.trainer
+        gc.collect()
+        if self.ctx.cuda:
+            torch.cuda.empty_cache()
+
+
+def _run(overrides: list[str], steps: int, ctx: Ctx) -> _Run:
+    """Build a Trainer and run ``steps`` steps; its losses and step times stay on the result."""
+    run = _Run(overrides, ctx)
+    for _ in range(steps):
+        run.step()
+    run.close()
+    return run
 
 
 def _float8_recipe(ctx: Ctx) -> str | None:
@@ -94,52 +106,69 @@ def check_trainer(ctx: Ctx) -> list[Row]:
                                 note="skipped: torchao missing (pip install torchao)"))
                 continue
             got = _run(trainer_overrides(flavor, batch, seq, steps, fp32=True, **kw), steps, ctx)
-            err = rel_err(torch.tensor(got["losses"]), torch.tensor(ref["losses"]))
+            err = rel_err(torch.tensor(got.losses), torch.tensor(ref.losses))
             tol = 2e-2 if kw["float8"] else 1e-4
             rows.append(Row(
                 SECTION_CHECK, f"trainer {flavor}: {what}", "pass" if err <= tol else "FAIL",
                 value=f"{err:.1e}", target=f"<= {tol:g} (losses vs fp32 eager)",
                 note=f"{steps} steps {batch}x{seq}; losses "
-                     + " ".join(f"{x:.4f}" for x in got["losses"])
+                     + " ".join(f"{x:.4f}" for x in got.losses)
                      + (f"; float8 {kw['float8']}" if kw["float8"] else ""),
-                data={"losses": got["losses"], "reference": ref["losses"]}))
+                data={"losses": got.losses, "reference": ref.losses}))
     return rows
 
 
 def measure_trainer(ctx: Ctx) -> list[Row]:
-    """The 1B flavor in bf16 (autocast on one device) with compile and selective AC: tokens/s,
-    MFU against the device's bf16 peak, and peak memory against the planner's estimate."""
+    """The 1B flavor (the debug flavor at CPU sizes) with compile and selective AC, bf16
+    (autocast on one device) and float8 stepped in turns: tokens/s, MFU against the device's
+    bf16 peak; the bf16 run's peak memory (measured before the float8 trainer exists) against
+    the planner's estimate."""
+    flavor, (batch, seq, _) = ("debugmodel", (2, 64, 0)) if ctx.quick else ("1B", FLAVORS["1B"])
+    warmup, rounds = (1, 2) if ctx.quick else (3, 8)
+    f8 = _float8_recipe(ctx)
+    runs: dict[str, _Run] = {}
+    rows: list[Row] = []
+    for recipe in (None, *([f8] if f8 else [])):
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        run = runs[f"float8 {recipe}" if recipe else "bf16"] = _Run(trainer_overrides(
+            flavor, batch, seq, warmup + rounds, fp32=False, compile_=not ctx.quick,
+            ac="selective", float8=recipe), ctx)
+        for _ in range(warmup):  # compiles
+            run.step()
+        if recipe is None:
+            rows.append(_planner_row(ctx, flavor, run))
+    for _ in range(rounds):
+        for run in runs.values():
+            run.step()
+    peak = device_peak_flops(ctx.device) if ctx.cuda else None
+    for label, run in runs.items():
+        step_s = statistics.median(run.seconds[warmup:])
+        tps = run.tokens_per_step / step_s
+        mfu = 100 * run.flops_per_token * tps / peak if peak else None
+        rows.insert(-1 if label == "bf16" else len(rows), Row(
+            SECTION_MEASURE, f"{flavor} trainer {label}: tokens/s, MFU", "measured",
+            value=f"{tps:,.0f} tok/s" + (f", MFU {mfu:.1f}%" if mfu else ""),
+            note=f"median of {rounds} steps in turns, {batch}x{seq}, "
+                 f"{'compile + ' if not ctx.quick else ''}AC(selective)",
+            data={"tokens_per_s": tps, "mfu_pct": mfu, "step_s": step_s}))
+        run.close()
+    return rows
+
+
+def _planner_row(ctx: Ctx, flavor: str, run: _Run) -> Row:
     from titanext.planning.estimate import plan_config
     from titanext.planning.hardware import DEVICES
 
-    ctx.need_cuda("tokens/s and memory of the 1B flavor")
-    batch, seq, _ = FLAVORS["1B"]
-    steps = 12
-    rows = []
-    f8 = _float8_recipe(ctx)
-    for recipe in (None, *([f8] if f8 else [])):
-        label = f"float8 {recipe}" if recipe else "bf16"
-        run = _run(trainer_overrides("1B", batch, seq, steps, fp32=False, compile_=True,
-                                     ac="selective", float8=recipe), steps, ctx)
-        step_s = sorted(run["seconds"][3:])[len(run["seconds"][3:]) // 2]
-        tps = run["tokens_per_step"] / step_s
-        peak = device_peak_flops(ctx.device)
-        mfu = 100 * run["flops_per_token"] * tps / peak if peak else None
-        rows.append(Row(SECTION_MEASURE, f"1B trainer {label}: tokens/s, MFU", "measured",
-                        value=f"{tps:,.0f} tok/s, MFU {mfu:.1f}%" if mfu else f"{tps:,.0f} tok/s",
-                        note=f"median of steps 4-{steps}, {batch}x{seq}, compile + AC(selective)",
-                        data={"tokens_per_s": tps, "mfu_pct": mfu, "step_s": step_s}))
-        if recipe is None:
-            name = torch.cuda.get_device_name(ctx.device)
-            dev = DEVICES["h200"] if "H200" in name else DEVICES["h100"]
-            plan = plan_config(run["cfg"], 1, device=dev)
-            ratio = plan.memory_total / run["peak_bytes"]
-            rows.append(Row(
-                SECTION_MEASURE, "1B planner memory vs max_memory_allocated", "measured",
-                value=f"plan {plan.memory_total / 2**30:.1f} GiB / measured "
-                      f"{run['peak_bytes'] / 2**30:.1f} GiB = {ratio:.2f}",
-                target="within 15%",
-                note=", ".join(f"{k} {v / 2**30:.1f}" for k, v in plan.memory.items()),
-                data={"plan_bytes": plan.memory_total, "measured_bytes": run["peak_bytes"],
-                      "plan": plan.memory}))
-    return rows
+    name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else ""
+    plan = plan_config(run.cfg, 1, device=DEVICES["h200" if "H200" in name else "h100"])
+    measured = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
+    value = f"plan {plan.memory_total / 2**30:.2f} GiB"
+    if measured:
+        value += f" / measured {measured / 2**30:.2f} GiB = {plan.memory_total / measured:.2f}"
+    return Row(SECTION_MEASURE, f"{flavor} planner memory vs max_memory_allocated", "measured",
+               value=value, target="within 15%",
+               note=", ".join(f"{k} {v / 2**30:.2f}" for k, v in plan.memory.items())
+               + ("" if measured else "; no CUDA: nothing measured to compare"),
+               data={"plan_bytes": plan.memory_total, "measured_bytes": measured,
+                     "plan": plan.memory})
