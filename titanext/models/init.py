@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanext._compat import trunc_normal_
+
 
 def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
@@ -53,7 +55,8 @@ def normal_(
         if truncate is None:
             t.normal_(0.0, std, generator=gen)
         else:
-            torch.nn.init.trunc_normal_(t, 0.0, std, -truncate * std, truncate * std, generator=gen)
+            # titanext's own sampler: torch 2.11's trunc_normal_ draws other values
+            trunc_normal_(t, 0.0, std, -truncate * std, truncate * std, generator=gen)
 
     return fill
 

@@ -26,6 +26,7 @@ from titanext.schedules._torch_ir import (
     check_actions,
     is_single_stage,
     leaves,
+    no_self_warmup,
     torch_pipeline_order,
     torch_schedule_class,
 )
@@ -192,6 +193,7 @@ def build_schedule(schedule: str | type, stages: list, n_microbatches: int, loss
     cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
     if costs is not None and hasattr(cls, "with_costs"):  # generated for measured costs (Auto)
         cls = cls.with_costs(**costs)
+    no_self_warmup(stages)
     if is_single_stage(cls):
         if len(stages) != 1:
             raise ValueError(f"{cls.__name__} runs one stage per rank, got {len(stages)}")

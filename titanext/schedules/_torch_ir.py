@@ -72,6 +72,28 @@ def set_pipeline_order(schedule, order: dict[int, list], stage_to_rank: dict[int
     schedule._prepare_schedule_with_comms(order)
 
 
+def no_self_warmup(stages: list) -> None:
+    """Keep a schedule's one-off link warm-up from messaging this rank itself.
+
+    torch 2.11's ``_initialize_stages`` warms every stage's links with a send and a receive to
+    each neighbour stage's rank (``_get_init_p2p_neighbors_ops``; 2.13 votes instead). Where two
+    adjacent stages sit on one rank (V placement: stages 1 and 2 at pp=2, 3 and 4 at pp=4) that
+    rank would message itself, which gloo refuses ("Pair is not connected") and NCCL does not
+    need; such stages hand activations over locally. The ops to this rank are dropped (a no-op
+    for a torch without the method)."""
+    for stage in stages:
+        ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+        if ops is None or getattr(ops, "_titanext", False):
+            continue
+
+        def peers_only(ops=ops):
+            me = dist.get_rank()
+            return [op for op in ops() if op.peer != me]
+
+        peers_only._titanext = True
+        stage._get_init_p2p_neighbors_ops = peers_only
+
+
 def action(stage: int, kind: Kind, microbatch: int) -> Action:
     return Action(stage, kind, microbatch)
 
@@ -96,14 +118,22 @@ def format_order(order: dict[int, list]) -> str:
     return _s._format_pipeline_order(order)
 
 
-class ListRuntime(Runtime):
+class _Runtime(Runtime):
+    """torch's runtime, its one-off start-up kept from messaging this rank itself."""
+
+    def _initialize_stages(self, *args, **kwargs):
+        no_self_warmup(self._stages)
+        return super()._initialize_stages(*args, **kwargs)
+
+
+class ListRuntime(_Runtime):
     """torch's runtime with ``pipeline_order`` set from generated compute-only lists."""
 
     def _set_order(self, order: dict[int, list], mapping: dict[int, int]) -> None:
         set_pipeline_order(self, order, mapping)
 
 
-class ChainRuntime(Runtime):
+class ChainRuntime(_Runtime):
     """Runs per-rank lists on a stage chain described by ``_chain``.
 
     ``_chain(stage, mb) -> (previous stage on this rank or None, next stage on this rank or
@@ -308,22 +338,45 @@ def torch_pipeline_order(cls: type, pp: int, microbatches: int, stages_per_rank:
 def loopback_stage_metadata(schedule, hidden: torch.Tensor) -> None:
     """Dry run (torch's fake process group): answer a schedule's start-up exchanges locally.
 
-    On its first step torch 2.13 votes over the pp ranks whether shapes must be inferred
-    (``.item()`` on a received tensor) and then sends each stage's output metadata to the next
-    stage (and gradient metadata back). A fake process group delivers nothing, so here every
-    stage infers its shapes (DYNAMIC) and receives ``hidden``'s metadata, the activation that
-    flows between any two stages of a decoder (``[micro-batch, local sequence, dim]``, its
-    dtype, requires_grad), and its gradient's; sends do nothing. Raises RuntimeError on a torch
-    without this start-up protocol (the dry run then cannot run pipelines)."""
+    On its first step a schedule infers every stage's input and output shapes, receiving the
+    previous stage's output metadata from its rank and sending its own on. A fake process group
+    delivers nothing, so here every stage whose neighbour sits on another rank takes ``hidden``'s
+    metadata, the activation that flows between any two stages of a decoder (``[micro-batch,
+    local sequence, dim]``, its dtype, requires_grad), and its gradient's; sends do nothing.
+
+    Two start-up protocols exist, told apart by their methods: torch 2.13+ votes over the pp
+    ranks (``_warmup_p2p``, an ``.item()`` on a received tensor) and then exchanges
+    ``_StageForwardMeta`` / ``_StageBackwardMeta`` (``_recv_meta`` / ``_send_meta``); torch 2.11
+    runs ``_shape_inference`` per stage over ``recv_object_list`` / ``send_object_list``. Raises
+    RuntimeError on a torch with neither (the dry run then cannot run pipelines)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    if _has_meta_protocol(schedule, stages):
+        _loopback_meta_protocol(schedule, stages, hidden)
+    elif all(hasattr(s, "_shape_inference") and hasattr(s, "stage_index_to_group_rank")
+             for s in stages):
+        for stage in stages:
+            _local_shape_inference(stage, hidden)
+    else:
+        raise RuntimeError("this torch's pipelining has neither the _warmup_p2p / _recv_meta "
+                           "start-up protocol (torch 2.13+) nor per-stage _shape_inference "
+                           "(torch 2.11): a dry run cannot run pipeline stages")
+
+
+_META_NAMES = ("InferenceMode", "_StageForwardMeta", "_StageBackwardMeta", "_derive_grad_metas",
+               "extract_tensor_metas")
+
+
+def _has_meta_protocol(schedule, stages: list) -> bool:
     from torch.distributed.pipelining import _utils as u
 
-    names = ("InferenceMode", "_StageForwardMeta", "_StageBackwardMeta", "_derive_grad_metas",
-             "extract_tensor_metas")
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    if not all(hasattr(u, n) for n in names) or not hasattr(schedule, "_warmup_p2p") \
-            or not all(hasattr(s, "_recv_meta") for s in stages):
-        raise RuntimeError("this torch's pipelining has no _warmup_p2p / _recv_meta start-up "
-                           "protocol (torch 2.13 has): a dry run cannot run pipeline stages")
+    return (all(hasattr(u, n) for n in _META_NAMES) and hasattr(schedule, "_warmup_p2p")
+            and all(hasattr(s, "_recv_meta") for s in stages))
+
+
+def _loopback_meta_protocol(schedule, stages: list, hidden: torch.Tensor) -> None:
+    """torch 2.13+: every stage infers its shapes (DYNAMIC) and receives ``hidden``'s metadata."""
+    from torch.distributed.pipelining import _utils as u
+
     fwd = u._StageForwardMeta(forward_metas=u.extract_tensor_metas((hidden,)))
     bwd = u._StageBackwardMeta(backward_metas=u._derive_grad_metas(fwd.forward_metas))
 
@@ -335,6 +388,29 @@ def loopback_stage_metadata(schedule, hidden: torch.Tensor) -> None:
     for stage in stages:
         stage._recv_meta = lambda src, stage=stage: fwd if src < stage.stage_index else bwd
         stage._send_meta = lambda meta, dst: None
+
+
+def _local_shape_inference(stage, hidden: torch.Tensor) -> None:
+    """torch 2.11: ``stage`` runs its shape inference as if both neighbour stages were on this
+    rank (torch then passes shapes between them in memory, not over the process group): a
+    stage whose previous stage is elsewhere gets ``(hidden,)`` as its input, and the output
+    metadata of one whose next stage is elsewhere goes nowhere. The gradient buffers torch then
+    derives from the output metadata."""
+    infer = stage._shape_inference
+
+    def local(args, kwargs=None):
+        owners, me, i = stage.stage_index_to_group_rank, stage.group_rank, stage.stage_index
+        remote_prev = not stage.is_first and owners[i - 1] != me
+        remote_next = not stage.is_last and owners[i + 1] != me
+        stage.stage_index_to_group_rank = {**owners, **{j: me for j in (i - 1, i + 1)
+                                                       if j in owners}}
+        try:
+            out = infer((hidden,) if remote_prev else args, kwargs)
+        finally:
+            stage.stage_index_to_group_rank = owners
+        return () if remote_next else out
+
+    stage._shape_inference = local
 
 
 def around_stage_init(schedule, context: Callable) -> None:

@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanext._compat import reduce_scatter_single
 from titanext._ranges import CP, phase
 from titanext.plugins._counting import Counters
 
 Group = dist.ProcessGroup | DeviceMesh
-# torch 2.13 renamed reduce_scatter_tensor (and deprecated the old name); 2.11 has only that.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- accounting -----------------------------------------------------------------------------------
@@ -149,7 +148,7 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, name: str = "al
 def reduce_scatter(out: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup) -> None:
     record_collective("reduce_scatter", stacked)
     with phase(CP):
-        _reduce_scatter(out, stacked, group=group)
+        reduce_scatter_single(out, stacked, group=group)
 
 
 # -- Ulysses: sequence-sharded <-> head-sharded ---------------------------------------------------

@@ -1,0 +1,55 @@
+"""titanext._compat: what differs between the supported torch versions (2.11 to 2.14.1).
+
+The values pinned here were drawn on torch 2.13.0; CI's matrix runs this file on 2.11.0 and
+2.14.1 too (``.ci/matrix``), so a torch whose sampler or generator draws differently fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titanext._compat import reduce_scatter_single, trunc_normal_
+from titanext.models import build_model, get_model_args
+
+pytestmark = pytest.mark.torch_seam
+
+
+@pytest.mark.parametrize("std,limit,total,first", [
+    (0.02, 2.0, 2.3886522130228514, -0.01640268974006176),  # wide window: normal + redraws
+    (1.0, 0.1, 3.6197196930743303, 0.006984508130699396),  # narrow: uniform proposals
+])
+def test_trunc_normal_draws_the_same_values_on_every_torch(std, limit, total, first):
+    g = torch.Generator().manual_seed(7)
+    x = trunc_normal_(torch.empty(4096), 0.0, std, -limit * std, limit * std, generator=g)
+    assert x.double().sum().item() == pytest.approx(total, rel=1e-12)
+    assert x[0].item() == pytest.approx(first, rel=1e-7)
+    assert x.abs().max().item() <= limit * std
+
+
+def test_trunc_normal_equals_torchs_own_where_torch_uses_the_rejection_sampler():
+    """Where torch's ``nn.init.trunc_normal_`` is the 2.12+ sampler, the values are bitwise
+    torch's (titanext keeps a copy only so that 2.11 draws them too)."""
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    ours = trunc_normal_(torch.empty(2000), 0.0, 0.02, -0.04, 0.04, generator=g1)
+    theirs = torch.nn.init.trunc_normal_(torch.empty(2000), 0.0, 0.02, -0.04, 0.04, generator=g2)
+    if not torch.equal(ours, theirs):  # only torch <= 2.11's inverse-CDF sampler differs
+        assert (theirs.abs() <= 0.04).all()
+        pytest.skip("this torch's trunc_normal_ is the older inverse-CDF sampler")
+
+
+def test_one_seed_initialises_the_same_model_on_every_torch():
+    model = build_model("llama3", get_model_args("llama3", "debugtiny"), device="cpu")
+    model.init_weights(seed=7)
+    params = list(model.parameters())
+    assert sum(p.double().sum().item() for p in params) == pytest.approx(165.37293828274125,
+                                                                         rel=1e-9)
+    assert sum(p.double().abs().sum().item() for p in params) == pytest.approx(
+        16596.363450976307, rel=1e-9)
+
+
+def test_reduce_scatter_single_is_a_collective_of_this_torch():
+    import torch.distributed as dist
+
+    assert reduce_scatter_single in (getattr(dist, "reduce_scatter_single", None),
+                                     dist.reduce_scatter_tensor)
