@@ -31,6 +31,7 @@ from titanext.config.degrees import (
     resolve_dp_shard,
     resolve_microbatches,
 )
+from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
 from titanext.errors import ConfigError
@@ -196,6 +197,8 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         args = get_model_args(m.name, m.flavor)
     which = f"{m.name} {m.flavor}"
     tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+    if degrees_ok and "model.num_mtp_layers" not in skip:
+        problems += mtp_problems(cfg, flavor_depth=args.num_mtp_layers)
     if degrees_ok and tp > 1:
         n_kv_heads = args.n_kv_heads or args.n_heads  # None means multi-head, not grouped
         for attr, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads),
@@ -323,6 +326,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
         base = model_args_from_hf(cfg.model.hf_assets_path)
     else:
         base = get_model_args(cfg.model.name, cfg.model.flavor)
+    if cfg.model.num_mtp_layers >= 0:
+        base = dataclasses.replace(base, num_mtp_layers=cfg.model.num_mtp_layers)
     return with_moe_overrides(base, **_moe_overrides(cfg))
 
 

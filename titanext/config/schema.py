@@ -123,6 +123,10 @@ class Model:
     hf_assets_path: str | None = _field(None)
     """A Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json) for
     flavor = 'hf' and tokenizer = 'hf'; its files are copied into HF exports."""
+    num_mtp_layers: int = _field(-1, ge=-1)
+    """Multi-token prediction modules after the last block (DeepSeek-V3: 1; each predicts one
+    token further, through the shared embedding and output head; docs/deepseek_v3.md). -1
+    keeps the flavor's (or config.json's num_nextn_predict_layers), 0 turns MTP off."""
 
 
 @dataclass
@@ -162,6 +166,10 @@ class Training:
     the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
+    mtp_loss_weight: float = _field(0.3, ge=0)
+    """Weight of the multi-token prediction loss (models with MTP modules): the loss is the
+    main token mean + mtp_loss_weight x the mean over MTP modules of each one's token-CE sum
+    / the main token count (DeepSeek-V3's lambda: 0.3, then 0.1). Logged apart as mtp_loss."""
     document_masking: bool = _field(False)
     """Packed documents do not attend to each other: the loader numbers the documents of each
     row (a new one after every EOS), attention stays causal within a document (with or without

@@ -88,6 +88,9 @@ class ModelArgs:
     (i, i + head_dim/2) (Hugging Face's ``rotate_half``; the ``hf`` flavor). The two differ only
     by a fixed permutation of the rows of ``wq`` and ``wk`` inside each head
     (:mod:`titanext.hf.checkpoint` applies it when a checkpoint changes convention).
+
+    ``num_mtp_layers`` > 0 adds DeepSeek-V3's multi-token prediction modules after the last
+    block (:mod:`titanext.models.mtp`); module k predicts the token k + 1 positions further.
     """
 
     dim: int = 256
@@ -109,6 +112,7 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     attn_head_dim: int | None = None  # per-head size when it is not dim // n_heads (Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    num_mtp_layers: int = 0  # multi-token prediction modules after the last block (DeepSeek-V3)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` is a MoE block."""

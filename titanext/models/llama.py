@@ -29,6 +29,7 @@ from titanext.models.args import ModelArgs
 from titanext.models.init import constant_, init_tensor_, normal_
 from titanext.models.layers import FeedForward
 from titanext.models.moe import MoE
+from titanext.models.mtp import MultiTokenPrediction
 
 # q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim]
 # -> [batch, heads, seq, head_dim]
@@ -201,6 +202,14 @@ class Transformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # DeepSeek-V3's multi-token prediction (titanext.models.mtp): after the head, on the
+        # last pipeline stage, which then also holds a copy of tok_embeddings
+        self.mtp: MultiTokenPrediction | None = None
+        if args.num_mtp_layers:
+            self.mtp = MultiTokenPrediction(
+                args.dim, args.n_layers, args.num_mtp_layers,
+                make_block=lambda i: TransformerBlock(i, args),
+                make_norm=lambda: RMSNorm(args.dim, args.norm_eps))
         self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
         self.tie_weights()
         if self.inv_freq.device.type != "meta":
@@ -238,27 +247,59 @@ class Transformer(nn.Module):
         if self.output is not None and not self.args.tie_embeddings:
             std = self.args.dim**-0.5
             init_tensor_(self.output.weight, "output.weight", seed, normal_(std, truncate=3.0))
+        if self.mtp is not None:
+            self.mtp.init_weights("mtp.", seed)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline stage).
 
         ``position_ids`` ([seq] or [batch, seq]) feed RoPE; ``document_ids`` ([batch, seq]
         integers) restrict attention to tokens of the same packed document (pass positions that
         restart at each document with them, e.g. ``titanext.models.layers.document_positions``).
+        ``mtp_labels`` (:func:`titanext.models.mtp.mtp_labels`) make the MTP modules, if any,
+        compute their loss (its gradient flows back through the returned logits).
         Returns logits [batch, seq, vocab] (or hidden states if this part has no output head).
         """
+        h, cos, sin = self._trunk(tokens, position_ids, document_ids)
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if self.mtp is not None and mtp_labels is not None:
+            logits = self.mtp(logits, h, mtp_labels, self.tok_embeddings, self.output, cos, sin,
+                              document_ids)
+        return logits
+
+    def _trunk(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+               document_ids: torch.Tensor | None):
+        """(hidden state after the blocks and the final norm if held, cos, sin)."""
         if position_ids is None:
             # From the input, not from h: under sequence parallelism h holds a slice.
             position_ids = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # a later pipeline stage receives hidden states (the last one may hold the embedding:
+        # MTP's copy)
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embed else tokens
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **docs)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return h, cos, sin
+
+    def mtp_logits(self, tokens: torch.Tensor, mtp_tokens: torch.Tensor,
+                   position_ids: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The MTP modules' logits (one [batch, seq, vocab] per module) for ``tokens``;
+        ``mtp_tokens`` [batch, seq, >= D]: module k embeds column k - 1 (the labels, then the
+        labels shifted left by 1, ...; :func:`titanext.models.mtp.mtp_labels`). Whole model."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP modules (num_mtp_layers = 0)")
+        h, cos, sin = self._trunk(tokens, position_ids, document_ids)
+        return self.mtp.logits(h, mtp_tokens, self.tok_embeddings, self.output, cos, sin,
+                               document_ids)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight counts once
@@ -270,10 +311,10 @@ class Transformer(nn.Module):
         """Parameters one token uses: all but the routed experts it is not sent to (each MoE
         block runs top_k of its num_experts routed experts; shared experts always run)."""
         n = self.num_params(exclude_embedding)
-        for layer in self.layers.values():
-            if hasattr(layer, "moe"):
-                m = layer.moe.args
-                n -= (m.num_experts - m.top_k) * 3 * layer.moe.dim * m.hidden_dim
+        for moe in self.modules():  # the blocks' and the MTP modules'
+            if isinstance(moe, MoE):
+                m = moe.args
+                n -= (m.num_experts - m.top_k) * 3 * moe.dim * m.hidden_dim
         return n
 
     def num_flops_per_token(self, seq_len: int) -> float:
@@ -282,4 +323,4 @@ class Transformer(nn.Module):
         (causal ignored)."""
         a = self.args
         return (6.0 * self.num_active_params(exclude_embedding=True)
-                + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len)
+                + 12.0 * (a.n_layers + a.num_mtp_layers) * a.n_heads * a.head_dim * seq_len)
