@@ -91,13 +91,18 @@ def test_yarn_matches_transformers(mscale, mscale_all_dim):
 
 def test_deepseek_flavors_are_the_published_sizes():
     """DeepSeek-V3: 671B parameters, 37B active (without MTP); the 16B: 15.7B."""
-    big = build_model("llama3", get_model_args("llama3", "deepseek_v3_671b"))
+    with_mtp = get_model_args("llama3", "deepseek_v3_671b")
+    big = build_model("llama3", dataclasses.replace(with_mtp, num_mtp_layers=0))
     assert round(big.num_params() / 1e9) == 671 and round(big.num_active_params() / 1e9) == 38
+    # with its MTP module (a MoE block + eh_proj), as Hugging Face counts it: 685B - 0.9B
+    # (the MTP's copies of the embedding and head, which titanext shares)
+    assert round(build_model("llama3", with_mtp).num_params() / 1e9) == 683
     attn = big.layers["0"].attention
     assert tuple(attn.wq_a.weight.shape) == (1536, 7168)
     assert tuple(attn.wkv_a.weight.shape) == (512 + 64, 7168)
     assert tuple(attn.wkv_b.weight.shape) == (128 * (128 + 128), 512)
-    small = build_model("llama3", get_model_args("llama3", "deepseek_v3_16b"))
+    small = build_model("llama3", dataclasses.replace(
+        get_model_args("llama3", "deepseek_v3_16b"), num_mtp_layers=0))
     assert round(small.num_params() / 1e9, 1) == 15.7
     assert hasattr(small.layers["0"].attention, "wq") and not hasattr(
         small.layers["0"].attention, "wq_a")

@@ -296,7 +296,7 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
         model_vocab=None if named is None else named.vocab_size,
         tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
         initial_load_path=c.initial_load_path, initial_load_in_hf=c.initial_load_in_hf,
-        model_args=named)
+        model_args=named, num_mtp_layers=m.num_mtp_layers)
     problems.extend(found)
     if c.last_save_in_hf and not found:
         try:

@@ -115,8 +115,8 @@ class Model:
     """Model family (a key of titanext.models.MODEL_FLAVORS)."""
     flavor: str = _field("debugmodel", rule="a flavor of the chosen model, or 'hf'")
     """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B; 'hf'
-    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral, Qwen3; see
-    docs/hf_checkpoints.md)."""
+    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral, Qwen3,
+    DeepSeek-V3; see docs/hf_checkpoints.md)."""
     tokenizer: str = _field("byte", choices=("byte", "hf"))
     """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed); 'hf'
     reads hf_assets_path/tokenizer.json (BOS/EOS from tokenizer_config.json)."""
