@@ -165,3 +165,26 @@ def test_sdpa_attention_takes_a_different_value_head_dim():
     out = sdpa_attention(q, k, v, scale=0.3)
     s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(torch.ones(10, 10).triu(1).bool(), -1e30)
     torch.testing.assert_close(out, s.softmax(-1) @ v)
+
+
+@pytest.mark.parametrize("kernel", ["math", "flash_cpu"])
+@pytest.mark.parametrize("dv", [12, 40])
+def test_ring_kernels_take_a_value_head_dim_other_than_qk(kernel, dv):
+    """One-rank ring attention (every block kernel path: causal, full, document-masked tiles)
+    against SDPA, forward and gradients, with v's head dim smaller and larger than q/k's."""
+    from titanext.plugins.context_parallel import ring_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 24, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 16, 24, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 16, dv, dtype=torch.float64, requires_grad=True)
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    for ids in (None, docs):
+        got = ring_attention(q, k, v, None, scale=0.3, kernel=kernel, document_ids=ids)
+        want = sdpa_attention(q, k, v, scale=0.3, document_ids=ids)
+        assert got.shape == (2, 4, 16, dv)
+        g = torch.randn_like(want)
+        grads = torch.autograd.grad(got, (q, k, v), g)
+        for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(got, want)
