@@ -93,3 +93,83 @@ def make_tiny_qwen3(directory: str, *, moe: bool = False, seed: int = 0, **extra
         model = Qwen3ForCausalLM(Qwen3Config(**common, **extra))
     model.float().save_pretrained(directory)
     return model
+
+
+def make_tiny_deepseek_v3(directory: str, *, layers: int = 3, mtp: int = 1, seed: int = 0,
+                          q_lora_rank: int | None = 32, rope_interleave: bool = True):
+    """A random tiny DeepseekV3ForCausalLM saved to ``directory``, with ``mtp`` multi-token
+    prediction layers stored as DeepSeek-V3 stores them (``model.layers.{layers + k}``: the
+    block, enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and the head),
+    which ``save_pretrained`` leaves out. MLA (q_lora_rank 32, kv_lora_rank 16, qk 16 + 8,
+    v 12), YaRN, 8 experts in 4 groups (top-2 of 2 groups), block 0 dense; norms, the routing
+    bias and the MTP weights random (not their identity init), so that a wrong name shows.
+
+    Returns (main model, {MTP tensor name: tensor}) as transformers holds them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+
+    def config(n_layers: int) -> DeepseekV3Config:
+        return DeepseekV3Config(
+            vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=96,
+            moe_intermediate_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
+            num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+            qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
+            num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+            max_position_embeddings=1024, rms_norm_eps=1e-6, rope_interleave=rope_interleave,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            num_mtp_layers=mtp, bos_token_id=0, eos_token_id=1)
+
+    full = DeepseekV3ForCausalLM(config(layers + mtp)).float()  # the MTP blocks as layers
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        for name, b in full.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    full.save_pretrained(directory)
+    state = load_file(os.path.join(directory, "model.safetensors"))
+    extra = {}
+    for k in range(mtp):
+        p = f"model.layers.{layers + k}."
+        extra.update({p + "enorm.weight": torch.rand(64) + 0.5,
+                      p + "hnorm.weight": torch.rand(64) + 0.5,
+                      p + "eh_proj.weight": 0.05 * torch.randn(64, 128),
+                      p + "shared_head.norm.weight": torch.rand(64) + 0.5})
+        state[p + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        state[p + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    state.update(extra)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=mtp)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    main = DeepseekV3ForCausalLM(config(layers)).float()
+    main.load_state_dict({k: v for k, v in full.state_dict().items()
+                          if not k.startswith(tuple(f"model.layers.{layers + k}."
+                                                    for k in range(mtp)))})
+    blocks = [full.model.layers[layers + k] for k in range(mtp)]
+    return main, blocks, extra
+
+
+def deepseek_mtp_reference(main, blocks, extra: dict, layers: int):
+    """transformers' own ``MtpModel`` for ``main`` with the MTP weights of
+    :func:`make_tiny_deepseek_v3` (its from_pretrained finds only layer 61's)."""
+    from transformers.modeling_layers import MtpModel
+
+    mtp = MtpModel(main, len(blocks)).float()
+    with torch.no_grad():
+        for k, layer in enumerate(mtp.layers):
+            layer.mtp_block = blocks[k]
+            p = f"model.layers.{layers + k}."
+            layer.enorm.weight.copy_(extra[p + "enorm.weight"])
+            layer.hnorm.weight.copy_(extra[p + "hnorm.weight"])
+            layer.eh_proj.weight.copy_(extra[p + "eh_proj.weight"])
+            layer.post_norm.weight.copy_(extra[p + "shared_head.norm.weight"])
+    return mtp.eval()

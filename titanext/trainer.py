@@ -56,6 +56,7 @@ from titanext.errors import TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.launch.faults import inject_test_fault
 from titanext.models import build_model
+from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
@@ -113,7 +114,7 @@ class Trainer:
                 model, dims, p, local_batch_size=t.local_batch_size, device=self.device,
                 loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
                 position_ids=positions, parallelize_stage=parallelize_part,
-                reset_stage_state=reset_routing_counts, loss_context=self._loss_context)
+                reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
             self.model_parts = self.pipeline.parts
             self.model = self.train_module = self.model_parts[0]
         else:  # train_module: the DDP wrapper under ZeRO-1
@@ -145,6 +146,13 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             manifest=manifest_info(cfg, dims))
         self.step, self._resumed = 0, False
+        self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
+
+    @staticmethod
+    def _reset_stage_state(module: torch.nn.Module) -> None:
+        """Forget what a pipeline stage's shape-inference forward accumulated."""
+        reset_routing_counts(module)
+        reset_mtp_loss(module)
 
     @staticmethod
     def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -170,14 +178,15 @@ class Trainer:
     def _forward_backward(self, microbatches, scale: float) -> torch.Tensor:
         """Backward of every micro-batch's loss x ``scale``; returns the unscaled loss sum."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (inputs, labels, positions, docs) in enumerate(microbatches):
+        for i, (inputs, labels, positions, docs, *mtp) in enumerate(microbatches):
             # DDP (ZeRO-1) all-reduces on every backward unless told otherwise; FSDP's
             # per-micro-batch reduce-scatter is what keeps its gradients sharded.
             skip_sync = self.train_module is not self.model and i < len(microbatches) - 1
             sync = self.train_module.no_sync() if skip_sync else contextlib.nullcontext()
             with sync, self._loss_context():
                 with phase(FORWARD), self._autocast():
-                    logits = self.train_module(inputs, positions, document_ids=docs)
+                    extra = {"mtp_labels": mtp[0]} if mtp else {}
+                    logits = self.train_module(inputs, positions, document_ids=docs, **extra)
                     loss = self.compute_loss(logits, labels)
                 with phase(BACKWARD):
                     (loss * scale).backward()
@@ -196,8 +205,7 @@ class Trainer:
         # with the slice's global positions for RoPE (document masking: in-document positions).
         cp = dims.cp_mesh if dims.cp_enabled else None
         with phase(DATA):
-            microbatches = [prepare_batch(*mb, group=cp, layout=self.cp_layout,
-                                          device=self.device) for mb in microbatches]
+            microbatches = [self._prepare(mb, cp) for mb in microbatches]
         with phase(LOSS):
             local_tokens = sum(host_float((y != IGNORE_INDEX).sum(), y.numel()) for _, y, *_ in
                                microbatches)  # (a dry run's labels are fake: all count)
@@ -205,6 +213,9 @@ class Trainer:
             dist.all_reduce(counts, group=loss_group)
             global_tokens = max(host_float(counts, local_tokens * dims.loss_mesh.size()), 1.0)
         scale = dims.gradient_reduction_size / global_tokens
+        depth = self.model_args.num_mtp_layers
+        if depth:  # the MTP loss: mtp_loss_weight / depth x its token-CE sum / global tokens
+            set_mtp_grad_weight(self.model_parts, scale * self.cfg.training.mtp_loss_weight / depth)
         if self.pipeline is not None:  # document ids and their positions reach every stage
             with phase(PIPELINE):
                 loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
@@ -217,6 +228,8 @@ class Trainer:
         with phase(LOSS):
             dist.all_reduce(loss_sum, group=loss_group)
             mean_loss, grad_norm = host_float(loss_sum / global_tokens), host_float(grad_norm)
+            if depth:
+                self.mtp_loss = self._mtp_loss(global_tokens, loss_group)
         if self.cfg.comm.mode == "real" and not (math.isfinite(mean_loss + grad_norm)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss = {mean_loss}, grad norm = {grad_norm}; stopping "
@@ -224,6 +237,28 @@ class Trainer:
         with phase(OPTIMIZER):
             self._optimizer_step()
         return mean_loss, grad_norm
+
+    def _prepare(self, microbatch, cp) -> tuple:
+        """This rank's (inputs, labels, positions, docs[, mtp labels]) of a loader batch: the
+        MTP labels come from the whole sequence, then are sharded like the labels under CP."""
+        prepared = prepare_batch(*microbatch, group=cp, layout=self.cp_layout, device=self.device)
+        depth = self.model_args.num_mtp_layers
+        if not depth:
+            return prepared
+        future = mtp_labels(microbatch[1], depth)
+        if cp is not None:
+            future = shard_sequence(future, 1, cp, self.cp_layout)
+        return (*prepared, future.to(self.device))
+
+    def _mtp_loss(self, global_tokens: float, loss_group) -> float:
+        """The step's MTP loss: the mean over the MTP modules of their token-CE sum / the main
+        loss's token count (DeepSeek-V3's L_MTP^k, averaged over k), for the metrics."""
+        depth = self.model_args.num_mtp_layers
+        sums = mtp_loss_sums(self.model_parts, depth, self.device)
+        if self._pp_group is not None:
+            dist.all_reduce(sums, group=self._pp_group)  # held by the last stage(s) only
+        dist.all_reduce(sums, group=loss_group)
+        return host_float(sums.sum() / (global_tokens * depth))
 
     def _optimizer_step(self) -> None:
         """Optimizer and LR steps, MoE bias update, float8 scales, zero_grad."""
@@ -295,6 +330,8 @@ class Trainer:
         cfg, c = self.cfg, self.cfg.checkpoint
         metrics.record_tokens(tokens_per_step)
         shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
+        if self.model_args.num_mtp_layers:  # logged apart from the main loss
+            shown = {**(shown or {}), "mtp_loss": self.mtp_loss}
         metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown, tb_extra=tb)
         self.validator.maybe_run(self.step, metrics)
         self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)

@@ -114,7 +114,7 @@ def _write_config(hf_dir: str, tmp_path, **changes) -> str:
     ({"head_dim": 33}, "head_dim"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "DeepseekV3"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}, "DeepseekV2"),
     ({"hidden_size": None}, "hidden_size"),
 ])
 def test_unsupported_config_is_config_error_naming_field_and_file(hf_dirs, tmp_path, changes,

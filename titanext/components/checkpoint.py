@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from titanext.components.checkpoint_manifest import (
     _ERRORS,
@@ -135,6 +136,10 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _local_tensor(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _load_file(path: str) -> Any:
@@ -256,28 +261,36 @@ class CheckpointManager:
 
     # -- state -----------------------------------------------------------------------------------
     def _model_state(self) -> dict[str, Any]:
+        """Every part's model state under one FQN each. Two parts of this rank may hold
+        bitwise-equal copies of a tensor (MTP's embedding on the last pipeline stage): it is
+        saved once and loaded into both."""
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             part_state = get_model_state_dict(part)
-            duplicated = merged.keys() & part_state.keys()
-            if duplicated:
-                raise ValueError(f"model parts share state names {sorted(duplicated)[:3]}; each "
-                                 "FQN must belong to exactly one part")
-            merged.update(part_state)
+            differ = [n for n in merged.keys() & part_state.keys()
+                      if not torch.equal(_local_tensor(merged[n]), _local_tensor(part_state[n]))]
+            if differ:
+                raise ValueError(f"model parts share state names {sorted(differ)[:3]} with "
+                                 "different values; each FQN must belong to one part (or hold "
+                                 "equal copies)")
+            merged.update({n: t for n, t in part_state.items() if n not in merged})
         return merged
 
-    def _optimizer_state(self) -> tuple[dict[str, Any], dict[str, str]]:
+    def _optimizer_state(self) -> tuple[dict[str, Any], dict[str, list[str]]]:
         """Flattened optimizer state keyed without the container's part index, and the map back.
 
         Keys are "state.<part>.<fqn>.<name>" / "param_groups.<part>.<fqn>.<name>"; dropping
-        "<part>." keeps the checkpoint independent of how the model is split into parts.
+        "<part>." keeps the checkpoint independent of how the model is split into parts. A
+        parameter copied in two parts (see :meth:`_model_state`) maps back to both keys.
         """
         prefixed = get_optimizer_state_dict(self._parts, self.optimizer, options=_OPTIM_OPTIONS)
-        state, original_keys = {}, {}
+        state: dict[str, Any] = {}
+        original_keys: dict[str, list[str]] = {}
         for key, value in prefixed.items():
             section, _part, rest = key.split(".", 2)
             name = f"{section}.{rest}"
-            state[name], original_keys[name] = value, key
+            state.setdefault(name, value)
+            original_keys.setdefault(name, []).append(key)
         return state, original_keys
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
@@ -499,8 +512,10 @@ class CheckpointManager:
             # another data-parallel size works too.
             self.optimizer.load_state_dict(_load_file(os.path.join(path, _ZERO1_OPTIMIZER)))
         else:
-            optim_state = {original_keys[name]: value
-                           for name, value in state["optimizer"].items()}
+            optim_state = {key: value if i == 0 or not isinstance(value, torch.Tensor)
+                           else value.clone()  # a copy's own state, never a shared tensor
+                           for name, value in state["optimizer"].items()
+                           for i, key in enumerate(original_keys[name])}
             set_optimizer_state_dict(self._parts, self.optimizer, optim_state,
                                      options=_OPTIM_OPTIONS)
 

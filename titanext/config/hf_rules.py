@@ -11,6 +11,8 @@ embeddings against pipeline stages, and ``[checkpoint] initial_load_path`` again
 
 from __future__ import annotations
 
+import dataclasses
+
 from titanext.errors import ConfigError
 from titanext.hf.tokenizer import HFTokenizer
 from titanext.models.args import ModelArgs
@@ -21,8 +23,8 @@ __all__ = ["hf_problems"]
 
 def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, model_vocab: int | None,
                 tp: int = 1, pp: int = 1, initial_load_path: str | None = None,
-                initial_load_in_hf: bool = False, model_args: ModelArgs | None = None
-                ) -> list[str]:
+                initial_load_in_hf: bool = False, model_args: ModelArgs | None = None,
+                num_mtp_layers: int = -1) -> list[str]:
     """The config rules of the HF path, one line per problem (``titanext.config.rules`` calls it):
 
     - ``flavor = "hf"`` or ``tokenizer = "hf"`` need ``hf_assets_path``; its config.json /
@@ -31,7 +33,8 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
     - tied embeddings cannot be split over pipeline stages;
     - ``initial_load_path`` must match the model (shapes read from headers only).
 
-    ``model_args`` is the model of a named flavor (None for ``flavor = "hf"``).
+    ``model_args`` is the model of a named flavor (None for ``flavor = "hf"``);
+    ``num_mtp_layers`` >= 0 replaces its (or config.json's) MTP depth (``[model]``'s key).
     """
     problems: list[str] = []
     needs_assets = [k for k, v in (("model.flavor", flavor), ("model.tokenizer", tokenizer))
@@ -45,6 +48,8 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
             args = model_args_from_hf(hf_assets_path)
         except ConfigError as e:
             problems.extend(e.problems)
+    if args is not None and num_mtp_layers >= 0:
+        args = dataclasses.replace(args, num_mtp_layers=num_mtp_layers)
     if tokenizer == "hf":
         try:
             tok = HFTokenizer(hf_assets_path)

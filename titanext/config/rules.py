@@ -32,6 +32,7 @@ from titanext.config.degrees import (
     resolve_dp_shard,
     resolve_microbatches,
 )
+from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
 from titanext.errors import ConfigError
@@ -197,10 +198,14 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         args = get_model_args(m.name, m.flavor)
     which = f"{m.name} {m.flavor}"
     tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+    if degrees_ok and "model.num_mtp_layers" not in skip:
+        problems += mtp_problems(cfg, flavor_depth=args.num_mtp_layers)
     if degrees_ok and tp > 1:
         n_kv_heads = args.n_kv_heads or args.n_heads  # None means multi-head, not grouped
-        for attr, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads),
-                            ("vocab_size", args.vocab_size)):
+        heads = [("n_heads", args.n_heads)]
+        if not args.mla:  # MLA: one key and value per head, split with the heads
+            heads.append(("n_kv_heads", n_kv_heads))
+        for attr, value in (*heads, ("vocab_size", args.vocab_size)):
             if value % tp:
                 problems.append(f"parallelism.tensor_parallel_degree = {tp} must divide the "
                                 f"model's {attr} = {value} ({which}); choose a divisor of {value}")
@@ -266,7 +271,7 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
                         f"{heads // tp} ({which}): Ulysses splits the heads over its ranks; "
                         "choose a smaller Ulysses degree")
     kv = kv_heads // tp
-    if (kv % u) if kv >= u else (u % kv):
+    if not args.mla and ((kv % u) if kv >= u else (u % kv)):  # MLA: kv heads are the heads
         problems.append(f"{_ulysses_key(p)} must divide the model's n_kv_heads{per_tp} = {kv} "
                         f"({which}) or be a multiple of it (kv heads are then replicated); "
                         "choose another Ulysses degree")
@@ -294,7 +299,7 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
         model_vocab=None if named is None else named.vocab_size,
         tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
         initial_load_path=c.initial_load_path, initial_load_in_hf=c.initial_load_in_hf,
-        model_args=named)
+        model_args=named, num_mtp_layers=m.num_mtp_layers)
     problems.extend(found)
     if c.last_save_in_hf and not found:
         try:
@@ -324,6 +329,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
         base = model_args_from_hf(cfg.model.hf_assets_path)
     else:
         base = get_model_args(cfg.model.name, cfg.model.flavor)
+    if cfg.model.num_mtp_layers >= 0:
+        base = dataclasses.replace(base, num_mtp_layers=cfg.model.num_mtp_layers)
     return with_moe_overrides(base, **_moe_overrides(cfg))
 
 

@@ -115,14 +115,18 @@ class Model:
     """Model family (a key of titanext.models.MODEL_FLAVORS)."""
     flavor: str = _field("debugmodel", rule="a flavor of the chosen model, or 'hf'")
     """Named size of the model family, e.g. debugtiny, debugmodel, 1B, 8B, 70B, 405B; 'hf'
-    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral, Qwen3; see
-    docs/hf_checkpoints.md)."""
+    takes the shapes from hf_assets_path/config.json (Llama, Mistral, Mixtral, Qwen3,
+    DeepSeek-V3; see docs/hf_checkpoints.md)."""
     tokenizer: str = _field("byte", choices=("byte", "hf"))
     """Tokenizer: 'byte' is the built-in byte-level tokenizer (258 ids, no files needed); 'hf'
     reads hf_assets_path/tokenizer.json (BOS/EOS from tokenizer_config.json)."""
     hf_assets_path: str | None = _field(None)
     """A Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json) for
     flavor = 'hf' and tokenizer = 'hf'; its files are copied into HF exports."""
+    num_mtp_layers: int = _field(-1, ge=-1)
+    """Multi-token prediction modules after the last block (DeepSeek-V3: 1; each predicts one
+    token further, through the shared embedding and output head; docs/deepseek_v3.md). -1
+    keeps the flavor's (or config.json's num_nextn_predict_layers), 0 turns MTP off."""
 
 
 @dataclass
@@ -164,6 +168,10 @@ class Training:
     the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
+    mtp_loss_weight: float = _field(0.3, ge=0)
+    """Weight of the multi-token prediction loss (models with MTP modules): the loss is the
+    main token mean + mtp_loss_weight x the mean over MTP modules of each one's token-CE sum
+    / the main token count (DeepSeek-V3's lambda: 0.3, then 0.1). Logged apart as mtp_loss."""
     document_masking: bool = _field(False)
     """Packed documents do not attend to each other: the loader numbers the documents of each
     row (a new one after every EOS), attention stays causal within a document (with or without
@@ -460,7 +468,7 @@ def _grouped_mm_value(value: bool | str) -> str | None:
 @dataclass
 class MoEConfig:
     """Overrides of the model flavor's MoE settings; an unset key keeps the flavor's value.
-    Only for MoE flavors (debugmoe, deepseek_v3_16b, deepseek_v3_671b)."""
+    Only for MoE flavors (debugmoe, debugdeepseek, deepseek_v3_16b, deepseek_v3_671b)."""
 
     num_experts: int | None = _field(None, ge=1)
     """Routed experts per MoE block."""

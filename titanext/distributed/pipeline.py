@@ -62,10 +62,27 @@ from titanext.schedules.dualpipe import sum_mirrored_grads
 #: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
 SPLIT_BACKWARD = ("deferred", "autograd")
 
-__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "StageModuleList",
+__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "stage_parts",
+           "StageModuleList",
            "run_own_forward", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
            "StageTimer", "PipelineRunner"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def stage_parts(model: nn.Module, stage_index: int, num_stages: int) -> dict:
+    """:func:`split_model`'s ``first`` / ``last`` for titanext's model: with MTP modules
+    (``model.mtp``) they go to the last stage, and the last stage keeps ``tok_embeddings`` too
+    (MTP embeds the next tokens there; :meth:`PipelineRunner.sum_shared_embedding_grads`
+    sums the two copies' gradients). ``{}`` (the defaults) without MTP."""
+    if getattr(model, "mtp", None) is None:
+        return {}
+    keep_embedding = stage_index == num_stages - 1
+    return {"first": () if keep_embedding else ("tok_embeddings",),
+            "last": ("norm", "output", "mtp")}
 
 
 def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None, *,
@@ -313,7 +330,16 @@ class PipelineRunner:
         # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
         # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
         self.weight_grad_queue = None
-        parts = [split_model(model, counts, i) for i in self.stage_ids]
+        parts = [split_model(model, counts, i, **stage_parts(model, i, self.num_stages))
+                 for i in self.stage_ids]
+        owners = stage_owners(cls.placement, pp, per_rank)
+        # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
+        # gradient is summed with the first stage's (here, or with the rank that holds it)
+        self._embedding_peer = None
+        if getattr(model, "mtp", None) is not None and not self.mirrored and \
+                owners[0] != owners[-1] and pp_rank in (owners[0], owners[-1]):
+            peer = owners[-1] if pp_rank == owners[0] else owners[0]
+            self._embedding_peer = dist.get_global_rank(self.pp_group, peer)
         if split_backward == "deferred" and cls.splits_backward:
             self.weight_grad_queue = WeightGradQueue()
             for part in parts:  # a converter: before TP / FSDP, on the meta stage
@@ -399,32 +425,86 @@ class PipelineRunner:
             self._timer.detach()
             self._timer = None
             self._build()
+        self.sum_shared_embedding_grads()
         loss_sum = self._loss_sum.clone()
         dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage saw the loss
         return loss_sum / self._loss_copies
 
     def stage_kwargs(self, position_ids: torch.Tensor | None = None,
-                     document_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                     document_ids: torch.Tensor | None = None,
+                     mtp_labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The per-micro-batch keywords of every stage's forward: document ids and their
-        [batch, seq] positions (positions shared by all rows stay in the position hook)."""
+        [batch, seq] positions (positions shared by all rows stay in the position hook), and
+        the MTP labels (:func:`titanext.models.mtp.mtp_labels`; the last stage uses them)."""
         out = {}
+        if mtp_labels is not None:
+            out["mtp_labels"] = mtp_labels.to(self.device)
         if document_ids is not None:
             out["document_ids"] = document_ids.to(self.device)
         if position_ids is not None and position_ids.dim() == 2:
             out["position_ids"] = position_ids.to(self.device)
         return out
 
+    def _embedding_copies(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+        """(this rank's first-stage embedding, its last stage's MTP copy), None where absent."""
+        first = last = None
+        for i, part in zip(self.stage_ids, self.parts, strict=True):
+            if getattr(part, "mtp", None) is None or getattr(part, "tok_embeddings", None) is None:
+                continue
+            if i == self.num_stages - 1:
+                last = part.tok_embeddings.weight
+        if last is not None or self._embedding_peer is not None:
+            first = next((p.tok_embeddings.weight for i, p in zip(self.stage_ids, self.parts)
+                          if i == 0), None)
+        return first, last
+
+    def sum_shared_embedding_grads(self) -> None:
+        """MTP: give the first stage's embedding and the last stage's copy the sum of their
+        gradients, exactly as for one shared parameter (a + b on both sides: bitwise equal
+        copies, and so equal optimizer updates). On one rank (ZBV, DualPipe after its mirrored
+        sum) it adds locally; across ranks it swaps the (FSDP-local) gradients with the peer
+        over the pp group. A no-op without MTP."""
+        first, last = self._embedding_copies()
+        if last is None and self._embedding_peer is None:
+            return
+        if first is not None and last is not None:
+            if first.grad is None or last.grad is None:
+                return
+            total = _local(first.grad) + _local(last.grad)  # the same order on every rank
+            _local(first.grad).copy_(total)
+            _local(last.grad).copy_(total)
+            return
+        mine = first if first is not None else last
+        grad = _local(mine.grad) if mine.grad is not None else torch.zeros_like(_local(mine))
+        theirs = torch.empty_like(grad)
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, grad.contiguous(), self._embedding_peer, self.pp_group),
+             dist.P2POp(dist.irecv, theirs, self._embedding_peer, self.pp_group)])
+        for req in reqs:
+            req.wait()
+        total = grad + theirs if first is not None else theirs + grad  # first + last
+        if mine.grad is None:
+            mine.grad = total  # (plain tensors only: FSDP always holds a gradient)
+        else:
+            _local(mine.grad).copy_(total)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip every stage's gradients by their global norm over the pp group; returns the
         norm. Mirrored copies (DualPipe) first get their summed gradient (bitwise equal on
-        both) and count once in the norm."""
+        both) and count once in the norm; so does the MTP's copy of the embedding."""
+        _, copy = self._embedding_copies()
         if self.mirrored:
             if not self._mirror_summed:
                 sum_mirrored_grads(self.stages)
             self._mirror_summed = False
-            return clip_mirrored_grads(list(self.parts[0].parameters()),
-                                       list(self.parts[1].parameters()), max_norm,
-                                       pp_group=self.pp_group)
+            down = [q for q in self.parts[0].parameters() if q is not copy]
+            up = list(self.parts[1].parameters())
+            if copy is not None and not any(q is copy for q in up):
+                up.append(copy)  # the down copy's last stage: counted by stage 0's embedding
+            return clip_mirrored_grads(down, up, max_norm, pp_group=self.pp_group)
         params = [q for part in self.parts for q in part.parameters()]
-        return clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
+        if copy is None:
+            return clip_grad_norm_(params, max_norm, pp_group=self.pp_group)
+        return clip_mirrored_grads([q for q in params if q is not copy], [copy], max_norm,
+                                   pp_group=self.pp_group)
 

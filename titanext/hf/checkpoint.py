@@ -69,6 +69,25 @@ _QWEN_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # titanext state with no HF counterpart: the aux-loss-free routing bias (zero unless trained
 # with load_balance_coeff) is skipped, with a warning on export when it is not zero.
 _NO_HF = ("moe.router.expert_bias",)
+# DeepSeek-V3 (MLA models): attention, the router with its bias, shared experts; its MTP
+# modules are model.layers.{n_layers + k} (enorm, hnorm, eh_proj, shared_head.norm, the block)
+_DEEPSEEK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
 
 
 def hf_names(fqn: str, args: ModelArgs) -> list[str] | None:
@@ -86,19 +105,29 @@ def hf_names(fqn: str, args: ModelArgs) -> list[str] | None:
         return ["model.norm.weight"]
     if fqn == "output.weight":
         return None if args.tie_embeddings else ["lm_head.weight"]
+    m = _MTP.match(fqn)
+    if m is not None:
+        layer, rest = args.n_layers + int(m.group(1)), m.group(2)
+        if rest in _MTP_OWN:
+            return [f"model.layers.{layer}.{_MTP_OWN[rest]}"]
+        if rest.startswith("block."):
+            return hf_names(f"layers.{layer}.{rest.removeprefix('block.')}", args)
+        raise KeyError(f"{fqn!r} has no Hugging Face name")
     m = _LAYER.match(fqn)
     if m is None:
         raise KeyError(f"{fqn!r} has no Hugging Face name")
     layer, rest = m.groups()
     prefix = f"model.layers.{layer}."
+    if args.mla and rest in _DEEPSEEK:
+        return [prefix + _DEEPSEEK[rest]]
     if rest in _PER_LAYER:
         return [prefix + _PER_LAYER[rest]]
     if rest == "moe.router.gate.weight":
         return [prefix + _ROUTER[args.qk_norm]]
     if rest in _EXPERTS:
         w = _EXPERTS[rest]
-        w = _QWEN_EXPERT_W[w] if args.qk_norm else w
-        template = _EXPERT_NAME[args.qk_norm]
+        w = _QWEN_EXPERT_W[w] if args.qk_norm or args.mla else w
+        template = _EXPERT_NAME[args.qk_norm or args.mla]
         return [prefix + template.format(e=e, w=w) for e in range(args.moe.num_experts)]
     if rest in _NO_HF:
         return None
@@ -122,7 +151,7 @@ def permute_for_rope(w: torch.Tensor, n_heads: int, *, to_hf: bool) -> torch.Ten
 
 def _permuted_heads(fqn: str, args: ModelArgs) -> int | None:
     """Heads of ``fqn`` if it is a q/k projection that needs the RoPE permutation, else None."""
-    if args.rope_layout == "half":
+    if args.rope_layout == "half" or args.mla:  # MLA: HF's rope_interleave is the layout
         return None
     if fqn.endswith("attention.wq.weight"):
         return args.n_heads
@@ -177,8 +206,11 @@ def check_hf_checkpoint(path: str, args: ModelArgs) -> dict[str, tuple[str, list
     index = hf_tensor_index(path)
     for fqn, name, shape in _expected(args):
         if name not in index:
+            fix = ("; it has no multi-token prediction weights (transformers' save_pretrained "
+                   "leaves them out): set model.num_mtp_layers = 0 to train without MTP"
+                   if fqn.startswith("mtp.") else "; the checkpoint does not match the model")
             raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor {name!r} (for "
-                              f"{fqn}) is missing; the checkpoint does not match the model")
+                              f"{fqn}) is missing{fix}")
         file, found, _ = index[name]
         if found != shape:
             raise ConfigError(f"checkpoint.initial_load_path: {file}: tensor {name!r} has shape "
@@ -266,6 +298,7 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs
     index = check_hf_checkpoint(path, args)
     direct: dict[str, torch.Tensor] = {}
     sliced: list[tuple[str, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for part in model_parts:
         for fqn, param in part.state_dict(keep_vars=True).items():
             names = hf_names(fqn, args)
@@ -273,10 +306,14 @@ def load_hf_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs
                 continue
             if not use_dcp or _is_stacked(fqn) or _permuted_heads(fqn, args) is not None:
                 sliced.append((fqn, param))
+            elif names[0] in direct:  # a second copy on this rank (MTP's embedding, PP)
+                copies.append((param, direct[names[0]]))
             else:
                 direct[names[0]] = param.data if isinstance(param, nn.Parameter) else param
     if use_dcp:
         _dcp_load(direct, path)  # in place into each rank's shards
+    for param, loaded in copies:
+        param.data.copy_(loaded) if isinstance(param, nn.Parameter) else param.copy_(loaded)
     handles: dict[str, Any] = {}
     for fqn, param in sliced:
         _load_by_slices(fqn, param.data if isinstance(param, nn.Parameter) else param, args,
@@ -301,6 +338,11 @@ def to_hf_state_dict(fqn: str, full: torch.Tensor, args: ModelArgs
     if heads is not None:
         full = permute_for_rope(full, heads, to_hf=True)
     yield names[0], full.contiguous()
+    # DeepSeek-V3's MTP layers store their own copies of the embedding and the head
+    extra = {"tok_embeddings.weight": "embed_tokens.weight",
+             "output.weight": "shared_head.head.weight"}.get(fqn)
+    for k in range(args.num_mtp_layers if extra else 0):
+        yield f"model.layers.{args.n_layers + k}.{extra}", full.clone()  # not shared storage
 
 
 def _rank() -> int:
@@ -366,7 +408,8 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
         t = held[fqn]
         full = t.full_tensor() if isinstance(t, DTensor) else t
         dtype = full.dtype
-        if fqn.endswith("router.expert_bias") and owner[fqn] == rank and bool(full.any()):
+        if fqn.endswith("router.expert_bias") and owner[fqn] == rank and not args.mla \
+                and bool(full.any()):
             warnings.warn(f"{fqn} (aux-loss-free routing bias) is not zero; transformers' Mixtral "
                           "has no such bias, so the export routes tokens differently",
                           stacklevel=2)

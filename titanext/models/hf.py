@@ -11,9 +11,11 @@ window, ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim), and the MoE models
 ``MixtralForCausalLM`` (softmax top-k renormalised over the chosen experts: titanext's
 ``score_func="softmax", route_norm=True``) and ``Qwen3MoeForCausalLM`` (``norm_topk_prob`` is
 ``route_norm``; dense layers from ``mlp_only_layers`` / ``decoder_sparse_step`` when they
-form titanext's "first k dense, then every n-th" pattern). DeepSeek-V2/V3 (multi-head latent
-attention) is not supported. The model uses
-HF's RoPE pairing (``rope_layout="half"``), so HF weights load without any permutation.
+form titanext's "first k dense, then every n-th" pattern), and ``DeepseekV3ForCausalLM``
+(multi-head latent attention, DeepSeek-V3 routing, multi-token prediction:
+:mod:`titanext.models.hf_deepseek`). The model uses HF's RoPE pairing
+(``rope_layout="half"``; DeepSeek-V3: its ``rope_interleave``), so HF weights load without any
+permutation.
 
 >>> from titanext.models.hf import model_args_from_hf
 >>> args = model_args_from_hf("path/to/hf_dir")   # an HF model directory  # doctest: +SKIP
@@ -27,6 +29,7 @@ from typing import Any
 from titanext.errors import ConfigError
 from titanext.hf.tokenizer import read_json
 from titanext.models.args import ModelArgs, MoEArgs, RopeScaling
+from titanext.models.hf_deepseek import DEEPSEEK_V3, deepseek_v3_args, deepseek_v3_config
 
 __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "load_hf_config",
            "model_args_from_hf"]
@@ -34,7 +37,7 @@ __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "load_hf_config",
 #: architecture -> model_type of the HF configs the ``hf`` flavor builds.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
-                    "Qwen3MoeForCausalLM": "qwen3_moe"}
+                    "Qwen3MoeForCausalLM": "qwen3_moe", DEEPSEEK_V3: "deepseek_v3"}
 _ROPE_TYPES = ("default", "llama3")
 
 
@@ -87,6 +90,8 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
             f"{where}: architectures = {archs} (model_type {model_type!r}) is not supported by "
             f"flavor 'hf'; supported: {', '.join(HF_ARCHITECTURES)}")
     model_type = model_type or HF_ARCHITECTURES[arch]
+    if model_type == "deepseek_v3":  # MLA, DeepSeek routing, MTP: titanext.models.hf_deepseek
+        return deepseek_v3_args(cfg, where)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size")
     missing = [k for k in required if not isinstance(cfg.get(k), int)]
@@ -175,6 +180,13 @@ def hf_config_from_model_args(args: ModelArgs, *, dtype: str = "float32",
     fields and ``dtype`` are always written from ``args``. ValueError for models transformers'
     Llama / Mixtral cannot express (DeepSeek-style routing, shared experts, dense+MoE mixes).
     """
+    if args.mla:
+        cfg = deepseek_v3_config(args, base)
+        cfg["dtype"] = dtype
+        for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+            if value is not None:
+                cfg[key] = value
+        return cfg
     moe, qwen = args.moe, args.qk_norm
     family = ("Qwen3Moe" if moe else "Qwen3") if qwen else ("Mixtral" if moe else "Llama")
     if moe is not None:

@@ -1,0 +1,42 @@
+"""The config rules of multi-token prediction (``[model] num_mtp_layers``,
+``[training] mtp_loss_weight``; docs/deepseek_v3.md), torch-free.
+
+:func:`mtp_problems` names the layouts MTP does not run under, one line each with the key,
+the value and what is allowed; :mod:`titanext.config.rules` calls it with the model's shape.
+
+>>> from titanext.config.schema import JobConfig
+>>> cfg = JobConfig()
+>>> cfg.parallelism.tensor_parallel_degree = 2
+>>> mtp_problems(cfg, flavor_depth=1)[0][:55]
+'parallelism.tensor_parallel_degree = 2: multi-token pre'
+"""
+
+from __future__ import annotations
+
+from titanext.config.schema import JobConfig
+
+__all__ = ["mtp_depth", "mtp_problems"]
+
+
+def mtp_depth(cfg: JobConfig, flavor_depth: int) -> int:
+    """The MTP modules the job trains: ``[model] num_mtp_layers``, or the flavor's if -1."""
+    return flavor_depth if cfg.model.num_mtp_layers < 0 else cfg.model.num_mtp_layers
+
+
+def mtp_problems(cfg: JobConfig, *, flavor_depth: int) -> list[str]:
+    """MTP against the layout (a model with ``flavor_depth`` MTP modules unless overridden).
+
+    MTP runs under FSDP / HSDP, CP (ring, Ulysses, hybrid), EP and every pipeline schedule
+    (its modules on the last stage); tensor parallelism does not split the MTP modules yet.
+    """
+    depth = mtp_depth(cfg, flavor_depth)
+    if depth == 0:
+        return []
+    p, problems = cfg.parallelism, []
+    what = (f"multi-token prediction (model.num_mtp_layers = {depth}"
+            + (", the flavor's" if cfg.model.num_mtp_layers < 0 else "") + ")")
+    if p.tensor_parallel_degree > 1:
+        problems.append(f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: "
+                        f"{what} does not run under tensor parallelism; allowed: "
+                        "tensor_parallel_degree = 1, or model.num_mtp_layers = 0")
+    return problems
