@@ -11,14 +11,15 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from titanext._hints import did_you_mean
-from titanext.models.args import LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
+from titanext.models.args import DEEPSEEK_FLAVORS, LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
 
 if TYPE_CHECKING:  # the registry stays torch-free: the config reads it while loading
     import torch
     from torch import nn
 
 # The MoE flavors are the same decoder with MoE blocks, so they live under "llama3" too.
-MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama3": {**LLAMA3_FLAVORS, **MOE_FLAVORS}}
+MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {
+    "llama3": {**LLAMA3_FLAVORS, **MOE_FLAVORS, **DEEPSEEK_FLAVORS}}
 
 #: Keys of :func:`with_moe_overrides` that belong to ModelArgs (which blocks are MoE).
 MOE_LAYER_KEYS = ("n_dense_layers", "moe_layer_interval")

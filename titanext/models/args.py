@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["LLAMA3_FLAVORS", "MOE_FLAVORS", "ModelArgs", "MoEArgs"]
+__all__ = ["DEEPSEEK_FLAVORS", "LLAMA3_FLAVORS", "MOE_FLAVORS", "ModelArgs", "ModelArgsError",
+           "MoEArgs", "RopeScaling", "YarnRopeScaling"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,38 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling as DeepSeek-V2/V3 use it (Hugging Face ``rope_type = "yarn"``; the
+    field names are HF's ``rope_scaling`` keys).
+
+    Frequencies whose wavelength fits ``original_max_position_embeddings`` more than
+    ``beta_fast`` times keep their value, those fitting fewer than ``beta_slow`` times are
+    divided by ``factor``, with a linear ramp between. cos/sin are multiplied by
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (``mscale(factor)`` when either
+    is 0), where ``mscale(f, m) = 0.1 m ln f + 1``, and MLA's softmax scale by
+    ``mscale(factor, mscale_all_dim) ** 2`` when ``mscale_all_dim`` is set: as HF's
+    ``DeepseekV3Attention`` does.
+    """
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True  # floor/ceil the correction range (HF's default)
+
+
+class ModelArgsError(ValueError):
+    """Invalid :class:`ModelArgs`; ``problems`` holds one line per problem, each naming the
+    field, the value given and what is allowed."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("ModelArgs: " + "; ".join(problems))
+        self.problems = list(problems)
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """Shapes of a Llama-3-style decoder.
 
@@ -88,6 +121,14 @@ class ModelArgs:
     (i, i + head_dim/2) (Hugging Face's ``rotate_half``; the ``hf`` flavor). The two differ only
     by a fixed permutation of the rows of ``wq`` and ``wk`` inside each head
     (:mod:`titanext.hf.checkpoint` applies it when a checkpoint changes convention).
+
+    ``kv_lora_rank > 0`` switches attention to DeepSeek's multi-head latent attention (MLA,
+    :class:`titanext.models.llama.MLAttention`): keys and values come from a compressed
+    latent of ``kv_lora_rank`` features, queries from one of ``q_lora_rank`` (0: a full-rank
+    ``wq``), each head's q/k is ``qk_nope_head_dim`` features without RoPE plus
+    ``qk_rope_head_dim`` with it (the rotated key shared by all heads), and its value has
+    ``v_head_dim`` features. ``n_kv_heads`` and ``attn_head_dim`` do not apply then.
+    Inconsistent values raise :class:`ModelArgsError`.
     """
 
     dim: int = 256
@@ -106,9 +147,67 @@ class ModelArgs:
     ffn_hidden_size: int | None = None  # explicit SwiGLU hidden size (HF intermediate_size)
     tie_embeddings: bool = False  # output.weight is tok_embeddings.weight
     rope_layout: Literal["interleaved", "half"] = "interleaved"
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnRopeScaling | None = None
     attn_head_dim: int | None = None  # per-head size when it is not dim // n_heads (Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank = 0 keeps GQA attention.
+    q_lora_rank: int = 0  # rank of the query compression (0: full-rank wq)
+    kv_lora_rank: int = 0  # rank of the key-value compression (0: MLA off)
+    qk_nope_head_dim: int = 128  # per-head q/k features without RoPE
+    qk_rope_head_dim: int = 64  # per-head q/k features with RoPE (the key's shared by all heads)
+    v_head_dim: int = 128  # per-head value features
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ModelArgsError(problems)
+
+    def problems(self) -> list[str]:
+        """What is inconsistent in these args (MLA and YaRN fields), one line per problem."""
+        problems = []
+        for key in ("kv_lora_rank", "q_lora_rank"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key} = {getattr(self, key)} is negative; allowed: 0 (off) or a "
+                                "positive rank")
+        if self.q_lora_rank > 0 and self.kv_lora_rank == 0:
+            problems.append(f"q_lora_rank = {self.q_lora_rank} needs multi-head latent attention; "
+                            "allowed: kv_lora_rank > 0, or q_lora_rank = 0")
+        if self.mla:
+            problems += self._mla_problems()
+        if isinstance(self.rope_scaling, YarnRopeScaling):
+            rs = self.rope_scaling
+            if not rs.factor > 0 or rs.original_max_position_embeddings < 1:
+                problems.append(f"rope_scaling = {rs} needs factor > 0 and "
+                                "original_max_position_embeddings >= 1")
+        return problems
+
+    def _mla_problems(self) -> list[str]:
+        problems = [f"{key} = {getattr(self, key)} with MLA (kv_lora_rank = {self.kv_lora_rank});"
+                    " allowed: a positive integer"
+                    for key in ("qk_nope_head_dim", "v_head_dim") if getattr(self, key) < 1]
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim = {self.qk_rope_head_dim} with MLA; allowed: a "
+                            "positive even integer (RoPE rotates pairs of features)")
+        if self.n_kv_heads not in (None, self.n_heads):
+            problems.append(f"n_kv_heads = {self.n_kv_heads} with MLA (every head has its own key "
+                            f"and value); allowed: None or n_heads = {self.n_heads}")
+        if self.attn_head_dim is not None:
+            problems.append(f"attn_head_dim = {self.attn_head_dim} with MLA; allowed: None (MLA's "
+                            "head sizes are qk_nope_head_dim + qk_rope_head_dim and v_head_dim)")
+        if self.qk_norm:
+            problems.append("qk_norm = True with MLA; allowed: False (MLA normalises its "
+                            "latents with q_norm and kv_norm)")
+        return problems
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` is a MoE block."""
@@ -126,7 +225,15 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
+        """Per-head size of q and k (with MLA: qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        """Per-head size of v (and of the attention output)."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -156,9 +263,7 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
                       multiple_of=4096, **_LLAMA3_BIG),
 }
 
-# MoE flavors. Attention is our GQA attention (titanext has no multi-head latent attention, MLA),
-# so the DeepSeek-V3-like shapes match the published FFN/MoE shapes (dims, experts, top_k, shared
-# experts, first-k-dense layers, routing) but not DeepSeek's attention parameters.
+# MoE flavors with titanext's GQA attention.
 MOE_FLAVORS: dict[str, ModelArgs] = {
     # ~0.3M parameters, CPU: 3 blocks (block 0 dense, then MoE), 8 experts (top-2, sigmoid
     # scores with DeepSeek-V3-style group-limited routing over 4 groups), 1 shared expert.
@@ -168,19 +273,45 @@ MOE_FLAVORS: dict[str, ModelArgs] = {
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1,
                     score_func="sigmoid", route_norm=True, num_expert_groups=4,
                     num_limited_groups=2, load_balance_coeff=1e-3)),
-    # DeepSeek-V2-Lite / DeepSeek-MoE-16B shapes (~16B total, ~2.5B active): 27 blocks, first
-    # dense (FFN hidden 10944), 64 routed experts (hidden 1408) top-6 softmax, 2 shared.
+}
+
+# DeepSeek's YaRN settings: a 4K pretraining context stretched 40x.
+_YARN = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
+
+# DeepSeek-V3 architectures: multi-head latent attention, first-k-dense, sigmoid-scored experts
+# with group-limited routing and aux-loss-free balancing (docs/deepseek_v3.md).
+DEEPSEEK_FLAVORS: dict[str, ModelArgs] = {
+    # ~0.3M parameters, CPU tests: MLA with a low-rank query, qk_nope_head_dim (16) !=
+    # v_head_dim (12), YaRN with the softmax rescale; block 0 dense, then MoE as debugmoe.
+    "debugdeepseek": ModelArgs(
+        dim=64, n_layers=3, n_heads=4, vocab_size=264, multiple_of=32, norm_eps=1e-6,
+        max_seq_len=1024, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_dense_layers=1,
+        rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=256,
+                                     mscale=1.0, mscale_all_dim=1.0),
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1,
+                    score_func="sigmoid", route_norm=True, num_expert_groups=4,
+                    num_limited_groups=2, load_balance_coeff=1e-3)),
+    # DeepSeek-V2-Lite shapes (~15.7B total, ~2.4B active): 27 blocks, first dense (FFN 10944),
+    # MLA (16 heads, kv_lora_rank 512, full-rank query), 64 routed experts (hidden 1408) top-6
+    # and 2 shared, with DeepSeek-V3's routing (sigmoid, 8 groups of which 4 kept).
     "deepseek_v3_16b": ModelArgs(
-        dim=2048, n_layers=27, n_heads=16, n_kv_heads=8, vocab_size=102400, multiple_of=64,
-        ffn_dim_multiplier=2.004, max_seq_len=4096, n_dense_layers=1,
+        dim=2048, n_layers=27, n_heads=16, vocab_size=102400, ffn_hidden_size=10944,
+        norm_eps=1e-6, max_seq_len=163840, n_dense_layers=1, q_lora_rank=0, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_scaling=YarnRopeScaling(**_YARN, mscale=0.707, mscale_all_dim=0.707),
         moe=MoEArgs(num_experts=64, top_k=6, hidden_dim=1408, num_shared_experts=2,
-                    score_func="softmax", route_norm=False)),
-    # DeepSeek-V3 671B shapes (~37B active): 61 blocks, first 3 dense (FFN hidden 18432), 256
-    # routed experts (hidden 2048) top-8 sigmoid, route_norm, route_scale 2.5, 8 groups of which
-    # 4 are kept, 1 shared expert, aux-loss-free balancing (rate 1e-3).
+                    score_func="sigmoid", route_norm=True, num_expert_groups=8,
+                    num_limited_groups=4, load_balance_coeff=1e-3)),
+    # DeepSeek-V3 (671B total, ~37B active; the report's Table and its config.json): 61
+    # blocks, first 3 dense (FFN 18432), MLA (128 heads, q_lora_rank 1536, kv_lora_rank 512,
+    # qk 128 + 64, v 128), 256 routed experts (hidden 2048) top-8 sigmoid, route_norm,
+    # route_scale 2.5, 8 groups of which 4 are kept, 1 shared expert, aux-loss-free balancing.
     "deepseek_v3_671b": ModelArgs(
-        dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280, multiple_of=1024,
-        ffn_dim_multiplier=0.964, max_seq_len=4096, n_dense_layers=3,
+        dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_hidden_size=18432,
+        norm_eps=1e-6, max_seq_len=163840, n_dense_layers=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_scaling=YarnRopeScaling(**_YARN, mscale=1.0, mscale_all_dim=1.0),
         moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, num_shared_experts=1,
                     score_func="sigmoid", route_norm=True, route_scale=2.5, num_expert_groups=8,
                     num_limited_groups=4, load_balance_coeff=1e-3)),

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanext.models.args import ModelArgs
+from titanext.models.args import ModelArgs, YarnRopeScaling
 from titanext.models.init import constant_, init_tensor_, normal_
 from titanext.models.layers import FeedForward
 from titanext.models.moe import MoE
@@ -71,9 +71,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, inv_freq: torch.Tensor
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [batch or 1, seq, head_dim // 2] for explicit positions.
+    """cos/sin of shape [batch or 1, seq, rope_dim // 2] for explicit positions, times
+    ``factor`` (YaRN's :func:`rope_attention_factor`).
 
     Positions are explicit (not ``arange``) because context parallelism hands each rank a
     non-contiguous slice of the sequence.
@@ -81,7 +82,9 @@ def rope_cos_sin(
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.to(torch.float32)
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,12 +103,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim // 2] (fp32), with Llama-3.1 scaling if configured."""
-    hd = args.head_dim
+    """RoPE inverse frequencies [rope_dim // 2] (fp32), with Llama-3.1 or YaRN scaling if
+    configured."""
+    hd = args.rope_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     rs = args.rope_scaling
     if rs is None:
         return inv
+    if isinstance(rs, YarnRopeScaling):
+        return _yarn_inv_freq(inv, rs, args.rope_theta)
     low_wavelen = rs.original_max_seq_len / rs.low_freq_factor
     high_wavelen = rs.original_max_seq_len / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -115,6 +121,49 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     out = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
     between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(between, interpolated, out)
+
+
+def _yarn_inv_freq(inv: torch.Tensor, rs: YarnRopeScaling, theta: float) -> torch.Tensor:
+    """YaRN: extrapolate the fast frequencies, interpolate the slow ones, ramp between (as HF's
+    ``_compute_yarn_parameters`` and DeepSeek's ``precompute_freqs_cis``)."""
+    dim = 2 * inv.numel()
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv / rs.factor * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What YaRN multiplies cos and sin by (HF's ``attention_factor``); 1 without YaRN."""
+    rs = args.rope_scaling
+    if not isinstance(rs, YarnRopeScaling):
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_mscale(rs.factor)
+
+
+def mla_softmax_scale(args: ModelArgs) -> float:
+    """MLA's softmax scale: ``head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2``
+    under YaRN with ``mscale_all_dim`` set (DeepSeek's longer-context temperature)."""
+    scale = args.head_dim ** -0.5
+    rs = args.rope_scaling
+    if isinstance(rs, YarnRopeScaling) and rs.mscale_all_dim:
+        scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+    return scale
 
 
 class Attention(nn.Module):
@@ -151,6 +200,57 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention.
+
+    Queries come from ``wq`` or, with ``q_lora_rank > 0``, from ``wq_b(q_norm(wq_a(x)))``;
+    keys and values from the latent ``kv_norm(c)`` of ``[c | k_rope] = wkv_a(x)`` through
+    ``wkv_b``. Each head's q and k are ``[nope | rope]`` (``qk_nope_head_dim`` +
+    ``qk_rope_head_dim`` features); RoPE rotates only the rope part, and the key's rope part
+    ``k_rope`` is one for all heads. Values have ``v_head_dim`` features. ``attn_fn`` (the CP
+    seam) gets q, k [B, H, S, qk] and v [B, H, S, v_head_dim] with an explicit ``scale``.
+    Under TP the heads split (``wq``/``wq_b``, ``wkv_b`` column-wise, ``wo`` row-wise); the
+    latents are replicated (see :func:`titanext.plugins.tensor_parallel.llama_tp_plan`).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.nope, self.rope = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = args.v_head_dim, args.kv_lora_rank
+        qk = args.n_heads * (self.nope + self.rope)
+        if args.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, qk, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, qk, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope + self.v_head_dim),
+                               bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.attn_fn: AttentionFn = sdpa_attention
+        self.rope_layout = args.rope_layout
+        self.softmax_scale = mla_softmax_scale(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope + self.rope).split(
+            [self.nope, self.rope], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_layout)], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v_head_dim)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
+        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                           scale=self.softmax_scale, **docs)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
 class TransformerBlock(nn.Module):
     """Attention + FFN block; a MoE block (``args.is_moe_layer``) has ``moe`` instead of
     ``feed_forward``."""
@@ -159,7 +259,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = MLAttention(args) if args.mla else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.is_moe_layer(layer_id):
             self.moe = MoE(args.dim, args.moe)
@@ -201,7 +301,7 @@ class Transformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(args.rope_dim // 2), persistent=False)
         self.tie_weights()
         if self.inv_freq.device.type != "meta":
             self.init_buffers()
@@ -252,7 +352,7 @@ class Transformer(nn.Module):
             # From the input, not from h: under sequence parallelism h holds a slice.
             position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, rope_attention_factor(self.args))
         docs = {} if document_ids is None else {"document_ids": document_ids}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **docs)
@@ -282,4 +382,4 @@ class Transformer(nn.Module):
         (causal ignored)."""
         a = self.args
         return (6.0 * self.num_active_params(exclude_embedding=True)
-                + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len)
+                + 6.0 * a.n_layers * a.n_heads * (a.head_dim + a.value_head_dim) * seq_len)
