@@ -21,8 +21,14 @@ REAL = {
                            "compile.enable": True, "model.flavor": "8B"}),
     "llama3_70b_multinode.toml": (64, {"parallelism.tensor_parallel_degree": 8, "dp_shard": 2,
                                        "parallelism.pipeline_parallel_degree": 4,
-                                       "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
+                                       "parallelism.pipeline_parallel_schedule": "ZBV",
+                                       "parallelism.pipeline_parallel_max_pending_weight_grads": 4,
                                        "model.flavor": "70B"}),
+    "deepseek_v3_671b.toml": (2048, {"parallelism.pipeline_parallel_degree": 16,
+                                     "parallelism.pipeline_parallel_schedule": "DualPipe",
+                                     "parallelism.expert_parallel_degree": 64,
+                                     "parallelism.pipeline_parallel_max_pending_weight_grads": 2,
+                                     "model.flavor": "deepseek_v3_671b"}),
 }
 
 

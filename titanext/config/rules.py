@@ -94,9 +94,10 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     # torch's split walks the autograd graph (not on compiled stages); deferral needs no walk
     autograd_split = getattr(p, "pipeline_parallel_split_backward", "deferred") == "autograd"
-    problems = list(schedule_problems(name, pp=pp, microbatches=mb,
-                                      compiled=compiled and autograd_split,
-                                      stages_per_rank=n_per_rank))
+    problems = list(schedule_problems(
+        name, pp=pp, microbatches=mb, compiled=compiled and autograd_split,
+        stages_per_rank=n_per_rank,
+        max_pending_weight_grads=getattr(p, "pipeline_parallel_max_pending_weight_grads", 0)))
     if compiled and cls.placement == "v" and not hasattr(cls, "generate") \
             and not any("compile" in q for q in problems):
         problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "

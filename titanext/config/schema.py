@@ -286,6 +286,13 @@ class Parallelism:
     (titanext.plugins.weight_grad); 'autograd' is torch's stage_backward_input /
     stage_backward_weight pair (walks the graph twice and keeps it alive until W; rejected with
     compile). No effect on schedules without I/W actions (1F1B, GPipe, Interleaved1F1B)."""
+    pipeline_parallel_max_pending_weight_grads: int = _field(0, ge=0)
+    """Memory cap of the zero-bubble and DualPipe schedules (ZBH1, ZBH2, ZBV, Auto, DualPipe,
+    DualPipeV): at most this many micro-batches per rank keep the inputs of a deferred weight
+    gradient W (every matmul's input and output gradient) at once; before an input-gradient
+    step I that would exceed it, the oldest pending W runs first (titanext.schedules.memory_cap).
+    Saves those inputs on the ranks that defer many W's (the middle ranks' cool-down) at the
+    cost of pipeline bubble; 0 = no cap."""
     pipeline_parallel_microbatches: int = _field(-1, check=_minus_one_or_positive,
                                                  rule="-1 or >= 1")
     """Micro-batches per pipeline step (local_batch_size must be divisible by it); -1 means

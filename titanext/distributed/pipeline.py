@@ -50,6 +50,7 @@ from titanext.plugins.weight_grad import (
 )
 from titanext.schedules import (  # pipeline_stage_ids is re-exported
     build_schedule,
+    capped_schedule_class,
     get_schedule_class,
     num_stages_for,
     pipeline_stage_ids,
@@ -363,7 +364,9 @@ class PipelineRunner:
         """The runner a config's ``[parallelism]`` section describes (its ``pipeline_parallel_*``
         keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
         p = parallelism
-        return cls(model, dims, schedule=p.pipeline_parallel_schedule,
+        cap = getattr(p, "pipeline_parallel_max_pending_weight_grads", 0)  # W's pending at most
+        schedule = capped_schedule_class(get_schedule_class(p.pipeline_parallel_schedule), cap)
+        return cls(model, dims, schedule=schedule,
                    split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
                    microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
                                                      local_batch_size),

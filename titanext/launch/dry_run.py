@@ -142,6 +142,39 @@ def stage_activation(trainer) -> torch.Tensor:
                        requires_grad=True)
 
 
+def _flash_shaped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            **kwargs) -> torch.Tensor:
+    """:func:`~titanext.models.llama.sdpa_attention` with ``v`` zero-padded to the query's head
+    dim and the output cut back (the same values)."""
+    from titanext.models.llama import sdpa_attention
+
+    dv, pad = v.shape[-1], q.shape[-1] - v.shape[-1]
+    if pad <= 0:
+        return sdpa_attention(q, k, v, **kwargs)
+    return sdpa_attention(q, k, torch.nn.functional.pad(v, (0, pad)), **kwargs)[..., :dv]
+
+
+def use_fused_attention(model_parts) -> int:
+    """Make attention whose value head dim differs from the query's (MLA: 128 vs 192) take a
+    fused kernel, as on the target GPUs, and return how many modules changed.
+
+    On CUDA, SDPA runs such shapes with its memory-efficient (or cuDNN) kernel, which keeps
+    q, k, v, the output and the log-sum-exp; on the CPU device SDPA's fused (flash) kernel
+    needs equal head dims and falls back to the math path, which keeps float32 copies and
+    ``seq x seq`` scores per head (16 GiB more at the DeepSeek-V3 671B's pp rank 8). The dry
+    run pads ``v`` with zeros so the CPU's flash kernel runs: the saved tensors are the fused
+    kernels' (``v`` and the output a little wider)."""
+    from titanext.models.llama import sdpa_attention
+
+    changed = 0
+    for part in model_parts:
+        for mod in part.modules():
+            if getattr(mod, "attn_fn", None) is sdpa_attention and hasattr(mod, "v_head_dim"):
+                mod.attn_fn = _flash_shaped_attention
+                changed += 1
+    return changed
+
+
 def _create_optimizer_state(trainer) -> None:
     """An optimizer step on zero gradients, so that the measured step is a steady-state one:
     its peak holds the optimizer state next to the gradients and activations (a first step
@@ -186,6 +219,9 @@ def measure(cfg: JobConfig) -> DryRunResult:
     if trainer.dims.ep_enabled:
         notes.append("EP dispatch assumes perfectly balanced routing (fake tensors carry no "
                      "token counts): expert activations and all-to-all bytes are estimated")
+    if use_fused_attention(trainer.model_parts):
+        notes.append("attention with a value head dim other than the query's runs SDPA with v "
+                     "zero-padded (a fused kernel, as on CUDA; CPU SDPA would take its math path)")
     if trainer.pipeline is not None:
         with mode:
             loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))

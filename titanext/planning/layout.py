@@ -127,7 +127,9 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
                            stages_per_rank=spr if spr > 0 else None,
                            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
                            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                           layers_per_stage_explicit=tuple(p.pipeline_parallel_layers_per_stage))
+                           layers_per_stage_explicit=tuple(p.pipeline_parallel_layers_per_stage),
+                           max_pending_weight_grads=(
+                               p.pipeline_parallel_max_pending_weight_grads if pp > 1 else 0))
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head = (float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
                                       tuple(f8.filter_fqns), f8.auto_filter,

@@ -143,9 +143,11 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     """Bytes per token of one block that a split backward keeps from its input-gradient pass (I)
     to its weight-gradient pass (W): every matmul's input and output gradient. Under TP with SP
     the inputs of the column-wise matmuls and the output gradients of the row-wise ones are the
-    gathered sequence (4 h); the rest is split by tp: a (4 h + (2 h + 2 h_kv + 3 f) / tp)."""
+    gathered sequence (4 h); the rest is split by tp: a (4 h + (2 h + 2 h_kv + 3 f) / tp).
+    MLA's attention part is ``shape.attn_wgrad`` instead (latents and their gradients)."""
     h, hkv, tp = lo.shape.dim, lo.shape.kv_dim, lo.tp
-    return lo.a * (4 * h + (2 * h + 2 * hkv + 3 * ffn) / tp) / lo.cp
+    whole, split = lo.shape.attn_wgrad if any(lo.shape.attn_wgrad) else (2 * h, 2 * h + 2 * hkv)
+    return lo.a * (whole + 2 * h + (split + 3 * ffn) / tp) / lo.cp
 
 
 def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None

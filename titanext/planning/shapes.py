@@ -40,6 +40,9 @@ class ModelShape:
     layer_tensors: int  # parameter tensors per layer (Adam keeps a step scalar for each)
     linears: tuple[Linear, ...] = ()  # one layer's matmuls (TP direction from the TP plan)
     moe: MoEShape | None = None  # the MoE blocks (the fields above describe the dense ones)
+    #: features per token that attention's matmuls keep from I to W under a split backward
+    #: (inputs and output gradients): (not split by tp, split by tp); 0s: GQA's 2 h, 2 h + 2 h_kv
+    attn_wgrad: tuple[int, int] = (0, 0)
 
     @property
     def n_moe_layers(self) -> int:
@@ -114,4 +117,15 @@ def _model_shape(name: str, flavor: str, seq_len: int,
         final_norm=model.norm.weight.numel(),
         flops_per_token=model.num_flops_per_token(seq_len),
         layer_tensors=len(list(layer.parameters())), linears=linears,
-        moe=moe_shape(model, linears))
+        moe=moe_shape(model, linears), attn_wgrad=_mla_wgrad(args) if args.mla else (0, 0))
+
+
+def _mla_wgrad(args) -> tuple[int, int]:
+    """MLA's weight-gradient inputs per token: (replicated over tp, split by tp). Inputs: the
+    normed x (shared by wq_a / wkv_a), the normed latents (wq_b's, wkv_b's) and the attention
+    output (wo's); output gradients: the latents' (wq_a, wkv_a with the rotary key), the
+    heads' q and k|v (wq_b or wq, wkv_b) and wo's."""
+    h, n, q, kv = args.dim, args.n_heads, args.q_lora_rank, args.kv_lora_rank
+    whole = h + 2 * q + kv + (kv + args.qk_rope_head_dim) + h
+    split = n * args.head_dim + n * (args.qk_nope_head_dim + args.v_head_dim) + n * args.v_head_dim
+    return whole, split

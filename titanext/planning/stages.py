@@ -44,12 +44,15 @@ class PipelineLayout:
     stages_per_rank: int
     microbatches: int
     ranks: tuple[RankStages, ...]
+    #: the schedule's cap on pending weight gradients (0: none; titanext.schedules.memory_cap)
+    max_pending_weight_grads: int = 0
 
 
 def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
                     stages_per_rank: int | None = None, first_stage_less_layers: int = 0,
                     last_stage_less_layers: int = 0,
-                    layers_per_stage_explicit: tuple[int, ...] = ()) -> PipelineLayout:
+                    layers_per_stage_explicit: tuple[int, ...] = (),
+                   max_pending_weight_grads: int = 0) -> PipelineLayout:
     """Stages, blocks and sends of every pp rank under ``schedule`` (the trainer's placement)."""
     from titanext.schedules import get_schedule_class, num_stages_for, stage_owners
 
@@ -77,19 +80,23 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
         layer_ids = tuple(i for ids_s in per_stage for i in ids_s)
         ranks.append(RankStages(tuple(stages), len(layer_ids), 0 in stages,
                                 n_stages - 1 in stages, sends, layer_ids, per_stage))
-    return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks))
+    return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks),
+                          max_pending_weight_grads)
 
 
 @functools.lru_cache(maxsize=1024)
 def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
-                      f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0):
+                      f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
+                      max_pending_weight_grads: int = 0):
     """:func:`titanext.schedules.simulate` of the action lists the trainer runs (a generated
-    schedule's for equal costs, as the trainer builds it, unless it measures its own), with
-    these costs; cached (the advice asks for the same ones often)."""
+    schedule's for equal costs, as the trainer builds it, unless it measures its own; capped
+    at ``max_pending_weight_grads`` pending W's), with these costs; cached (the advice asks
+    for the same ones often)."""
     from titanext.schedules import simulate
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
-                    stages_per_rank=stages_per_rank, runtime_order=True)
+                    stages_per_rank=stages_per_rank, runtime_order=True,
+                    max_pending_weight_grads=max_pending_weight_grads)
 
 
 def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float):
@@ -104,5 +111,6 @@ def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm
 
     sim = simulate_schedule(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
                             stages_per_rank=layout.stages_per_rank, f=1.0, b=max(q(i), 0.01),
-                            w=max(q(w), 0.01), comm=q(comm))
+                            w=max(q(w), 0.01), comm=q(comm),
+                            max_pending_weight_grads=layout.max_pending_weight_grads)
     return sim.makespan * f, sim

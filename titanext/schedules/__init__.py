@@ -30,6 +30,7 @@ from titanext.schedules._torch_ir import (
     torch_pipeline_order,
     torch_schedule_class,
 )
+from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
 from titanext.schedules.simulator import SimResult, replay
 from titanext.schedules.zero_bubble import (
     GeneratedSchedule,
@@ -39,8 +40,8 @@ from titanext.schedules.zero_bubble import (
 )
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "get_schedule_class", "leaves", "num_stages_for", "pipeline_stage_ids",
-           "resolved_stages_per_rank",
+           "capped_schedule_class", "get_schedule_class", "leaves", "num_stages_for",
+           "pipeline_stage_ids", "resolved_stages_per_rank",
            "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
            "validate_order"]
 
@@ -210,14 +211,15 @@ def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbat
 
 
 def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None,
-                   **costs: float) -> dict[int, list]:
+                   max_pending_weight_grads: int = 0, **costs: float) -> dict[int, list]:
     """The compute action lists schedule ``name`` runs on each rank (what executes).
 
     Ours come from their generators (``costs`` feed Auto), torch's multi-stage ones from the
     ``pipeline_order`` torch builds; GPipe and 1F1B (single-stage runtimes without action
-    lists) use their textbook orders.
+    lists) use their textbook orders. ``max_pending_weight_grads`` > 0 caps the deferred W's
+    (:mod:`titanext.schedules.memory_cap`).
     """
-    cls = get_schedule_class(name)
+    cls = capped_schedule_class(get_schedule_class(name), max_pending_weight_grads)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     if hasattr(cls, "textbook_order"):
         return cls.textbook_order(pp, microbatches)
@@ -230,7 +232,7 @@ def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: in
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
-             runtime_order: bool = False) -> SimResult:
+             runtime_order: bool = False, max_pending_weight_grads: int = 0) -> SimResult:
     """Replay schedule ``name``'s action lists with these costs.
 
     ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
@@ -239,6 +241,8 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     B costs b + w. ``comm`` is the latency of each cross-rank send. A generated schedule's
     lists are generated for these costs; with ``runtime_order`` they are the lists the trainer
     runs instead (generated for equal costs, except Auto's, which the trainer measures).
+    ``max_pending_weight_grads`` > 0: the lists capped as the trainer runs them
+    (:func:`titanext.schedules.memory_cap.cap_pending_weight_grads`).
 
     >>> r = simulate("1F1B", pp=4, microbatches=8)
     >>> round(r.bubble_ratio, 4), r.peak_activations
@@ -251,7 +255,7 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
                    else dict(f=f, b=b, w=w, comm=comm))
     order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
-                           **order_costs)
+                           max_pending_weight_grads=max_pending_weight_grads, **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
@@ -259,7 +263,8 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
 
 
 def schedule_problems(name: str, *, pp: int, microbatches: int,
-                      stages_per_rank: int | None = None, compiled: bool = False) -> list[str]:
+                      stages_per_rank: int | None = None, compiled: bool = False,
+                      max_pending_weight_grads: int = 0) -> list[str]:
     """Config problems of running schedule ``name`` with these settings (one line each).
 
     >>> schedule_problems("DualPipe", pp=4, microbatches=6)[0]
@@ -271,6 +276,11 @@ def schedule_problems(name: str, *, pp: int, microbatches: int,
     except ValueError as e:
         return [f"{key}_schedule = {name!r}: {e}"]
     problems = []
+    cap = max_pending_weight_grads
+    if cap > 0 and cls.__name__ not in CAPPABLE:  # a negative cap is the key's own check
+        problems.append(f"{key}_max_pending_weight_grads = {cap} needs a schedule whose W's "
+                        f"titanext places ({', '.join(CAPPABLE)}), not {name!r}; or set it to 0 "
+                        "(no cap)")
     if cls.stages_per_rank is not None and stages_per_rank not in (None, cls.stages_per_rank):
         problems.append(f"{key}_stages_per_rank = {stages_per_rank}: schedule {name!r} places "
                         f"exactly {cls.stages_per_rank} stage(s) per rank; remove the key")

@@ -188,7 +188,7 @@ class DualPipeV(ChainRuntime):
         pp = stages[0].group_size
         mapping = {s: r for r in range(pp) for s in (r, 2 * pp - 1 - r)}
         self._install_handlers()
-        order = dualpipev_order(pp, n_microbatches)
+        order = self.generate(pp, n_microbatches)  # a capped class's lists (memory_cap)
         set_pipeline_order(self, order, mapping)
         self._set_lowered(order, self.pipeline_order_with_comms)
 
@@ -237,7 +237,7 @@ class DualPipe(ChainRuntime):
         self._early = dist.get_backend(stages[0].group) == "gloo" and not any(
             isinstance(m, FSDPModule) for st in stages for m in st.submod.modules())
         self._install_handlers()
-        order = dualpipe_order(pp, n_microbatches)
+        order = self.generate(pp, n_microbatches)  # a capped class's lists (memory_cap)
         owner = dualpipe_owner(pp, n_microbatches)
         self._set_lowered(order, add_comms(order, owner, pp, n_microbatches // 2))
 
