@@ -117,13 +117,18 @@ def plan_replicas(counts: list[list[int]], max_copies: int) -> ReplicationPlan:
     return ReplicationPlan(replicas, before, tuple(ranks), tuple(tuple(c) for c in counts))
 
 
-def nominal_plan(n_exp: int, world: int, me: int, copies: int, rows: int) -> ReplicationPlan:
+def nominal_plan(n_exp: int, world: int, copies: int, rows: int) -> ReplicationPlan:
     """A dry run's stand-in (fake tensors have no counts): balanced routing of ``rows`` rows
-    per rank, and rank ``me`` sending ``copies`` of its experts, its worst case (0 rows each)."""
+    per rank, and every rank sending and hosting ``copies`` copies (0 rows each): the most
+    weight traffic a rank can see, the planner's figure.
+
+    >>> [(r.expert, r.home, r.rank) for r in nominal_plan(4, 2, 1, rows=8).replicas]
+    [(0, 0, 1), (2, 1, 0)]
+    """
     n_local = n_exp // world
     counts = [[rows // n_exp + (e < rows % n_exp) for e in range(n_exp)] for _ in range(world)]
-    reps = tuple(Replica(me * n_local + j % n_local, me, (me + 1 + j // n_local) % world, 0)
-                 for j in range(min(copies, max_replicas(n_exp, world))))
+    reps = tuple(Replica(r * n_local + j % n_local, r, (r + 1 + j // n_local) % world, 0)
+                 for r in range(world) for j in range(min(copies, max_replicas(n_exp, world))))
     per_rank = tuple(sum(sum(c[r * n_local:(r + 1) * n_local]) for c in counts)
                      for r in range(world))
     return ReplicationPlan(reps, per_rank, per_rank, tuple(tuple(c) for c in counts))
@@ -230,12 +235,12 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
                     rows: int) -> ReplicationPlan:
     """All-gather every ep rank's per-expert counts ``[E]`` and plan the copies (the dispatch's
     one device-to-host sync). Under the dry run's fake tensors: :func:`nominal_plan`."""
-    world, me = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     gathered = counts.new_empty(world * counts.numel())
     with phase(EP_ALL_TO_ALL):
         _all_gather(gathered, counts.contiguous(), group=group)
     if is_fake(counts):
-        return nominal_plan(counts.numel(), world, me, copies, rows)
+        return nominal_plan(counts.numel(), world, copies, rows)
     plan = plan_replicas(gathered.view(world, -1).tolist(), copies)  # the one sync
     for c in COUNTERS:
         c.count_exchanges += 1
