@@ -80,9 +80,9 @@ def test_planner_counts_the_copies():
         cfg = load_config(None, [*base, f"--moe.replicate_hot_experts={copies}"], world_size=4)
         rows[copies] = {c["parallelism"]: c for c in plan_config(cfg, 4).comm}
     row = rows[2]["EP expert copies (replicate_hot_experts = 2)"]
-    # debugmoe: 2 MoE blocks of 8 experts (3 x 64 x 16 weights each), bf16: 2 copies forward
+    # debugmoe: 2 MoE blocks of 8 experts (3 x 64 x 32 weights each), bf16: 2 copies forward
     # and 2 gradients backward per block and step (1 micro-batch)
-    assert row["bytes"] == 2 * 2 * (2 * 3 * 64 * 16 * 2) and row["collectives"] == 4
+    assert row["bytes"] == 2 * 2 * (2 * 3 * 64 * 32 * 2) and row["collectives"] == 4
     assert not any("copies" in k for k in rows[0])
     assert rows[0]["EP all-to-all"] == rows[2]["EP all-to-all"]
 
