@@ -41,6 +41,8 @@ from titanext._fake_backend import is_fake
 from titanext._ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, AllToAll
 
+SLACK = 0.05  # no new copy while the busiest rank is within 5% of the mean
+
 __all__ = ["Replica", "ReplicationPlan", "plan_replicas", "nominal_plan", "RankRouting",
            "rank_routing", "copy_experts", "max_replicas", "exchange_counts",
            "dispatch_replicated"]
@@ -81,10 +83,15 @@ def max_replicas(num_experts: int, ep: int) -> int:
     return num_experts - num_experts // ep
 
 
-def plan_replicas(counts: list[list[int]], max_copies: int) -> ReplicationPlan:
+def plan_replicas(counts: list[list[int]], max_copies: int,
+                  slack: float = SLACK) -> ReplicationPlan:
     """The copies that bring every ep rank's rows to at most ``ceil(mean)`` where ``max_copies``
     copies allow it. ``counts[s][e]``: rows ep rank s routes to global expert e (the experts
     split evenly over the ranks, rank r holding ``r*L .. (r+1)*L - 1``). Deterministic.
+
+    A new copy is made only while the busiest rank holds more than ``mean x (1 + slack)`` rows
+    (a copy costs an expert's weights and gradients: not worth it for a few rows); copies already
+    made keep taking rows down to ``ceil(mean)``.
 
     >>> plan = plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=1)
     >>> plan.replicas, plan.before, plan.after
@@ -98,13 +105,15 @@ def plan_replicas(counts: list[list[int]], max_copies: int) -> ReplicationPlan:
     ranks = [sum(load[r * n_local:(r + 1) * n_local]) for r in range(world)]
     before = tuple(ranks)
     target = -(-sum(ranks) // world)
+    bound = max(target, int(sum(ranks) / world * (1 + slack)))
     at_home, moved = list(load), {}  # (expert, rank) -> rows, in planning order
     while True:
         h = max(range(world), key=lambda r: (ranks[r], -r))
         d = min(range(world), key=lambda r: (ranks[r], r))
         excess, room = ranks[h] - target, target - ranks[d]
+        new = len(moved) < max_copies and ranks[h] > bound
         candidates = [e for e in range(h * n_local, (h + 1) * n_local) if at_home[e] > 0
-                      and ((e, d) in moved or len(moved) < max_copies)]
+                      and ((e, d) in moved or new)]
         if excess <= 0 or room <= 0 or not candidates:
             break
         e = max(candidates, key=lambda e: (at_home[e], -e))
@@ -223,6 +232,7 @@ def copy_experts(local: dict[str, torch.Tensor], plan: ReplicationPlan, me: int,
         got = AllToAll.apply(packed, recv_splits, send_splits, group, True)
         widths = [local[n][0].numel() for n in part]
         for n, w in zip(part, got.split(widths, 1), strict=True):
+            # cat even with nothing hosted: every rank must run the backward all-to-all
             out[n] = torch.cat([local[n], w.reshape(len(hosted), *local[n].shape[1:])])
     return out
 
