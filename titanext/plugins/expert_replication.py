@@ -95,7 +95,7 @@ def plan_replicas(counts: list[list[int]], max_copies: int,
 
     >>> plan = plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=1)
     >>> plan.replicas, plan.before, plan.after
-    ((Replica(expert=0, home=0, rank=1, rows=4),), (14, 2), (10, 6))
+    ((Replica(expert=0, home=0, rank=1, rows=6),), (14, 2), (8, 8))
     >>> plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=0).after
     (14, 2)
     """
