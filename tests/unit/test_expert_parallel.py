@@ -267,6 +267,21 @@ TRAIN_CASES_4 = {
                            "--parallelism.pipeline_parallel_degree=2",
                            "--parallelism.pipeline_parallel_schedule=ZBH1",
                            "--parallelism.pipeline_parallel_microbatches=2", *AUX],
+    # hot-expert replication: each *_rep2 case against its layout without it (REPLICATED)
+    **{f"{name}_rep2": [*overrides, "--moe.replicate_hot_experts=2"] for name, overrides in (
+        ("ep2_hsdp_2x2", ["--training.local_batch_size=2", "--parallelism.expert_parallel_degree=2",
+                          "--parallelism.data_parallel_replicate_degree=2"]),
+        ("ep2_x_tp2", ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+                       "--parallelism.tensor_parallel_degree=2"]),
+        ("ep2_x_cp2_full_ac", ["--training.local_batch_size=4",
+                               "--parallelism.expert_parallel_degree=2",
+                               "--parallelism.context_parallel_degree=2",
+                               "--activation_checkpoint.mode=full"]),
+        ("pp2_x_ep2_ZBH1_aux", ["--training.local_batch_size=4",
+                                "--parallelism.expert_parallel_degree=2",
+                                "--parallelism.pipeline_parallel_degree=2",
+                                "--parallelism.pipeline_parallel_schedule=ZBH1",
+                                "--parallelism.pipeline_parallel_microbatches=2", *AUX]))},
     # saved at step 2 and resumed by a new Trainer: must reproduce ep2_x_fsdp4 bit for bit
     "ep2_x_fsdp4_resume": ["--training.local_batch_size=2",
                            "--parallelism.expert_parallel_degree=2",
@@ -277,6 +292,7 @@ TRAIN_CASES_4 = {
 def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str) -> dict:
     """{case: (losses, grad norms, full params)} after STEPS steps of each case."""
     from titanext.config import load_config
+    from titanext.plugins.expert_parallel import count_comm
     from titanext.trainer import Trainer
 
     out = {}
@@ -294,10 +310,11 @@ def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str)
                 return loss, norm
 
             trainer.train_step = recording_step
-            losses += trainer.train(until_step=until)
+            with count_comm() as cc:
+                losses += trainer.train(until_step=until)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for part in trainer.model_parts for n, p in part.named_parameters()}
-        out[name] = (losses, norms, params, trainer.moe_load)
+        out[name] = (losses, norms, params, trainer.moe_load, cc.replicas, cc.weight_bytes_sent)
     return out
 
 
@@ -323,6 +340,22 @@ def _assert_matches(got, ref, name, dense_rtol=1e-4):
         assert err < tol, f"{name} {pname}: relative error {err:.2e}"
 
 
+def _assert_replication_exact(got, plain, name):
+    """Replication moves rows and weights, not results: the losses, gradient norms and
+    parameters of the run without it, to fp32 rounding (the copies' gradients are summed in
+    another order)."""
+    assert got[4] > 0 and got[5] > 0, f"{name}: no expert was copied ({got[4]}, {got[5]} bytes)"
+    for what, a, b in (("losses", got[0], plain[0]), ("grad norms", got[1], plain[1])):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=REPLICATION_RTOL, atol=0,
+                                   msg=lambda m, w=what: f"{name} {w}: {m}")
+    for pname, want in plain[2].items():
+        err = ((got[2][pname] - want).norm() / want.norm()).item()
+        assert err < REPLICATION_RTOL, f"{name} {pname}: relative error {err:.2e}"
+
+
+REPLICATION_RTOL = 1e-6
+
+
 def _two_ranks(rank: int, world_size: int, folder: str):
     """One 2-rank spawn: the docs example (docs/moe_ep.md), then the trainer at ep = 2."""
     example = _example(rank, world_size)
@@ -345,17 +378,19 @@ def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path
     per_rank = run_distributed(_train, 4, args=(TRAIN_CASES_4, str(tmp_path)), timeout_s=120)
     got = per_rank[0]
     # pp2: rank 0 holds stage 0, rank 2 stage 1; every rank reports every MoE block's load
-    for pp in ("pp2_x_ep2_ZBH1_aux", "pp2_dualpipe_x_ep2"):
-        got[pp] = (*got[pp][:2], {**got[pp][2], **per_rank[2][pp][2]}, got[pp][3])
+    for pp in ("pp2_x_ep2_ZBH1_aux", "pp2_dualpipe_x_ep2", "pp2_x_ep2_ZBH1_aux_rep2"):
+        got[pp] = (*got[pp][:2], {**got[pp][2], **per_rank[2][pp][2]}, *got[pp][3:])
     for name in TRAIN_CASES_4:
         assert len(got[name][0]) == STEPS, name
-        ref = moe_reference["aux" if name.endswith("_aux") else "ref"]
+        ref = moe_reference["aux" if "_aux" in name else "ref"]
         _assert_matches(got[name], ref, name)
         assert got[name][3].keys() == ref[3].keys(), name
         torch.testing.assert_close(torch.stack(list(got[name][3].values())),
                                    torch.stack(list(ref[3].values())), rtol=0, atol=0)
     for name in ("ep2_x_fsdp4", "ep4_fsdp4"):
         _assert_matches(got[name], got["fsdp4_no_ep"], f"{name} vs fsdp4_no_ep", dense_rtol=1e-5)
+    for name in (n for n in TRAIN_CASES_4 if n.endswith("_rep2")):
+        _assert_replication_exact(got[name], got[name.removesuffix("_rep2")], name)
     # DCP save + resume of the EP-sharded experts (and their optimizer state): the same curve
     assert got["ep2_x_fsdp4_resume"][:2] == got["ep2_x_fsdp4"][:2]
 

@@ -34,6 +34,7 @@ from titanext.config.degrees import (
 )
 from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
+from titanext.config.replication_rules import MOE_RUNTIME_KEYS, replication_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
 from titanext.errors import ConfigError
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES
@@ -312,7 +313,7 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 
 def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)
-            if getattr(cfg.moe, f.name) is not None}
+            if getattr(cfg.moe, f.name) is not None and f.name not in MOE_RUNTIME_KEYS}
 
 
 def model_args(cfg: JobConfig) -> ModelArgs:
@@ -511,6 +512,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += _float8_problems(cfg, skip)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
+    problems += replication_problems(cfg, skip, model_args)
     if degrees_ok:
         problems += _pipeline_composition_problems(cfg, skip)
 

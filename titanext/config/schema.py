@@ -514,6 +514,11 @@ class MoEConfig:
     """The first this-many blocks keep a dense feed-forward (DeepSeek's first-k-dense)."""
     moe_layer_interval: int | None = _field(None, ge=1)
     """After the dense ones, every this-many-th block is a MoE block (1 = all of them)."""
+    replicate_hot_experts: int = _field(0, ge=0)
+    """Hot-expert replication under expert parallelism: at every dispatch up to this many of the
+    most loaded experts are copied (weights forward, gradients summed back) to the least loaded
+    ep ranks, so every rank computes about the mean number of rows; exact. 0 = off; at most
+    num_experts - num_experts / expert_parallel_degree (docs/moe_ep.md)."""
 
 
 @dataclass

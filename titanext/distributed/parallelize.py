@@ -118,6 +118,7 @@ def parallelize(
     blocks: Iterable[nn.Module] | str | None = None,
     experts: Callable[[str, nn.Module], bool] | None = None,
     experts_layout: ExpertsLayout | None = None,
+    replicate_hot_experts: int = 0,
 ) -> nn.Module:
     """Apply TP -> EP -> CP -> AC -> compile -> FSDP/HSDP (or DDP for ZeRO-1) to ``model``.
 
@@ -139,6 +140,8 @@ def parallelize(
         experts, experts_layout: under ep > 1, ``filter_fn`` and ``layout`` of
             ``titanext.plugins.expert_parallel.apply_expert_parallel`` (default: the experts
             modules it detects; none found is a ValueError, except in a pipeline stage).
+        replicate_hot_experts: under ep > 1, hot experts copied per dispatch
+            (``[moe] replicate_hot_experts``; see ``apply_expert_parallel``).
 
     Loud or correct: each plugin says what it did in one WARNING line (or raises a ValueError
     naming the model class, what it looked for and the fix when a requested degree > 1 would
@@ -162,7 +165,8 @@ def parallelize(
         expert_units: list[nn.Module] = []
         if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
             found = apply_expert_parallel(model, dims.ep_mesh, filter_fn=experts,
-                                          layout=experts_layout, required=not dims.pp_enabled)
+                                          layout=experts_layout, required=not dims.pp_enabled,
+                                          replicate_hot_experts=replicate_hot_experts)
             expert_units = [model.get_submodule(f) for f in found]
         if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
             apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),

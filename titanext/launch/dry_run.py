@@ -232,8 +232,17 @@ def measure(cfg: JobConfig) -> DryRunResult:
         notes.append(f"gradient accumulation: {MEASURED_ROUNDS} of {rounds} rounds run (the "
                      "peak is the second round's); step comm is scaled by "
                      f"{rounds}/{MEASURED_ROUNDS}")
-    memory, peak, comm = _measure_step(trainer, batches, mode)
+    from titanext.plugins._ep_comm import count_comm
+
+    with count_comm() as ep_comm:
+        memory, peak, comm = _measure_step(trainer, batches, mode)
     scale = rounds / len(batches)
+    if ep_comm.weight_all_to_alls:
+        copied = ep_comm.weight_bytes_sent * scale / GB
+        notes.append(f"EP expert copies (moe.replicate_hot_experts = "
+                     f"{cfg.moe.replicate_hot_experts}): {copied:.3e} GB of the alltoall bytes "
+                     f"in {ep_comm.weight_all_to_alls} calls, "
+                     "every rank sending and hosting that many copies per dispatch (the bound)")
     result = DryRunResult(rank, world_size, memory, peak,
                           planner_peak_bytes(cfg, world_size, rank),
                           {k: round(v * scale) for k, v in comm.bytes.items()},

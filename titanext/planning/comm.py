@@ -16,11 +16,12 @@ import dataclasses
 from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.memory import state_elements
-from titanext.planning.moe import all_to_all_bytes
+from titanext.planning.moe import all_to_all_bytes, expert_copy_bytes
 from titanext.planning.roofline import MicrobatchTime
 from titanext.planning.stages import RankStages
 
-__all__ = ["comm_time", "context_parallel_comm", "data_parallel_comm", "model_parallel_comm"]
+__all__ = ["comm_time", "context_parallel_comm", "data_parallel_comm", "expert_copies_comm",
+           "model_parallel_comm"]
 
 
 def comm_time(c: dict, device: Device) -> float:
@@ -64,6 +65,10 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         comm.append(c)
         t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
         mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
+        copies = lo.cfg.moe.replicate_hot_experts
+        if copies:  # hot-expert copies: weights out per dispatch, their gradients back
+            rows, mt = expert_copies_comm(lo, device, rank, mt, copies)
+            comm.append(rows)
     p2p = 0.0
     if pp > 1:
         send = tokens * shape.dim * a / (tp if sp else 1)  # one block-boundary activation
@@ -73,6 +78,27 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         comm.append(c)
         p2p = comm_time({**c, "collectives": 1, "bytes": send}, device)
     return comm, mt, p2p
+
+
+def expert_copies_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime,
+                       copies: int) -> tuple[dict, MicrobatchTime]:
+    """The "EP expert copies" row of ``[moe] replicate_hot_experts`` and ``mt`` with its time.
+
+    Per MoE block and micro-batch a rank sends at most ``copies`` experts' weights forward
+    (again in the recompute under full AC) and, hosting copies, at most ``copies`` gradients
+    back in backward: the bound the dry run measures (``expert_replication.nominal_plan``). On
+    the critical path, like the token all-to-alls.
+    """
+    moe, a, passes = lo.shape.moe, lo.a, lo.passes
+    one = expert_copy_bytes(moe.experts, moe.num_experts, copies=copies, a=a)
+    n_f = lo.n_moe(rank) * (2 if lo.ac == "full" else 1)  # forwards (and recomputes)
+    n_i = lo.n_moe(rank)
+    c = {"parallelism": f"EP expert copies (replicate_hot_experts = {copies})",
+         "collectives": (n_f + n_i) * passes, "bytes": (n_f + n_i) * one * passes,
+         "level": lo.level(lo.tp, lo.ep), "overlap": "none"}
+    t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
+    return c, dataclasses.replace(mt, f=mt.f + lo.n_moe(rank) * t_one,
+                                  i=mt.i + (n_f - lo.n_moe(rank) + n_i) * t_one)
 
 
 def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attention_f: float

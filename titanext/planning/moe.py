@@ -26,7 +26,9 @@ holds; an imbalance of ``max/mean`` load scales the routed terms.
 
 All-to-all bytes per MoE block and micro-batch, per rank: dispatch and combine each move
 ``T k (ep-1)/ep x h x a`` (forward), and again in backward (and in the recomputed forward under
-full AC).
+full AC). Hot-expert replication (``[moe] replicate_hot_experts = N``) adds at most ``N`` experts'
+weights, ``N x 3 h f_e x a``, per dispatch (and recompute), and their gradients in backward
+(:func:`expert_copy_bytes`).
 """
 
 from __future__ import annotations
@@ -107,3 +109,13 @@ def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> flo
 def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) -> float:
     """Bytes one rank sends in one all-to-all (dispatch or combine) of ``tokens`` tokens."""
     return tokens * top_k * (ep - 1) / ep * dim * a
+
+
+def expert_copy_bytes(expert_params: int, num_experts: int, *, copies: int, a: int) -> float:
+    """Bytes one rank sends in one hot-expert copy all-to-all (weights forward or gradients
+    backward): at most ``copies`` experts of ``expert_params / num_experts`` elements each.
+
+    >>> expert_copy_bytes(3 * 8 * 64 * 32, 8, copies=2, a=2)  # 2 SwiGLU experts, bf16
+    24576.0
+    """
+    return float(copies * expert_params / num_experts * a)

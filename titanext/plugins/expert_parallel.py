@@ -43,7 +43,6 @@ Runnable example with a user's own model: ``examples/expert_parallel.py``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -53,75 +52,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanext._fake_backend import is_fake
 from titanext._ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._counting import Counters
+from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
+from titanext.plugins._ep_comm import AllToAll as _AllToAll
+from titanext.plugins._ep_comm import CommCounter, count_comm
+from titanext.plugins.expert_replication import (
+    ReplicationPlan,
+    copy_experts,
+    dispatch_replicated,
+    max_replicas,
+)
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
     "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
     "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
 ]
-
-# -- communication accounting ----------------------------------------------------------------------
-
-
-@dataclass
-class CommCounter:
-    """What this rank sent to *other* ranks in the token all-to-alls (forward and backward)."""
-
-    all_to_alls: int = 0
-    rows_sent: int = 0
-    bytes_sent: int = 0
-    count_exchanges: int = 0
-    host_syncs: int = 0
-
-
-_COUNTERS = Counters(CommCounter)
-
-
-def count_comm() -> contextlib.AbstractContextManager[CommCounter]:
-    """Count EP traffic issued inside the block (tests and ``benchmarks/moe_dispatch.py``)."""
-    return _COUNTERS.open()
-
-
-# -- the differentiable all-to-all -----------------------------------------------------------------
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with phase(EP_ALL_TO_ALL):  # forward and backward
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    if _COUNTERS:
-        me = dist.get_rank(group)
-        rows = sum(in_splits) - in_splits[me]
-        row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
-        for c in _COUNTERS:
-            c.all_to_alls += 1
-            c.rows_sent += rows
-            c.bytes_sent += rows * row_bytes
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows ``in_splits[r]`` go to rank r; ``out_splits[r]`` rows come from rank r. The
-    backward sends the gradients back with the splits swapped (host lists, no sync)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
-
 
 # -- dispatch / combine ----------------------------------------------------------------------------
 
@@ -131,12 +81,15 @@ class Route:
     """What combine (and both backwards) need from a dispatch: host split lists and the
     device permutation. ``send_splits[r]``: rows this rank sent to ep rank r;
     ``recv_splits[r]``: rows it received from r; ``order``: received-row index of each row of
-    the expert input (local-expert order)."""
+    the expert input (local-expert order). With replication, ``send_order`` and ``plan`` (see
+    :mod:`~titanext.plugins.expert_replication`)."""
 
     send_splits: list[int]
     recv_splits: list[int]
     order: torch.Tensor
     group: dist.ProcessGroup
+    send_order: torch.Tensor | None = None  # with replication: x's rows in sending order
+    plan: ReplicationPlan | None = None  # with replication: the copies of this dispatch
 
 
 def _group(ep: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
@@ -149,13 +102,18 @@ def _group(ep: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                    group: DeviceMesh | dist.ProcessGroup
+                    group: DeviceMesh | dist.ProcessGroup, replicate_hot_experts: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """Send each row of ``x`` (grouped by global expert, in expert order) to the ep rank that
     holds its expert. Returns (rows for this rank's experts in local-expert order, their
     counts per local expert [L], the :class:`Route` for :func:`combine_tokens`).
 
     Differentiable in ``x``. One device-to-host sync (the split sizes).
+    ``replicate_hot_experts`` > 0: up to that many hot experts are copied to the least loaded
+    ranks (:mod:`~titanext.plugins.expert_replication`): the counts are all-gathered instead, the
+    rows of a copy come after the rank's own experts' (counts [L + copies hosted here]), and
+    ``route.plan`` says which weights :func:`~titanext.plugins.expert_replication.copy_experts`
+    must fetch.
     """
     pg = _group(group)
     world = dist.get_world_size(pg)
@@ -164,6 +122,10 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     if n_exp % world:
         raise ValueError(f"{n_exp} experts cannot be split evenly over {world} ep ranks")
     n_local = n_exp // world
+    if replicate_hot_experts:
+        rows, local, send_order, send, recv_splits, order, plan = dispatch_replicated(
+            x, counts, pg, replicate_hot_experts)
+        return rows, local, Route(send, recv_splits, order, pg, send_order, plan)
     recv = torch.empty_like(counts)
     with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
         dist.all_to_all_single(recv, counts.contiguous(), group=pg)
@@ -196,7 +158,12 @@ def combine_tokens(y: torch.Tensor, route: Route) -> torch.Tensor:
     inverse = torch.empty_like(route.order)
     inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
     back = y.index_select(0, inverse)
-    return _AllToAll.apply(back, route.send_splits, route.recv_splits, route.group)
+    out = _AllToAll.apply(back, route.send_splits, route.recv_splits, route.group)
+    if route.send_order is None:
+        return out
+    unsort = torch.empty_like(route.send_order)
+    unsort[route.send_order] = torch.arange(route.send_order.numel(), device=unsort.device)
+    return out.index_select(0, unsort)
 
 
 # -- the ParallelStyle -----------------------------------------------------------------------------
@@ -207,8 +174,15 @@ class ExpertParallel(ParallelStyle):
     :func:`dispatch_tokens` / :func:`combine_tokens`.
 
     Use it directly with ``parallelize_module(model, ep_mesh, {"layers.*.moe.experts":
-    ExpertParallel()})`` or through :func:`apply_expert_parallel`.
+    ExpertParallel()})`` or through :func:`apply_expert_parallel`. ``replicate_hot_experts``:
+    see :func:`apply_expert_parallel`; the copies' weights are the module's parameters during
+    its forward (``[L + copies, ...]`` local shards, swapped in by the pre-hook and back by the
+    post-hook), so its own forward needs no change.
     """
+
+    def __init__(self, replicate_hot_experts: int = 0):
+        super().__init__()
+        self.replicate_hot_experts = replicate_hot_experts
 
     def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:  # distribute_module visits submodules too; the protocol has none with params
@@ -218,19 +192,29 @@ class ExpertParallel(ParallelStyle):
                                   requires_grad=p.requires_grad)
             module.register_parameter(pname, dist_p)
 
-    @staticmethod
-    def _input_fn(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    def _input_fn(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if len(inputs) != 2:
             raise TypeError(f"{type(module).__name__} under ExpertParallel must be called as "
                             "experts(x, num_tokens_per_expert) with positional arguments")
         x, counts = inputs
-        x_local, local_counts, route = dispatch_tokens(x, counts, mesh)
-        module._ep_routes = [*getattr(module, "_ep_routes", []), route]
+        x_local, local_counts, route = dispatch_tokens(x, counts, mesh, self.replicate_hot_experts)
+        swapped = {}
+        if route.plan is not None and route.plan.replicas:  # the same on every rank
+            swapped = dict(module.named_parameters(recurse=False))
+            local = copy_experts({n: p.to_local() for n, p in swapped.items()}, route.plan,
+                                 dist.get_rank(route.group), route.group)
+            for name, w in local.items():  # a parameter slot holding a tensor, as FSDP2 does
+                module._parameters[name] = DTensor.from_local(w, mesh, [Shard(0)],
+                                                              run_check=False)
+        module._ep_routes = [*getattr(module, "_ep_routes", []), (route, swapped)]
         return x_local, local_counts
 
     @staticmethod
     def _output_fn(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return combine_tokens(outputs, module._ep_routes.pop())
+        route, swapped = module._ep_routes.pop()
+        for name, p in swapped.items():  # the parameters again, before FSDP's post-forward
+            module._parameters[name] = p
+        return combine_tokens(outputs, route)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _group(device_mesh)  # 1D check
@@ -358,9 +342,11 @@ class ExpertParallelExperts(nn.Module):
     (``experts[e]``) raises: the experts now live on other ranks.
     """
 
-    def __init__(self, experts: nn.Module, layout: ExpertsLayout, ep_mesh: DeviceMesh):
+    def __init__(self, experts: nn.Module, layout: ExpertsLayout, ep_mesh: DeviceMesh,
+                 replicate_hot_experts: int = 0):
         super().__init__()
         self.layout, self.ep_mesh = layout, ep_mesh
+        self.replicate_hot_experts = replicate_hot_experts
         stacked = layout.weights(experts)
         self.num_experts = next(iter(stacked.values())).shape[0]
         if self.num_experts % ep_mesh.size():
@@ -388,16 +374,20 @@ class ExpertParallelExperts(nn.Module):
     def __len__(self) -> int:
         return self.num_experts
 
-    def _local_experts(self, rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+    def _local_experts(self, rows: torch.Tensor, local_counts: torch.Tensor,
+                       route: Route) -> torch.Tensor:
         local = {n: self.get_parameter(n).to_local() for n in self._names}
+        if route.plan is not None:  # hot-expert copies after the local experts
+            local = copy_experts(local, route.plan, dist.get_rank(route.group), route.group)
         outs = [self.layout.expert({n: w[e] for n, w in local.items()}, x)
                 for e, x in enumerate(torch.split(rows, local_counts.tolist()))]
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
         if len(routing) == 1:  # the protocol: rows grouped by expert
-            rows, local_counts, route = dispatch_tokens(x, routing[0], self.ep_mesh)
-            return combine_tokens(self._local_experts(rows, local_counts), route)
+            rows, local_counts, route = dispatch_tokens(x, routing[0], self.ep_mesh,
+                                                        self.replicate_hot_experts)
+            return combine_tokens(self._local_experts(rows, local_counts, route), route)
         if len(routing) != 2:
             raise TypeError("ExpertParallelExperts is called as experts(x, num_tokens_per_expert) "
                             "or experts(tokens, top_k_index, top_k_weights)")
@@ -406,8 +396,9 @@ class ExpertParallelExperts(nn.Module):
         flat = top_k_index.reshape(-1)                       # assignment j -> token j // k
         order = torch.argsort(flat, stable=True)             # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        rows, local_counts, route = dispatch_tokens(x[order // k], counts, self.ep_mesh)
-        back = combine_tokens(self._local_experts(rows, local_counts), route)
+        rows, local_counts, route = dispatch_tokens(x[order // k], counts, self.ep_mesh,
+                                                    self.replicate_hot_experts)
+        back = combine_tokens(self._local_experts(rows, local_counts, route), route)
         back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, back.to(x.dtype))
 
@@ -445,8 +436,8 @@ def is_grouped_experts(name: str, module: nn.Module) -> bool:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
                           filter_fn: Callable[[str, nn.Module], bool] | None = None,
-                          layout: ExpertsLayout | None = None, required: bool = True
-                          ) -> list[str]:
+                          layout: ExpertsLayout | None = None, required: bool = True,
+                          replicate_hot_experts: int = 0) -> list[str]:
     """Split the experts of every selected experts module over ``ep_mesh``, in place.
 
     Args:
@@ -462,6 +453,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             by :class:`ExpertParallel`; any other is replaced by :class:`ExpertParallelExperts`.
         required: raise when ``ep_mesh`` has more than one rank and no experts are found (a
             pipeline stage may legitimately have none: ``parallelize`` passes False there).
+        replicate_hot_experts: N > 0 copies, at every dispatch, up to N of the most loaded
+            experts to the least loaded ranks, so that each rank's rows come within
+            ``ceil(mean)`` of the mean where N copies allow (exact: the same rows meet the same
+            weights; the copies' gradients are summed into the home experts'). At most
+            ``num_experts - num_experts / ep``. See
+            :mod:`~titanext.plugins.expert_replication` for the plan and its cost.
 
     Returns the FQNs of the modules it converted (nothing happens when ``ep_mesh`` has one
     rank). Apply it after tensor parallelism and before activation checkpointing, compile and
@@ -469,6 +466,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
     """
     _group(ep_mesh)
     world = ep_mesh.size()
+    if replicate_hot_experts < 0:
+        raise ValueError(f"replicate_hot_experts = {replicate_hot_experts} must be >= 0")
     chosen = []
     for fqn, m in model.named_modules():
         if filter_fn is not None and not filter_fn(fqn, m):
@@ -487,15 +486,25 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
         return []
     for fqn, m, found in chosen:
         if found == "protocol":
-            ExpertParallel()._apply(m, ep_mesh)
+            n_exp = next(m.parameters()).shape[0]
         else:
             parent, _, child = fqn.rpartition(".")
-            model.get_submodule(parent).register_module(child,
-                                                        ExpertParallelExperts(m, found, ep_mesh))
+            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
+            n_exp = m.num_experts
+        if replicate_hot_experts > max_replicas(n_exp, world):
+            raise ValueError(f"{fqn}: replicate_hot_experts = {replicate_hot_experts} is more than "
+                             f"the {max_replicas(n_exp, world)} experts of {n_exp} a rank can host "
+                             f"as copies at ep = {world} (num_experts - num_experts / ep)")
+        if found == "protocol":
+            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
+        else:
+            model.get_submodule(parent).register_module(child, m)
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "expert parallel: %s: %d experts module(s) split over ep = %d: %s",
+            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
             type(model).__name__, len(chosen), world,
+            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+            if replicate_hot_experts else "",
             ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
     return [fqn for fqn, _, _ in chosen]
 

@@ -1,0 +1,289 @@
+"""Hot-expert replication: the most loaded experts copied, for one step, to the least loaded ep
+ranks, so that every rank computes about the same number of rows.
+
+Switched on by ``apply_expert_parallel(model, ep_mesh, replicate_hot_experts=N)`` (the
+trainer: ``[moe] replicate_hot_experts = N``). Each dispatch then:
+
+1. all-gathers the per-expert counts of every ep rank (instead of the counts all-to-all: one
+   collective either way) and copies them to the host (the dispatch's one sync);
+2. runs :func:`plan_replicas` on that ``[ep, experts]`` table. Every rank computes the same plan
+   from the same table, so no further round is needed. Greedy: while the busiest rank holds
+   more than ``ceil(mean)`` rows, its expert with the most rows still at home gives rows to the
+   least loaded rank (as many as bring one of them to the target), each new (expert, rank) pair
+   being one copy, at most N per layer and dispatch;
+3. sends every row to the rank that computes it: its expert's home rank or a copy's rank (an
+   expert's rows are taken in (source rank, row) order: the home keeps the first ones, the
+   copies the last ones);
+4. sends the copied experts' weights with one more ``all_to_all_single`` (:func:`copy_experts`).
+   It is a differentiable collective: its backward sends each copy's weight gradient back to
+   the home rank, where autograd adds it to the home expert's gradient (the copy was an
+   ``index_select`` of the home weights) before the parameter's gradient is complete, so FSDP
+   and the optimizer only ever see the summed gradient. No hook or extra reduction is needed,
+   and activation checkpointing's recomputation simply repeats the copy.
+
+The result is exact: every routed row meets the same weights as without replication. Outputs
+match bit for bit row by row where the matmul kernel does not depend on the row count, and the
+expert weight gradients within fp32 rounding (the home and the copy each sum part of the rows).
+
+Cost: ``N`` experts' weights per layer and dispatch forward, and their gradients backward
+(``count_comm().weight_bytes_sent``; the planner's and the dry run's "EP expert copies" row), plus
+the copies' rows computed on the receiving rank instead of the home rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from titanext._fake_backend import is_fake
+from titanext._ranges import EP_ALL_TO_ALL, phase
+from titanext.plugins._ep_comm import COUNTERS, AllToAll
+
+SLACK = 0.05  # no new copy while the busiest rank is within 5% of the mean
+
+__all__ = ["Replica", "ReplicationPlan", "plan_replicas", "nominal_plan", "RankRouting",
+           "rank_routing", "copy_experts", "max_replicas", "exchange_counts",
+           "dispatch_replicated"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy: global ``expert`` of ep rank ``home`` runs ``rows`` of its rows on ``rank``."""
+
+    expert: int
+    home: int
+    rank: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class ReplicationPlan:
+    """The copies of one dispatch (in planning order) and the rows per ep rank before/after."""
+
+    replicas: tuple[Replica, ...]
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    counts: tuple[tuple[int, ...], ...] = field(repr=False, default=())  # [ep][experts]
+
+    def hosted(self, rank: int) -> list[Replica]:
+        """The copies ``rank`` computes, in slot order (by home rank, then planning order)."""
+        return sorted((r for r in self.replicas if r.rank == rank),
+                      key=lambda r: (r.home, self.replicas.index(r)))
+
+    def sent(self, rank: int) -> list[Replica]:
+        """The copies of ``rank``'s experts, in sending order (by rank, then planning order)."""
+        return sorted((r for r in self.replicas if r.home == rank),
+                      key=lambda r: (r.rank, self.replicas.index(r)))
+
+
+def max_replicas(num_experts: int, ep: int) -> int:
+    """The largest useful ``replicate_hot_experts``: the experts a rank does not hold."""
+    return num_experts - num_experts // ep
+
+
+def plan_replicas(counts: list[list[int]], max_copies: int,
+                  slack: float = SLACK) -> ReplicationPlan:
+    """The copies that bring every ep rank's rows to at most ``ceil(mean)`` where ``max_copies``
+    copies allow it. ``counts[s][e]``: rows ep rank s routes to global expert e (the experts
+    split evenly over the ranks, rank r holding ``r*L .. (r+1)*L - 1``). Deterministic.
+
+    A new copy is made only while the busiest rank holds more than ``mean x (1 + slack)`` rows
+    (a copy costs an expert's weights and gradients: not worth it for a few rows); copies already
+    made keep taking rows down to ``ceil(mean)``.
+
+    >>> plan = plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=1)
+    >>> plan.replicas, plan.before, plan.after
+    ((Replica(expert=0, home=0, rank=1, rows=6),), (14, 2), (8, 8))
+    >>> plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=0).after
+    (14, 2)
+    """
+    world, n_exp = len(counts), len(counts[0])
+    n_local = n_exp // world
+    load = [sum(c[e] for c in counts) for e in range(n_exp)]
+    ranks = [sum(load[r * n_local:(r + 1) * n_local]) for r in range(world)]
+    before = tuple(ranks)
+    target = -(-sum(ranks) // world)
+    bound = max(target, int(sum(ranks) / world * (1 + slack)))
+    at_home, moved = list(load), {}  # (expert, rank) -> rows, in planning order
+    while True:
+        h = max(range(world), key=lambda r: (ranks[r], -r))
+        d = min(range(world), key=lambda r: (ranks[r], r))
+        excess, room = ranks[h] - target, target - ranks[d]
+        new = len(moved) < max_copies and ranks[h] > bound
+        candidates = [e for e in range(h * n_local, (h + 1) * n_local) if at_home[e] > 0
+                      and ((e, d) in moved or new)]
+        if excess <= 0 or room <= 0 or not candidates:
+            break
+        e = max(candidates, key=lambda e: (at_home[e], -e))
+        n = min(excess, room, at_home[e])
+        moved[(e, d)] = moved.get((e, d), 0) + n
+        at_home[e] -= n
+        ranks[h] -= n
+        ranks[d] += n
+    replicas = tuple(Replica(e, e // n_local, d, n) for (e, d), n in moved.items())
+    return ReplicationPlan(replicas, before, tuple(ranks), tuple(tuple(c) for c in counts))
+
+
+def nominal_plan(n_exp: int, world: int, copies: int, rows: int) -> ReplicationPlan:
+    """A dry run's stand-in (fake tensors have no counts): balanced routing of ``rows`` rows
+    per rank, and every rank sending and hosting ``copies`` copies (0 rows each): the most
+    weight traffic a rank can see, the planner's figure.
+
+    >>> [(r.expert, r.home, r.rank) for r in nominal_plan(4, 2, 1, rows=8).replicas]
+    [(0, 0, 1), (2, 1, 0)]
+    """
+    n_local = n_exp // world
+    counts = [[rows // n_exp + (e < rows % n_exp) for e in range(n_exp)] for _ in range(world)]
+    reps = tuple(Replica(r * n_local + j % n_local, r, (r + 1 + j // n_local) % world, 0)
+                 for r in range(world) for j in range(min(copies, max_replicas(n_exp, world))))
+    per_rank = tuple(sum(sum(c[r * n_local:(r + 1) * n_local]) for c in counts)
+                     for r in range(world))
+    return ReplicationPlan(reps, per_rank, per_rank, tuple(tuple(c) for c in counts))
+
+
+@dataclass
+class RankRouting:
+    """One rank's share of a plan, as host lists: ``segments`` (slot key, rows) of its own rows
+    in expert order; ``send_splits`` / ``recv_splits`` per ep rank; ``arrivals`` (slot, rows) in
+    arrival order; ``slot_counts`` per local slot (home experts, then hosted copies)."""
+
+    segments: list[tuple[int, int]]
+    send_splits: list[int]
+    recv_splits: list[int]
+    arrivals: list[tuple[int, int]]
+    slot_counts: list[int]
+
+
+def _pieces(plan: ReplicationPlan, n_local: int) -> dict[int, list[tuple[int, int, int]]]:
+    """Per expert: (start, end, (rank, slot)) ranges of its rows in (source, row) order."""
+    world = len(plan.before)
+    slot_of = {}
+    for d in range(world):
+        for i, r in enumerate(plan.hosted(d)):
+            slot_of[(r.expert, d)] = n_local + i
+    out = {}
+    for e in range(len(plan.counts[0])):
+        total = sum(c[e] for c in plan.counts)
+        copies = [r for r in plan.replicas if r.expert == e]
+        start = total - sum(r.rows for r in copies)
+        ranges = [(0, start, e // n_local, e % n_local)]
+        for r in copies:
+            ranges.append((start, start + r.rows, r.rank, slot_of[(e, r.rank)]))
+            start += r.rows
+        out[e] = ranges
+    return out
+
+
+def rank_routing(plan: ReplicationPlan, me: int) -> RankRouting:
+    """Where rank ``me``'s rows go and what it receives, under ``plan`` (host work only)."""
+    world, n_exp = len(plan.counts), len(plan.counts[0])
+    n_local = n_exp // world
+    slots = [n_local + len(plan.hosted(d)) for d in range(world)]
+    first = [sum(slots[:d]) for d in range(world)]  # a slot key orders (rank, slot)
+    pieces = _pieces(plan, n_local)
+    by_source: list[dict[int, int]] = [{} for _ in range(world)]  # source -> {my slot: rows}
+    segments, send = [], [0] * world
+    for e in range(n_exp):
+        offset = 0
+        for s, c in enumerate(plan.counts):
+            lo, hi = offset, offset + c[e]
+            offset = hi
+            for start, end, rank, slot in pieces[e]:
+                n = max(0, min(hi, end) - max(lo, start))
+                if not n:
+                    continue
+                if s == me:
+                    segments.append((first[rank] + slot, n))
+                    send[rank] += n
+                if rank == me:
+                    by_source[s][slot] = by_source[s].get(slot, 0) + n
+    arrivals = [(slot, n) for got in by_source for slot, n in sorted(got.items())]
+    slot_counts = [0] * slots[me]
+    for slot, n in arrivals:
+        slot_counts[slot] += n
+    return RankRouting(segments, send, [sum(g.values()) for g in by_source], arrivals,
+                       slot_counts)
+
+
+def copy_experts(local: dict[str, torch.Tensor], plan: ReplicationPlan, me: int,
+                 group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Each local weight ``[L, ...]`` extended to ``[L + copies hosted here, ...]`` with the
+    copies' weights, fetched by one differentiable ``all_to_all_single`` (its backward returns
+    the copies' gradients to their home rank, summed there into the home expert's gradient).
+    Returns ``local`` unchanged when the plan has no copies (on every rank alike)."""
+    if not plan.replicas:
+        return local
+    world = len(plan.before)
+    n_local = len(plan.counts[0]) // world
+    sent, hosted = plan.sent(me), plan.hosted(me)
+    send_splits = [sum(r.rank == d for r in sent) for d in range(world)]
+    recv_splits = [sum(r.home == s for r in hosted) for s in range(world)]
+    names = list(local)
+    some = local[names[0]]
+    index = torch.tensor([r.expert - me * n_local for r in sent], dtype=torch.long,
+                         device=some.device)
+    groups = ([names] if len({local[n].dtype for n in names}) == 1 else [[n] for n in names])
+    out = {}
+    for part in groups:  # one all-to-all when every weight has one dtype
+        packed = torch.cat([local[n].index_select(0, index).reshape(len(sent), local[n][0].numel())
+                            for n in part], 1)
+        got = AllToAll.apply(packed, recv_splits, send_splits, group, True)
+        widths = [local[n][0].numel() for n in part]
+        for n, w in zip(part, got.split(widths, 1), strict=True):
+            # cat even with nothing hosted: every rank must run the backward all-to-all
+            out[n] = torch.cat([local[n], w.reshape(len(hosted), *local[n].shape[1:])])
+    return out
+
+
+# torch >= 2.12 names it all_gather_single (and deprecates the old name); 2.11 has only the old
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
+                    rows: int) -> ReplicationPlan:
+    """All-gather every ep rank's per-expert counts ``[E]`` and plan the copies (the dispatch's
+    one device-to-host sync). Under the dry run's fake tensors: :func:`nominal_plan`."""
+    world = dist.get_world_size(group)
+    gathered = counts.new_empty(world * counts.numel())
+    with phase(EP_ALL_TO_ALL):
+        _all_gather(gathered, counts.contiguous(), group=group)
+    if is_fake(counts):
+        return nominal_plan(counts.numel(), world, copies, rows)
+    plan = plan_replicas(gathered.view(world, -1).tolist(), copies)  # the one sync
+    for c in COUNTERS:
+        c.count_exchanges += 1
+        c.host_syncs += 1
+        c.replicas += len(plan.replicas)
+    return plan
+
+
+def _expand(keys: list[int], sizes: list[int], total: int, device: torch.device) -> torch.Tensor:
+    return torch.repeat_interleave(torch.tensor(keys, dtype=torch.long, device=device),
+                                   torch.tensor(sizes, dtype=torch.long, device=device),
+                                   output_size=total)
+
+
+def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
+                        copies: int):
+    """:func:`~titanext.plugins.expert_parallel.dispatch_tokens` with up to ``copies`` hot
+    experts copied: returns (rows in local-slot order, rows per slot [L + hosted copies], the
+    send order of ``x``'s rows, send splits, receive splits, arrival-to-slot order, the plan)."""
+    me = dist.get_rank(group)
+    plan = exchange_counts(counts, group, copies, x.shape[0])
+    routing = rank_routing(plan, me)
+    if sum(routing.send_splits) != x.shape[0]:
+        raise ValueError(f"num_tokens_per_expert sums to {sum(routing.send_splits)} but x has "
+                         f"{x.shape[0]} rows")
+    keys, sizes = zip(*routing.segments, strict=True) if routing.segments else ((), ())
+    send_order = torch.argsort(_expand(list(keys), list(sizes), x.shape[0], x.device),
+                               stable=True)
+    received = AllToAll.apply(x.index_select(0, send_order), routing.recv_splits,
+                              routing.send_splits, group)
+    slots, sizes = zip(*routing.arrivals, strict=True) if routing.arrivals else ((), ())
+    order = torch.argsort(_expand(list(slots), list(sizes), received.shape[0], x.device),
+                          stable=True)
+    local_counts = torch.tensor(routing.slot_counts, dtype=torch.long, device=x.device)
+    return (received.index_select(0, order), local_counts, send_order, routing.send_splits,
+            routing.recv_splits, order, plan)
