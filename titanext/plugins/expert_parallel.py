@@ -57,6 +57,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanext._fake_backend import is_fake
+from titanext._overlap import comm_point
 from titanext._ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._counting import Counters
 
@@ -95,8 +96,9 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with phase(EP_ALL_TO_ALL):  # forward and backward
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    with phase(EP_ALL_TO_ALL):  # forward and backward; overlapped inside run_interleaved
+        comm_point(lambda async_op: dist.all_to_all_single(out, x, out_splits, in_splits,
+                                                           group=group, async_op=async_op))
     if _COUNTERS:
         me = dist.get_rank(group)
         rows = sum(in_splits) - in_splits[me]
@@ -165,8 +167,10 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
         raise ValueError(f"{n_exp} experts cannot be split evenly over {world} ep ranks")
     n_local = n_exp // world
     recv = torch.empty_like(counts)
+    counts = counts.contiguous()
     with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
-        dist.all_to_all_single(recv, counts.contiguous(), group=pg)
+        comm_point(lambda async_op: dist.all_to_all_single(recv, counts, group=pg,
+                                                           async_op=async_op))
     if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
         rows = x.shape[0]
         send_splits = [rows // world + (r < rows % world) for r in range(world)]
