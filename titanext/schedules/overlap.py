@@ -8,15 +8,15 @@ all-to-alls travel while the other side computes.
   actions); overlap switches their handler to the interleaved one.
 - **1F1B, Interleaved1F1B** (Megatron's *combined 1F1B*): the steady state alternates a forward
   and a backward of different micro-batches; :func:`fuse_pairs` turns each such neighbour pair
-  into one OVERLAP_F_B action (1F1B runs one more warm-up forward per rank, so that a pair
-  never waits for a gradient that needs its own forward's output: one more micro-batch of
-  activations in flight), and :class:`CombinedOneFOneB` runs the lists on titanext's chain
-  runtime (the receives of both chunks are waited before the pair, the sends follow it).
+  into one OVERLAP_F_B action (1F1B with more warm-up forwards: :func:`combined_order`), and
+  :class:`CombinedOneFOneB` runs the lists on titanext's chain runtime (the receives of both
+  chunks are waited before the pair, the sends follow it).
 
 Any other schedule has no paired chunks: :func:`overlap_problems` says so at config load.
 
->>> " ".join(str(a) for a in combined_order("1F1B", 2, 4, 1)[0])
-'0F0 0F1 (0F2;0B0)OVERLAP_F_B (0F3;0B1)OVERLAP_F_B 0B2 0B3'
+>>> " ".join(str(a) for a in combined_order("1F1B", 2, 6, 1)[1])
+'1F0 (1F1;1B0)OVERLAP_F_B (1F2;1B1)OVERLAP_F_B (1F3;1B2)OVERLAP_F_B (1F4;1B3)OVERLAP_F_B \
+(1F5;1B4)OVERLAP_F_B 1B5'
 """
 
 from __future__ import annotations
@@ -68,14 +68,37 @@ def fuse_pairs(order: dict[int, list]) -> dict[int, list]:
     return out
 
 
+def _alternate(order: dict[int, list], warmup) -> dict[int, list]:
+    """Each rank's forwards and backwards, in their own orders, as ``warmup(r, w)`` forwards
+    (``w``: the forwards before the rank's first backward in ``order``), then a forward and a
+    backward in turn, then the remaining backwards."""
+    out = {}
+    for r, acts in order.items():
+        fs = [a for a in acts if a.computation_type == F]
+        bs = [a for a in acts if a.computation_type != F]
+        first_b = next((i for i, a in enumerate(acts) if a.computation_type != F), len(acts))
+        n = min(warmup(r, first_b), len(fs))
+        rest, new = fs[n:], fs[:n]
+        for k, b in enumerate(bs):
+            new += [rest[k], b] if k < len(rest) else [b]
+        out[r] = new
+    return out
+
+
 def combined_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list]:
-    """The fused compute lists of ``name`` ("1F1B" or "Interleaved1F1B")."""
+    """The fused compute lists of ``name`` ("1F1B" or "Interleaved1F1B").
+
+    A pair waits for both its receives first, so a rank's pair must not need a gradient that
+    the next rank computes in the pair that needs this rank's previous forward: that would
+    chain the ranks' pairs one after another. 1F1B therefore runs 2(pp-r-1)+1 warm-up forwards
+    on rank r (1F1B: pp-r-1), which keeps 1F1B's makespan at zero all-to-all time (checked by
+    :func:`titanext.schedules.simulate`) for up to pp-r more micro-batches in flight;
+    Interleaved1F1B keeps torch's warm-up, its steady state as strict F/B turns."""
     if name == "1F1B":
-        base = one_f_one_b(pp, microbatches, extra_warmup=1)
-    else:
-        cls = torch_schedule_class("ScheduleInterleaved1F1B")
-        base = torch_pipeline_order(cls, pp, microbatches, stages_per_rank)
-    return fuse_pairs(base)
+        return fuse_pairs(_alternate(one_f_one_b(pp, microbatches), lambda r, w: 2 * w - 1))
+    cls = torch_schedule_class("ScheduleInterleaved1F1B")
+    base = torch_pipeline_order(cls, pp, microbatches, stages_per_rank)
+    return fuse_pairs(_alternate(base, lambda r, w: w))
 
 
 def _lowered(order: dict[int, list], pp: int, num_stages: int, microbatches: int) -> dict:
