@@ -34,15 +34,16 @@ over with :func:`register_side_state`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CommWait", "active", "comm_point", "comm_waits", "register_side_state",
-           "run_interleaved"]
+__all__ = ["CommWait", "active", "comm_point", "comm_waits", "emulated_link",
+           "register_side_state", "run_interleaved"]
 
 _STATES: list[tuple[Callable[[], object], Callable[[object], None]]] = []
 
@@ -135,6 +136,31 @@ class _Pair:
 
 
 _ACTIVE: _Pair | None = None
+_LINK: list[float] = []  # emulated bandwidth in bytes/s (benchmarks), innermost last
+
+
+@contextlib.contextmanager
+def emulated_link(bytes_per_s: float) -> Iterator[None]:
+    """Benchmarks: inside the block every collective issued at a communication point takes at
+    least ``nbytes / bytes_per_s`` seconds longer from its issue, as over a slower link (the
+    delay elapses inside the wait, so the other side of a pair computes meanwhile; outside a
+    pair the caller sleeps it). The same delay with overlap on and off."""
+    _LINK.append(bytes_per_s)
+    try:
+        yield
+    finally:
+        _LINK.pop()
+
+
+class _Slow:
+    """A collective's Work that completes ``delay`` seconds after its issue at the earliest."""
+
+    def __init__(self, work, delay: float):
+        self.work, self.ready = work, time.perf_counter() + delay
+
+    def wait(self) -> None:
+        self.work.wait()
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
 
 
 def active() -> bool:
@@ -142,19 +168,23 @@ def active() -> bool:
     return _ACTIVE is not None
 
 
-def comm_point(issue: Callable[[bool], object]) -> None:
+def comm_point(issue: Callable[[bool], object], nbytes: int = 0) -> None:
     """Run one collective: ``issue(async_op)`` issues it (returning its ``Work`` when
     ``async_op``). Inside :func:`run_interleaved` it is issued asynchronously and the baton goes
     to the other side until it completes; elsewhere it runs synchronously. Both are timed into
-    :func:`comm_waits`."""
+    :func:`comm_waits`. ``nbytes`` (this rank's input bytes) is what :func:`emulated_link`
+    delays by."""
     pair = _ACTIVE
     _WAIT.calls += 1
+    delay = nbytes / _LINK[-1] if _LINK else 0.0
     if pair is None:
         start = time.perf_counter()
         issue(False)
+        time.sleep(delay)
         _WAIT.exposed += time.perf_counter() - start
         return
-    pair.pause(issue(True))
+    work = issue(True)
+    pair.pause(_Slow(work, delay) if delay else work)
 
 
 def _thread_setup() -> Callable[[], None]:

@@ -98,7 +98,8 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     with phase(EP_ALL_TO_ALL):  # forward and backward; overlapped inside run_interleaved
         comm_point(lambda async_op: dist.all_to_all_single(out, x, out_splits, in_splits,
-                                                           group=group, async_op=async_op))
+                                                           group=group, async_op=async_op),
+                   nbytes=x.numel() * x.element_size())
     if _COUNTERS:
         me = dist.get_rank(group)
         rows = sum(in_splits) - in_splits[me]
