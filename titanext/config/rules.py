@@ -411,6 +411,35 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
     return problems
 
 
+def ep_overlap_problems(cfg: JobConfig) -> list[str]:
+    """``expert_parallel_comm_overlap``: expert parallelism, and a pipeline schedule whose
+    paired forward/backward chunks can run (:func:`titanext.schedules.overlap.overlap_problems`)."""
+    p = cfg.parallelism
+    if not p.expert_parallel_comm_overlap:
+        return []
+    key = "parallelism.expert_parallel_comm_overlap = true"
+    if p.expert_parallel_degree == 1:
+        return [f"{key} needs expert parallelism, but parallelism.expert_parallel_degree = 1; "
+                "set expert_parallel_degree > 1 or the overlap false"]
+    pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
+    if pp == 1:
+        return [f"{key} overlaps the paired forward/backward chunks of a pipeline schedule, but "
+                "parallelism.pipeline_parallel_degree = 1 has none; use pp > 1 with DualPipeV, "
+                "DualPipe, 1F1B or Interleaved1F1B, or set it false"]
+    from titanext.schedules import get_schedule_class, resolved_stages_per_rank
+    from titanext.schedules.overlap import overlap_problems
+
+    try:
+        canonical = get_schedule_class(name).__name__
+        spr = resolved_stages_per_rank(name, p.pipeline_parallel_stages_per_rank)
+    except ValueError:  # reported by the pipeline rules
+        return []
+    if name.lower() == "torchdualpipev":
+        canonical = "TorchDualPipeV"
+    mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, cfg.training.local_batch_size)
+    return overlap_problems(canonical, pp=pp, microbatches=mb, stages_per_rank=spr)
+
+
 def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """[float8] combinations that cannot work (checked only with float8.enable)."""
     f, p = cfg.float8, cfg.parallelism
@@ -513,6 +542,8 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)
+    if degrees_ok and ok("expert_parallel_degree", "pipeline_parallel_schedule"):
+        problems += ep_overlap_problems(cfg)
     if degrees_ok:
         problems += _pipeline_composition_problems(cfg, skip)
 

@@ -315,6 +315,14 @@ class Parallelism:
     their experts by all-to-all). Needs a MoE flavor and FSDP (zero_stage 2 or 3); must divide
     moe.num_experts and dp_shard x cp, and be a multiple of context_parallel_degree."""
 
+    expert_parallel_comm_overlap: bool = _field(False)
+    """Hide the expert-parallel all-to-alls of one micro-batch behind another's compute: the
+    paired forward and backward chunks of DualPipe, DualPipeV, 1F1B and Interleaved1F1B (their
+    steady state) run interleaved, each side's dispatch and combine in flight while the other
+    side computes. Results are bitwise those of the run without it. Needs
+    expert_parallel_degree > 1 and pipeline_parallel_degree > 1 with one of those schedules
+    (1F1B: one more micro-batch in flight per rank, and more than pp micro-batches)."""
+
 
 _DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.options owns the list
 

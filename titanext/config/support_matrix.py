@@ -68,6 +68,7 @@ ROWS: dict[str, dict[str, str]] = {
     **{f"PP {name}": _pp(name) for name in SCHEDULE_NAMES},
     "EP": _EP,
     "EP hot-expert replication": {**_EP, "moe.replicate_hot_experts": "2"},
+    "EP all-to-all overlap": {**_EP, P + "expert_parallel_comm_overlap": "true"},
     **{f"float8 {r}": _f8(r) for r in FLOAT8_RECIPES},
     "float8 FSDP all-gather": _f8("tensorwise", **{"float8.enable_fsdp_float8_all_gather": "true",
                                                    "float8.precompute_scale": "true"}),

@@ -59,6 +59,7 @@ from titanext.schedules import (  # pipeline_stage_ids is re-exported
     stage_owners,
 )
 from titanext.schedules.dualpipe import sum_mirrored_grads
+from titanext.schedules.overlap import overlap_schedule_class
 
 #: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
 SPLIT_BACKWARD = ("deferred", "autograd")
@@ -274,6 +275,9 @@ class PipelineRunner:
       :func:`titanext.plugins.weight_grad.defer_weight_grads`, I runs one plain backward that
       queues their dW GEMMs, and W runs that micro-batch's queue; ``"autograd"`` keeps torch's
       ``stage_backward_input`` / ``stage_backward_weight`` split.
+    - ``comm_overlap``: the paired forward and backward chunks of DualPipe, DualPipeV, 1F1B and
+      Interleaved1F1B run interleaved at their expert-parallel all-to-alls
+      (:mod:`titanext.schedules.overlap`).
 
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
@@ -298,8 +302,10 @@ class PipelineRunner:
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 split_backward: str = "deferred"):
+                 split_backward: str = "deferred", comm_overlap: bool = False):
         cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+        if comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
+            cls = overlap_schedule_class(cls)
         self.schedule_class, self.device, self.microbatches = cls, device, microbatches
         self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
         pp = dims.pp
@@ -368,6 +374,7 @@ class PipelineRunner:
         schedule = capped_schedule_class(get_schedule_class(p.pipeline_parallel_schedule), cap)
         return cls(model, dims, schedule=schedule,
                    split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
+                   comm_overlap=getattr(p, "expert_parallel_comm_overlap", False),
                    microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
                                                      local_batch_size),
                    stages_per_rank=p.pipeline_parallel_stages_per_rank,

@@ -2,6 +2,7 @@
 
     python -m titanext.plan --config train_configs/llama3_70b.toml --world-size 64 \\
         [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] \\
+        [--imbalance 1.0] \\
         [--section.key=value ...]
 
 It answers "which degrees should I use?" in seconds, without a process group, following the
@@ -53,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hbm-gb", type=float, help="override the device's memory (GB)")
     ap.add_argument("--efficiency", type=float, default=0.6,
                     help="fraction of peak FLOP/s the kernels reach (default 0.6)")
+    ap.add_argument("--imbalance", type=float, default=1.0,
+                    help="MoE routing: rows of the busiest ep rank / the mean (default 1.0; a "
+                         "measured moe_load, or what hot-expert replication leaves)")
     ap.add_argument("--top", type=int, default=5, help="layouts to advise")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
@@ -62,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"--world-size = {known.world_size} must be >= 1")
     if not 0 < known.efficiency <= 1:
         problems.append(f"--efficiency = {known.efficiency} must be in (0, 1]")
+    if known.imbalance < 1:
+        problems.append(f"--imbalance = {known.imbalance} must be >= 1 (busiest / mean rows)")
     if known.gpus_per_node < 1:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
     device = DEVICES[known.device]
@@ -79,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"titanext.plan: error: {problem}", file=sys.stderr)
         return 2
     current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
-                          efficiency=known.efficiency)
+                          efficiency=known.efficiency, imbalance=known.imbalance)
     advice = advise(path, overrides, known.world_size, device=device,
                     gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency)
     if known.svg:
@@ -108,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nStep {tm['step_s']:.2f} s (compute {tm['compute_s']:.2f} s, exposed comm "
           f"{tm['exposed_comm_s']:.2f} s, bubble {tm['bubble']:.1%}), MFU {tm['mfu']:.1%}, "
           f"{tm['tokens_per_s']:,.0f} tokens/s\n")
+    if "ep_all_to_all" in tm:
+        print(ep_all_to_all_line(tm["ep_all_to_all"]) + "\n")
     print(f"Advice: the {len(advice)} fastest layouts that fit and validate:")
     print(format_table([{"#": i + 1, "layout": layout_name(pl.layout),
                          "memory GB": pl.memory_total / GB, "MFU": f"{pl.time['mfu']:.1%}",
@@ -116,6 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, pl in enumerate(advice[:3]):
         print(f"\n# layout #{i + 1}\n{toml_snippet(pl)}")
     return 0
+
+
+def ep_all_to_all_line(ep: dict) -> str:
+    """The planner's expert-parallel all-to-all line (``Plan.time["ep_all_to_all"]``)."""
+    on = ("no paired chunks in this schedule" if ep["exposed_on_s"] is None else
+          f"{ep['exposed_on_s']:.2f} s waited, step {ep['step_on_s']:.2f} s")
+    return (f"EP all-to-all at imbalance {ep['imbalance']:.2f}: {ep['per_step_s']:.2f} s per "
+            f"step; overlap off: {ep['exposed_off_s']:.2f} s waited, step "
+            f"{ep['step_off_s']:.2f} s; overlap on: {on}")
 
 
 if __name__ == "__main__":

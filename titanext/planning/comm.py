@@ -31,9 +31,14 @@ def comm_time(c: dict, device: Device) -> float:
             + c["bytes"] / (device.inter_bw if inter else device.intra_bw))
 
 
-def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime
-                        ) -> tuple[list[dict], MicrobatchTime, float]:
-    """(TP / CP / EP / PP rows, ``mt`` with their exposed time added, one p2p send's time)."""
+def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime, *,
+                        imbalance: float = 1.0) -> tuple[list[dict], MicrobatchTime, float]:
+    """(TP / CP / EP / PP rows, ``mt`` with their exposed time added, one p2p send's time).
+
+    ``imbalance`` (max / mean routed rows per ep rank, >= 1) scales the all-to-all bytes of the
+    busiest ep rank, which every rank waits for. The EP row also carries one micro-batch's
+    all-to-all seconds in its F and in its I (``a2a_f_s``, ``a2a_i_s``), which the pipeline
+    simulation may hide behind the paired chunk (``expert_parallel_comm_overlap``)."""
     shape, moe, tp, cp, ep, pp, a, ac = (lo.shape, lo.shape.moe, lo.tp, lo.cp, lo.ep, lo.pp,
                                          lo.a, lo.ac)
     tokens, passes, sp = lo.tokens, lo.passes, lo.sp
@@ -58,12 +63,15 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         # per dispatch; on the critical path (the MoE waits for its tokens)
         n_f = 2 * lo.n_moe(rank)
         n_i = n_f * (2 if ac == "full" else 1)
-        one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a)
+        one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a) * imbalance
         counts = lo.n_moe(rank) * (2 if ac == "full" else 1)  # split sizes, once per dispatch
+        overlapped = lo.cfg.parallelism.expert_parallel_comm_overlap
         c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
-             "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep), "overlap": "none"}
+             "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep),
+             "overlap": "paired chunk" if overlapped else "none"}
         comm.append(c)
         t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
+        c["a2a_f_s"], c["a2a_i_s"] = n_f * t_one, n_i * t_one
         mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
         copies = lo.cfg.moe.replicate_hot_experts
         if copies:  # hot-expert copies: weights out per dispatch, their gradients back

@@ -29,7 +29,8 @@ from titanext.planning.memory import memory_per_pp_rank, state_elements
 from titanext.planning.roofline import MicrobatchTime, microbatch_time, optimizer_time
 from titanext.planning.stages import simulate_times
 
-__all__ = ["Plan", "microbatch_times", "pipeline_pass", "plan_config", "step_time"]
+__all__ = ["Plan", "ep_overlap_times", "microbatch_times", "pipeline_pass", "plan_config",
+           "step_time"]
 
 
 @dataclass
@@ -48,8 +49,11 @@ class Plan:
         return sum(self.memory.values())
 
 
-def microbatch_times(lo: Layout, device: Device, efficiency: float) -> list[MicrobatchTime]:
-    """Compute time (F, I, W) of one micro-batch through each pp rank's blocks, no comm."""
+def microbatch_times(lo: Layout, device: Device, efficiency: float, *,
+                     imbalance: float = 1.0) -> list[MicrobatchTime]:
+    """Compute time (F, I, W) of one micro-batch through each pp rank's blocks, no comm.
+    ``imbalance`` (max / mean routed rows per ep rank) scales the routed experts' work: the
+    busiest ep rank sets the pace."""
     shape, moe = lo.shape, lo.shape.moe
     common = dict(tokens=lo.tokens, seq_len=lo.cfg.training.seq_len, dim=shape.dim,
                   kv_dim=shape.kv_dim, vocab=shape.vocab, tp=lo.tp, sp=lo.sp, a=lo.a, ac=lo.ac,
@@ -61,21 +65,53 @@ def microbatch_times(lo: Layout, device: Device, efficiency: float) -> list[Micr
                              layers=rank.layers - n_moe, embedding=rank.embedding,
                              head=rank.head, head_float8=lo.head_float8, **common)
         if n_moe:
-            mt = mt + microbatch_time(device, ffn=0, linears=lo.moe_linears, layers=n_moe,
-                                      ffn_replicated=moe.top_k * moe.hidden + moe.shared_hidden,
-                                      **common)
+            linears = [dataclasses.replace(lin, token_factor=lin.token_factor * imbalance)
+                       if lin.name.startswith("moe.experts.") else lin for lin in lo.moe_linears]
+            routed = moe.top_k * moe.hidden * imbalance
+            mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=n_moe,
+                                      ffn_replicated=routed + moe.shared_hidden, **common)
         per_rank.append(mt)
     return per_rank
 
 
-def pipeline_pass(lo: Layout, mt: MicrobatchTime, p2p: float
-                  ) -> tuple[float, float, list[int], list | None]:
+def pipeline_pass(lo: Layout, mt: MicrobatchTime, p2p: float, *,
+                  a2a: tuple[float, float] = (0.0, 0.0), overlap: bool = False
+                  ) -> tuple[float, float, list[int], list | None, float]:
     """(time of one pass: a pipeline flush or one micro-batch, bubble ratio, micro-batches in
-    flight on each pp rank at its peak, the simulated actions (None without pp))."""
+    flight on each pp rank at its peak, the simulated actions (None without pp), the
+    all-to-all seconds the busiest rank waits per pass). ``mt`` includes the expert-parallel
+    all-to-all time ``a2a`` (in F, in I); with ``overlap`` the schedule's paired chunks hide
+    it behind each other."""
     if lo.pp == 1:
-        return mt.total, 0.0, [1], None
-    pass_time, sim = simulate_times(lo.pipe, f=mt.f, i=mt.i, w=mt.w, comm=p2p)
-    return pass_time, sim.bubble_ratio, sim.peak_activations, sim.events
+        return mt.total, 0.0, [1], None, a2a[0] + a2a[1]
+    pass_time, sim = simulate_times(lo.pipe, f=mt.f - a2a[0], i=mt.i - a2a[1], w=mt.w, comm=p2p,
+                                    a2a=a2a[0], a2a_i=a2a[1], overlap=overlap)
+    exposed = max(sim.a2a_exposed)
+    # the bubble is idle time: an exposed all-to-all is communication, not bubble
+    bubble = max(0.0, sim.bubble_ratio - exposed / pass_time)
+    return pass_time, bubble, sim.peak_activations, sim.events, exposed
+
+
+def ep_overlap_times(lo: Layout, mt: MicrobatchTime, p2p: float, a2a: tuple[float, float],
+                     step: float, pass_time: float, imbalance: float) -> dict:
+    """The expert-parallel all-to-all of a step: its total, what the busiest rank waits for
+    with ``expert_parallel_comm_overlap`` off and on (on: None where the schedule has no
+    paired chunks) and the step time of each, at this routing ``imbalance`` (max / mean rows
+    per ep rank; replicating hot experts brings it towards 1)."""
+    from titanext.schedules.overlap import OVERLAP_SCHEDULES
+
+    out = {"imbalance": imbalance, "per_step_s": lo.passes * (a2a[0] + a2a[1])}
+    mine = lo.cfg.parallelism.expert_parallel_comm_overlap
+    can = lo.pp > 1 and lo.pipe.schedule in OVERLAP_SCHEDULES
+    for on in (False, True):
+        if on and not can:
+            out["exposed_on_s"] = out["step_on_s"] = None
+            continue
+        p, *_, exposed = pipeline_pass(lo, mt, p2p, a2a=a2a, overlap=on)
+        key = "on" if on else "off"
+        out[f"exposed_{key}_s"] = lo.accum * exposed
+        out[f"step_{key}_s"] = step + lo.accum * (p - pass_time) if on != mine else step
+    return out
 
 
 def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, units: int,
@@ -99,7 +135,7 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
-                gpus_per_node: int = 8, efficiency: float = 0.6) -> Plan:
+                gpus_per_node: int = 8, efficiency: float = 0.6, imbalance: float = 1.0) -> Plan:
     """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
 
     ``efficiency`` is the fraction of the dense peak that large matmuls and attention reach
@@ -112,13 +148,22 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     ``memory_per_pp_rank`` every pp rank's. A global batch that is not a whole number of
     ``local_batch_size x dp`` batches raises :class:`~titanext.config.ConfigError`, as in the
     trainer.
+
+    ``imbalance`` is the routed rows of the busiest ep rank over the mean (1 = balanced; a
+    measured ``moe_load``, or what hot-expert replication leaves): it scales that rank's expert
+    work and all-to-all bytes. ``time["ep_all_to_all"]`` (MoE with ep > 1) gives the all-to-all
+    waited for with ``expert_parallel_comm_overlap`` off and on, and the step time of each.
     """
     lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
-    per_rank = microbatch_times(lo, device, efficiency)
+    per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
     busiest = max(range(lo.pp), key=lambda r: per_rank[r].total)
     rank = lo.pipe.ranks[busiest]
-    comm, mt, p2p = model_parallel_comm(lo, device, rank, per_rank[busiest])
-    pass_time, bubble, in_flight, events = pipeline_pass(lo, mt, p2p)
+    comm, mt, p2p = model_parallel_comm(lo, device, rank, per_rank[busiest], imbalance=imbalance)
+    ep_row = next((c for c in comm if c["parallelism"] == "EP all-to-all"), None)
+    a2a = (ep_row["a2a_f_s"], ep_row["a2a_i_s"]) if ep_row else (0.0, 0.0)
+    overlap = cfg.parallelism.expert_parallel_comm_overlap
+    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, mt, p2p, a2a=a2a,
+                                                            overlap=overlap)
     compute = lo.passes * sum((per_rank[busiest].f, per_rank[busiest].i, per_rank[busiest].w))
     memories, psis = memory_per_pp_rank(lo, in_flight, events)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
@@ -130,6 +175,9 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     for c in comm:
         c["time_s"] = comm_time(c, device)
     time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p})
+    if ep_row:
+        time["ep_all_to_all"] = ep_overlap_times(lo, mt, p2p, a2a, time["step_s"], pass_time,
+                                                 imbalance)
     p = cfg.parallelism
     layout = {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
               "pp": lo.pp, "ep": lo.ep, "zero_stage": p.zero_stage, "ac": lo.ac,

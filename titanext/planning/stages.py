@@ -16,6 +16,7 @@ with the micro-batch's forward, input-gradient and weight-gradient times as cost
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -87,7 +88,8 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
 @functools.lru_cache(maxsize=1024)
 def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
                       f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
-                      max_pending_weight_grads: int = 0):
+                      max_pending_weight_grads: int = 0, a2a: float = 0.0,
+                      a2a_b: float | None = None, overlap: bool = False):
     """:func:`titanext.schedules.simulate` of the action lists the trainer runs (a generated
     schedule's for equal costs, as the trainer builds it, unless it measures its own; capped
     at ``max_pending_weight_grads`` pending W's), with these costs; cached (the advice asks
@@ -96,21 +98,27 @@ def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_r
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
                     stages_per_rank=stages_per_rank, runtime_order=True,
-                    max_pending_weight_grads=max_pending_weight_grads)
+                    max_pending_weight_grads=max_pending_weight_grads, a2a=a2a, a2a_b=a2a_b,
+                    overlap=overlap)
 
 
-def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float):
-    """Replay ``layout``'s schedule with these per-micro-batch seconds (one rank's share).
+def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float,
+                   a2a: float = 0.0, a2a_i: float = 0.0, overlap: bool = False):
+    """Replay ``layout``'s schedule with these per-micro-batch seconds (one rank's share;
+    ``f`` and ``i`` without the expert-parallel all-to-all, which is ``a2a`` in F and
+    ``a2a_i`` in I, hidden behind the paired chunk with ``overlap``).
 
-    Returns (seconds of one pass of all micro-batches, the simulator's result). Costs are
-    normalised by ``f`` and rounded to 1% before simulating, so that similar layouts share a
-    cached simulation.
+    Returns (seconds of one pass of all micro-batches, the simulator's result, with
+    ``a2a_exposed`` in seconds). Costs are normalised by ``f`` and rounded to 1% before
+    simulating, so that similar layouts share a cached simulation.
     """
     def q(x: float) -> float:
         return round(x / f, 2)
 
     sim = simulate_schedule(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
                             stages_per_rank=layout.stages_per_rank, f=1.0, b=max(q(i), 0.01),
-                            w=max(q(w), 0.01), comm=q(comm),
+                            w=max(q(w), 0.01), comm=q(comm), a2a=q(a2a), a2a_b=q(a2a_i),
+                            overlap=overlap,
                             max_pending_weight_grads=layout.max_pending_weight_grads)
-    return sim.makespan * f, sim
+    exposed = [x * f for x in sim.a2a_exposed]
+    return sim.makespan * f, dataclasses.replace(sim, a2a_exposed=exposed)

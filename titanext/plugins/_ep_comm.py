@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanext._overlap import comm_point
 from titanext._ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._counting import Counters
 
@@ -52,8 +53,10 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     """``all_to_all_single`` of rows (not differentiable; counted as token or weight bytes)."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with phase(EP_ALL_TO_ALL):  # forward and backward
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    with phase(EP_ALL_TO_ALL):  # forward and backward; overlapped inside run_interleaved
+        comm_point(lambda async_op: dist.all_to_all_single(out, x, out_splits, in_splits,
+                                                           group=group, async_op=async_op),
+                   nbytes=x.numel() * x.element_size())
     if COUNTERS:
         me = dist.get_rank(group)
         rows = sum(in_splits) - in_splits[me]

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanext._fake_backend import is_fake
+from titanext._overlap import comm_point
 from titanext._ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
 from titanext.plugins._ep_comm import AllToAll as _AllToAll
@@ -127,8 +128,10 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
             x, counts, pg, replicate_hot_experts)
         return rows, local, Route(send, recv_splits, order, pg, send_order, plan)
     recv = torch.empty_like(counts)
+    counts = counts.contiguous()
     with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
-        dist.all_to_all_single(recv, counts.contiguous(), group=pg)
+        comm_point(lambda async_op: dist.all_to_all_single(recv, counts, group=pg,
+                                                           async_op=async_op))
     if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
         rows = x.shape[0]
         send_splits = [rows // world + (r < rows % world) for r in range(world)]

@@ -31,6 +31,7 @@ from titanext.schedules._torch_ir import (
     torch_schedule_class,
 )
 from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
+from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
 from titanext.schedules.simulator import SimResult, replay
 from titanext.schedules.zero_bubble import (
     GeneratedSchedule,
@@ -232,7 +233,8 @@ def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: in
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
-             runtime_order: bool = False, max_pending_weight_grads: int = 0) -> SimResult:
+             runtime_order: bool = False, max_pending_weight_grads: int = 0,
+             a2a: float = 0.0, a2a_b: float | None = None, overlap: bool = False) -> SimResult:
     """Replay schedule ``name``'s action lists with these costs.
 
     ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
@@ -244,6 +246,15 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     ``max_pending_weight_grads`` > 0: the lists capped as the trainer runs them
     (:func:`titanext.schedules.memory_cap.cap_pending_weight_grads`).
 
+    ``a2a`` (``a2a_b``) is the expert-parallel all-to-all time of one micro-batch's F (I or B;
+    default ``a2a``) through 1/pp of the model, exposed unless ``overlap`` runs the schedule as
+    ``expert_parallel_comm_overlap`` does: the paired chunks interleaved (1F1B and
+    Interleaved1F1B as their combined lists, :mod:`titanext.schedules.overlap`; a ValueError
+    for a schedule without paired chunks). ``a2a_exposed`` says what each rank waited.
+
+    >>> [round(sum(simulate("DualPipeV", pp=4, microbatches=16, a2a=0.5, overlap=o).a2a_exposed)
+    ...        / 4, 2) for o in (False, True)]
+    [16.0, 4.88]
     >>> r = simulate("1F1B", pp=4, microbatches=8)
     >>> round(r.bubble_ratio, 4), r.peak_activations
     (0.2727, [4, 3, 2, 1])
@@ -251,15 +262,22 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     cls = get_schedule_class(name)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
-    costs = dict(f=f * share, b=b * share, w=w * share, comm=comm)
+    costs = dict(f=f * share, b=b * share, w=w * share, comm=comm, a2a=a2a * share,
+                 a2a_b=None if a2a_b is None else a2a_b * share)
     order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
                    else dict(f=f, b=b, w=w, comm=comm))
-    order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
-                           max_pending_weight_grads=max_pending_weight_grads, **order_costs)
+    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
+        order = combined_order(cls.__name__, pp, microbatches, spr)
+    elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
+        raise ValueError(f"schedule {name!r} has no paired forward/backward chunks to overlap; "
+                         f"choose one of {', '.join(OVERLAP_SCHEDULES)}")
+    else:
+        order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+                               max_pending_weight_grads=max_pending_weight_grads, **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
-    return replay(order, num_stages=chain, stage_size=share, **costs)
+    return replay(order, num_stages=chain, stage_size=share, overlap=overlap, **costs)
 
 
 def schedule_problems(name: str, *, pp: int, microbatches: int,

@@ -14,7 +14,9 @@ Two runtime subclasses live here:
   its own F, I, B, W and OVERLAP_F_B handlers; the overlapped handler issues the forward
   chunk's send before it computes the backward chunk, so the activation travels while the
   backward runs (and the backward's gradient receive, posted earlier, lands while the forward
-  runs).
+  runs). With ``comm_overlap`` set (``[parallelism] expert_parallel_comm_overlap``), the two
+  chunks run interleaved at their collectives instead (:func:`titanext._overlap.run_interleaved`):
+  each chunk's expert-parallel all-to-alls travel while the other chunk computes.
 """
 
 from __future__ import annotations
@@ -26,13 +28,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _s
 
+from titanext._overlap import run_interleaved
+
 Action = _s._Action
 Kind = _s._ComputationType
 F, I, W, B = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD  # noqa: E741
-OVERLAP = Kind.OVERLAP_F_B
+OVERLAP = getattr(Kind, "OVERLAP_F_B", None)  # the custom-function seam of overlapped chunks
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 COMPUTE_KINDS = (F, I, W, B)
 Runtime = _s._PipelineScheduleRuntime
+
+
+def require_overlap_seam() -> None:
+    """Raise RuntimeError if this torch's pipelining lacks the OVERLAP_F_B computation type and
+    ``register_custom_function`` (overlapped forward/backward chunks need both)."""
+    if OVERLAP is None or not hasattr(Runtime, "register_custom_function"):
+        raise RuntimeError(f"torch {torch.__version__}: torch.distributed.pipelining has no "
+                           "_ComputationType.OVERLAP_F_B / register_custom_function; overlapped "
+                           "F&B chunks (DualPipe, DualPipeV, expert_parallel_comm_overlap) need "
+                           "a torch that has them (2.11 to 2.14 do)")
 
 
 def torch_schedule_class(name: str) -> type | None:
@@ -140,7 +154,11 @@ class ChainRuntime(_Runtime):
     None)`` and ``_seen(stage)`` (micro-batches through a stage) are supplied by the subclass.
     """
 
+    #: run the two chunks of an OVERLAP_F_B action interleaved at their collectives
+    comm_overlap = False
+
     def _install_handlers(self) -> None:
+        require_overlap_seam()
         self.register_custom_function(F, lambda a, ctx: self._forward(a, ctx))
         self.register_custom_function(B, lambda a, ctx: self._backward(a, full=True))
         self.register_custom_function(I, lambda a, ctx: self._backward(a, full=False))
@@ -167,7 +185,7 @@ class ChainRuntime(_Runtime):
         prev_local, next_local = self._chain(a.stage_index, j)
         self._sync(stage)
         if not stage.is_first and prev_local is None:
-            _wait(self.fwd_recv_ops.pop((a.stage_index, j)))
+            _wait(self.fwd_recv_ops.pop((a.stage_index, j), None))  # None: waited already
         out = stage.forward_one_chunk(j, ctx.arg_mbs[j], ctx.kwarg_mbs[j],
                                       save_forward_output=self._save_outputs)
         if stage.is_last and self._loss_fn is not None:
@@ -180,7 +198,7 @@ class ChainRuntime(_Runtime):
         prev_local, next_local = self._chain(a.stage_index, j)
         self._sync(stage)
         if not stage.is_last and next_local is None:
-            _wait(self.bwd_recv_ops.pop((a.stage_index, j)))
+            _wait(self.bwd_recv_ops.pop((a.stage_index, j), None))
         last = False
         if full:
             self._done_count[a.stage_index] += 1
@@ -200,6 +218,9 @@ class ChainRuntime(_Runtime):
     def _overlap(self, a: Action, ctx) -> None:
         """Forward chunk, its send issued at once, then the backward chunk and its send."""
         fwd, bwd = a.sub_actions
+        if self.comm_overlap and bwd.computation_type in (B, I):
+            self._interleaved(fwd, bwd, ctx)
+            return
         self._forward(fwd, ctx)
         stage = self._stage(fwd.stage_index)
         if not stage.is_last and self._chain(fwd.stage_index, fwd.microbatch_index)[1] is None:
@@ -211,6 +232,26 @@ class ChainRuntime(_Runtime):
         stage = self._stage(bwd.stage_index)
         if not stage.is_first and self._chain(bwd.stage_index, bwd.microbatch_index)[0] is None:
             self._early_sends += _issue(stage.get_bwd_send_ops(bwd.microbatch_index))
+
+    def _interleaved(self, fwd: Action, bwd: Action, ctx) -> None:
+        """Both chunks' receives waited first (as DeepSeek's DualPipe does), then forward and
+        backward interleaved at their collectives; the forward's send goes as soon as its chunk
+        is done, the backward's after both."""
+        fs, bs = self._stage(fwd.stage_index), self._stage(bwd.stage_index)
+        fj, bj = fwd.microbatch_index, bwd.microbatch_index
+        if not fs.is_first and self._chain(fwd.stage_index, fj)[0] is None:
+            _wait(self.fwd_recv_ops.pop((fwd.stage_index, fj)))
+        if not bs.is_last and self._chain(bwd.stage_index, bj)[1] is None:
+            _wait(self.bwd_recv_ops.pop((bwd.stage_index, bj)))
+
+        def forward() -> None:
+            self._forward(fwd, ctx)
+            if not fs.is_last and self._chain(fwd.stage_index, fj)[1] is None:
+                self._early_sends += _issue(fs.get_fwd_send_ops(fj))
+
+        run_interleaved(forward, lambda: self._backward(bwd, full=bwd.computation_type == B))
+        if not bs.is_first and self._chain(bwd.stage_index, bj)[0] is None:
+            self._early_sends += _issue(bs.get_bwd_send_ops(bj))
 
     def step(self, *args, return_outputs: bool = True, **kwargs):
         # the custom F handler saves the last stage's outputs only when step returns them

@@ -7,6 +7,20 @@ W after its I.
 
 ``bubble_ratio`` follows the zero-bubble paper: 1 - busy / C, with C the largest span of any
 rank (first action's start to last action's end) and busy that rank's compute time.
+
+Expert-parallel all-to-alls: ``a2a`` is the all-to-all time of one F, I or B chunk (dispatch
+and combine of its MoE layers; W has none). Without overlap a chunk's all-to-all is exposed:
+the rank waits for it. With ``overlap`` (``[parallelism] expert_parallel_comm_overlap``) the
+two chunks of an OVERLAP_F_B pair run interleaved, each side's all-to-all hidden behind the
+other side's compute: the pair takes ``cF + cB + max(0, aF - cB) + max(0, aB - cF)``. The
+timeline draws the all-to-alls on their own lane under each rank (``comm_events``).
+
+>>> from titanext.schedules import schedule_order
+>>> order = schedule_order("DualPipeV", pp=2, microbatches=4)
+>>> plain = replay(order, num_stages=4, a2a=0.5)
+>>> hidden = replay(order, num_stages=4, a2a=0.5, overlap=True)
+>>> hidden.makespan < plain.makespan, sum(hidden.a2a_exposed) < sum(plain.a2a_exposed)
+(True, True)
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from titanext.schedules._torch_ir import B, F, I, W, leaves
 #: the colour and the name of each chunk kind in the timelines (this one and the profiler's)
 KIND_COLOURS = {"F": "#4c78a8", "I": "#f58518", "W": "#54a24b", "B": "#e45756"}
 KIND_NAMES = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full backward"}
+A2A_COLOUR = "#b279a2"  # the all-to-all lane
 
 
 @dataclass
@@ -41,31 +56,46 @@ class SimResult:
     #: for two half-size V stages): activation memory comparable across placements, in units
     #: of one micro-batch through 1/pp of the model.
     peak_memory: list[float] = field(default_factory=list)
+    #: the expert-parallel all-to-alls (kind "A"), on their own lane: not compute
+    comm_events: list[Event] = field(default_factory=list, repr=False)
+    #: per rank: all-to-all time the rank waited for (not hidden behind compute)
+    a2a_exposed: list[float] = field(default_factory=list)
 
     def timeline(self, width: int = 96) -> str:
-        """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there."""
+        """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there; a
+        row under it shows the rank's all-to-alls (A) when there are any."""
         scale = width / self.makespan
-        rows = []
-        for r in sorted({e.rank for e in self.events}):
+
+        def row(events) -> str:
             line = [" "] * width
-            for e in (e for e in self.events if e.rank == r):
+            for e in events:
                 a, b = int(e.start * scale + 1e-9), max(int(e.start * scale + 1e-9) + 1,
                                                         int(e.end * scale + 1e-9))
                 for x in range(a, min(b, width)):
                     line[x] = e.kind if x > a else str(e.microbatch % 10)
-            rows.append(f"rank {r} |{''.join(line)}|")
+            return "".join(line)
+
+        rows = []
+        for r in sorted({e.rank for e in self.events}):
+            rows.append(f"rank {r} |{row(e for e in self.events if e.rank == r)}|")
+            comm = [e for e in self.comm_events if e.rank == r]
+            if comm:
+                rows.append(f"  a2a  |{row(comm)}|")
         return "\n".join(rows)
 
     def svg(self, title: str = "") -> str:
         """The timeline as SVG: one row per rank, coloured by kind, labelled by micro-batch."""
-        colours = KIND_COLOURS
+        colours = {**KIND_COLOURS, "A": A2A_COLOUR}
         ranks = sorted({e.rank for e in self.events})
+        lanes = 2 if self.comm_events else 1  # compute, then the all-to-all lane
         scale, row = 900 / self.makespan, 26
         out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="980" '
-               f'height="{70 + row * len(ranks)}" font-family="sans-serif" font-size="10">',
+               f'height="{70 + row * lanes * len(ranks)}" font-family="sans-serif" '
+               'font-size="10">',
                f'<text x="10" y="16" font-size="13">{title}</text>']
-        for e in self.events:
-            x, y = 60 + e.start * scale, 28 + ranks.index(e.rank) * row
+        for e in [*self.events, *self.comm_events]:
+            lane = ranks.index(e.rank) * lanes + (e.kind == "A")
+            x, y = 60 + e.start * scale, 28 + lane * row
             wdt = (e.end - e.start) * scale
             out.append(f'<rect x="{x:.1f}" y="{y}" width="{wdt:.1f}" height="{row - 4}" '
                        f'fill="{colours[e.kind]}" stroke="white"><title>stage {e.stage} '
@@ -73,13 +103,17 @@ class SimResult:
             out.append(f'<text x="{x + wdt / 2:.1f}" y="{y + 15}" text-anchor="middle" '
                        f'fill="white">{e.microbatch}</text>')
         for i, r in enumerate(ranks):
-            out.append(f'<text x="8" y="{28 + i * row + 15}">rank {r}</text>')
-        y = 28 + len(ranks) * row + 12
-        kinds = [k for k in colours if any(e.kind == k for e in self.events)]
+            out.append(f'<text x="8" y="{28 + i * lanes * row + 15}">rank {r}</text>')
+            if lanes == 2:
+                out.append(f'<text x="8" y="{28 + (i * 2 + 1) * row + 15}">a2a</text>')
+        y = 28 + len(ranks) * lanes * row + 12
+        names = {**KIND_NAMES, "A": "all-to-all"}
+        kinds = [k for k in colours if any(e.kind == k for e in [*self.events,
+                                                                 *self.comm_events])]
         for i, k in enumerate(kinds):  # legend
             out.append(f'<rect x="{60 + 130 * i}" y="{y - 10}" width="12" height="12" '
                        f'fill="{colours[k]}"/>'
-                       f'<text x="{76 + 130 * i}" y="{y}">{k}: {KIND_NAMES[k]}</text>')
+                       f'<text x="{76 + 130 * i}" y="{y}">{k}: {names[k]}</text>')
         out.append(f'<text x="{60 + 130 * len(kinds)}" y="{y}">number = micro-batch; '
                    f'makespan {self.makespan:g}, bubble {self.bubble_ratio:.3f}</text>')
         out.append("</svg>")
@@ -95,40 +129,54 @@ Cost = float | Mapping[int, float] | Sequence[float]
 
 def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
            w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
-           overhead: float = 0.0, stage_size: float = 1.0) -> SimResult:
+           overhead: float = 0.0, stage_size: float = 1.0, a2a: Cost = 0.0,
+           a2a_b: Cost | None = None, overlap: bool = False) -> SimResult:
     """Simulate per-rank compute lists; raises ValueError if they deadlock.
 
     ``num_stages`` is the length of the chain a micro-batch runs through. The rank of a stage
     may depend on the micro-batch (DualPipe's two directions). An OVERLAP_F_B action runs its
-    two chunks back to back on its rank.
+    two chunks back to back on its rank, or interleaved with ``overlap`` (module docstring).
 
     Costs: ``f``, ``b`` (input gradient I), ``w`` (weight gradient W) and ``full_b`` (a full
     backward B; default b + w) are each one figure or one per stage index (a real model's
     first and last stages carry the embedding, the head and the loss). ``comm`` is the latency
     of a cross-rank dependency; ``overhead`` is the runtime's own time per chunk on its rank
     (issuing the chunk's sends and receives, bookkeeping), which occupies the rank but is not
-    counted as busy in ``bubble_ratio``.
+    counted as busy in ``bubble_ratio``. ``a2a`` is one F chunk's expert-parallel all-to-all
+    time and ``a2a_b`` one I or B chunk's (default ``a2a``; more under full AC, whose backward
+    recomputes the forward's), each one figure or one per stage.
 
     >>> from titanext.schedules import schedule_order
     >>> order = schedule_order("1F1B", pp=2, microbatches=4)
     >>> replay(order, num_stages=2).makespan, replay(order, num_stages=2, f=[1, 2]).makespan
     (15.0, 19.0)
     """
-    order = {r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}
-    owner = {(a.stage_index, a.microbatch_index): r for r, acts in order.items() for a in acts}
+    units = {r: [u for a in acts for u in _units(a, overlap)] for r, acts in order.items()}
+    owner = {(x.stage_index, x.microbatch_index): r for r, us in units.items() for u in us
+             for x in u}
     by_kind = {"F": f, "I": b, "W": w, "B": full_b}
+
+    def pick(c: Cost, stage: int) -> float:
+        return float(c) if isinstance(c, (int, float)) else float(c[stage])
 
     def cost(kind: str, stage: int) -> float:
         if kind == "B" and full_b is None:
             return cost("I", stage) + cost("W", stage)
-        c = by_kind[kind]
-        return float(c) if isinstance(c, (int, float)) else float(c[stage])
+        return pick(by_kind[kind], stage)
+
+    def a2a_of(kind: str, stage: int) -> float:
+        if kind == "W":
+            return 0.0
+        return pick(a2a if kind == "F" or a2a_b is None else a2a_b, stage)
+
     done: dict[tuple[str, int, int], float] = {}
-    pos = {r: 0 for r in order}
-    free = {r: 0.0 for r in order}
+    pos = {r: 0 for r in units}
+    free = {r: 0.0 for r in units}
     events: list[Event] = []
-    live = {r: 0 for r in order}
-    peak = {r: 0 for r in order}
+    comm_events: list[Event] = []
+    exposed = {r: 0.0 for r in units}
+    live = {r: 0 for r in units}
+    peak = {r: 0 for r in units}
 
     def ready(kind: str, s: int, j: int) -> float | None:
         if kind == "F":
@@ -148,34 +196,76 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
             return max(own, dep + (comm if owner[s + 1, j] != owner[s, j] else 0.0))
         return done.get(("I", s, j))
 
-    remaining = sum(len(a) for a in order.values())
+    def place(r: int, unit: tuple, start: float) -> float:
+        """Events of ``unit`` from ``start``; returns its end."""
+        parts = [(_KIND[x.computation_type], x) for x in unit]
+        c = [cost(k, x.stage_index) for k, x in parts]
+        a = [a2a_of(k, x.stage_index) for k, x in parts]
+        if len(parts) == 1:
+            (k, x), t = parts[0], start
+            events.append(Event(r, x.stage_index, k, x.microbatch_index, t, t + c[0]))
+            if a[0]:
+                comm_events.append(Event(r, x.stage_index, "A", x.microbatch_index,
+                                         t + c[0], t + c[0] + a[0]))
+            exposed[r] += a[0]
+            return t + c[0] + a[0]
+        # an interleaved pair: each side's all-to-all runs while the other side computes
+        (kf, xf), (kb, xb) = parts
+        hide_b, hide_f = max(0.0, a[1] - c[0]), max(0.0, a[0] - c[1])
+        events.append(Event(r, xf.stage_index, kf, xf.microbatch_index, start, start + c[0]))
+        mid = start + c[0] + hide_b
+        events.append(Event(r, xb.stage_index, kb, xb.microbatch_index, mid, mid + c[1]))
+        if a[1]:
+            comm_events.append(Event(r, xb.stage_index, "A", xb.microbatch_index, start,
+                                     start + a[1]))
+        if a[0]:
+            comm_events.append(Event(r, xf.stage_index, "A", xf.microbatch_index, mid,
+                                     mid + a[0]))
+        exposed[r] += hide_b + hide_f
+        return mid + c[1] + hide_f
+
+    remaining = sum(len(us) for us in units.values())
     while remaining:
         progressed = False
-        for r, acts in order.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                kind = _KIND[a.computation_type]
-                t = ready(kind, a.stage_index, a.microbatch_index)
-                if t is None:
+        for r, us in units.items():
+            while pos[r] < len(us):
+                unit = us[pos[r]]
+                times = [ready(_KIND[x.computation_type], x.stage_index, x.microbatch_index)
+                         for x in unit]
+                if any(t is None for t in times):
                     break
-                start = max(t, free[r])
-                end = start + cost(kind, a.stage_index)
+                end = place(r, unit, max(*times, free[r]))
                 free[r] = end + overhead
-                done[(kind, a.stage_index, a.microbatch_index)] = end
-                if kind == "B":  # a full backward is also the input gradient others wait for
-                    done[("I", a.stage_index, a.microbatch_index)] = end
-                events.append(Event(r, a.stage_index, kind, a.microbatch_index, start, end))
-                if kind == "F":
-                    live[r] += 1
-                    peak[r] = max(peak[r], live[r])
-                elif kind in ("W", "B"):
-                    live[r] -= 1
+                for x in unit:
+                    kind, key = _KIND[x.computation_type], (x.stage_index, x.microbatch_index)
+                    done[(kind, *key)] = end
+                    if kind == "B":  # a full backward is also the input gradient others wait for
+                        done[("I", *key)] = end
+                    if kind == "F":
+                        live[r] += 1
+                        peak[r] = max(peak[r], live[r])
+                    elif kind in ("W", "B"):
+                        live[r] -= 1
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(order[r][pos[r]]) for r in order if pos[r] < len(order[r])}
+            stuck = {r: str(units[r][pos[r]]) for r in units if pos[r] < len(units[r])}
             raise ValueError(f"the schedule deadlocks; next actions per rank: {stuck}")
+    return _result(events, comm_events, units, peak, exposed, stage_size)
+
+
+def _units(a, overlap: bool) -> list[tuple]:
+    """The chunks that run as one: an OVERLAP_F_B pair of a forward and a backward when
+    overlapping, else each chunk alone."""
+    xs = leaves(a)
+    if overlap and len(xs) == 2 and xs[0].computation_type == F \
+            and xs[1].computation_type in (I, B):
+        return [xs]
+    return [(x,) for x in xs]
+
+
+def _result(events, comm_events, units, peak, exposed, stage_size) -> SimResult:
     makespan = max(e.end for e in events) - min(e.start for e in events)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -184,8 +274,13 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
         first[e.rank] = min(first.get(e.rank, e.start), e.start)
         last[e.rank] = max(last.get(e.rank, e.end), e.end)
         busy_by_rank[e.rank] = busy_by_rank.get(e.rank, 0.0) + e.end - e.start
+    for e in comm_events:  # an exposed all-to-all ends a rank's span too
+        last[e.rank] = max(last[e.rank], e.end)
+    makespan = max(makespan, max(last.values()) - min(first.values()))
     widest = max(first, key=lambda r: last[r] - first[r])
     span, busy = last[widest] - first[widest], busy_by_rank[widest]
+    ranks = sorted(units)
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
-                     peak_activations=[peak[r] for r in sorted(order)], events=events,
-                     peak_memory=[peak[r] * stage_size for r in sorted(order)])
+                     peak_activations=[peak[r] for r in ranks], events=events,
+                     peak_memory=[peak[r] * stage_size for r in ranks],
+                     comm_events=comm_events, a2a_exposed=[exposed[r] for r in ranks])
