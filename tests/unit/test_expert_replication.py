@@ -118,3 +118,26 @@ def test_bad_replication_exits_2(capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe.replicate_hot_experts = 3 needs expert parallelism" in err[0]
+
+
+def test_apply_rejects_too_many_copies():
+    from torch import nn
+
+    from titanext.models.moe import GroupedExperts
+    from titanext.plugins.expert_parallel import apply_expert_parallel
+
+    class FakeMesh:  # checked before anything is distributed
+        ndim = 1
+
+        def size(self):
+            return 4
+
+        def get_group(self):
+            return None
+
+    model = nn.Module()
+    model.experts = GroupedExperts(8, 4, 6)
+    with pytest.raises(ValueError, match="replicate_hot_experts = 7 is more than the 6 experts"):
+        apply_expert_parallel(model, FakeMesh(), replicate_hot_experts=7)
+    with pytest.raises(ValueError, match="replicate_hot_experts = -1 must be >= 0"):
+        apply_expert_parallel(model, FakeMesh(), replicate_hot_experts=-1)
