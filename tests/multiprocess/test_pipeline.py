@@ -315,6 +315,7 @@ def test_float8_split_schedules_match_one_process_float8(tmp_path):
         ["--float8.enable=true"], "float8", schedules=("ZBH1", "ZBH2"), param_rtol=3e-5)
 
 
+@pytest.mark.torch_seam
 def test_compiled_split_schedules_with_deferral_match_one_process(tmp_path):
     """Per-block torch.compile (aot_eager: dynamo and AOT autograd without inductor's codegen
     time) under ZBH1 and ZBV with deferred weight gradients: the converted linears are graph

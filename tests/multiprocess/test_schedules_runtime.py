@@ -146,6 +146,7 @@ PP4 = [("ZBH1", 8), ("ZBH2", 8), ("ZBV", 8), ("Auto", 8), ("DualPipe", 8), ("Dua
        ("DualPipe", 8, True), ("DualPipeV", 8, True)]
 
 
+@pytest.mark.torch_seam
 @pytest.mark.parametrize("pp,cases", [(2, PP2), (4, PP4)])
 def test_every_schedule_matches_one_process(pp, cases):
     per_rank = run_distributed(_run, pp, args=(cases,), timeout_s=180)

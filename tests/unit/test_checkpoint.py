@@ -224,6 +224,7 @@ def _reshard(rank, world_size, folder):
     return True
 
 
+@pytest.mark.torch_seam
 def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path):
     assert run_distributed(_reshard, 4, args=(str(tmp_path),)) == [True] * 4
 

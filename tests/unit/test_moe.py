@@ -325,6 +325,7 @@ def moe_reference(tmp_path_factory):
                            timeout_s=120)[0]["ref"]
 
 
+@pytest.mark.torch_seam
 def test_debugmoe_trains_from_toml(moe_reference):
     losses, state, load = moe_reference
     assert len(losses) == STEPS and losses[-1] < losses[0]
