@@ -83,6 +83,14 @@ def test_mtp_under_tensor_parallelism_is_a_config_error():
     assert "allowed: tensor_parallel_degree = 1" in line
     load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=0",
                        "--parallelism.tensor_parallel_degree=2"], world_size=2)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=1",
+                           "--parallelism.pipeline_parallel_degree=2",
+                           "--parallelism.pipeline_parallel_split_backward=autograd"],
+                    world_size=2)
+    assert len(e.value.problems) == 1, e.value.problems
+    assert "pipeline_parallel_split_backward = 'autograd'" in e.value.problems[0]
+    assert "allowed: 'deferred'" in e.value.problems[0]
 
 
 def test_the_cli_exits_2_with_one_line():

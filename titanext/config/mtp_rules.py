@@ -27,7 +27,9 @@ def mtp_problems(cfg: JobConfig, *, flavor_depth: int) -> list[str]:
     """MTP against the layout (a model with ``flavor_depth`` MTP modules unless overridden).
 
     MTP runs under FSDP / HSDP, CP (ring, Ulysses, hybrid), EP and every pipeline schedule
-    (its modules on the last stage); tensor parallelism does not split the MTP modules yet.
+    (its modules on the last stage) with titanext's deferred weight gradients; tensor
+    parallelism does not split the MTP modules yet, and torch's autograd split of the backward
+    (kept for comparison) is not tested with MTP's embedding copy.
     """
     depth = mtp_depth(cfg, flavor_depth)
     if depth == 0:
@@ -39,4 +41,8 @@ def mtp_problems(cfg: JobConfig, *, flavor_depth: int) -> list[str]:
         problems.append(f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: "
                         f"{what} does not run under tensor parallelism; allowed: "
                         "tensor_parallel_degree = 1, or model.num_mtp_layers = 0")
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_split_backward != "deferred":
+        problems.append(f"parallelism.pipeline_parallel_split_backward = "
+                        f"{p.pipeline_parallel_split_backward!r}: {what} runs with titanext's "
+                        "split of the backward; allowed: 'deferred', or model.num_mtp_layers = 0")
     return problems
