@@ -165,3 +165,57 @@ def test_sdpa_attention_takes_a_different_value_head_dim():
     out = sdpa_attention(q, k, v, scale=0.3)
     s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(torch.ones(10, 10).triu(1).bool(), -1e30)
     torch.testing.assert_close(out, s.softmax(-1) @ v)
+
+
+@pytest.mark.parametrize("kernel", ["math", "flash_cpu"])
+@pytest.mark.parametrize("dv", [12, 40])
+def test_ring_kernels_take_a_value_head_dim_other_than_qk(kernel, dv):
+    """One-rank ring attention (every block kernel path: causal, full, document-masked tiles)
+    against SDPA, forward and gradients, with v's head dim smaller and larger than q/k's."""
+    from titanext.plugins.context_parallel import ring_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 24, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 16, 24, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 16, dv, dtype=torch.float64, requires_grad=True)
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    for ids in (None, docs):
+        got = ring_attention(q, k, v, None, scale=0.3, kernel=kernel, document_ids=ids)
+        want = sdpa_attention(q, k, v, scale=0.3, document_ids=ids)
+        assert got.shape == (2, 4, 16, dv)
+        g = torch.randn_like(want)
+        grads = torch.autograd.grad(got, (q, k, v), g)
+        for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(got, want)
+
+
+def test_mla_compiles_fullgraph_and_converts_to_float8():
+    """Every MLA linear with dims divisible by 16 converts to float8 (debugdeepseek's wkv_a, 64
+    -> 24, stays high precision); the MLA block traces as one graph (fullgraph) and matches
+    eager (the eager backend: Dynamo's tracing is what MLA could break, and it is the cheap
+    part)."""
+    from titanext.plugins.float8 import apply_float8
+
+    model = build_model("llama3", DEBUG)
+    converted = apply_float8(model, emulate=True)
+    attn = {c.removeprefix("layers.0.attention.") for c in converted
+            if c.startswith("layers.0.attention.")}
+    assert attn == {"wq_a", "wq_b", "wkv_b", "wo"}
+    big = build_model("llama3", get_model_args("llama3", "deepseek_v3_671b"))
+    layer0 = {c for c in apply_float8(big, emulate=True) if c.startswith("layers.0.attention.")}
+    assert len(layer0) == 5  # wq_a, wq_b, wkv_a, wkv_b, wo
+
+    torch.manual_seed(0)
+    eager = Transformer(DEBUG)
+    eager.init_weights(0)
+    compiled = Transformer(DEBUG)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.init_buffers()
+    compiled.layers["0"].compile(backend="eager", fullgraph=True)  # the dense MLA block
+    x = torch.randint(0, DEBUG.vocab_size, (2, 16))
+    for m in (eager, compiled):
+        m(x).float().logsumexp(-1).mean().backward()
+    torch.testing.assert_close(compiled(x), eager(x))
+    for (n, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=n)

@@ -199,8 +199,10 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
     if degrees_ok and tp > 1:
         n_kv_heads = args.n_kv_heads or args.n_heads  # None means multi-head, not grouped
-        for attr, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads),
-                            ("vocab_size", args.vocab_size)):
+        heads = [("n_heads", args.n_heads)]
+        if not args.mla:  # MLA: one key and value per head, split with the heads
+            heads.append(("n_kv_heads", n_kv_heads))
+        for attr, value in (*heads, ("vocab_size", args.vocab_size)):
             if value % tp:
                 problems.append(f"parallelism.tensor_parallel_degree = {tp} must divide the "
                                 f"model's {attr} = {value} ({which}); choose a divisor of {value}")
@@ -266,7 +268,7 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
                         f"{heads // tp} ({which}): Ulysses splits the heads over its ranks; "
                         "choose a smaller Ulysses degree")
     kv = kv_heads // tp
-    if (kv % u) if kv >= u else (u % kv):
+    if not args.mla and ((kv % u) if kv >= u else (u % kv)):  # MLA: kv heads are the heads
         problems.append(f"{_ulysses_key(p)} must divide the model's n_kv_heads{per_tp} = {kv} "
                         f"({which}) or be a multiple of it (kv heads are then replicated); "
                         "choose another Ulysses degree")

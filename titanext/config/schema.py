@@ -465,7 +465,7 @@ def _grouped_mm_value(value: bool | str) -> str | None:
 @dataclass
 class MoEConfig:
     """Overrides of the model flavor's MoE settings; an unset key keeps the flavor's value.
-    Only for MoE flavors (debugmoe, deepseek_v3_16b, deepseek_v3_671b)."""
+    Only for MoE flavors (debugmoe, debugdeepseek, deepseek_v3_16b, deepseek_v3_671b)."""
 
     num_experts: int | None = _field(None, ge=1)
     """Routed experts per MoE block."""

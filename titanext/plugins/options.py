@@ -26,5 +26,6 @@ DEFAULT_SAVE_OPS = (
     "bmm",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )

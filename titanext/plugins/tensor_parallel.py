@@ -49,8 +49,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["FusedColwiseParallel", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "default_plan_problems", "llama_tp_plan", "tp_plan_matches"]
+__all__ = ["FusedColwiseParallel", "ReplicatedOverTP", "VocabParallelEmbedding",
+           "apply_tensor_parallel", "default_plan_problems", "llama_tp_plan", "mla_rope_dim",
+           "tp_plan_matches"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -89,8 +90,77 @@ class VocabParallelEmbedding(RowwiseParallel):
         return module
 
 
+class ReplicatedOverTP(ParallelStyle):
+    """Keep a module replicated over tp: plain parameters, local input and output, the same
+    computation on every tp rank. Its parameters get complete (and equal) gradients on every
+    rank because each consumer of its output sums its input gradient over tp, as a
+    ``ColwiseParallel`` linear does. ``grad_sum_last = n`` is for an output whose last n
+    features feed head-sharded computation directly, through no TP layer: their gradient is
+    summed over tp here (forward unchanged). MLA's latent projections use it: ``wq_a``,
+    ``q_norm``, ``kv_norm`` plain, and ``wkv_a`` with ``grad_sum_last = qk_rope_head_dim``
+    (the RoPE key, shared by every head, meets the rank's heads in attention).
+    """
+
+    def __init__(self, *, grad_sum_last: int = 0):
+        super().__init__()
+        self.grad_sum_last = int(grad_sum_last)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        n = self.grad_sum_last
+        if n > 0:
+            def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+                # forward: identity; backward: the Partial gradient is summed into Replicate
+                tail = DTensor.from_local(out[..., -n:], device_mesh, [Replicate()],
+                                          run_check=False).to_local(grad_placements=[Partial()])
+                return torch.cat([out[..., :-n], tail], dim=-1)
+
+            module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ReplicatedOverTP(grad_sum_last={self.grad_sum_last})"
+
+
+def mla_rope_dim(model: nn.Module) -> int | None:
+    """The RoPE key size of the multi-head latent attention in ``model`` (``wkv_a``'s output
+    minus ``kv_norm``'s width), or None without MLA."""
+    for module in model.modules():
+        wkv_a, kv_norm = getattr(module, "wkv_a", None), getattr(module, "kv_norm", None)
+        if isinstance(wkv_a, nn.Linear) and kv_norm is not None:
+            return wkv_a.out_features - kv_norm.weight.shape[0]
+    return None
+
+
+def _attention_plan(colwise, rowwise, seq, mla_rope: int | None) -> TPPlan:
+    """The attention rules of a block: GQA, or MLA when ``mla_rope`` is its RoPE key size."""
+    if mla_rope is None:
+        return {
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=seq),
+            # QK-norm (Qwen3): each rank normalises its own heads (dim 2 of [b, s, heads, hd]);
+            # the weight is replicated and its gradient summed over tp.
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        }
+    # MLA: heads split (wq / wq_b and wkv_b column-wise, wo row-wise); the compressed latents
+    # are computed replicated on every tp rank from the gathered input (docs/deepseek_v3.md).
+    return {
+        "attention.wq": colwise(),
+        "attention.wq_a": ReplicatedOverTP(),
+        "attention.q_norm": ReplicatedOverTP(),
+        "attention.wq_b": colwise(),
+        "attention.wkv_a": ReplicatedOverTP(grad_sum_last=mla_rope),
+        "attention.kv_norm": ReplicatedOverTP(),
+        "attention.wkv_b": colwise(),
+        "attention.wo": rowwise(output_layouts=seq),
+    }
+
+
 def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
-                  layers_prefix: str = "layers.*", float8: bool = False) -> TPPlan:
+                  layers_prefix: str = "layers.*", float8: bool = False,
+                  mla_rope: int | None = None) -> TPPlan:
     """The TP/SP plan of :class:`titanext.models.llama.Transformer`.
 
     With ``sequence_parallel`` the activations between blocks stay sharded on the sequence
@@ -102,6 +172,9 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     input is all-gathered over the sequence and its output sliced back to ``Shard(1)``.
     With ``float8`` the block linears use torchao's float8 TP styles: activations are cast to
     float8 before their all-gathers (needs tensorwise Float8Linear blocks and NCCL).
+    ``mla_rope`` (:func:`mla_rope_dim`) gives the rules of multi-head latent attention
+    instead of GQA's: heads split, latents replicated (:class:`ReplicatedOverTP`); its blocks
+    take no ``float8`` styles.
     """
     colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     if float8:
@@ -123,14 +196,7 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
         ),
     }
     block: TPPlan = {
-        "attention.wq": colwise(),
-        "attention.wk": colwise(),
-        "attention.wv": colwise(),
-        "attention.wo": rowwise(output_layouts=seq),
-        # QK-norm (Qwen3): each rank normalises its own heads (dim 2 of [b, s, heads, hd]); the
-        # weight is replicated and its gradient summed over tp.
-        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        **_attention_plan(colwise, rowwise, seq, mla_rope),
         "feed_forward.w1": colwise(),
         "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise(output_layouts=seq),
@@ -141,9 +207,12 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
             # attention(x, cos, sin): gather x over the sequence, leave the RoPE tables alone.
+            # MLA's replicated latent projections take it as a plain tensor (their consumers
+            # sum the gradients over tp, so x's gradient is complete on every rank).
             "attention": prepare_input(
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
+                use_local_output=mla_rope is not None,
                 **({"fwd_config_submodule_fqn": "wq"} if float8 else {}),
             ),
             "feed_forward": prepare_input(
@@ -193,7 +262,7 @@ def apply_tensor_parallel(
     if default:
         float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                             float8=float8)
+                             float8=float8, mla_rope=mla_rope_dim(model))
         problems = default_plan_problems(model, plan)
         if problems:
             raise ValueError(
@@ -249,7 +318,7 @@ def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
     ...     model, {"0": ColwiseParallel(), "*.up": ColwiseParallel()})]
     [('0', 1, '0'), ('*.up', 0, '')]
     """
-    plan = llama_tp_plan() if plan is None else plan
+    plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
     rows = []
     for fqn, names in _plan_matches(model, plan).items():
         shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
@@ -263,8 +332,10 @@ def _plan_matches(model: nn.Module, plan: TPPlan) -> dict[str, list[str]]:
     return {fqn: _matching(fqn, present) for fqn in plan}
 
 
-#: Default-plan rules a Llama block may lack: QK-norm is Qwen3's only.
-_OPTIONAL_BLOCK_RULES = ("attention.q_norm", "attention.k_norm")
+#: Default-plan rules a Llama block may lack: QK-norm is Qwen3's only; MLA has ``wq`` or the
+#: low-rank ``wq_a``, ``q_norm``, ``wq_b``.
+_OPTIONAL_BLOCK_RULES = ("attention.q_norm", "attention.k_norm", "attention.wq",
+                         "attention.wq_a", "attention.wq_b")
 
 
 def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[str]:
@@ -275,7 +346,7 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
     and every ``nn.Linear`` / ``nn.Embedding`` is named by a rule or sits in a ``moe``. A
     pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
     """
-    plan = llama_tp_plan() if plan is None else plan
+    plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
     modules = dict(model.named_modules())
     names = list(modules)
     targets = {n for key in plan for n in _matching(key, names)}
@@ -453,6 +524,10 @@ def _float8_comm_possible(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if "nccl" not in backend:
         reason = (f"the {backend} backend has no float8 collectives, so TP all-gathers and "
                   "reduce-scatters activations in high precision")
+    elif mla_rope_dim(model) is not None:
+        reason = ("multi-head latent attention computes its latents replicated over tp from the "
+                  "gathered input (no float8 TP style for them), so TP communicates in high "
+                  "precision")
     else:
         hp_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         names = [n for n, _ in model.named_modules()]

@@ -346,3 +346,29 @@ def test_ulysses_hybrid_and_document_masking_configs_load():
                              "--parallelism.context_parallel_degree=4",
                              "--parallelism.pipeline_parallel_degree=2"], world_size=8)
     assert cfg.training.document_masking and cfg.parallelism.pipeline_parallel_degree == 2
+
+
+MLA_BAD = [
+    (8, ["--parallelism.tensor_parallel_degree=8"],
+     "parallelism.tensor_parallel_degree = 8 must divide the model's n_heads = 4 (llama3 "
+     "debugdeepseek); choose a divisor of 4"),
+    (8, ["--parallelism.context_parallel_degree=8", "--parallelism.context_parallel_comm=alltoall"],
+     "parallelism.context_parallel_comm = 'alltoall' (Ulysses over context_parallel_degree = 8) "
+     "must divide the model's n_heads = 4 (llama3 debugdeepseek): Ulysses splits the heads over "
+     "its ranks; choose a smaller Ulysses degree"),
+    (8, ["--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=4",
+         "--parallelism.context_parallel_ulysses_degree=4"],
+     "parallelism.context_parallel_ulysses_degree = 4 must divide the model's n_heads / "
+     "tensor_parallel_degree = 2 (llama3 debugdeepseek)"),
+]
+
+
+@pytest.mark.parametrize("world,args,line", MLA_BAD, ids=lambda x: str(x)[:40])
+def test_mla_heads_that_tp_or_ulysses_cannot_split_are_one_line(world, args, line):
+    """MLA has one key and value per head: one line about n_heads, none about n_kv_heads."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--model.flavor=debugdeepseek", "--training.seq_len=64", *args],
+                    world_size=world)
+    lines = str(info.value).splitlines()
+    assert [found for found in lines if found.startswith(line)], lines
+    assert not any("n_kv_heads" in found for found in lines), lines

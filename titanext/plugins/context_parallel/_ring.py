@@ -124,22 +124,23 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, docs, group, causal, layout, comm, scale, kernel):
         ring = Ring(group)
-        B, H, L, D = q.shape
+        B, H, L, _ = q.shape
+        dk = k.shape[-1]  # v may have another head dim (MLA): K and V travel as [K | V]
         if docs is not None:  # ids are tiny next to K/V: gather them once
             docs = torch.stack(all_gather(docs, group, "all_gather_document_ids"))
         plan = RingPlan(layout, causal, ring.rank, ring.size, L, docs)
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(B, H, L, D, dtype=acc, device=q.device)
+        out = torch.zeros(B, H, L, v.shape[-1], dtype=acc, device=q.device)
         # The running log-sum-exps are merged in fp64: they are only [B, H, L], and logits in
         # the thousands would otherwise lose ~1e-4 of relative accuracy in every rescaling.
         lse = torch.full((B, H, L), -math.inf, dtype=torch.float64, device=q.device)
-        kv = torch.stack([k, v])  # [2, batch, kv_heads, local_seq, head_dim]: one message
+        kv = torch.cat([k, v], dim=-1)  # [batch, kv_heads, local_seq, dk + dv]: one message
         for source, kv_block in _kv_blocks(ring, kv, comm):
             items = plan.items(source)
             record_work(bool(items), len(items), _pairs(items))
             for qs, ks, blk_causal, mask in items:
-                o_blk, lse_blk = block_forward(q[:, :, qs], kv_block[0, :, :, ks],
-                                               kv_block[1, :, :, ks], causal=blk_causal,
+                o_blk, lse_blk = block_forward(q[:, :, qs], kv_block[:, :, ks, :dk],
+                                               kv_block[:, :, ks, dk:], causal=blk_causal,
                                                scale=scale, kernel=kernel, mask=mask)
                 _merge(out[:, :, qs], lse[:, :, qs], o_blk, lse_blk)
         out, lse = out.to(q.dtype), lse.to(acc)
@@ -158,19 +159,20 @@ class _RingAttention(torch.autograd.Function):
         # rowsum(dO * O) is the same for every KV block: compute it once.
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)
 
         def grads_for(source: int, kv_block: torch.Tensor) -> torch.Tensor:
             """This rank's contribution to dK/dV of ``source``'s block (fp32/fp64)."""
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for qs, ks, blk_causal, mask in plan.items(source):
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, qs], q[:, :, qs], kv_block[0, :, :, ks], kv_block[1, :, :, ks],
+                    dout[:, :, qs], q[:, :, qs], kv_block[:, :, ks, :dk], kv_block[:, :, ks, dk:],
                     out[:, :, qs], lse[:, :, qs], delta[:, :, qs],
                     causal=blk_causal, scale=scale, kernel=kernel, mask=mask)
                 dq[:, :, qs] += dq_b
-                dkv[0, :, :, ks] += dk_b
-                dkv[1, :, :, ks] += dv_b
+                dkv[:, :, ks, :dk] += dk_b
+                dkv[:, :, ks, dk:] += dv_b
             return dkv
 
         if ring.size == 1:
@@ -182,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
             reduce_scatter(dkv, dkv_all.flatten(0, 1), ring.group)
         else:
             dkv = _backward_ring(ring, kv, grads_for, acc)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype),
                 None, None, None, None, None, None, None)
 
 
@@ -248,10 +250,12 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
 
 def check_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               document_ids: torch.Tensor | None) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"{name}: q must be [batch, heads, local_seq, head_dim] and k, v "
-                         f"[batch, kv_heads, local_seq, head_dim]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:-1] != k.shape[:-1]
+            or q.shape[-1] != k.shape[-1]):
+        raise ValueError(f"{name}: q must be [batch, heads, local_seq, head_dim], k "
+                         f"[batch, kv_heads, local_seq, head_dim] and v [batch, kv_heads, "
+                         f"local_seq, v_head_dim]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0]:
         raise ValueError(f"{name}: heads ({q.shape[1]}) must be a multiple of kv_heads "
                          f"({k.shape[1]}) and q, k must share batch and local_seq; got q "
@@ -270,8 +274,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``. Differentiable.
 
-    q: [batch, heads, local_seq, head_dim]; k, v: [batch, kv_heads, local_seq, head_dim] with
-    heads % kv_heads == 0; returns [batch, heads, local_seq, head_dim]. Every rank must hold its
+    q: [batch, heads, local_seq, head_dim]; k: [batch, kv_heads, local_seq, head_dim], v: [batch,
+    kv_heads, local_seq, v_head_dim] (v_head_dim may differ from head_dim, as in MLA) with
+    heads % kv_heads == 0; returns [batch, heads, local_seq, v_head_dim]. Every rank must hold its
     shard in ``layout`` order (see :func:`zigzag_shard`). ``kernel`` picks the block kernel:
     "auto", "math", "flash_cpu", "flash_cuda" (see titanext.plugins._attention_kernels).
 
@@ -296,7 +301,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     if causal and layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout holds two equal chunks per rank, so "
                          f"local_seq must be even; got {q.shape[2]}")
-    kernel = pick_kernel(kernel, q)
+    kernel = pick_kernel(kernel, q, v.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     docs = None if document_ids is None else document_ids.to(torch.int64).contiguous()
     return _RingAttention.apply(q, k, v, docs, pg, causal, layout, comm, scale, kernel)

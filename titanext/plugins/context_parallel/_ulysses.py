@@ -90,7 +90,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"{name}: the zigzag layout holds two equal chunks per rank, so "
                          f"local_seq must be even; got {q.shape[2]}")
-    kernel = pick_kernel(kernel, q)
+    kernel = pick_kernel(kernel, q, v.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if k.shape[1] < u:  # replicate: every rank must receive the kv head its q heads use
         k, v = (t.repeat_interleave(u // t.shape[1], dim=1) for t in (k, v))
