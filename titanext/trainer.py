@@ -349,7 +349,9 @@ class Trainer:
             shape = PipelineShape(
                 schedule=self.cfg.parallelism.pipeline_parallel_schedule, pp=self.dims.pp,
                 pp_rank=self.dims.pp_mesh.get_local_rank(), microbatches=pipe.microbatches,
-                stages_per_rank=len(pipe.stage_ids), group=pipe.pp_group)
+                stages_per_rank=len(pipe.stage_ids), group=pipe.pp_group,
+                max_pending_weight_grads=getattr(pipe.schedule_class, "max_pending_weight_grads",
+                                                 0))
         return StepProfiler(self.cfg.profiling, dump_folder=self.cfg.job.dump_folder,
                             rank=self.rank, device=self.device, start_step=self.step,
                             parts=self.model_parts, optimizer=self.optimizer, pipeline=shape,

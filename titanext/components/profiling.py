@@ -65,6 +65,7 @@ class PipelineShape:
     microbatches: int
     stages_per_rank: int
     group: Any  # the pp process group
+    max_pending_weight_grads: int = 0  # the schedule's cap (titanext.schedules.memory_cap)
 
 
 def window_steps(cfg: Profiling, total_steps: int) -> list[list[int]]:
@@ -241,7 +242,8 @@ class StepProfiler:
         try:
             table["pipeline"]["idle_simulated"] = simulated_idle(
                 p.schedule, pp=p.pp, microbatches=p.microbatches,
-                stages_per_rank=p.stages_per_rank, pp_rank=p.pp_rank, chunks=merged)
+                stages_per_rank=p.stages_per_rank, pp_rank=p.pp_rank, chunks=merged,
+                max_pending_weight_grads=p.max_pending_weight_grads)
         except (ValueError, KeyError, ZeroDivisionError) as e:  # shown as a note, not a crash
             table["pipeline"]["idle_simulated_error"] = f"{type(e).__name__}: {e}"
 

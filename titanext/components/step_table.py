@@ -168,11 +168,12 @@ def step_number(event: Mapping[str, Any]) -> int:
 
 
 def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
-                   pp_rank: int, chunks: Mapping[int, Mapping[str, Mapping[str, float]]]
-                   ) -> float:
+                   pp_rank: int, chunks: Mapping[int, Mapping[str, Mapping[str, float]]],
+                   max_pending_weight_grads: int = 0) -> float:
     """This pp rank's idle fraction of one schedule step as the simulator predicts it from the
     measured per-stage chunk costs (``chunks``: every stage's, as :func:`step_breakdown`
-    gives them; a full B stands for I + W where the schedule does not split)."""
+    gives them; a full B stands for I + W where the schedule does not split), on the lists
+    capped at ``max_pending_weight_grads`` pending W's as the trainer ran them."""
     from titanext.schedules import (
         get_schedule_class,
         num_stages_for,
@@ -194,7 +195,8 @@ def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank
         return c["I"]["ms"] + c.get("W", {"ms": 0.0})["ms"] if kind == "B" and "I" in c else 0.0
 
     costs = {k: [cost(s, k) for s in range(chain)] for k in "FIWB"}
-    order = schedule_order(schedule, pp=pp, microbatches=microbatches, stages_per_rank=spr)
+    order = schedule_order(schedule, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+                           max_pending_weight_grads=max_pending_weight_grads)
     sim = replay(order, num_stages=chain, f=costs["F"], b=costs["I"], w=costs["W"],
                  full_b=costs["B"])
     busy = sum(e.end - e.start for e in sim.events if e.rank == pp_rank)
