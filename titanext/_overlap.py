@@ -168,16 +168,18 @@ def active() -> bool:
     return _ACTIVE is not None
 
 
-def comm_point(issue: Callable[[bool], object], nbytes: int = 0) -> None:
+def comm_point(issue: Callable[[bool], object], nbytes: int = 0, *,
+               hand_over: bool = True) -> None:
     """Run one collective: ``issue(async_op)`` issues it (returning its ``Work`` when
     ``async_op``). Inside :func:`run_interleaved` it is issued asynchronously and the baton goes
-    to the other side until it completes; elsewhere it runs synchronously. Both are timed into
-    :func:`comm_waits`. ``nbytes`` (this rank's input bytes) is what :func:`emulated_link`
-    delays by."""
+    to the other side until it completes; elsewhere, or with ``hand_over=False`` (a small
+    collective not worth two thread switches, such as the split sizes), it runs synchronously.
+    Both are timed into :func:`comm_waits`. ``nbytes`` (this rank's input bytes) is what
+    :func:`emulated_link` delays by."""
     pair = _ACTIVE
     _WAIT.calls += 1
     delay = nbytes / _LINK[-1] if _LINK else 0.0
-    if pair is None:
+    if pair is None or not hand_over:
         start = time.perf_counter()
         issue(False)
         time.sleep(delay)

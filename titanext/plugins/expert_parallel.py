@@ -131,7 +131,7 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     counts = counts.contiguous()
     with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
         comm_point(lambda async_op: dist.all_to_all_single(recv, counts, group=pg,
-                                                           async_op=async_op))
+                                                           async_op=async_op), hand_over=False)
     if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
         rows = x.shape[0]
         send_splits = [rows // world + (r < rows % world) for r in range(world)]

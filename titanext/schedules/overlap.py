@@ -31,6 +31,7 @@ from titanext.schedules._torch_ir import (
     microbatch_count,
     overlapped,
     require_overlap_seam,
+    stages_of,
     torch_pipeline_order,
     torch_schedule_class,
 )
@@ -131,7 +132,7 @@ class CombinedOneFOneB(ChainRuntime):
         self._set_lowered(order, _lowered(order, pp, pp * spr, n_microbatches))
 
     def _chain(self, s: int, j: int):
-        mine = {st.stage_index for st in self._stages}
+        mine = {st.stage_index for st in stages_of(self)}
         return (s - 1 if s - 1 in mine else None), (s + 1 if s + 1 in mine else None)
 
     def _seen(self, s: int) -> int:

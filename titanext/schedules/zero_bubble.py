@@ -140,12 +140,12 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
     return order
 
 
-def one_f_one_b(pp: int, microbatches: int, *, extra_warmup: int = 0) -> dict[int, list]:
-    """1F1B: rank r runs pp - r - 1 warm-up forwards (plus ``extra_warmup``), then alternates F
-    and full backward B, so it holds at most pp - r (+ ``extra_warmup``) micro-batches."""
+def one_f_one_b(pp: int, microbatches: int) -> dict[int, list]:
+    """1F1B: rank r runs pp - r - 1 warm-up forwards, then alternates F and full backward B, so
+    it holds at most pp - r micro-batches."""
     order: dict[int, list] = {}
     for r in range(pp):
-        warmup = min(pp - r - 1 + extra_warmup, microbatches)
+        warmup = min(pp - r - 1, microbatches)
         ops = [action(r, F, j) for j in range(warmup)]
         for k in range(microbatches):
             if warmup + k < microbatches:
