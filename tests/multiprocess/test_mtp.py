@@ -137,12 +137,17 @@ def test_mtp_layouts_follow_one_process(tmp_path):
         assert any(k.startswith("mtp.") for k in copies), name
         if "pp2" in name:  # the MTP's embedding copy on the last stage (two under DualPipe)
             assert len(copies["tok_embeddings.weight"]) == (4 if "DualPipe" in name else 2)
+        worst = 0.0
         for k, tensors in copies.items():
             ref = ref_grads[k][0]
             for t in tensors:
                 err = ((t - ref).norm() / ref.norm()).item()
+                worst = max(worst, err)
                 if err > GRAD_RTOL:
                     failures.append(f"{name}: grad of {k}: relative error {err:.2e}")
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses + mtp, ref_losses + ref_mtp))
+        print(f"{name}: losses and MTP losses within {loss_err:.1e}, gradients within "
+              f"{worst:.1e} (relative)")
     ref_export = _export(str(tmp_path / "ref" / "0"))
     export = _export(str(tmp_path / "run" / str(names.index("hf_ZBV_pp2_x_fsdp2"))))
     assert sorted(export) == sorted(ref_export) and "model.layers.4.eh_proj.weight" in export
