@@ -33,9 +33,9 @@ def test_a_large_config_dry_runs_fits_and_the_planner_is_within_15_percent():
     """The DeepSeek-V3 671B config at its real world size (rank 1024 of 2048, pp rank 8: PP 16
     with DualPipe, EP 64, ZeRO-2 over 128, full AC, MLA; the middle ranks hold the most
     deferred weight gradients, capped at 2) builds, steps, fits in 80 GiB and prints its
-    summary line; the planner is within 15% of the measured peak (~70 s)."""
+    summary line; the planner is within 15% of the measured peak (~90 s CPU)."""
     out = dry_run("deepseek_v3_671b.toml", "--checkpoint.enable=false", "--comm.fake_rank=1024",
-                  timeout=400)
+                  timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
     assert m and (int(m[1]), int(m[2])) == (1024, 2048), out.stdout[-2000:]

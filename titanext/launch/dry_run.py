@@ -46,7 +46,7 @@ from titanext.config.rules import fake_world_size
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
 
 __all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
-           "measure_real", "planner_peak_bytes"]
+           "measure_real", "planner_peak_bytes", "use_fused_attention"]
 
 GiB, GB = 2**30, 1e9
 # Gradient-accumulation rounds a dry run runs: the first creates the gradients, the second is
