@@ -91,6 +91,27 @@ def test_planner_counts_the_copies():
     assert rows[0]["EP all-to-all"] == rows[2]["EP all-to-all"]
 
 
+def test_planner_plans_replication_within_the_slack_and_compares_both():
+    from titanext.config import load_config
+    from titanext.planning.estimate import plan_config
+    from titanext.plugins.options import REPLICATION_SLACK
+
+    base = ["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=2"]
+    plain = load_config(None, base, world_size=4)
+    copies = load_config(None, [*base, "--moe.replicate_hot_experts=2"], world_size=4)
+    a2a = {}
+    for name, cfg, imb in (("plain 1.5", plain, 1.5), ("plain slack", plain,
+                           1 + REPLICATION_SLACK), ("copies 1.5", copies, 1.5)):
+        a2a[name] = next(c["bytes"] for c in plan_config(cfg, 4, imbalance=imb).comm
+                         if c["parallelism"] == "EP all-to-all")
+    # with copies the busiest rank is planned at the slack, whatever the routing's imbalance
+    assert a2a["copies 1.5"] == a2a["plain slack"] < a2a["plain 1.5"]
+    r = plan_config(plain, 4, imbalance=1.5, compare_replication=True).time["ep_replication"]
+    assert (r["imbalance"], r["copies"], r["imbalance_with_copies"]) == (1.5, 2, 1.05)
+    assert r["copy_gb"] > 0 and r["step_off_s"] > 0 and r["step_on_s"] > 0
+    assert r["step_off_s"] == plan_config(plain, 4, imbalance=1.5).time["step_s"]
+
+
 @pytest.mark.parametrize("overrides,world_size,problem", [
     (["--moe.replicate_hot_experts=2"], 1,
      "moe.replicate_hot_experts = 2 needs expert parallelism: parallelism.expert_parallel_degree "

@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"titanext.plan: error: {problem}", file=sys.stderr)
         return 2
     current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
-                          efficiency=known.efficiency, imbalance=known.imbalance)
+                          efficiency=known.efficiency, imbalance=known.imbalance,
+                          compare_replication=True)
     advice = advise(path, overrides, known.world_size, device=device,
                     gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency)
     if known.svg:
@@ -115,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{tm['exposed_comm_s']:.2f} s, bubble {tm['bubble']:.1%}), MFU {tm['mfu']:.1%}, "
           f"{tm['tokens_per_s']:,.0f} tokens/s\n")
     if "ep_all_to_all" in tm:
-        print(ep_all_to_all_line(tm["ep_all_to_all"]) + "\n")
+        print(ep_all_to_all_line(tm["ep_all_to_all"]))
+        print(replication_line(tm["ep_replication"]) + "\n")
     print(f"Advice: the {len(advice)} fastest layouts that fit and validate:")
     print(format_table([{"#": i + 1, "layout": layout_name(pl.layout),
                          "memory GB": pl.memory_total / GB, "MFU": f"{pl.time['mfu']:.1%}",
@@ -133,6 +135,14 @@ def ep_all_to_all_line(ep: dict) -> str:
     return (f"EP all-to-all at imbalance {ep['imbalance']:.2f}: {ep['per_step_s']:.2f} s per "
             f"step; overlap off: {ep['exposed_off_s']:.2f} s waited, step "
             f"{ep['step_off_s']:.2f} s; overlap on: {on}")
+
+
+def replication_line(r: dict) -> str:
+    """The planner's hot-expert replication line (``Plan.time["ep_replication"]``)."""
+    return (f"Hot-expert replication at routing imbalance {r['imbalance']:.2f}: without copies, "
+            f"step {r['step_off_s']:.2f} s; with replicate_hot_experts = {r['copies']} "
+            f"(imbalance {r['imbalance_with_copies']:.2f}, {r['copy_gb']:.2f} GB of copies per "
+            f"step and rank), step {r['step_on_s']:.2f} s")
 
 
 if __name__ == "__main__":

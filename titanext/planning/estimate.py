@@ -28,6 +28,7 @@ from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, state_elements
 from titanext.planning.roofline import MicrobatchTime, microbatch_time, optimizer_time
 from titanext.planning.stages import simulate_times
+from titanext.plugins.options import REPLICATION_SLACK
 
 __all__ = ["Plan", "ep_overlap_times", "microbatch_times", "pipeline_pass", "plan_config",
            "step_time"]
@@ -135,7 +136,8 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
-                gpus_per_node: int = 8, efficiency: float = 0.6, imbalance: float = 1.0) -> Plan:
+                gpus_per_node: int = 8, efficiency: float = 0.6, imbalance: float = 1.0,
+                compare_replication: bool = False) -> Plan:
     """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
 
     ``efficiency`` is the fraction of the dense peak that large matmuls and attention reach
@@ -153,7 +155,14 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     measured ``moe_load``, or what hot-expert replication leaves): it scales that rank's expert
     work and all-to-all bytes. ``time["ep_all_to_all"]`` (MoE with ep > 1) gives the all-to-all
     waited for with ``expert_parallel_comm_overlap`` off and on, and the step time of each.
+    With ``[moe] replicate_hot_experts`` the busiest rank is planned within the replication's
+    slack of the mean (5%: what its plan reaches while copies last) and the copies' traffic is
+    added; ``compare_replication`` adds ``time["ep_replication"]``: the step without copies at
+    ``imbalance`` and with them (:func:`replication_comparison`).
     """
+    routed = imbalance
+    if cfg.moe.replicate_hot_experts and cfg.parallelism.expert_parallel_degree > 1:
+        imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
     lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
     per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
     busiest = max(range(lo.pp), key=lambda r: per_rank[r].total)
@@ -178,6 +187,10 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     if ep_row:
         time["ep_all_to_all"] = ep_overlap_times(lo, mt, p2p, a2a, time["step_s"], pass_time,
                                                  imbalance)
+    if ep_row and compare_replication:
+        time["ep_replication"] = replication_comparison(
+            cfg, world_size, device=device, gpus_per_node=gpus_per_node, efficiency=efficiency,
+            imbalance=routed)
     p = cfg.parallelism
     layout = {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
               "pp": lo.pp, "ep": lo.ep, "zero_stage": p.zero_stage, "ac": lo.ac,
@@ -189,3 +202,24 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     total = sum(memories[top].values())
     return Plan(layout, memories[top], comm, time, fits=total <= 0.9 * device.hbm_bytes,
                 memory_per_pp_rank=memories)
+
+
+def replication_comparison(cfg: JobConfig, world_size: int, *, imbalance: float,
+                           **kwargs) -> dict:
+    """The step of ``cfg`` at routing ``imbalance`` without hot-expert copies and with them
+    (``[moe] replicate_hot_experts`` as configured, or 2 when it is 0): the busiest rank's
+    expert work and all-to-all shrink to within the slack of the mean, and the copies' weights
+    and gradients travel (their bytes per step are ``copy_gb``)."""
+    copies = cfg.moe.replicate_hot_experts or 2
+    out = {"imbalance": imbalance, "copies": copies,
+           "imbalance_with_copies": min(imbalance, 1.0 + REPLICATION_SLACK)}
+    for key, n in (("off", 0), ("on", copies)):
+        variant = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
+                                                                   replicate_hot_experts=n))
+        plan = plan_config(variant, world_size, imbalance=imbalance, **kwargs)
+        out[f"step_{key}_s"] = plan.time["step_s"]
+        if n:
+            row = next((c for c in plan.comm if c["parallelism"].startswith("EP expert copies")),
+                       None)
+            out["copy_gb"] = row["bytes"] / 1e9 if row else 0.0
+    return out

@@ -40,8 +40,9 @@ import torch.distributed as dist
 from titanext._fake_backend import is_fake
 from titanext._ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, AllToAll
+from titanext.plugins.options import REPLICATION_SLACK
 
-SLACK = 0.05  # no new copy while the busiest rank is within 5% of the mean
+SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
 
 __all__ = ["Replica", "ReplicationPlan", "plan_replicas", "nominal_plan", "RankRouting",
            "rank_routing", "copy_experts", "max_replicas", "exchange_counts",

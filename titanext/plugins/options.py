@@ -11,7 +11,7 @@ import and re-export them.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES"]
+__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -29,3 +29,7 @@ DEFAULT_SAVE_OPS = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )
+
+#: Hot-expert replication makes no new copy while the busiest ep rank is within this fraction
+#: of the mean rows (a copy would cost more than the rows it moves).
+REPLICATION_SLACK = 0.05
