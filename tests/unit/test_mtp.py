@@ -103,3 +103,28 @@ def test_the_cli_exits_2_with_one_line():
     assert proc.returncode == 2, proc
     assert len(lines) == 1 and "tensor_parallel_degree = 2" in lines[0], lines
     assert "Traceback" not in proc.stderr
+
+
+def test_planner_counts_the_mtp_modules_and_the_embedding_copy():
+    """One pp rank: the MTP modules' parameters, exactly; under PP the last stage also holds an
+    embedding copy; [model] num_mtp_layers = 0 removes them."""
+    from titanext.config import load_config
+    from titanext.models import build_model, get_model_args
+    from titanext.planning.estimate import plan_config
+
+    args = get_model_args("llama3", "debugdeepseek")
+    base = ["--model.flavor=debugdeepseek", "--training.mixed_precision_param=float32"]
+    params = {}
+    for mtp in (0, 1):
+        cfg = load_config(None, [*base, f"--model.num_mtp_layers={mtp}"], world_size=1)
+        params[mtp] = plan_config(cfg, 1).memory["params (fp32 master)"]
+    model = build_model("llama3", dataclasses.replace(args, num_mtp_layers=1), device="meta")
+    assert params[1] - params[0] == 4 * sum(p.numel() for p in model.mtp.parameters())
+    pp = ["--parallelism.pipeline_parallel_degree=2",
+          "--parallelism.pipeline_parallel_schedule=1F1B", "--training.local_batch_size=4"]
+    last = {}
+    for mtp in (0, 1):
+        cfg = load_config(None, [*base, *pp, f"--model.num_mtp_layers={mtp}"], world_size=2)
+        last[mtp] = plan_config(cfg, 2).memory_per_pp_rank[1]["params (fp32 master)"]
+    copy = model.tok_embeddings.weight.numel()
+    assert last[1] - last[0] == 4 * (sum(p.numel() for p in model.mtp.parameters()) + copy)

@@ -131,7 +131,28 @@ def _params(lo: Layout, layer_ids, embedding: bool, head: bool) -> tuple[float, 
     experts = n_m * moe.experts / lo.ep if moe else 0.0
     tensors = (n - n_m) * shape.layer_tensors + n_m * (moe.tensors if moe else 0) + embedding \
         + 2 * head
+    if head and shape.mtp_layers:  # MTP modules after the head, and (PP) an embedding copy
+        d, tp_moe = shape.mtp_layers, shape.mtp_moe and moe
+        dense += d * ((moe.sharded / tp + moe.replicated) if tp_moe
+                      else shape.layer_sharded / tp + shape.layer_replicated) + d * shape.mtp_extra
+        experts += d * moe.experts / lo.ep if tp_moe else 0.0
+        tensors += d * ((moe.tensors if tp_moe else shape.layer_tensors) + 4)
+        if lo.pp > 1 and not embedding:
+            dense += shape.embedding / tp
+            tensors += 1
     return dense, experts, tensors
+
+
+def mtp_activation_bytes(lo: Layout, per_layer: float, per_moe_layer: float,
+                         head_act: float) -> float:
+    """Saved bytes of one micro-batch through the MTP modules: per module, one block's
+    activations per token, the embedding and the two normed inputs of eh_proj (3 a h per token)
+    and a second head's (its logits and loss)."""
+    shape = lo.shape
+    if not shape.mtp_layers:
+        return 0.0
+    block = per_moe_layer if shape.mtp_moe and shape.moe else per_layer
+    return shape.mtp_layers * (lo.tokens_mb * (block + 3 * lo.a * shape.dim / lo.cp) + head_act)
 
 
 def _compiled(lo: Layout, component: str) -> bool:
@@ -201,7 +222,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
             stages = len(rk.stages)
             mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
                                   * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
-                                  + (head_act if rk.head else 0.0))
+                                  + (head_act + mtp_activation_bytes(lo, per_layer, per_moe_layer,
+                                                                     head_act)
+                                     if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
@@ -257,13 +280,14 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
     wgrad_moe = (_weight_grad_inputs(lo, moe.shared_hidden)
                  + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
     split = any(e.kind == "W" for e in events)
+    mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient, recv = {}, {}, {}, {}, {}, 0.0
     psi_rank = sum(_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
         act[s] = (lo.tokens_mb * (n_d * per_layer + n_m * per_moe_layer) + boundary
-                  + (head_act if s == last_stage else 0.0))
+                  + (head_act + mtp_act if s == last_stage else 0.0))
         wact[s] = lo.tokens_mb * (n_d * wgrad_dense + n_m * wgrad_moe)
         psi = sum(_params(lo, ids, s == 0, s == last_stage)[:2])
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if split else 0)) * psi \

@@ -43,6 +43,11 @@ class ModelShape:
     #: features per token that attention's matmuls keep from I to W under a split backward
     #: (inputs and output gradients): (not split by tp, split by tp); 0s: GQA's 2 h, 2 h + 2 h_kv
     attn_wgrad: tuple[int, int] = (0, 0)
+    #: multi-token prediction: modules after the head (each one block), whether that block is
+    #: a MoE block, and each module's parameters outside its block (enorm, hnorm, eh_proj, norm)
+    mtp_layers: int = 0
+    mtp_moe: bool = False
+    mtp_extra: int = 0
 
     @property
     def n_moe_layers(self) -> int:
@@ -57,15 +62,22 @@ class ModelShape:
 
 
 def model_shape(cfg: JobConfig) -> ModelShape:
+    """The shape of the model ``cfg`` trains (``[model] num_mtp_layers`` applied)."""
     return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len,
-                        cfg.model.hf_assets_path)
+                        cfg.model.hf_assets_path, cfg.model.num_mtp_layers)
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None):
+def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None, mtp: int = -1):
+    """The model on the meta device; ``mtp`` >= 0 replaces the flavor's MTP depth."""
+    import dataclasses
+
     from titanext.models import build_model, get_model_args
 
-    return build_model(name, get_model_args(name, flavor, hf_assets_path), device="meta")
+    args = get_model_args(name, flavor, hf_assets_path)
+    if mtp >= 0:
+        args = dataclasses.replace(args, num_mtp_layers=mtp)
+    return build_model(name, args, device="meta")
 
 
 def _linears(layer) -> tuple[Linear, ...]:
@@ -99,11 +111,9 @@ def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ..
 
 @functools.lru_cache(maxsize=16)
 def _model_shape(name: str, flavor: str, seq_len: int,
-                 hf_assets_path: str | None = None) -> ModelShape:
-    from titanext.models import get_model_args
-
-    args = get_model_args(name, flavor, hf_assets_path)  # flavor 'hf': its config.json
-    model = _meta_model(name, flavor, hf_assets_path)
+                 hf_assets_path: str | None = None, mtp: int = -1) -> ModelShape:
+    model = _meta_model(name, flavor, hf_assets_path, mtp)
+    args = model.args  # flavor 'hf': its config.json
     # a dense block describes the dense fields (a MoE-only model has none, they count 0 times)
     layer = next((blk for blk in model.layers.values() if not hasattr(blk, "moe")),
                  model.layers["0"])
@@ -117,7 +127,19 @@ def _model_shape(name: str, flavor: str, seq_len: int,
         final_norm=model.norm.weight.numel(),
         flops_per_token=model.num_flops_per_token(seq_len),
         layer_tensors=len(list(layer.parameters())), linears=linears,
-        moe=moe_shape(model, linears), attn_wgrad=_mla_wgrad(args) if args.mla else (0, 0))
+        moe=moe_shape(model, linears), attn_wgrad=_mla_wgrad(args) if args.mla else (0, 0),
+        **_mtp_fields(model))
+
+
+def _mtp_fields(model) -> dict:
+    """The MTP modules' fields of :class:`ModelShape` (none without MTP)."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return {}
+    first = next(iter(mtp.layers.values()))
+    extra = sum(p.numel() for n, p in first.named_parameters() if not n.startswith("block."))
+    return {"mtp_layers": len(mtp.layers), "mtp_moe": hasattr(first.block, "moe"),
+            "mtp_extra": extra}
 
 
 def _mla_wgrad(args) -> tuple[int, int]:
