@@ -9,7 +9,7 @@ test_float8_distributed.py) cover each axis on 2-4 ranks.
 Every pipeline case uses a titanext schedule (ZBH1, ZBH2, ZBV, DualPipeV, Auto), and two of
 them activation checkpointing. debugtiny has 2 layers, enough for one stage per rank; the V
 schedules (ZBV, DualPipeV, Auto) hold two stages per rank and use the 6-layer debugmodel; the
-MoE case uses debugmoe (3 blocks, 8 experts).
+MoE case uses debugmoe (3 blocks, 8 experts), the DeepSeek case debugdeepseek (MLA, MTP).
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def _pp(schedule: str, microbatches: int) -> list[str]:
 
 
 F8 = ["--float8.enable=true"]
-TINY, SMALL, MOE = "debugtiny", "debugmodel", "debugmoe"
+TINY, SMALL, MOE, DS = "debugtiny", "debugmodel", "debugmoe", "debugdeepseek"
 MOE_AUX = ["--moe.aux_loss_alpha=0.01"]
+MTP = ["--model.num_mtp_layers=1"]
 
 # name: (flavor, overrides, loss rtol); the reference is one process with local_batch_size=8.
 CASES = {
@@ -91,6 +92,12 @@ CASES = {
         "--training.local_batch_size=2", P + "data_parallel_replicate_degree=2",
         P + "data_parallel_shard_degree=2", *_pp("Auto", 2),
         P + "pipeline_parallel_split_backward=autograd"], 1e-5),
+    # DeepSeek-V3's shape: MLA attention, sigmoid group-limited routing, one MTP module on the
+    # last stage (with its embedding copy), experts over ep = 2, the ring over cp = 2, DualPipe
+    "deepseek_pp2_x_ep2_x_cp2_DualPipe_mtp": (DS, [
+        "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
+        P + "expert_parallel_degree=2", P + "context_parallel_degree=2", *_pp("DualPipe", 4),
+        *MTP], 1e-5),
     "dp2_x_cp2_x_tp2": (TINY, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"], 1e-5),
@@ -100,20 +107,25 @@ CASES = {
     "dp2_x_cp2_x_tp2_float8": (TINY, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "context_parallel_degree=2", P + "tensor_parallel_degree=2", *F8], 1e-4),
+    # MLA's linears in float8 (wkv_a, 64 -> 24, stays high precision: not a multiple of 16)
+    "deepseek_dp4_x_ep2_x_cp2_float8": (DS, [
+        "--training.local_batch_size=2", P + "data_parallel_shard_degree=4",
+        P + "expert_parallel_degree=2", P + "context_parallel_degree=2", *F8], 1e-4),
 }
 PARAM_RTOL = 3e-5
 # The float8 reference is float8 in one process (its own rounding, not fp32's).
-_REFS = {TINY: [], SMALL: [], MOE: MOE_AUX, "f8": F8}
+_REFS = {TINY: (TINY, []), SMALL: (SMALL, []), MOE: (MOE, MOE_AUX), DS: (DS, MTP),
+         f"{TINY}_f8": (TINY, F8), f"{DS}_f8": (DS, F8)}
 
 
 def _ref_key(name: str, flavor: str) -> str:
-    return "f8" if name.endswith("float8") else flavor
+    return f"{flavor}_f8" if name.endswith("float8") else flavor
 
 
 @pytest.mark.slow
 def test_composition_matrix_follows_the_single_process_curve(tmp_path):
-    refs_runs = [[f"--model.flavor={TINY if k == 'f8' else k}", "--training.local_batch_size=8",
-                  *extra] for k, extra in _REFS.items()]
+    refs_runs = [[f"--model.flavor={flavor}", "--training.local_batch_size=8", *extra]
+                 for flavor, extra in _REFS.values()]
     refs = dict(zip(_REFS, run_distributed(_runs, 1, args=(refs_runs, str(tmp_path / "ref")),
                                            timeout_s=120)[0], strict=True))
     names = list(CASES)
