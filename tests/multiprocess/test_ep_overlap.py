@@ -36,6 +36,10 @@ CASES = {
     "Interleaved1F1B_full_ac": [P + "pipeline_parallel_schedule=Interleaved1F1B",
                                 P + "pipeline_parallel_microbatches=4",
                                 "--activation_checkpoint.mode=full"],
+    # float8 linears (attention and shared parts; the experts stay grouped GEMMs), deferred
+    # weight gradients (titanext's split backward, the default)
+    "DualPipeV_float8": [P + "pipeline_parallel_schedule=DualPipeV",
+                         P + "pipeline_parallel_microbatches=4", "--float8.enable=true"],
 }
 
 
