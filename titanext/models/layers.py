@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeedForward", "document_positions"]
+__all__ = ["AddLossGradient", "FeedForward", "document_positions"]
 
 
 class FeedForward(nn.Module):
@@ -30,6 +30,23 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class AddLossGradient(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``loss`` receives the gradient ``weight``: how a loss
+    computed inside the forward (MoE's sequence aux loss, MTP's cross-entropy) joins the
+    backward without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.meta
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
-from titanext.models.layers import FeedForward
+from titanext.models.layers import AddLossGradient, FeedForward
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load",
            "grouped_mm_supported", "set_aux_loss_weight", "update_expert_bias"]
@@ -154,21 +154,6 @@ class Router(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
-class _AddAuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, ``aux`` receives the gradient ``weight``."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.aux_meta
-        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
-
-
 class MoE(nn.Module):
     """Routed + shared SwiGLU experts. ``forward(x [B, S, dim]) -> [B, S, dim]``.
 
@@ -234,7 +219,7 @@ class MoE(nn.Module):
             self.aux_loss = aux.detach() / bsz
             if torch.is_grad_enabled() and aux.requires_grad:
                 weight = 1.0 / bsz if self.aux_loss_weight is None else self.aux_loss_weight
-                out = _AddAuxLoss.apply(out, aux, weight)
+                out = AddLossGradient.apply(out, aux, weight)
         return out.view(bsz, seqlen, dim)
 
     def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor,

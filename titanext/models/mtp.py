@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanext.models.init import constant_, init_tensor_, normal_
+from titanext.models.layers import AddLossGradient
 
 __all__ = ["IGNORE_INDEX", "MTPLayer", "MultiTokenPrediction", "mtp_labels", "mtp_loss_sums",
            "reset_mtp_loss", "set_mtp_grad_weight"]
@@ -75,21 +76,6 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         docs = {} if document_ids is None else {"document_ids": document_ids}
         return self.norm(self.block(x, cos, sin, **docs))
-
-
-class _AddLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, ``loss`` receives the gradient ``weight``."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        ctx.meta = (loss.shape, loss.dtype, loss.device)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.meta
-        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
 
 
 class MultiTokenPrediction(nn.Module):
@@ -145,7 +131,7 @@ class MultiTokenPrediction(nn.Module):
             weight = self.grad_weight
             if weight is None:
                 weight = 1.0 / (depth * labels[..., 0].numel())
-            logits = _AddLoss.apply(logits, total.sum(), weight)
+            logits = AddLossGradient.apply(logits, total.sum(), weight)
         return logits
 
     @torch.no_grad()
