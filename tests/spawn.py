@@ -3,7 +3,8 @@ trainer overrides the parity tests share."""
 
 from titanext.launch.local import free_port, run_distributed
 
-__all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example"]
+__all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
+           "trainer_runs"]
 
 
 def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:
@@ -40,3 +41,28 @@ def run_example(script, nproc: int, *args: str, cwd, timeout: float = 120):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            str(nproc), "--standalone", str(wrapper), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def trainer_runs(base, runs, dump_folder: str, world_size: int, collect=None) -> list[tuple]:
+    """Inside a spawned rank: one Trainer per run (``[*base, *run]`` overrides, its own dump
+    folder), one after the other in this process group (start-up dominates on 2 cores).
+
+    Per run: (per-step losses, the full parameters of this rank's model parts) and, with
+    ``collect(trainer)``, what it returns as a third element. ``full_tensor()`` is a
+    collective, so every rank gathers every parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from titanext.config import load_config
+    from titanext.trainer import Trainer
+
+    out = []
+    for i, overrides in enumerate(runs):
+        cfg = load_config(None, [*base, f"--job.dump_folder={dump_folder}/{i}", *overrides],
+                          world_size=world_size)
+        trainer = Trainer(cfg)
+        losses = trainer.train()
+        params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for part in trainer.model_parts for name, p in part.named_parameters()}
+        out.append((losses, params) if collect is None else (losses, params, collect(trainer)))
+    return out

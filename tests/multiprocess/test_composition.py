@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed, trainer_runs
 
 STEPS = 5
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64)
@@ -28,28 +28,13 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
           ) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
     """Each run's per-step losses and final full parameters (from the one rank of each pipeline
     stage whose other coordinates are 0), one Trainer after the other in one process group."""
-    from torch.distributed.tensor import DTensor
-
-    from titanext.config import load_config
-    from titanext.trainer import Trainer
-
-    out = []
-    for i, overrides in enumerate(runs):
-        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
-                          world_size=world_size)
-        trainer = Trainer(cfg)
-        losses = trainer.train()
+    def first_of_stage(trainer) -> bool:
         mesh = trainer.dims.world_mesh
         coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
-        keep = all(c == 0 for name, c in coords if name != "pp")
-        params = {}
-        for part in trainer.model_parts:
-            for name, p in part.named_parameters():
-                full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: every rank
-                if keep:
-                    params[name] = full.detach().clone()
-        out.append((losses, params))
-    return out
+        return all(c == 0 for name, c in coords if name != "pp")
+
+    return [(losses, params if keep else {}) for losses, params, keep in
+            trainer_runs(BASE, runs, dump_folder, world_size, collect=first_of_stage)]
 
 
 def _pp(schedule: str, microbatches: int) -> list[str]:

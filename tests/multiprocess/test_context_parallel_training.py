@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed, trainer_runs
 
 STEPS = 4
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64, flavor="debugtiny")
@@ -68,21 +68,7 @@ def _corpus(path) -> str:
 
 def _runs(rank, world_size, runs, dump_folder):
     """Each run's per-step losses and final full parameters, one Trainer after the other."""
-    from torch.distributed.tensor import DTensor
-
-    from titanext.config import load_config
-    from titanext.trainer import Trainer
-
-    out = []
-    for i, overrides in enumerate(runs):
-        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
-                          world_size=world_size)
-        trainer = Trainer(cfg)
-        losses = trainer.train()
-        params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                  for part in trainer.model_parts for name, p in part.named_parameters()}
-        out.append((losses, params))
-    return out
+    return trainer_runs(BASE, runs, dump_folder, world_size)
 
 
 def _overrides(name, corpus):

@@ -5,7 +5,7 @@ generated lists: ZBV; titanext's chain runtime: DualPipeV), one spawn for all fo
 from __future__ import annotations
 
 from tests.multiprocess.test_pipeline import BASE, _check, _merge
-from tests.spawn import run_distributed
+from tests.spawn import run_distributed, trainer_runs
 
 CAP = "--parallelism.pipeline_parallel_max_pending_weight_grads"
 SCHEDULES = ("ZBV", "DualPipeV")
@@ -13,23 +13,10 @@ SCHEDULES = ("ZBV", "DualPipeV")
 
 def _train_and_pending(rank, world_size, runs, dump_folder):
     """Per run: (losses, parameters, the most W's pending at once in this rank's lists)."""
-    from torch.distributed.tensor import DTensor
-
-    from titanext.config import load_config
     from titanext.schedules.memory_cap import max_pending_weight_grads
-    from titanext.trainer import Trainer
 
-    out = []
-    for i, overrides in enumerate(runs):
-        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
-                          world_size=world_size)
-        trainer = Trainer(cfg)
-        losses = trainer.train()
-        params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                  for part in trainer.model_parts for name, p in part.named_parameters()}
-        order = trainer.pipeline.schedule.pipeline_order
-        out.append((losses, params, max_pending_weight_grads(order)[rank]))
-    return out
+    return trainer_runs(BASE, runs, dump_folder, world_size, collect=lambda trainer:
+                        max_pending_weight_grads(trainer.pipeline.schedule.pipeline_order)[rank])
 
 
 def test_capped_schedules_match_uncapped(tmp_path):

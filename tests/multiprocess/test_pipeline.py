@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from tests import REPO_ROOT
-from tests.spawn import run_distributed
+from tests.spawn import run_distributed, trainer_runs
 from titanext.config import ConfigError, load_config
 from titanext.distributed.pipeline import layers_per_stage, pipeline_stage_ids, split_model
 from titanext.models import build_model, get_model_args
@@ -177,24 +176,9 @@ def _register_pp8():
 
 def _train_many(rank, world_size, runs, dump_folder, pp8=False):
     """Several Trainer runs in one spawn (start-up dominates on 2 cores)."""
-    from titanext.config import load_config
-    from titanext.trainer import Trainer
-
     if pp8:
         _register_pp8()
-    out = []
-    for i, overrides in enumerate(runs):
-        cfg = load_config(None, [*BASE, f"--job.dump_folder={dump_folder}/{i}", *overrides],
-                          world_size=world_size)
-        trainer = Trainer(cfg)
-        losses = trainer.train()
-        params = {}
-        for part in trainer.model_parts:
-            for name, p in part.named_parameters():
-                full = p.full_tensor() if isinstance(p, DTensor) else p
-                params[name] = full.detach().clone()
-        out.append((losses, params))
-    return out
+    return trainer_runs(BASE, runs, dump_folder, world_size)
 
 
 def _merge(results):
