@@ -28,6 +28,7 @@ REAL = {
                                      "parallelism.pipeline_parallel_schedule": "DualPipe",
                                      "parallelism.expert_parallel_degree": 64,
                                      "parallelism.pipeline_parallel_max_pending_weight_grads": 2,
+                                     "parallelism.pipeline_parallel_last_stage_less_layers": 1,
                                      "model.flavor": "deepseek_v3_671b"}),
 }
 
