@@ -12,17 +12,102 @@ reaches it through the name here only:
   model's step-1 loss at seed 7: 6.6337 on 2.11, 6.8509 on 2.13). titanext samples with its own
   copy of the newer algorithm, so one seed starts the same model on every supported torch.
 
+It is also the one place outside those two modules that reaches a private torch name (one
+with a leading underscore; ``tests/docs/test_private_torch_api.py`` enforces it), so a rename
+in a new torch is fixed here:
+
+- :data:`grouped_mm` (``torch._grouped_mm``, None where this torch lacks it): the MoE experts'
+  grouped GEMM and its deferred weight gradient;
+- :func:`flash_attention_cpu`, :func:`flash_attention_cpu_backward`,
+  :func:`flash_attention_cuda`, :func:`flash_attention_cuda_backward`: the ATen flash kernels
+  that return the log-sum-exp the ring attention merges by;
+- :data:`foreach_mul_` (``torch._foreach_mul_``): one kernel launch to scale many gradients;
+- :data:`profiler_enabled`: whether a profiler collects (one C call, no allocation);
+- :func:`aten_op_names`: every ATen operator name (a config hint's "did you mean");
+- :func:`set_pg_timeout`: shorten the default process group's collective timeout;
+- :func:`record_cuda_memory_history`, :func:`cuda_memory_snapshot`: CUDA's allocator history;
+- :data:`pytree`: torch's pytree utilities.
+
 Leaf module: imports torch only.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
-__all__ = ["reduce_scatter_single", "trunc_normal_"]
+__all__ = ["aten_op_names", "cuda_memory_snapshot", "flash_attention_cpu",
+           "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
+           "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
+           "reduce_scatter_single", "set_pg_timeout", "trunc_normal_"]
+
+#: ``torch._grouped_mm(a, b, offs=...)`` where this torch has it (CPU from 2.9), else None.
+grouped_mm = getattr(torch, "_grouped_mm", None)
+
+#: ``torch._foreach_mul_(tensors, scalar_or_tensor)``, in place.
+foreach_mul_ = torch._foreach_mul_
+
+#: ``profiler_enabled()``: whether an autograd profiler is collecting.
+profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def flash_attention_cpu(q, k, v, dropout_p: float, causal: bool, *, scale: float, attn_mask=None):
+    """ATen's CPU flash attention: (out, logsumexp)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, causal, scale=scale, attn_mask=attn_mask)
+
+
+def flash_attention_cpu_backward(dout, q, k, v, out, lse, dropout_p: float, causal: bool, *,
+                                 scale: float, attn_mask=None):
+    """Its backward: (dq, dk, dv)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, dropout_p, causal, scale=scale, attn_mask=attn_mask)
+
+
+def flash_attention_cuda(q, k, v, dropout_p: float, causal: bool, return_debug_mask: bool, *,
+                         scale: float):
+    """ATen's CUDA flash attention: (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+    philox_seed, philox_offset, debug_mask)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p, causal, return_debug_mask, scale=scale)
+
+
+def flash_attention_cuda_backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q: int,
+                                  max_k: int, dropout_p: float, causal: bool, philox_seed,
+                                  philox_offset, *, scale: float):
+    """Its backward: (dq, dk, dv)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, causal,
+        philox_seed, philox_offset, scale=scale)
+
+
+def aten_op_names() -> list[str]:
+    """Every registered operator name (``"aten::mm"``, ...)."""
+    return torch._C._dispatch_get_all_op_names()
+
+
+def set_pg_timeout(seconds: float) -> bool:
+    """Set the default process group's collective timeout; False where this torch cannot."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:
+        return False
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+    return True
+
+
+def record_cuda_memory_history(on: bool, max_entries: int) -> None:
+    """Start (``on``) or stop recording CUDA allocator events with their stacks."""
+    torch.cuda.memory._record_memory_history("all" if on else None, max_entries=max_entries)
+
+
+def cuda_memory_snapshot() -> dict:
+    """The recorded allocator history (the pickle that pytorch.org/memory_viz reads)."""
+    return torch.cuda.memory._snapshot()
 
 #: ``dist.reduce_scatter_single`` where this torch has it (2.13+), else the older name.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

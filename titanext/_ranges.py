@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch.profiler import record_function
+
+from titanext._compat import profiler_enabled
 
 __all__ = ["BACKWARD", "CP", "DATA", "EP_ALL_TO_ALL", "FORWARD", "LOG", "LOSS", "OPTIMIZER",
            "PHASES", "PIPELINE", "PP_CHUNK", "PREFIX", "phase", "pp_chunk"]
@@ -38,7 +39,7 @@ PP_CHUNK = PREFIX + "pp_{kind}/s{stage}"  # one pipeline stage's F, I, W or full
 PHASES = (DATA, FORWARD, BACKWARD, PIPELINE, LOSS, OPTIMIZER, LOG)
 
 _NULL = contextlib.nullcontext()
-_profiler_enabled = torch._C._autograd._profiler_enabled  # private: one C call, no allocation
+_profiler_enabled = profiler_enabled  # one C call, no allocation
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:

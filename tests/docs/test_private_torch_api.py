@@ -1,11 +1,19 @@
-"""torch's private pipelining API is touched in one module only: titanext/schedules/_torch_ir.py.
+"""torch's private names are reached from three modules only.
 
-A rename in a new torch then needs a fix there and nowhere else. This test reads every other
-module of the package and fails on a private pipelining name.
+- titanext/schedules/_torch_ir.py: the pipelining runtime;
+- titanext/_fake_backend.py: the dry run (fake tensors, MemTracker);
+- titanext/_compat.py: everything else (grouped GEMM, the ATen flash kernels, ...).
+
+A rename in a new torch then needs a fix there and nowhere else. The tests below read every
+other module of the package and fail on a private pipelining name (by pattern, which also
+catches private attributes of torch's pipelining objects), and on any private torch name at all
+(by the syntax tree: an import of a private module or name, or an attribute chain through
+``torch`` or an alias of it with a component that starts with one underscore).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 
 from tests import REPO_ROOT
@@ -48,3 +56,65 @@ def test_the_check_sees_each_name():
     assert all(hits(u) for u in uses), [u for u in uses if not hits(u)]
     assert not hits("num_stages = pp_stages + len(stages); n_microbatches = 4; loss_fn = f")
     assert hits(ALLOWED.read_text())  # the allowed module does use them
+
+
+SEAMS = {ROOT / "schedules" / "_torch_ir.py", ROOT / "_fake_backend.py", ROOT / "_compat.py"}
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def private_torch_names(source: str) -> list[str]:
+    """``line: name`` for every private torch name that ``source`` imports or reaches through
+    ``torch`` (or a name bound to a torch module or object by an import)."""
+    tree = ast.parse(source)
+    bound, out = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    if any(map(_private, a.name.split("."))):
+                        out.add(f"{node.lineno}: import {a.name}")
+                    bound[a.asname or "torch"] = a.name if a.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if any(map(_private, full.split("."))):
+                    out.add(f"{node.lineno}: from {node.module} import {a.name}")
+                bound[a.asname or a.name] = full
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                out.add(f"{node.lineno}: {'.'.join([bound[base.id], *reversed(chain)])}")
+    return sorted(out)
+
+
+def test_private_torch_names_only_in_the_three_seam_modules():
+    found = {str(p.relative_to(ROOT.parent)): h for p in sorted(ROOT.rglob("*.py"))
+             if p not in SEAMS and (h := private_torch_names(p.read_text()))}
+    assert not found, f"private torch names outside {sorted(p.name for p in SEAMS)}: {found}"
+
+
+def test_the_syntax_check_sees_each_kind_of_use():
+    """Each way of reaching a private name is caught; public names, dunders, private names of
+    titanext's own objects and names inside strings are not."""
+    uses = ["import torch\ny = torch._grouped_mm(a, b)",
+            "import torch\nf = torch.ops.aten._scaled_dot_product_flash_attention",
+            "import torch\ntorch._C._autograd._profiler_enabled()",
+            "import torch.utils._pytree as pytree",
+            "from torch._subclasses.fake_tensor import FakeTensor",
+            "from torch.distributed.distributed_c10d import _set_pg_timeout",
+            "import torch.distributed as dist\ndist._functional_collectives.all_gather(x)",
+            "from torch import cuda\ncuda.memory._snapshot()"]
+    assert all(private_torch_names(u) for u in uses), [u for u in uses
+                                                      if not private_torch_names(u)]
+    clean = ["import torch\nv = torch.__version__\ny = torch.matmul(a, b)",
+             "import torch\nself._cache = torch.zeros(1)\nx = self._grouped_mm",
+             "import torch\ns = 'torch._grouped_mm'\nok = hasattr(torch, 'cuda')"]
+    assert not any(private_torch_names(c) for c in clean), [private_torch_names(c) for c in clean]
+    assert all(private_torch_names(p.read_text()) for p in SEAMS)  # the seams do use them

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
+from titanext._compat import cuda_memory_snapshot, record_cuda_memory_history
 from titanext._fake_backend import mem_tracker
 from titanext.components.metrics import format_table
 from titanext.components.step_table import breakdown_rows, simulated_idle, step_breakdown
@@ -273,13 +274,12 @@ def memory_svg(memory: dict[str, int], title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-# -- CUDA's allocator history: torch's private names, in one place -----------------------------
+# -- CUDA's allocator history (torch's private names are in titanext._compat) ------------------
 
 def _record_cuda_history(on: bool) -> None:
-    torch.cuda.memory._record_memory_history(
-        "all" if on else None, max_entries=MEMORY_HISTORY_ENTRIES)
+    record_cuda_memory_history(on, max_entries=MEMORY_HISTORY_ENTRIES)
 
 
 def _dump_cuda_history(path: str) -> None:
     with open(path, "wb") as f:
-        pickle.dump(torch.cuda.memory._snapshot(), f)
+        pickle.dump(cuda_memory_snapshot(), f)

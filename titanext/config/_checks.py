@@ -55,10 +55,10 @@ def _aten_ops(names: list[str]) -> str | None:
 
 def _aten_hint(name: str) -> str:
     try:  # private, but only feeds a hint; losing it loses nothing else
-        import torch
+        from titanext._compat import aten_op_names
 
         known = {n.split("::", 1)[1].split(".", 1)[0]
-                 for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+                 for n in aten_op_names() if n.startswith("aten::")}
     except (AttributeError, RuntimeError):
         return ""
     return _did_you_mean(name, sorted(known), fallback=False)

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from titanext._compat import foreach_mul_, set_pg_timeout
+
 __all__ = ["clip_grad_norm_", "clip_mirrored_grads", "device_type", "elastic_store",
            "init_distributed", "set_determinism", "set_process_group_timeout"]
 
@@ -87,10 +89,8 @@ def set_determinism(seed: int, deterministic: bool = False) -> None:
 def set_process_group_timeout(seconds: float) -> None:
     """Shorten the collective timeout once start-up (which may compile or load) is done."""
     try:  # private in every torch we support; losing it only keeps the init timeout.
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
-    except (ImportError, AttributeError, RuntimeError):
+        set_pg_timeout(seconds)
+    except (AttributeError, RuntimeError):
         pass
 
 
@@ -155,7 +155,7 @@ def clip_grad_norm_(
         # Scale the local shards in place (under no_grad, to_local() is the DTensor's storage):
         # one foreach kernel, whatever meshes the gradients live on.
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        torch._foreach_mul_(local, coef.to(local[0].device))
+        foreach_mul_(local, coef.to(local[0].device))
     return total
 
 
@@ -171,5 +171,5 @@ def clip_mirrored_grads(down: list, up: list, max_norm: float, *, pp_group=None)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in (*down, *up) if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            foreach_mul_(grads, coef.to(grads[0].device))
     return total

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanext._compat import grouped_mm
 from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
 from titanext.models.layers import AddLossGradient, FeedForward
@@ -49,7 +50,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     CPU (torch >= 2.9): fp32/bf16/fp16 in eager mode, bf16 under compile. CUDA: bf16 on sm90+.
     Every row stride and base pointer must be a multiple of 16 bytes (torch's alignment rule).
     """
-    if (not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights)
+    if (grouped_mm is None or any(w.dtype != x.dtype for w in weights)
             or x.device.type == "meta"):
         return False
     if torch.compiler.is_compiling() or x.device.type == "cuda":
@@ -92,9 +93,9 @@ class GroupedExperts(nn.Module):
             use = grouped_mm_supported(x, w1, w2, w3)
         if use:
             offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         # The loop needs the counts on the host: one device-to-host sync.
         outs = []
         for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):

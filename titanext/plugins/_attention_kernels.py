@@ -28,6 +28,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titanext._compat import (
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
+    flash_attention_cuda,
+    flash_attention_cuda_backward,
+)
+
 KERNELS = ("auto", "math", "flash_cpu", "flash_cuda")
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -98,7 +105,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, kernel: str, mask=None
     dv = v.shape[-1]
     if kernel == "flash_cpu":
         qp, kp, vp = _pad_heads(q, _expand(k, h), _expand(v, h))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = flash_attention_cpu(
             qp, kp, vp, 0.0, causal, scale=scale,
             attn_mask=None if mask is None else _additive(mask, q.dtype))
         lse = lse.to(_acc(q.dtype))
@@ -106,7 +113,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, kernel: str, mask=None
             lse = lse.masked_fill(~mask.any(-1).unsqueeze(1), float("-inf"))
         return out[..., :dv], lse
     if kernel == "flash_cuda" and mask is None:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
+        res = flash_attention_cuda(
             *_pad_heads(q, _expand(k, h), _expand(v, h)), 0.0, causal, False, scale=scale)
         return res[0][..., :dv], res[1].to(_acc(q.dtype))
     _, s = _scores(q, k, scale, causal, mask)
@@ -131,14 +138,14 @@ def block_backward(dout, q, k, v, out, lse, delta, *, causal: bool, scale: float
         q, ke, ve, o, dout = _pad_heads(q, _expand(k, h), _expand(v, h), out.to(q.dtype), dout)
         if kernel == "flash_cpu":
             lse_k = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-            dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dq, dk, dv_ = flash_attention_cpu_backward(
                 dout, q, ke, ve, o, lse_k, 0.0, causal, scale=scale,
                 attn_mask=None if mask is None else _additive(mask, q.dtype))
         else:
             # No cumulative sequence lengths (None: not varlen; an empty tensor would be read
             # as varlen and refused); the philox state is unused without dropout.
             unused = torch.empty(0, device=q.device, dtype=torch.int64)
-            dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dq, dk, dv_ = flash_attention_cuda_backward(
                 dout, q, ke, ve, o, lse.float().contiguous(), None, None, lq, k.shape[2], 0.0,
                 causal, unused, unused, scale=scale)
         return dq[..., :d], _fold(dk[..., :d], kvh), _fold(dv_[..., :dv], kvh)

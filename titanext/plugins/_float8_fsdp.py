@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as _Base
+
+from titanext._compat import pytree
 
 __all__ = ["ByteAllGatherFloat8Weight"]
 

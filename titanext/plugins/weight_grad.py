@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from titanext._compat import grouped_mm
 from titanext._overlap import register_side_state
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
@@ -252,14 +253,14 @@ class DeferredLinear(nn.Linear):
 def _grouped_linear(x, w, offs, counts):
     """x [T, in] rows grouped by expert, w [E, out, in] -> [T, out]."""
     if offs is not None:
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return grouped_mm(x, w.transpose(-2, -1), offs=offs)
     outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
 def _grouped_input_grad(dy, w, offs, counts):
     if offs is not None:
-        return torch._grouped_mm(dy, w, offs=offs)
+        return grouped_mm(dy, w, offs=offs)
     outs = [dye.mm(w[e]) for e, dye in enumerate(torch.split(dy, counts))]
     return torch.cat(outs) if outs else dy.new_zeros(0, w.shape[2])
 
@@ -268,7 +269,7 @@ def _grouped_weight_grad(x, dy, param, extra) -> torch.Tensor:
     offs, counts = extra
     local = _local(param)
     if offs is not None:
-        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]
+        dw = grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]
     else:
         dw = torch.zeros_like(local)
         for e, (xe, dye) in enumerate(zip(torch.split(x, counts), torch.split(dy, counts),
