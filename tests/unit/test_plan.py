@@ -225,6 +225,22 @@ def test_advice_validates_and_fits():
         assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
 
 
+def test_advice_for_the_671b_names_a_layout_that_fits():
+    """DeepSeek-V3 671B on 2048 H100s (DualPipe, 32 micro-batches): the advice's local batches
+    under PP are the micro-batch count x 1..8 sequences, so its layouts validate; the first is
+    the shipped one (before: local batches of 1-8 sequences, none of which 32 micro-batches
+    divide, and no advice at all)."""
+    path = str(ROOT / "train_configs" / "deepseek_v3_671b.toml")
+    plans = advise(path, [], 2048, top=2)
+    assert plans
+    for plan in plans:
+        load_config(path, plan.layout["overrides"], world_size=2048)  # raises if invalid
+        assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
+    lo = plans[0].layout
+    assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
+            lo["local_batch_size"]) == (1, 16, 1, 64, 128, "full", 32), lo
+
+
 def test_70b_on_64_h100_prefers_tp_inside_a_node():
     """70B has 8 KV heads, so TP is at most 8; on 8-GPU nodes that is always inside a node. On
     4-GPU nodes tp = 8 crosses nodes, and the advice must rank it below TP inside a node."""

@@ -136,6 +136,26 @@ def resolve_microbatches(pp: int, requested: int, local_batch_size: int) -> int:
 
 # -- pipeline split (plain ints: the config rules, the pipeline and the planner call it) -------
 
+def _spread(counts: list[int], extra: int, ranks: Sequence[int], light: Sequence[int],
+            first: Sequence[int] = ()) -> list[int]:
+    """``counts`` plus ``extra`` units, one per stage, each to a stage of the least loaded rank
+    (ties: the ``first`` stages, then stage order, the ``light`` stages last)."""
+    n = len(counts)
+    counts = list(counts)
+    order = list(dict.fromkeys([*first, *(s for s in range(n) if s not in light),
+                                *light]))[:n]
+    load = dict.fromkeys(ranks, 0)
+    for c, r in zip(counts, ranks, strict=True):
+        load[r] += c
+    rank_first = {s: k for k, s in enumerate(order)}
+    for _ in range(extra):
+        i = min(order, key=lambda s: (load[ranks[s]], rank_first[s]))
+        order.remove(i)
+        counts[i] += 1
+        load[ranks[i]] += 1
+    return counts
+
+
 def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: int = 0,
                      last_stage_less_layers: int = 0,
                      explicit: Sequence[int] | None = None,
@@ -155,6 +175,8 @@ def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: i
     [2, 3, 3, 2]
     >>> layers_per_stage(6, 4), layers_per_stage(6, 4, stage_ranks=[0, 1, 1, 0])
     ([1, 2, 2, 1], [2, 2, 1, 1])
+    >>> layers_per_stage(5, 4, last_stage_less_layers=1, stage_ranks=[0, 1, 1, 0])
+    [1, 2, 1, 1]
     """
     if explicit:
         counts = list(explicit)
@@ -164,25 +186,30 @@ def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: i
         return counts
     # Count the embedding and head as virtual layers, spread all units evenly, remove them again.
     units = n_layers + first_stage_less_layers + last_stage_less_layers
+    if n_layers < n_stages:  # (checked first: a planner's search asks for thousands of stages)
+        raise ValueError(f"n_layers = {n_layers} cannot be split into {n_stages} stages with "
+                         f"first_stage_less_layers = {first_stage_less_layers} and "
+                         f"last_stage_less_layers = {last_stage_less_layers}: every stage "
+                         "needs at least one layer")
     base, extra = divmod(units, n_stages)
     counts = [base] * n_stages
-    # Extra units go to the middle stages first, so the ends (embedding, head) stay light; with
-    # ``stage_ranks``, each to a stage of the rank with the fewest units so far.
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][:n_stages]
     ranks = list(stage_ranks) if stage_ranks is not None else list(range(n_stages))
     if len(ranks) != n_stages:
         raise ValueError(f"stage_ranks = {ranks} must name the rank of each of {n_stages} stages")
-    load = dict.fromkeys(ranks, 0)
-    for c, r in zip(counts, ranks, strict=True):
-        load[r] += c
-    rank_first = {s: k for k, s in enumerate(order)}
-    for _ in range(extra):
-        i = min(order, key=lambda s: (load[ranks[s]], rank_first[s]))
-        order.remove(i)
-        counts[i] += 1
-        load[ranks[i]] += 1
+    # Extra units go to the middle stages first, so the ends (embedding, head) stay light; with
+    # ``stage_ranks``, each to a stage of the rank with the fewest units so far. Where that
+    # leaves an end that gives up blocks with none (61 blocks in 32 stages, the last one 1
+    # fewer), such an end takes its extra first: its virtual units keep it light already.
+    counts = _spread(counts, extra, ranks, light=(0, n_stages - 1))
     counts[0] -= first_stage_less_layers
     counts[-1] -= last_stage_less_layers
+    if min(counts) < 1:
+        ends = ((0, first_stage_less_layers), (n_stages - 1, last_stage_less_layers))
+        counts = _spread([base] * n_stages, extra, ranks,
+                         light=[s for s, less in ends if not less],
+                         first=[s for s, less in ends if less])
+        counts[0] -= first_stage_less_layers
+        counts[-1] -= last_stage_less_layers
     if min(counts) < 1 or sum(counts) != n_layers:
         raise ValueError(f"n_layers = {n_layers} cannot be split into {n_stages} stages with "
                          f"first_stage_less_layers = {first_stage_less_layers} and "

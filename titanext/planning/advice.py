@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from titanext.config import ConfigError, load_config
 from titanext.planning.estimate import Plan, plan_config
 from titanext.planning.hardware import DEVICES, Device
+from titanext.planning.layout import resolve_layout
+from titanext.planning.memory import static_memory_floor
 from titanext.planning.shapes import model_shape
 
 __all__ = ["advise", "toml_snippet"]
@@ -20,6 +22,19 @@ __all__ = ["advise", "toml_snippet"]
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+_MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
+def _local_batch_sizes(pp: int, microbatches: int) -> tuple[int, ...]:
+    """The local batch sizes to try: micro-batches of 1, 2, 4 or 8 sequences. Without PP the
+    local batch is one micro-batch (gradient accumulation reaches the global batch); with PP
+    it is the config's micro-batch count (-1: 2 x pp) times the micro-batch size, since a
+    pipeline needs its micro-batches to fill the stages (DualPipe: at least 2 x pp)."""
+    if pp == 1:
+        return _MICROBATCH_SIZES
+    return tuple((microbatches if microbatches > 0 else 2 * pp) * b for b in _MICROBATCH_SIZES)
 
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
@@ -30,25 +45,29 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     Candidates are estimated first (cheap), then validated in rank order through
     :func:`titanext.config.load_config` with ``world_size``, so a layout that fails validation
     is never proposed; those that do not fit in 90% of HBM are dropped. The global batch of the
-    config is kept; the micro-batch size and recompute mode are searched.
+    config is kept; the micro-batch size (1, 2, 4 or 8 sequences; under PP, times the config's
+    micro-batch count) and recompute mode are searched. The schedule and the other pipeline
+    keys stay the config's.
     """
     base = load_config(path, overrides, world_size=world_size)
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
         global_batch = base.training.local_batch_size * world_size
     moe = model_shape(base).moe
+    microbatches = base.parallelism.pipeline_parallel_microbatches
     candidates = []
     for tp in _divisors(world_size):
         if tp > 2 * gpus_per_node:
             continue
         for pp in _divisors(world_size // tp):
             for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
+                too_big: set[tuple[int, int]] = set()  # (ep, local) that does not fit
                 dp = world_size // (tp * pp * cp)
                 # expert parallelism borrows dp_shard x cp ranks (MoE models only)
                 eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
-                for ep, ac, local in itertools.product(eps, ("none", "selective", "full"),
-                                                       (1, 2, 4, 8)):
-                    if global_batch % (local * dp):
+                for ep, local, ac in itertools.product(eps, _local_batch_sizes(pp, microbatches),
+                                                       ("full", "selective", "none")):
+                    if global_batch % (local * dp) or (ep, local) in too_big:
                         continue
                     cfg = dataclasses.replace(
                         base,
@@ -62,12 +81,19 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                         training=dataclasses.replace(base.training, local_batch_size=local,
                                                      global_batch_size=global_batch))
                     try:
+                        lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
+                        if static_memory_floor(lo) > 0.9 * device.hbm_bytes:
+                            too_big.add((ep, local))  # weights and optimizer alone do not fit
+                            continue
                         plan = plan_config(cfg, world_size, device=device,
-                                           gpus_per_node=gpus_per_node, efficiency=efficiency)
+                                           gpus_per_node=gpus_per_node, efficiency=efficiency,
+                                           ep_overlap=False)
                     except ValueError:  # e.g. fewer layers than stages: validation rejects it
                         continue
                     if plan.fits:
                         candidates.append(plan)
+                    else:  # less recomputation only keeps more: skip selective and none
+                        too_big.add((ep, local))
     # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
     candidates.sort(key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
                                     pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],

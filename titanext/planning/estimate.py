@@ -137,7 +137,7 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
                 gpus_per_node: int = 8, efficiency: float = 0.6, imbalance: float = 1.0,
-                compare_replication: bool = False) -> Plan:
+                compare_replication: bool = False, ep_overlap: bool = True) -> Plan:
     """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
 
     ``efficiency`` is the fraction of the dense peak that large matmuls and attention reach
@@ -158,7 +158,9 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     With ``[moe] replicate_hot_experts`` the busiest rank is planned within the replication's
     slack of the mean (5%: what its plan reaches while copies last) and the copies' traffic is
     added; ``compare_replication`` adds ``time["ep_replication"]``: the step without copies at
-    ``imbalance`` and with them (:func:`replication_comparison`).
+    ``imbalance`` and with them (:func:`replication_comparison`). ``ep_overlap=False`` leaves
+    ``time["ep_all_to_all"]`` out (two more schedule simulations; the advice's search does not
+    rank by it).
     """
     routed = imbalance
     if cfg.moe.replicate_hot_experts and cfg.parallelism.expert_parallel_degree > 1:
@@ -184,7 +186,7 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     for c in comm:
         c["time_s"] = comm_time(c, device)
     time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p})
-    if ep_row:
+    if ep_row and ep_overlap:
         time["ep_all_to_all"] = ep_overlap_times(lo, mt, p2p, a2a, time["step_s"], pass_time,
                                                  imbalance)
     if ep_row and compare_replication:

@@ -46,7 +46,10 @@ from titanext.planning.moe import moe_activation_extra
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
-           "zero_bytes_per_rank"]
+           "static_memory_floor", "zero_bytes_per_rank"]
+
+#: the categories every moment of a step holds (a lower bound of any rank's peak)
+_STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
 
 
 # -- the playbook's closed forms ------------------------------------------------------------------
@@ -196,6 +199,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                      if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
+    by_rank: dict[int, list] = {}  # each rank's events, in execution order
+    for e in events or ():
+        by_rank.setdefault(e.rank, []).append(e)
     for r, rk in enumerate(lo.pipe.ranks):
         n_m = lo.n_moe(rk)
         psi_dense, psi_experts, tensors = _params(lo, rk.layer_ids, rk.embedding, rk.head)
@@ -212,7 +218,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
         else:
             mem["gathered params"] = 0.0
         if lo.pp > 1 and events is not None:
-            mem.update(_pipeline_peak(lo, r, rk, events, sharded=sharded,
+            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, sharded=sharded,
                                       grads=mem["grads (fp32)"], per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward))
@@ -231,8 +237,16 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
     return memories, psis
 
 
-def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: float,
-                   per_layer: float, per_moe_layer: float, head_act: float,
+def static_memory_floor(lo: Layout) -> float:
+    """The busiest pp rank's parameters, optimizer state and gathered parameters: what every
+    moment of its step holds, so a lower bound of its peak, without simulating the schedule
+    (the planner's advice drops a layout whose floor does not fit before timing it)."""
+    memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
+    return max(sum(m.get(k, 0.0) for k in _STATIC) for m in memories)
+
+
+def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: bool,
+                   grads: float, per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
     trainer runs them (``events``, :func:`titanext.planning.stages.simulate_times`).
@@ -312,15 +326,19 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, *, sharded: bool, grads: floa
                 "loss backward": extra[1]}
 
     best: dict[str, float] = snapshot()
+    best_total = sum(best.values())
 
     def consider(extra=(0.0, 0.0)) -> None:
-        nonlocal best
+        nonlocal best, best_total
         now = snapshot(extra)
-        if sum(now.values()) > sum(best.values()):
-            best = now
+        total = sum(now.values())
+        if total > best_total:
+            best, best_total = now, total
 
-    for e in (e for e in events if e.rank == r and e.stage in live):  # in execution order
+    for e in events_by_rank.get(r, ()):  # in execution order
         s = e.stage
+        if s not in live:
+            continue
         recompute, loss = transient[s]
         if e.kind == "F":
             live[s] += 1
