@@ -216,13 +216,19 @@ def test_planning_modules_doctests():
 
 # -- advice and the CLI -------------------------------------------------------------------------
 
-def test_advice_validates_and_fits():
-    path = str(ROOT / "train_configs" / "llama3_8b.toml")
-    plans = advise(path, [], 16, top=5)
+def _advised(config: str, world_size: int, top: int) -> list:
+    """The advice for ``config``, checked: some, each valid at ``world_size`` and fitting."""
+    path = str(ROOT / "train_configs" / config)
+    plans = advise(path, [], world_size, top=top)
     assert plans
     for plan in plans:
-        load_config(path, plan.layout["overrides"], world_size=16)  # raises if invalid
+        load_config(path, plan.layout["overrides"], world_size=world_size)  # raises if invalid
         assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
+    return plans
+
+
+def test_advice_validates_and_fits():
+    _advised("llama3_8b.toml", 16, top=5)
 
 
 def test_advice_for_the_671b_names_a_layout_that_fits():
@@ -230,13 +236,7 @@ def test_advice_for_the_671b_names_a_layout_that_fits():
     under PP are the micro-batch count x 1..8 sequences, so its layouts validate; the first is
     the shipped one (before: local batches of 1-8 sequences, none of which 32 micro-batches
     divide, and no advice at all)."""
-    path = str(ROOT / "train_configs" / "deepseek_v3_671b.toml")
-    plans = advise(path, [], 2048, top=2)
-    assert plans
-    for plan in plans:
-        load_config(path, plan.layout["overrides"], world_size=2048)  # raises if invalid
-        assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
-    lo = plans[0].layout
+    lo = _advised("deepseek_v3_671b.toml", 2048, top=2)[0].layout
     assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
             lo["local_batch_size"]) == (1, 16, 1, 64, 128, "full", 32), lo
 
