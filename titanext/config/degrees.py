@@ -205,11 +205,14 @@ def layers_per_stage(n_layers: int, n_stages: int, *, first_stage_less_layers: i
     counts[-1] -= last_stage_less_layers
     if min(counts) < 1:
         ends = ((0, first_stage_less_layers), (n_stages - 1, last_stage_less_layers))
-        counts = _spread([base] * n_stages, extra, ranks,
-                         light=[s for s, less in ends if not less],
-                         first=[s for s, less in ends if less])
-        counts[0] -= first_stage_less_layers
-        counts[-1] -= last_stage_less_layers
+        retry = _spread([base] * n_stages, extra, ranks,
+                        light=[s for s, less in ends if not less],
+                        first=[s for s, less in ends if less])
+        retry[0] -= first_stage_less_layers
+        retry[-1] -= last_stage_less_layers
+        # taken only if each such end still holds its blocks fewer than the fullest stage
+        if min(retry) >= 1 and all(retry[s] <= max(retry) - less for s, less in ends if less):
+            counts = retry
     if min(counts) < 1 or sum(counts) != n_layers:
         raise ValueError(f"n_layers = {n_layers} cannot be split into {n_stages} stages with "
                          f"first_stage_less_layers = {first_stage_less_layers} and "
