@@ -1,7 +1,20 @@
-"""Test helpers that run a body in several gloo processes (see titanext.launch.local), and the
-trainer overrides the parity tests share."""
+"""Test helpers that run a body in several gloo processes, and the trainer overrides the parity
+tests share. ``run_distributed`` hands the body to a worker pool that lives for the whole pytest
+run (tests/pool.py): one process start-up per world size, not per test."""
 
-from titanext.launch.local import free_port, run_distributed
+from typing import Any
+
+from tests import pool
+from titanext.launch.local import free_port
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
+                    timeout_s: float = 60.0) -> list[Any]:
+    """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks (a module-level
+    ``fn``); the per-rank results. ``timeout_s`` is the default group's collective timeout.
+    Same contract as :func:`titanext.launch.local.run_distributed`, on pooled workers: an error
+    on any rank fails the test naming it and its rank."""
+    return pool.run(fn, world_size, args, kwargs, timeout_s)
 
 __all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
            "trainer_runs"]

@@ -1,0 +1,309 @@
+"""Gloo worker pools that live for the whole pytest run: process start-up, ``import torch`` and the
+gloo handshake are paid once per world size, not once per test.
+
+``run(fn, world_size, args, kwargs, timeout_s)`` hands ``fn(rank, world_size, *args, **kwargs)``
+to the ``world_size`` workers of that size's pool and returns the per-rank results, exactly as a
+fresh spawn would (tests reach it through ``tests.spawn.run_distributed``).
+
+Each case starts from the state a fresh process would have: torch's default seed, the
+environment, working directory, default dtype, grad mode, deterministic-algorithms flag and
+signal handlers as the worker had them before its first case, a reset torch.compile cache, and
+the default group's collective timeout set to the case's ``timeout_s``. A case that leaves the
+default process group destroyed retires its pool (the next case gets a new one).
+
+Failures stay with their case:
+
+- an exception on any rank fails the case at once, naming the case (pytest's node id), the body
+  and the rank, with that rank's traceback (and the other ranks' first lines, if they failed
+  within a second). The pool is then killed, so that no rank waits on a dead peer, and the next
+  case starts a new pool;
+- a rank that dies (a signal, ``os._exit``) is named with its exit code;
+- a case that outlives its deadline (``max(300, 4 x timeout_s)`` seconds: subgroups keep torch's
+  30-minute gloo timeout, so the parent is the only clock that always runs) gets every rank's
+  Python stacks dumped (faulthandler) into the error, and the pool is killed.
+
+The pools end with the pytest session (``tests/conftest.py``) or the interpreter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+__all__ = ["run", "shutdown"]
+
+#: At most this many idle workers stay alive (1 + 2 + 4 + 8 fit); the least recently used pool
+#: is closed first when a new one would pass it.
+MAX_WORKERS = 16
+#: Seconds the workers get for ``import torch`` and the gloo handshake.
+START_TIMEOUT_S = 180.0
+#: How long to wait, after the first failed rank, for the others' errors (shown beside it).
+ERROR_GRACE_S = 1.0
+#: The shortest time a case may run before it counts as hung.
+DEADLINE_FLOOR_S = 300.0
+
+
+def case_deadline_s(timeout_s: float) -> float:
+    """How long a case with collective timeout ``timeout_s`` may run before it counts as hung."""
+    return max(DEADLINE_FLOOR_S, 4.0 * timeout_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    dump = open(dump_path, "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
+        raise
+    fresh = _FreshState(torch)
+    conn.send_bytes(pickle.dumps(("ready", None, False)))
+    while True:
+        try:
+            fn, args, kwargs, timeout_s = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the parent is gone
+            break
+        if fn is None:
+            break
+        fresh.restore(torch, timeout_s)
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+            alive = dist.is_initialized()
+            if alive:  # every rank finished its case before any rank reports it
+                dist.barrier()
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            message = ("ok", buf.getvalue(), not alive)
+        except BaseException:
+            message = ("error", traceback.format_exc(), True)
+        conn.send_bytes(pickle.dumps(message))
+        if message[0] == "ok" and message[2]:  # the case ended the group: retire this pool
+            break
+        # After an error, stay connected (the parent kills the pool): leaving now would fail
+        # the peers with "Connection closed by peer" and bury the real error among theirs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: gloo's threads can race C++ static destructors and abort the
+    # process ("terminate called without an active exception").
+    os._exit(0)
+
+
+class _FreshState:
+    """What a case may change and the next case must not see."""
+
+    def __init__(self, torch) -> None:
+        self.seed = torch.initial_seed()
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.dtype = torch.get_default_dtype()
+        self.handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self, torch, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(1)
+        torch.manual_seed(self.seed)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()
+        from titanext._compat import set_pg_timeout
+
+        set_pg_timeout(timeout_s)
+        assert dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.dumps = tempfile.mkdtemp(prefix=f"titanext-pool{world_size}-")
+        self.procs: list = []
+        self.conns: list = []
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, daemon=True, name=f"pool{world_size}-rank{rank}",
+                               args=(rank, world_size, port, child,
+                                     os.path.join(self.dumps, f"{rank}.txt")))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        try:
+            self._collect(f"starting {world_size} gloo workers", START_TIMEOUT_S)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def run(self, fn, args: tuple, kwargs: dict, timeout_s: float, case: str) -> tuple[list, bool]:
+        """Per-rank results, and whether the pool must be retired after this case."""
+        task = pickle.dumps((fn, args, kwargs, timeout_s))
+        for conn in self.conns:
+            conn.send_bytes(task)
+        return self._collect(case, case_deadline_s(timeout_s))
+
+    def _collect(self, case: str, deadline_s: float) -> tuple[list, bool]:
+        results: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        retire = False
+        deadline = time.monotonic() + deadline_s
+        pending = dict(enumerate(self.conns))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sentinels = {self.procs[r].sentinel: r for r in pending}
+            ready = wait([*pending.values(), *sentinels], timeout=left)
+            for obj in ready:
+                rank = sentinels.get(obj)
+                if rank is None:
+                    rank = next(r for r, c in pending.items() if c is obj)
+                if rank not in pending:
+                    continue
+                try:
+                    kind, payload, rank_retires = pickle.loads(pending[rank].recv_bytes())
+                except (EOFError, OSError):
+                    self.procs[rank].join(1.0)
+                    kind, payload, rank_retires = (
+                        "error", f"the process died (exit code {self.procs[rank].exitcode})", True)
+                del pending[rank]
+                retire |= rank_retires
+                if kind == "error":
+                    if not errors:  # give the others a moment to say why, then stop
+                        deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                    errors[rank] = payload
+                else:
+                    results[rank] = payload
+        if errors:
+            report = self._error_report(case, errors)
+            if pending:
+                report += "\n" + self._stacks(sorted(pending), "still running")
+            raise AssertionError(report)
+        if pending:
+            raise AssertionError(f"{case}: still running after {deadline_s:.0f} s.\n"
+                                 + self._stacks(sorted(pending), "still running"))
+        import torch
+
+        return [torch.load(io.BytesIO(results[r]), weights_only=False) if isinstance(
+            results[r], bytes) else results[r] for r in range(self.world_size)], retire
+
+    def _error_report(self, case: str, errors: dict[int, str]) -> str:
+        first = next(iter(errors))  # the first to fail; the others usually fail because of it
+        lines = [f"{case}: rank {first} of {self.world_size} failed:\n{errors[first].rstrip()}"]
+        for rank, tb in sorted(errors.items()):
+            if rank != first:
+                last = tb.strip().splitlines()[-1] if tb.strip() else "?"
+                lines.append(f"(rank {rank} failed too: {last})")
+        return "\n".join(lines)
+
+    def _stacks(self, ranks: list[int], what: str) -> str:
+        """Rank(s) ``ranks``'s Python stacks, dumped by faulthandler on SIGUSR1."""
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        stacks = []
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(self.dumps, f"{rank}.txt")) as f:
+                    stacks.append(f"--- rank {rank}:\n{f.read().strip()}")
+        return f"rank(s) {ranks} of {self.world_size} {what}; their Python stacks:\n" + \
+            "\n".join(stacks)
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                if not kill:
+                    conn.send_bytes(pickle.dumps((None, (), {}, 0.0)))
+        for proc in self.procs:
+            if not kill:
+                proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+        for conn in self.conns:
+            conn.close()
+        for name in os.listdir(self.dumps):
+            os.unlink(os.path.join(self.dumps, name))
+        os.rmdir(self.dumps)
+
+
+_POOLS: dict[int, _Pool] = {}  # world size -> pool, least recently used first
+
+
+def _case_name(fn) -> str:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    body = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    return f"{test} [body {body}]" if test else f"[body {body}]"
+
+
+def run(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
+        timeout_s: float = 60.0) -> list:
+    """``fn(rank, world_size, *args, **kwargs)`` on every worker of the ``world_size`` pool."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is None:
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > MAX_WORKERS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        try:
+            pool = _Pool(world_size)
+        except AssertionError:  # the free port was taken before rank 0 bound it: once more
+            pool = _Pool(world_size)
+    try:
+        results, retire = pool.run(fn, args, kwargs or {}, timeout_s, _case_name(fn))
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    if retire:
+        pool.close()
+    else:
+        _POOLS[world_size] = pool  # most recently used last
+    return results
+
+
+def shutdown() -> None:
+    """Close every pool (the end of the pytest session)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(shutdown)
