@@ -4,6 +4,8 @@ run (tests/pool.py): one process start-up per world size, not per test."""
 
 from typing import Any
 
+import torch
+
 from tests import pool
 from titanext.launch.local import free_port
 
@@ -16,8 +18,29 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
     on any rank fails the test naming it and its rank."""
     return pool.run(fn, world_size, args, kwargs, timeout_s)
 
-__all__ = ["free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
-           "trainer_runs"]
+__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
+           "trainer_runs", "update_relative_error"]
+
+
+#: Adam's epsilon in the layout-vs-one-process tests. Adam divides each gradient element by its
+#: own magnitude (+ eps): with torch's 1e-8, an element whose gradient sits at the rounding level
+#: (~1e-10, summed in another order by another layout) moves by a sizeable part of the learning
+#: rate either way, and a few such elements put a whole tensor 6e-5 off after 4 steps while
+#: every gradient agrees to 5e-7 (test_mtp on one CPU kind, 2026-11). With 1e-5, a gradient
+#: error moves a parameter by at most lr x error / eps: the step no longer amplifies rounding,
+#: and the same comparison agrees to 1e-6, while elements with real gradients still take Adam's
+#: normalised step.
+ADAM_EPS = 1e-5
+
+
+def update_relative_error(got: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
+    """``|got - ref| / |ref - start|``: a parameter after some steps against one process's, as a
+    fraction of the update one process made (the parity check's measure), so that a large
+    initial value cannot hide a wrong update. A tensor that did not move is measured against
+    its own norm."""
+    update = (ref - start).norm()
+    scale = update if update > 0 else ref.norm()
+    return ((got - ref).norm() / scale.clamp_min(1e-30)).item()
 
 
 def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:
@@ -31,6 +54,7 @@ def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = Non
         "--training.mixed_precision_param=float32",
         "--training.mixed_precision_reduce=float32",
         "--optimizer.lr=3e-3",
+        f"--optimizer.eps={ADAM_EPS}",
         "--lr_scheduler.warmup_steps=1",
         "--metrics.enable_tensorboard=false",
         "--metrics.log_freq=100",

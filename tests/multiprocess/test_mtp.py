@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, run_distributed, update_relative_error
 
 STEPS = 3
 BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32), "--training.mtp_loss_weight=0.5"]
@@ -105,6 +105,14 @@ def _export(folder: str) -> dict[str, torch.Tensor]:
             for k, v in load_file(os.path.join(d, f)).items()}
 
 
+def _export_start(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The weights both runs loaded at step 0 (HF names, as the exports have them)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(os.listdir(hf_dir)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(hf_dir, f)).items()}
+
+
 @pytest.mark.slow
 def test_mtp_layouts_follow_one_process(tmp_path):
     from tests.hf_artifacts import make_tiny_deepseek_v3
@@ -151,8 +159,12 @@ def test_mtp_layouts_follow_one_process(tmp_path):
     ref_export = _export(str(tmp_path / "ref" / "0"))
     export = _export(str(tmp_path / "run" / str(names.index("hf_ZBV_pp2_x_fsdp2"))))
     assert sorted(export) == sorted(ref_export) and "model.layers.4.eh_proj.weight" in export
-    for k, t in export.items():
-        err = ((t - ref_export[k]).norm() / max(ref_export[k].norm(), 1e-12)).item()
+    start = _export_start(hf_dir)
+    worst = 0.0
+    for k, t in export.items():  # after 4 Adam steps, relative to one process's update
+        err = update_relative_error(t, ref_export[k], start[k])
+        worst = max(worst, err)
         if err > 3e-5:
-            failures.append(f"export: {k}: relative error {err:.2e}")
+            failures.append(f"export: {k}: relative error {err:.2e} (of the update)")
+    print(f"export: parameters after {STEPS + 1} steps within {worst:.1e} of the update")
     assert not failures, "\n".join(failures)
