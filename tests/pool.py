@@ -8,8 +8,9 @@ fresh spawn would (tests reach it through ``tests.spawn.run_distributed``).
 Each case starts from the state a fresh process would have: torch's default seed, the
 environment, working directory, default dtype, grad mode, deterministic-algorithms flag and
 signal handlers as the worker had them before its first case, a reset torch.compile cache, and
-the default group's collective timeout set to the case's ``timeout_s``. A case that leaves the
-default process group destroyed retires its pool (the next case gets a new one).
+the default group's collective timeout set to the case's ``timeout_s``. A case that destroys or
+replaces the default process group (the dry run's fake group) retires its pool: the next case
+gets a new one.
 
 Failures stay with their case:
 
@@ -86,6 +87,7 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
         raise
+    home = dist.group.WORLD  # a case may replace it (the dry run's fake group): retire then
     fresh = _FreshState(torch)
     conn.send_bytes(pickle.dumps(("ready", None, False)))
     while True:
@@ -98,7 +100,7 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
         fresh.restore(torch, timeout_s)
         try:
             result = fn(rank, world_size, *args, **kwargs)
-            alive = dist.is_initialized()
+            alive = dist.is_initialized() and dist.group.WORLD is home
             if alive:  # every rank finished its case before any rank reports it
                 dist.barrier()
             buf = io.BytesIO()
