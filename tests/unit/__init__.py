@@ -1,2 +1,4 @@
-"""In-process tests: no process group spawned, no launcher subprocess. A file with a few
-multi-process tests sits here when most of its tests are in-process."""
+"""In-process tests: no process group, neither in the pytest process nor spawned. A test that
+needs one (tests.spawn.run_distributed, or a Trainer, which builds a gloo group even on one rank)
+lives in tests/multiprocess/, in a file of the same name where the topic allows; a CLI run
+through ``subprocess`` that exits before any process group starts may stay here."""

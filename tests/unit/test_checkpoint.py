@@ -1,31 +1,30 @@
-"""CheckpointManager: exact round trips, resharding, ZeRO-1, atomic commits, step resolution.
+"""CheckpointManager in one process: atomic commits, step resolution, pruning, pipeline stages.
 
 Training is faked with gradients that are a pointwise function of the parameters
 (``grad = 0.5 * p + 0.1``), so every layout computes the same update and no forward pass is
-needed. References are full tensors (``full_tensor()``) taken right before the save.
+needed. References are full tensors (``full_tensor()``) taken right before the save. The
+round trips across ranks (FSDP, resharding, ZeRO-1, a world of one) are in
+tests/multiprocess/test_checkpoint.py, which shares these helpers.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import titanext.components.checkpoint as ckpt_module
-from tests.spawn import run_distributed
 from titanext.components.checkpoint import CheckpointManager
 from titanext.models import ModelArgs
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, multiple_of=32)
 
 
-# -- a tiny training setup, shared by every test ---------------------------------------------------
+# -- a tiny training setup, shared with tests/multiprocess/test_checkpoint.py ----------------------
 class StubLoader:
     """A data loader position: the same on every rank, whatever the layout."""
 
@@ -39,19 +38,6 @@ class StubLoader:
         self.position = state["position"]
 
 
-class Counter:
-    """An extra state object."""
-
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
 def _lr_lambda(step: int) -> float:
     return 1.0 / (step + 1)
 
@@ -61,31 +47,6 @@ def _tiny_model(seed: int) -> nn.Module:
 
     model = Transformer(TINY)
     model.init_weights(seed=seed)  # layout-invariant: the same values before and after sharding
-    return model
-
-
-def _fsdp(model: nn.Module, dp_mesh) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model
-
-
-def _tp(model: nn.Module, tp_mesh) -> nn.Module:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
     return model
 
 
@@ -145,153 +106,7 @@ def _crash_after(real):
     return crash
 
 
-# -- 1. FSDP round trip ---------------------------------------------------------------------------
-def _fsdp_round_trip(rank, world_size, folder):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    model = _fsdp(_tiny_model(seed=0), mesh)
-    counter = Counter()
-    opt, sched, loader, ckpt = _training(model, folder, interval=2,
-                                         extra_states={"counter": counter})
-    torch.manual_seed(100 + rank)  # per-rank RNG streams: each rank must get its own back
-    saved_at = []
-    for step in (1, 2):
-        _fake_step(model, opt, sched, loader)
-        counter.value += 1
-        if ckpt.maybe_save(step):
-            saved_at.append(step)
-    reference = _snapshot(model, opt)
-    ref_sched, ref_loader = sched.state_dict(), loader.state_dict()
-    ref_random = torch.rand(4)  # what the RNG draws right after the save
-    # Training moves on, and Ctrl-C hits every rank during the next save.
-    _fake_step(model, opt, sched, loader)
-    real_save = ckpt_module.dcp.save
-    ckpt_module.dcp.save = _crash_after(real_save)
-    try:
-        ckpt.maybe_save(3, last=True)  # the final step: saved despite the interval
-    except KeyboardInterrupt:
-        pass
-    finally:
-        ckpt_module.dcp.save = real_save
-    dist.barrier()
-    assert sorted(os.listdir(folder)) == ["step-2", "step-3.tmp"] and ckpt.latest_step() == 2
-
-    # A restarted job: new objects, other weights, no optimizer state.
-    fresh = _fsdp(_tiny_model(seed=1), mesh)
-    fresh_counter = Counter()
-    opt2, sched2, loader2, ckpt2 = _training(fresh, folder, extra_states={"counter": fresh_counter})
-    assert ckpt2.load() == 2
-    assert saved_at == [2]
-    _assert_equal(reference, _snapshot(fresh, opt2))
-    assert sched2.state_dict() == ref_sched
-    assert sched2.get_last_lr() == pytest.approx([1e-2 / 3])
-    assert loader2.state_dict() == ref_loader == {"position": 16}
-    assert fresh_counter.value == 2
-    assert torch.equal(torch.rand(4), ref_random)  # same world size: RNG restored
-    return True
-
-
-def test_fsdp_save_then_load_restores_every_piece_of_state_even_after_a_crashed_save(tmp_path):
-    assert run_distributed(_fsdp_round_trip, 2, args=(str(tmp_path),)) == [True, True]
-
-
-# -- 2. resharding --------------------------------------------------------------------------------
-def _reshard(rank, world_size, folder):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    fsdp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model = _fsdp(_tiny_model(seed=0), fsdp_mesh)
-    opt, sched, loader, ckpt = _training(model, folder)
-    for _ in (1, 2):
-        _fake_step(model, opt, sched, loader)
-    ckpt.save(2)
-    reference = _snapshot(model, opt)
-
-    mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    resharded = _fsdp(_tp(_tiny_model(seed=1), mesh_2d["tp"]), mesh_2d["dp"])
-    wq = resharded.layers["0"].attention.wq.weight
-    assert wq.device_mesh.ndim == 2  # really FSDP 2 x TP 2
-    opt2, sched2, loader2, ckpt2 = _training(resharded, folder)
-    assert ckpt2.load() == 2
-    _assert_equal(reference, _snapshot(resharded, opt2))
-
-    # The restored optimizer state is live: one more step matches the original layout's.
-    _fake_step(model, opt, sched, loader)
-    _fake_step(resharded, opt2, sched2, loader2)
-    for (name, a), (_, b) in zip(model.named_parameters(), resharded.named_parameters()):
-        torch.testing.assert_close(_full(a), _full(b), rtol=1e-6, atol=1e-6, msg=name)
-    return True
-
-
-@pytest.mark.torch_seam
-def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path):
-    assert run_distributed(_reshard, 4, args=(str(tmp_path),)) == [True] * 4
-
-
-# -- 3. ZeRO-1 ------------------------------------------------------------------------------------
-def _zero1_training(folder: str, seed: int):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = _tiny_model(seed)
-    DistributedDataParallel(model)  # broadcasts rank 0's weights, as in training
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
-    loader = StubLoader()
-    ckpt = CheckpointManager(folder=folder, interval=1, keep_latest_k=0, load_step="latest",
-                             last_save=True, enable=True, model_parts=[model], optimizer=opt,
-                             lr_scheduler=sched, dataloader=loader)
-    return model, opt, sched, loader, ckpt
-
-
-def _consolidated(opt) -> dict | None:
-    opt.consolidate_state_dict(to=0)
-    return opt.state_dict() if dist.get_rank() == 0 else None
-
-
-def _zero1_save_then_load(rank, world_size, folder):
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=0)
-    for _ in (1, 2):
-        _fake_step(model, opt, sched, loader)
-    assert opt.optim.state, "each rank holds a partition of the optimizer state"
-    ckpt.save(2)
-    saved = {"optim": _consolidated(opt),
-             "params": {n: _full(p) for n, p in model.named_parameters()}}
-    loaded = _zero1_load(rank, world_size, folder)
-    if rank == 0:
-        _assert_equal(saved["optim"], loaded["optim"])
-    _assert_equal(saved["params"], loaded["params"])
-    assert loaded["step"] == 2 and loaded["position"] == 16 and not loaded["warnings"]
-    return saved
-
-
-def _zero1_load(rank, world_size, folder):
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("titanext").addHandler(handler)
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=1)
-    step = ckpt.load()
-    logging.getLogger("titanext").removeHandler(handler)
-    return {"step": step, "optim": _consolidated(opt), "warnings": records,
-            "params": {n: _full(p) for n, p in model.named_parameters()},
-            "position": loader.position}
-
-
-def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp_path):
-    saved = run_distributed(_zero1_save_then_load, 2, args=(str(tmp_path),))[0]
-    assert os.path.exists(tmp_path / "step-2" / "zero1_optimizer.pt")
-    # One rank now owns the whole state: load_state_dict re-partitions the consolidated file.
-    loaded = run_distributed(_zero1_load, 1, args=(str(tmp_path),))[0]
-    assert loaded["step"] == 2 and loaded["position"] == 16
-    _assert_equal(saved["optim"], loaded["optim"])
-    _assert_equal(saved["params"], loaded["params"])
-    assert any("RNG state is not restored" in m for m in loaded["warnings"])
-
-
-# -- 4. atomicity and step resolution (one process, no process group) -----------------------------
+# -- atomicity and step resolution (one process, no process group) ---------------------------------
 def _single_process(folder, seed=0, **kwargs):
     model = _tiny_model(seed)
     opt, sched, loader, ckpt = _training(model, str(folder), **kwargs)
@@ -422,22 +237,3 @@ def test_pipeline_stage_checkpoint_loads_into_the_whole_model(tmp_path):
     exp_avg = dict(zip([n for s in stages for n, _ in s.named_parameters()],
                        [opt.state[p]["exp_avg"] for p in params]))
     _assert_equal(exp_avg, {n: s["exp_avg"] for n, s in snapshot["optim"].items()})
-
-
-# -- 5. a world-size-1 process group ---------------------------------------------------------------
-def _world_of_one(rank, world_size, folder):
-    model = _tiny_model(seed=0)
-    opt, sched, loader, ckpt = _training(model, folder)
-    _fake_step(model, opt, sched, loader)
-    ckpt.save(1)
-    reference, ref_random = _snapshot(model, opt), torch.rand(2)
-    fresh = _tiny_model(seed=1)
-    opt2, _, loader2, ckpt2 = _training(fresh, folder)
-    assert ckpt2.load() == 1 and loader2.position == 8
-    _assert_equal(reference, _snapshot(fresh, opt2))
-    assert torch.equal(torch.rand(2), ref_random)
-    return True
-
-
-def test_world_size_one_process_group(tmp_path):
-    assert run_distributed(_world_of_one, 1, args=(str(tmp_path),)) == [True]

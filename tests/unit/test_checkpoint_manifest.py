@@ -1,7 +1,8 @@
 """Checkpoint manifest and named errors: another model, a damaged newest step, a missing step.
 
 Every error names what to do next, happens before anything is loaded, and is the same on every
-rank (the two-rank case below would hang if one rank raised and the other waited).
+rank (tests/multiprocess/test_checkpoint_manifest.py checks it on two ranks: it would hang if
+one rank raised and the other waited).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import pytest
 import torch
 
-from tests.spawn import run_distributed
 from titanext.components.checkpoint import CheckpointManager, manifest_info, resume_problems
 from titanext.config import JobConfig
 from titanext.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
@@ -128,30 +128,6 @@ def test_resume_problems_are_found_before_any_process_starts(tmp_path):
     assert "step-10" in line and "'.metadata' is missing" in line
     cfg.checkpoint.load_step = "none"
     assert resume_problems(cfg) == []
-
-
-def _both_ranks_fail_alike(rank, world_size, folder, case):
-    model = Transformer(WIDER if case == "shape" else SMALL)
-    model.init_weights(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = CheckpointManager(folder=folder, interval=1, keep_latest_k=0, load_step="latest",
-                             last_save=True, enable=True, model_parts=[model], optimizer=opt,
-                             lr_scheduler=None, dataloader=None)
-    try:
-        ckpt.load()
-    except (CheckpointCorrupt, CheckpointMismatch) as e:
-        return type(e).__name__
-    return "loaded"
-
-
-def test_every_rank_raises_the_same_error_without_waiting(tmp_path):
-    _save_steps(tmp_path / "shape", steps=(1,))
-    _save_steps(tmp_path / "corrupt", steps=(1,))
-    (tmp_path / "corrupt" / "step-1" / _shard(tmp_path / "corrupt" / "step-1")).write_bytes(b"")
-    for case, expected in (("shape", "CheckpointMismatch"), ("corrupt", "CheckpointCorrupt")):
-        out = run_distributed(_both_ranks_fail_alike, 2, args=(str(tmp_path / case), case),
-                              timeout_s=20)
-        assert out == [expected, expected]
 
 
 def _scheduled(folder, steps: int, lr: float, load_step="latest"):
