@@ -2,7 +2,7 @@
 outputs and gradients of the same layer without them (and of one process), while every rank
 computes at most ceil(mean) rows. One 4-rank spawn: ep = 2 (two groups) and ep = 4, the real
 MoE layer (grouped GEMM and per-expert loop) and an adapter layout (``StackedExperts``).
-The trainer under FSDP / HSDP / TP / CP + AC / PP: tests/unit/test_expert_parallel.py.
+The trainer under FSDP / HSDP / TP / CP + AC / PP: tests/multiprocess/test_expert_parallel.py.
 """
 
 from __future__ import annotations
