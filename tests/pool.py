@@ -103,6 +103,7 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
             alive = dist.is_initialized() and dist.group.WORLD is home
             if alive:  # every rank finished its case before any rank reports it
                 dist.barrier()
+                _drop_case_groups(dist, home)
             buf = io.BytesIO()
             torch.save(result, buf)
             message = ("ok", buf.getvalue(), not alive)
@@ -118,6 +119,55 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
     # No interpreter teardown: gloo's threads can race C++ static destructors and abort the
     # process ("terminate called without an active exception").
     os._exit(0)
+
+
+def _drop_case_groups(dist, home) -> None:
+    """Destroy every process group the case created, and forget the meshes torch caches.
+
+    Each gloo group keeps sockets and threads that wake up now and then: the hundreds that a
+    few dozen cases leave behind kept idle workers busy (load average 500, three quarters of
+    the CPU in the kernel). Every rank is past the case's final barrier, so nothing is in
+    flight on them. torch 2.11 caches sliced and flattened meshes in a module-level registry
+    (dicts keyed by mesh); an equal mesh of a later case must not find the old groups there.
+    """
+    import torch.distributed.device_mesh as device_mesh
+
+    c10d = dist.distributed_c10d
+    for group in [g for g in list(c10d._world.pg_map) if g is not home]:
+        dist.destroy_process_group(group)
+    registry = getattr(device_mesh, "_mesh_resources", None)
+    for value in vars(registry).values() if registry is not None else ():
+        if isinstance(value, (dict, list)):
+            value.clear()
+    _clear_torch_distributed_caches()
+
+
+def _clear_torch_distributed_caches() -> None:
+    """Forget what torch.distributed memoised during the case.
+
+    DTensor's sharding propagation and redistribute planner cache their answers by value
+    (specs whose meshes compare equal by shape and names): a later case's equal mesh would get
+    back the earlier mesh object, whose groups are destroyed ("Could not resolve the process
+    group registered under the name 1"). Clearing a cache only costs recomputation, so every
+    ``functools`` cache in torch.distributed's modules (and their classes) goes, plus the
+    sharding propagator's per-thread and C++ caches where this torch has the helper for them.
+    """
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            holders = [obj, *vars(obj).values()] if isinstance(obj, type) else [obj]
+            for holder in holders:
+                clear = getattr(holder, "cache_clear", None)
+                if callable(clear) and not isinstance(holder, type):
+                    clear()
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    import torch.distributed.tensor.debug as debug
+
+    clear_prop = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_prop is not None:
+        clear_prop()
 
 
 class _FreshState:
@@ -271,6 +321,8 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}  # world size -> pool, least recently used first
+#: Cases handed to any pool so far (tests/unit/conftest.py checks that unit tests hand none).
+cases_run = 0
 
 
 def _case_name(fn) -> str:
@@ -282,6 +334,8 @@ def _case_name(fn) -> str:
 def run(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
         timeout_s: float = 60.0) -> list:
     """``fn(rank, world_size, *args, **kwargs)`` on every worker of the ``world_size`` pool."""
+    global cases_run
+    cases_run += 1
     pool = _POOLS.pop(world_size, None)
     if pool is None:
         while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > MAX_WORKERS:

@@ -115,3 +115,22 @@ def test_a_case_that_ends_the_process_group_retires_its_pool():
     pids = run_distributed(_end_the_group, 2)
     after = run_distributed(_state, 2)
     assert [a[0] for a in after] != pids and after[0][-1] == 1.0
+
+
+def _groups_after_a_mesh(rank: int, world_size: int) -> tuple[int, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh["dp", "tp"]._flatten("dp_tp")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    return before, len(dist.distributed_c10d._world.pg_map)
+
+
+def test_the_groups_a_case_creates_end_with_it():
+    """Each gloo group keeps threads that wake up: left behind by hundreds of cases, they kept
+    idle workers busy. The next case sees only the default group, and meshes work again."""
+    made = run_distributed(_groups_after_a_mesh, 4)
+    assert made[0][1] > 1
+    assert run_distributed(_groups_after_a_mesh, 4) == [(1, made[0][1])] * 4
