@@ -46,9 +46,9 @@ from multiprocessing.connection import wait
 
 __all__ = ["run", "shutdown"]
 
-#: At most this many idle workers stay alive (1 + 2 + 4 + 8 fit); the least recently used pool
+#: At most this many idle workers stay alive (1 + 2 + 3 + 4 + 8 fit); the least recently used pool
 #: is closed first when a new one would pass it.
-MAX_WORKERS = 16
+MAX_WORKERS = 18
 #: Seconds the workers get for ``import torch`` and the gloo handshake.
 START_TIMEOUT_S = 180.0
 #: How long to wait, after the first failed rank, for the others' errors (shown beside it).
