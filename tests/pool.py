@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -140,6 +141,7 @@ def _drop_case_groups(dist, home) -> None:
         if isinstance(value, (dict, list)):
             value.clear()
     _clear_torch_distributed_caches()
+    gc.collect()  # the groups' last references (meshes, DTensors of the case) go now
 
 
 def _clear_torch_distributed_caches() -> None:
