@@ -19,6 +19,8 @@ Failures stay with their case:
   within a second). The pool is then killed, so that no rank waits on a dead peer, and the next
   case starts a new pool;
 - a rank that dies (a signal, ``os._exit``) is named with its exit code;
+- a worker left with more than ``THREAD_LIMIT`` threads (process groups something still holds)
+  retires its pool after the case;
 - a case that outlives its deadline (``max(300, 4 x timeout_s)`` seconds: subgroups keep torch's
   30-minute gloo timeout, so the parent is the only clock that always runs) gets every rank's
   Python stacks dumped (faulthandler) into the error, and the pool is killed.
@@ -50,6 +52,12 @@ __all__ = ["run", "shutdown"]
 #: At most this many idle workers stay alive (1 + 2 + 3 + 4 + 8 fit); the least recently used pool
 #: is closed first when a new one would pass it.
 MAX_WORKERS = 18
+#: A worker with more threads than this after a case retires its pool. Every gloo group runs
+#: three threads; a case's groups are destroyed after it, but where something outside the case
+#: still holds one (seen: 176 groups in one worker of a full run), its threads stay and wake up
+#: now and then, and hundreds of them slow every other process on 2 cores. A fresh worker
+#: has about 30.
+THREAD_LIMIT = 100
 #: Seconds the workers get for ``import torch`` and the gloo handshake.
 START_TIMEOUT_S = 180.0
 #: How long to wait, after the first failed rank, for the others' errors (shown beside it).
@@ -107,11 +115,11 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
                 _drop_case_groups(dist, home)
             buf = io.BytesIO()
             torch.save(result, buf)
-            message = ("ok", buf.getvalue(), not alive)
+            message = ("ok", buf.getvalue(), not alive or _thread_count() > THREAD_LIMIT)
         except BaseException:
             message = ("error", traceback.format_exc(), True)
         conn.send_bytes(pickle.dumps(message))
-        if message[0] == "ok" and message[2]:  # the case ended the group: retire this pool
+        if message[0] == "ok" and message[2]:  # the group is gone or leaked: retire this pool
             break
         # After an error, stay connected (the parent kills the pool): leaving now would fail
         # the peers with "Connection closed by peer" and bury the real error among theirs.
@@ -120,6 +128,14 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
     # No interpreter teardown: gloo's threads can race C++ static destructors and abort the
     # process ("terminate called without an active exception").
     os._exit(0)
+
+
+def _thread_count() -> int:
+    """This process's threads, C++ ones included (0 where /proc is missing)."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return 0
 
 
 def _drop_case_groups(dist, home) -> None:
