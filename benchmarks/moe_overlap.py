@@ -7,14 +7,14 @@ Four gloo ranks (pp = 2 x dp_shard = 2, ep = 2 borrowed from dp_shard) train a 4
 model through the real Trainer, two Trainers per rank: ``expert_parallel_comm_overlap`` off
 (A) and on (B), built once and stepped in turn A B A B (after one warm-up step each). Per
 variant it reports the median step time and the median time each rank waited on all-to-alls
-per step (``titanext._overlap.comm_waits``: time no chunk could compute because every side
+per step (``titanext._baton_threads.comm_waits``: time no chunk could compute because every side
 waited for its collective), their ratios B / A, and the loss of both (equal: bitwise).
 
-``--bandwidth-mb X`` emulates a slower link (:func:`titanext._overlap.emulated_link`): every EP
-all-to-all completes at the earliest ``input bytes / (X MB/s)`` after its issue, the same delay
-in both variants (0 = the plain gloo run). On the 2-core CPU machine the four ranks share two
-cores and gloo's all-to-all itself needs them, so the plain run has little to hide; the
-emulated link is where the overlap shows.
+``--bandwidth-mb X`` emulates a slower link (:func:`titanext._baton_threads.emulated_link`):
+every EP all-to-all completes at the earliest ``input bytes / (X MB/s)`` after its issue, the
+same delay in both variants (0 = the plain gloo run). On the 2-core CPU machine the four
+ranks share two cores and gloo's all-to-all itself needs them, so the plain run has little to
+hide; the emulated link is where the overlap shows.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _overrides(a, overlap: bool, folder: str) -> list[str]:
 
 
 def _worker(rank: int, world: int, a, folder: str) -> dict:
-    from titanext import _overlap
+    from titanext import _baton_threads
     from titanext.config import load_config
     from titanext.models import MODEL_FLAVORS
     from titanext.models.moe import MoEArgs
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, a, folder: str) -> dict:
                 for on in (False, True)]
     out: dict = {}
     for bw in a.bandwidth_mb:
-        link = _overlap.emulated_link(bw * 1e6) if bw else contextlib.nullcontext()
+        link = _baton_threads.emulated_link(bw * 1e6) if bw else contextlib.nullcontext()
         times: dict = {0: [], 1: []}
         waits: dict = {0: [], 1: []}
         losses: dict = {0: [], 1: []}
@@ -72,11 +72,11 @@ def _worker(rank: int, world: int, a, folder: str) -> dict:
             for step in range(a.steps + 1):
                 for v, t in enumerate(trainers):  # A B A B
                     dist.barrier()
-                    _overlap.comm_waits(reset=True)
+                    _baton_threads.comm_waits(reset=True)
                     start = time.perf_counter()
                     loss, _ = t.train_step(t.next_microbatches())
                     elapsed = time.perf_counter() - start
-                    wait = _overlap.comm_waits().exposed
+                    wait = _baton_threads.comm_waits().exposed
                     if step:  # the first step of each is a warm-up
                         times[v].append(elapsed)
                         waits[v].append(wait)

@@ -37,7 +37,6 @@ from torch import nn
 from titanext.components.metrics import format_table
 from titanext.launch.local import run_distributed
 from titanext.schedules import (
-    _SIMULATED,
     build_schedule,
     get_schedule_class,
     num_stages_for,
@@ -47,6 +46,7 @@ from titanext.schedules import (
     simulate,
     stage_ids_for_rank,
 )
+from titanext.schedules.registry import _SIMULATED
 from titanext.schedules.simulator import replay
 
 PROFILES = {"F=I=W": dict(f=1.0, b=1.0, w=1.0, comm=0.0),

@@ -1,5 +1,5 @@
 """titanext's tests, grouped by kind: unit/ (in-process), multiprocess/ (gloo process groups),
-e2e/ (the real launcher: python -m titanext.train / titanext.run, torchrun, exit codes) and
+e2e/ (the real launcher: python -m titanext.train / titanext-run, torchrun, exit codes) and
 docs/ (README, docs pages, imports). spawn.py and hf_artifacts.py are the shared helpers."""
 
 from pathlib import Path

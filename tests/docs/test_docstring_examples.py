@@ -38,7 +38,7 @@ def _modules() -> list[str]:
 
 def _examples(module) -> list[doctest.DocTest]:
     finder = doctest.DocTestFinder(exclude_empty=True)
-    # only the module's own objects (a shim's re-exports are tested where they live)
+    # only the module's own objects (a package's re-exports are tested where they live)
     return [t for t in finder.find(module) if t.examples and _own(t, module)]
 
 

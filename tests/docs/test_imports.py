@@ -1,4 +1,5 @@
-"""The import graph of titanext: no cycle of any kind, layers that hold, shims that only re-export.
+"""The import graph of titanext: no cycle of any kind, layers that hold; a top level without shims,
+and commands that resolve.
 
 The graph holds every import of a titanext module, wherever it is written: module level, class
 bodies, ``try``/``if`` blocks and inside functions (an import deferred into a function still
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -24,28 +26,18 @@ from tests import REPO_ROOT
 ROOT = REPO_ROOT
 PACKAGE = ROOT / "titanext"
 
-#: Old import paths that stay as re-export shims -> the module that holds the code now.
-SHIMS = {
-    "titanext.checkpoint": "titanext.components.checkpoint",
-    "titanext.checkpoint_manifest": "titanext.components.checkpoint_manifest",
-    "titanext.optim": "titanext.components.optim",
-    "titanext.metrics": "titanext.components.metrics",
-    "titanext.tokenizer": "titanext.components.tokenizer",
-    "titanext.validate": "titanext.components.validation",
-    "titanext.parallel_dims": "titanext.distributed.parallel_dims",
-    "titanext.parallelize": "titanext.distributed.parallelize",
-    "titanext.pipeline": "titanext.distributed.pipeline",
-    "titanext.hf_checkpoint": "titanext.hf.checkpoint",
-    "titanext.convert": "titanext.hf.convert",
-    "titanext.adapters.hf_transformers": "titanext.hf.transformers",
-    "titanext.run": "titanext.launch.run",
-    "titanext.preflight": "titanext.launch.preflight",
-    "titanext.faults": "titanext.launch.faults",
-    "titanext.dry_run": "titanext.launch.dry_run",
-    "titanext.local_launch": "titanext.launch.local",
-    "titanext.plan": "titanext.planning.cli",
-    "titanext.config_docs": "titanext.config.docs",
-    "titanext.support_matrix": "titanext.config.support_matrix",
+#: The most entries titanext/ may hold at its top level (``__pycache__`` aside): the packages,
+#: the two training entry modules (train, trainer), errors and the private leaves. The old flat
+#: import paths are gone (CHANGELOG.md names each one's home); nothing is re-exported there.
+MAX_TOP_LEVEL = 22
+
+#: The console scripts of pyproject.toml's [project.scripts] -> the ``python -m`` form of each.
+COMMANDS = {
+    "titanext-run": "titanext.launch",
+    "titanext-plan": "titanext.planning",
+    "titanext-convert": "titanext.hf",
+    "titanext-support-matrix": "titanext.config.support_matrix",
+    "titanext-config-docs": "titanext.config.docs",
 }
 
 #: Package -> packages it must never import (the layering slips the restructure removed).
@@ -217,42 +209,42 @@ def test_layers_hold(package):
     assert not slips, f"{package} must not import {FORBIDDEN[package]}: {slips}"
 
 
-def _shim_tree(old: str) -> ast.Module:
-    path = ROOT / (old.replace(".", "/") + ".py")
-    return ast.parse(path.read_text(), filename=str(path))
+def test_top_level_holds_no_shims():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= MAX_TOP_LEVEL, (
+        f"titanext/ holds {len(entries)} entries (at most {MAX_TOP_LEVEL}): {entries}; a new "
+        "module belongs in a package")
 
 
-@pytest.mark.parametrize("old", sorted(SHIMS))
-def test_each_old_path_is_a_shim_that_only_reexports(old):
-    tree = _shim_tree(old)
-    sources: dict[str, str] = {}  # name -> module it comes from
-    for i, node in enumerate(tree.body):
-        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # the docstring
-        if isinstance(node, ast.ImportFrom):
-            sources.update({a.asname or a.name: node.module for a in node.names})
-        elif isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]:
-            continue
-        elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
-            continue  # `python -m <old path>` runs the new module's main
+def _scripts() -> dict[str, str]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_each_console_script_resolves_and_has_a_python_m_form():
+    scripts = _scripts()
+    assert sorted(scripts) == sorted(COMMANDS)
+    for script, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), script
+        form = COMMANDS[script]  # python -m <form>: a package's __main__ or the module itself
+        spec = importlib.util.find_spec(form)
+        assert spec is not None, f"python -m {form} ({script}) finds nothing"
+        if spec.submodule_search_locations:
+            main = Path(spec.submodule_search_locations[0]) / "__main__.py"
+            assert main.exists(), f"python -m {form} ({script}) needs {main}"
+            imports = {f"{n.module}:{a.name}" for n in ast.parse(main.read_text()).body
+                       if isinstance(n, ast.ImportFrom) for a in n.names}
+            assert target in imports, f"{main} does not run {target}"
         else:
-            raise AssertionError(f"{old} does more than re-export: {ast.unparse(node)[:80]}")
-    assert SHIMS[old] in sources.values(), f"{old} does not re-export {SHIMS[old]}"
-    shim = importlib.import_module(old)
-    assert sorted(shim.__all__) == sorted(sources)
-    for name, source in sources.items():  # the very same objects, not copies
-        assert getattr(shim, name) is getattr(importlib.import_module(source), name), name
+            assert form == module, f"python -m {form} is not {script}'s module {module}"
 
 
-def test_old_documented_names_still_import():
-    # a few names users wrote before the move, each from its old path
-    from titanext.adapters.hf_transformers import hf_blocks  # noqa: F401
-    from titanext.optim import clip_grad_norm_  # noqa: F401
-    from titanext.parallel_dims import ParallelDims, init_distributed  # noqa: F401
-    from titanext.parallelize import parallelize  # noqa: F401
-    from titanext.pipeline import PipelineRunner, layers_per_stage  # noqa: F401
-    from titanext.plan import plan_config  # noqa: F401
-    from titanext.tokenizer import HFTokenizer, build_tokenizer  # noqa: F401
+def test_the_training_entry_keeps_its_trainer_name():
+    # `from titanext.train import Trainer` (a module __getattr__) is the trainer itself
     from titanext.train import Trainer
     from titanext.trainer import Trainer as NewTrainer
 
@@ -280,7 +272,7 @@ def test_config_import_load_and_help_stay_off_torch():
 
 
 def test_the_planner_loads_no_training_runtime():
-    # python -m titanext.plan reads the schedules' action lists, never the pipeline runtime,
+    # titanext-plan reads the schedules' action lists, never the pipeline runtime,
     # the trainer or the distributed recipe.
     code = textwrap.dedent("""
         import sys

@@ -1,8 +1,8 @@
 """The README stays a short guide that matches the tree, and the docs pages stay true.
 
 - README.md has at most 450 lines, and its test command is the one CI runs.
-- Its Layout block (with the shims' block in docs/INTERFACES.md) names only paths that exist,
-  and every module and package of titanext/ at every depth.
+- Its Layout block names only paths that exist, and every module and package of titanext/ at
+  every depth.
 - Every relative link in README.md and docs/*.md points to an existing file (and heading).
 - docs/configuration.md holds the reference generated from ``--help``, so every config key is
   documented; the own-model page shows the shipped example script.
@@ -56,9 +56,8 @@ def _blocks(page, heading: str) -> list[str]:
 
 
 def _layout_paths() -> list[str]:
-    """README's Layout, plus the old flat paths (shims) that docs/INTERFACES.md lists."""
-    blocks = _blocks(README, "Layout") + _blocks(ROOT / "docs" / "INTERFACES.md",
-                                                 "Old import paths (shims)")
+    """The paths README's Layout lists."""
+    blocks = _blocks(README, "Layout")
     return [line.split()[0] for block in blocks for line in block.splitlines()
             if line.startswith("titanext/")]
 

@@ -1,2 +1,2 @@
-"""Tests through the real launcher: python -m titanext.train / titanext.run, torchrun, examples,
+"""Tests through the real launcher: python -m titanext.train / titanext-run, torchrun, examples,
 exit codes."""

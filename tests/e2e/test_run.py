@@ -1,7 +1,8 @@
-"""``python -m titanext.run``: validate for torchrun's world size, exit 2 before any worker starts.
+"""``titanext-run``: validate for torchrun's world size, exit 2 before any worker starts.
 
 Most cases call ``main`` in this process with the hand-over to torchrun replaced, so a bad config
-is proven to stop before torchrun runs at all; one case runs the real command end to end.
+is proven to stop before torchrun runs at all; one case runs the real command end to end (as
+``python -m titanext.launch``, the same entry as the console script).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _env():
 def test_the_real_command_validates_then_trains(tmp_path):
     def run(*extra):
         return subprocess.run(
-            [sys.executable, "-m", "titanext.run", "--standalone", "--nproc_per_node", "2",
+            [sys.executable, "-m", "titanext.launch", "--standalone", "--nproc_per_node", "2",
              "--config", DEBUG, f"--job.dump_folder={tmp_path}", "--training.steps=2",
              "--training.seq_len=32", "--metrics.enable_tensorboard=false", *extra],
             capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())

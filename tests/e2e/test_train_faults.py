@@ -161,7 +161,7 @@ def test_pipeline_banner_counts_the_whole_model_and_this_ranks_share(tmp_path):
 
 
 def _torchrun(args, dump, restarts=0, **extra):
-    cmd = [sys.executable, "-m", "titanext.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "titanext.launch", "--standalone", "--nproc_per_node", "2",
            f"--max-restarts={restarts}", *SMALL, "--training.steps=8",
            "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval=5",
            f"--job.dump_folder={dump}", *args]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from titanext import _overlap
+from titanext import _baton_threads
 from titanext.config import ConfigError, load_config
 from titanext.schedules import simulate
 from titanext.schedules.overlap import combined_order, overlap_problems
@@ -30,7 +30,7 @@ def _side(log: list, name: str, steps: int):
     def run() -> None:
         for k in range(steps):
             log.append(f"{name}{k}")
-            _overlap.comm_point(lambda async_op, k=k: _Work(log, f"{name}{k}") if async_op
+            _baton_threads.comm_point(lambda async_op, k=k: _Work(log, f"{name}{k}") if async_op
                                 else None)
         log.append(f"{name} end")
     return run
@@ -38,33 +38,33 @@ def _side(log: list, name: str, steps: int):
 
 def test_sides_alternate_at_every_collective_forward_first():
     log: list = []
-    _overlap.run_interleaved(_side(log, "F", 2), _side(log, "B", 3))
+    _baton_threads.run_interleaved(_side(log, "F", 2), _side(log, "B", 3))
     computed = [x for x in log if "waited" not in x]
     assert computed == ["F0", "B0", "F1", "B1", "F end", "B2", "B end"]
-    assert not _overlap.active()
+    assert not _baton_threads.active()
 
 
 def test_outside_a_pair_collectives_run_synchronously_and_count_as_waited():
     calls = []
-    before = _overlap.comm_waits(reset=True)
-    _overlap.comm_point(lambda async_op: calls.append(async_op))
-    assert calls == [False] and _overlap.comm_waits().calls == 1 and before is not None
+    before = _baton_threads.comm_waits(reset=True)
+    _baton_threads.comm_point(lambda async_op: calls.append(async_op))
+    assert calls == [False] and _baton_threads.comm_waits().calls == 1 and before is not None
 
 
 def test_process_wide_state_is_kept_per_side():
     state = {"v": "base"}
-    _overlap.register_side_state(lambda: state["v"], lambda v: state.__setitem__("v", v))
+    _baton_threads.register_side_state(lambda: state["v"], lambda v: state.__setitem__("v", v))
     seen = []
     try:
         def side(name: str):
             def run() -> None:
                 state["v"] = name
-                _overlap.comm_point(lambda async_op: _Work([], name))
+                _baton_threads.comm_point(lambda async_op: _Work([], name))
                 seen.append((name, state["v"]))
             return run
-        _overlap.run_interleaved(side("F"), side("B"))
+        _baton_threads.run_interleaved(side("F"), side("B"))
     finally:
-        _overlap._STATES.pop()
+        _baton_threads._STATES.pop()
     assert sorted(seen) == [("B", "B"), ("F", "F")] and state["v"] == "base"
 
 
@@ -75,8 +75,8 @@ def test_an_error_on_either_side_is_raised_after_both_ended():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        _overlap.run_interleaved(_side(log, "F", 1), bad)
-    assert "F end" in log and not _overlap.active()
+        _baton_threads.run_interleaved(_side(log, "F", 1), bad)
+    assert "F end" in log and not _baton_threads.active()
 
 
 @pytest.mark.parametrize("name,spr", [("1F1B", 1), ("Interleaved1F1B", 2)])

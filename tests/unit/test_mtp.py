@@ -95,7 +95,7 @@ def test_mtp_under_tensor_parallelism_is_a_config_error():
 
 def test_the_cli_exits_2_with_one_line():
     proc = subprocess.run(
-        [sys.executable, "-m", "titanext.run", "--nproc_per_node", "2", "--config",
+        [sys.executable, "-m", "titanext.launch", "--nproc_per_node", "2", "--config",
          "train_configs/debug_moe.toml",
          "--model.num_mtp_layers=1", "--parallelism.tensor_parallel_degree=2"],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)

@@ -255,7 +255,7 @@ def test_70b_on_64_h100_prefers_tp_inside_a_node():
 
 
 def test_cli_prints_tables_and_json_fast(tmp_path):
-    args = [sys.executable, "-m", "titanext.plan", "--config",
+    args = [sys.executable, "-m", "titanext.planning", "--config",
             str(ROOT / "train_configs" / "llama3_70b.toml"), "--world-size", "64"]
     # CPU seconds of the child, not wall time: the 10 s budget is for an unloaded machine, and
     # a CI runner shared with other jobs must not turn it into a flaky timing test
@@ -275,12 +275,12 @@ def test_cli_prints_tables_and_json_fast(tmp_path):
 
 
 def test_cli_config_errors_exit_2_one_line_each():
-    out = subprocess.run([sys.executable, "-m", "titanext.plan", "--world-size", "6",
+    out = subprocess.run([sys.executable, "-m", "titanext.planning", "--world-size", "6",
                           "--parallelism.tensor_parallel_degree=4"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert lines and all(line.startswith("titanext.plan: error: ") for line in lines)
+    assert lines and all(line.startswith("titanext-plan: error: ") for line in lines)
     assert "Traceback" not in out.stderr
 
 

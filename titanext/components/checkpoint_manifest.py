@@ -1,7 +1,7 @@
 """The checkpoint manifest and the checks made before anything is loaded.
 
 Local, not collective: :func:`resume_problems` runs before any process starts
-(``python -m titanext.run`` and ``titanext.train`` exit 2 on its lines), and
+(``titanext-run`` and ``titanext.train`` exit 2 on its lines), and
 :class:`~titanext.components.checkpoint.CheckpointManager`
 resolves the step to load on each rank with the same functions, then raises the error class
 named here on every rank alike. ``manifest.json`` (rank 0, written last) holds the resolved

@@ -4,9 +4,9 @@
 milliseconds per step, averaged over the window's traced steps (torch's ``ProfilerStep#N``
 ranges):
 
-- the step's phases: titanext's own ranges (:mod:`titanext._ranges`: data, forward, backward,
-  pipeline, loss, optimizer, log); they do not nest, so they add up to the step, and what is
-  left is ``unaccounted``;
+- the step's phases: titanext's own ranges (:mod:`titanext._profiler_ranges`: data, forward,
+  backward, pipeline, loss, optimizer, log); they do not nest, so they add up to the step, and
+  what is left is ``unaccounted``;
 - inside the pipeline: each stage's F, I (input gradient), W (weight gradient) and full-B
   chunks, and the idle time between them (the bubble, as measured);
 - communication, by kind: each collective the backend ran (gloo's ``gloo:*`` events, NCCL's
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from titanext._ranges import CP, EP_ALL_TO_ALL, LOSS, OPTIMIZER, PHASES, PIPELINE, PREFIX
+from titanext._profiler_ranges import CP, EP_ALL_TO_ALL, LOSS, OPTIMIZER, PHASES, PIPELINE, PREFIX
 
 __all__ = ["TraceRanges", "breakdown_rows", "read_ranges", "simulated_idle", "step_breakdown",
            "step_number"]

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any
 
-from titanext._ranges import PREFIX
+from titanext._profiler_ranges import PREFIX
 from titanext.components.step_table import TraceRanges, read_ranges, step_number
 from titanext.schedules.simulator import KIND_COLOURS, KIND_NAMES
 

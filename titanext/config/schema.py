@@ -370,7 +370,7 @@ class Checkpoint:
     """Also save after the final step, whatever the interval."""
     initial_load_path: str | None = _field(None)
     """Weights to start from while the checkpoint folder holds no checkpoint: a titanext DCP
-    checkpoint (a step-N folder, or `python -m titanext.convert hf-to-dcp` output), or with
+    checkpoint (a step-N folder, or `titanext-convert hf-to-dcp` output), or with
     initial_load_in_hf an HF safetensors directory. Only the model is read."""
     initial_load_in_hf: bool = _field(False)
     """initial_load_path is a Hugging Face directory (*.safetensors); each rank reads only its

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from titanext._ranges import phase, pp_chunk
+from titanext._profiler_ranges import phase, pp_chunk
 from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
@@ -188,9 +188,9 @@ def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
 
 
 def label_chunks(stages: Sequence) -> None:
-    """Open a profiler range (:func:`titanext._ranges.pp_chunk`) around each stage's F, I, W
-    and full-B chunk (torch's PipelineStage methods; a null context without a profiler): the
-    step table's per-stage costs and pipeline busy time come from them."""
+    """Open a profiler range (:func:`titanext._profiler_ranges.pp_chunk`) around each stage's
+    F, I, W and full-B chunk (torch's PipelineStage methods; a null context without a profiler):
+    the step table's per-stage costs and pipeline busy time come from them."""
     for st in stages:
         for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(st, meth, _labelled(getattr(st, meth), meth, st.stage_index))

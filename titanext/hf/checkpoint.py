@@ -476,7 +476,7 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
                          in_hf: bool) -> None:
     """Start from ``path`` (``[checkpoint] initial_load_path``): an HF directory with
     ``in_hf`` (:func:`load_hf_weights`), else the model of a titanext DCP checkpoint (a
-    training ``step-N`` folder or ``python -m titanext.convert hf-to-dcp`` output; optimizer
+    training ``step-N`` folder or ``titanext-convert hf-to-dcp`` output; optimizer
     and trainer state are not read). Collective; any layout."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict

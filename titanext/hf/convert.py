@@ -1,4 +1,4 @@
-"""Offline checkpoint conversion: ``python -m titanext.convert hf-to-dcp | dcp-to-hf SRC DST``.
+"""Offline checkpoint conversion: ``titanext-convert hf-to-dcp | dcp-to-hf SRC DST``.
 
 - ``hf-to-dcp SRC DST``: an HF model directory (config.json + safetensors) to a titanext DCP
   checkpoint of the ``hf`` flavor, ``{"model": ...}`` keyed by titanext FQNs, in the source
@@ -11,10 +11,11 @@
   directory's config.json), or SRC/config.json, in that order. Tensors are converted a few
   at a time (``--max-shard-gb``), so memory stays near one shard.
 
-A round trip HF -> DCP -> HF is bitwise (same names, dtypes and values).
+A round trip HF -> DCP -> HF is bitwise (same names, dtypes and values). The console script
+``titanext-convert`` is also ``python -m titanext.hf``.
 
-    python -m titanext.convert hf-to-dcp ./tiny_hf ./tiny_dcp
-    python -m titanext.convert dcp-to-hf ./tiny_dcp ./tiny_hf_again
+    titanext-convert hf-to-dcp ./tiny_hf ./tiny_dcp
+    titanext-convert dcp-to-hf ./tiny_dcp ./tiny_hf_again
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _model_shapes(args: ModelArgs) -> list[tuple[str, list[int]]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; exit code 2 on bad input (message names the file)."""
-    parser = argparse.ArgumentParser(prog="python -m titanext.convert", description=__doc__,
+    parser = argparse.ArgumentParser(prog="titanext-convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("hf-to-dcp", help="HF safetensors directory -> titanext DCP checkpoint")
@@ -231,9 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           max_shard_gb=ns.max_shard_gb)
     except ConfigError as e:
         for problem in e.problems:
-            print(f"titanext.convert: error: {problem}", file=sys.stderr)
+            print(f"titanext-convert: error: {problem}", file=sys.stderr)
         return 2
-    print(f"titanext.convert: wrote {n} tensors to {ns.dst}", file=sys.stderr)
+    print(f"titanext-convert: wrote {n} tensors to {ns.dst}", file=sys.stderr)
     return 0
 
 

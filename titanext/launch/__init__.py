@@ -1,7 +1,7 @@
 """Starting, checking and ending runs.
 
-- :mod:`~titanext.launch.run`: ``python -m titanext.run``, which validates the config for
-  torchrun's world size (exit 2) before torchrun spawns anything.
+- :mod:`~titanext.launch.run`: ``titanext-run`` (also ``python -m titanext.launch``), which
+  validates the config for torchrun's world size (exit 2) before torchrun spawns anything.
 - :mod:`~titanext.launch.preflight`: output folders and the checkpoint, checked before the
   process group exists.
 - :mod:`~titanext.launch.faults`: fail fast, once, on every rank.

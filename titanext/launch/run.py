@@ -1,13 +1,14 @@
-"""``python -m titanext.run [torchrun options] --config FILE [overrides]``: validate, then torchrun.
+"""``titanext-run [torchrun options] --config FILE [overrides]``: validate, then torchrun.
 
-The launcher (also installed as the console script ``titanext-run``) loads the config for the
-world size torchrun will create, ``nnodes x nproc_per_node``, and checks everything that can be
-checked before a process starts: every config rule (the world-size rules included), the output
-folders (they must be creatable and writable) and the checkpoint to resume from. On a problem it
-prints titanext's lines only and exits 2, before any worker exists. Otherwise it hands the same
-options to torch's own torchrun entry (``torch.distributed.run``) with ``-m titanext.train``::
+The launcher (the console script ``titanext-run``, also ``python -m titanext.launch``) loads
+the config for the world size torchrun will create, ``nnodes x nproc_per_node``, and checks
+everything that can be checked before a process starts: every config rule (the world-size rules
+included), the output folders (they must be creatable and writable) and the checkpoint to resume
+from. On a problem it prints titanext's lines only and exits 2, before any worker exists.
+Otherwise it hands the same options to torch's own torchrun entry (``torch.distributed.run``)
+with ``-m titanext.train``::
 
-    python -m titanext.run --standalone --nproc_per_node 4 \\
+    titanext-run --standalone --nproc_per_node 4 \\
         --config train_configs/debug_model.toml --training.steps=20
 
 runs exactly ``torchrun --standalone --nproc_per_node 4 -m titanext.train --config ...``.
@@ -26,8 +27,8 @@ from titanext.errors import ConfigError
 
 __all__ = ["main", "split_argv", "world_size_of"]
 
-USAGE = ("usage: python -m titanext.run [torchrun options] --config FILE [--section.key=value ...]"
-         "\n       (titanext-run is the same command)")
+USAGE = ("usage: titanext-run [torchrun options] --config FILE [--section.key=value ...]"
+         "\n       (python -m titanext.launch is the same command)")
 
 
 def _starts_titanext_args(arg: str) -> bool:
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    parser.prog = "python -m titanext.run"
+    parser.prog = "titanext-run"
     # torchrun's own parser reads its options (so every spelling torchrun accepts works here);
     # the script is always titanext.train, with titanext's arguments behind it.
     args = parser.parse_args([*torchrun_args, "-m", "titanext.train", *train_args])

@@ -1,4 +1,5 @@
-"""The planner (``python -m titanext.plan``; the command line is :mod:`titanext.planning.cli`).
+"""The planner (``titanext-plan``, also ``python -m titanext.planning``; the command line is
+:mod:`titanext.planning.cli`).
 
 One estimate (:func:`~titanext.planning.estimate.plan_config`) is assembled from named pieces:
 

@@ -1,4 +1,4 @@
-"""``python -m titanext.planning`` is ``python -m titanext.plan``."""
+"""``python -m titanext.planning``: the ``titanext-plan`` command (:mod:`titanext.planning.cli`)."""
 
 import sys
 

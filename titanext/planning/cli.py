@@ -1,6 +1,6 @@
 """Planner: per-rank memory, communication, bubble and throughput of a layout, and advice.
 
-    python -m titanext.plan --config train_configs/llama3_70b.toml --world-size 64 \\
+    titanext-plan --config train_configs/llama3_70b.toml --world-size 64 \\
         [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] \\
         [--imbalance 1.0] \\
         [--section.key=value ...]
@@ -9,7 +9,8 @@ It answers "which degrees should I use?" in seconds, without a process group, fo
 Ultra-Scale Playbook's procedure: keep what fits in memory, reach the target batch, then rank
 by estimated throughput (TP inside a node is cheap, across nodes expensive).
 
-This module is the command line; the estimates live in :mod:`titanext.planning`:
+This module is the command line (the console script ``titanext-plan``, also
+``python -m titanext.planning``); the estimates live in :mod:`titanext.planning`:
 :mod:`~titanext.planning.layout` (the resolved layout), :mod:`~titanext.planning.memory`
 (model state and activations, with the formulas), :mod:`~titanext.planning.comm`,
 :mod:`~titanext.planning.stages` (bubble), :mod:`~titanext.planning.roofline` (compute),
@@ -45,7 +46,7 @@ __all__ = ["DEVICES", "Device", "ModelShape", "Plan", "activation_bytes_per_toke
 def main(argv: Sequence[str] | None = None) -> int:
     from titanext.components.metrics import format_table
 
-    ap = argparse.ArgumentParser(prog="python -m titanext.plan",
+    ap = argparse.ArgumentParser(prog="titanext-plan",
                                  description=__doc__.splitlines()[0], add_help=True)
     ap.add_argument("--world-size", type=int, required=True, help="number of GPUs")
     ap.add_argument("--gpus-per-node", type=int, default=8)
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(path, overrides, world_size=known.world_size)
     except ConfigError as e:
         for problem in e.problems:
-            print(f"titanext.plan: error: {problem}", file=sys.stderr)
+            print(f"titanext-plan: error: {problem}", file=sys.stderr)
         return 2
     current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
                           efficiency=known.efficiency, imbalance=known.imbalance,

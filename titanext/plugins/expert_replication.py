@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from titanext._fake_backend import is_fake
-from titanext._ranges import EP_ALL_TO_ALL, phase
+from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, AllToAll
 from titanext.plugins.options import REPLICATION_SLACK
 

@@ -10,8 +10,9 @@ import argparse
 import sys
 
 from titanext.components.metrics import format_table
-from titanext.schedules import _SIMULATED, schedule_problems, simulate
+from titanext.schedules import schedule_problems, simulate
 from titanext.schedules.memory_cap import CAPPABLE
+from titanext.schedules.registry import _SIMULATED
 
 
 def comparison_rows(pp: int, microbatches: int, cap: int = 0, **costs: float) -> list[dict]:

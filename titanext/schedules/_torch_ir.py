@@ -15,8 +15,9 @@ Two runtime subclasses live here:
   chunk's send before it computes the backward chunk, so the activation travels while the
   backward runs (and the backward's gradient receive, posted earlier, lands while the forward
   runs). With ``comm_overlap`` set (``[parallelism] expert_parallel_comm_overlap``), the two
-  chunks run interleaved at their collectives instead (:func:`titanext._overlap.run_interleaved`):
-  each chunk's expert-parallel all-to-alls travel while the other chunk computes.
+  chunks run interleaved at their collectives instead
+  (:func:`titanext._baton_threads.run_interleaved`): each chunk's expert-parallel all-to-alls
+  travel while the other chunk computes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _s
 
-from titanext._overlap import run_interleaved
+from titanext._baton_threads import run_interleaved
 
 Action = _s._Action
 Kind = _s._ComputationType

@@ -1,7 +1,7 @@
 """Expert-parallel all-to-all overlap: which schedules pair a forward with a backward chunk.
 
 With ``[parallelism] expert_parallel_comm_overlap = true`` a rank runs the two chunks of every
-overlapped pair interleaved (:mod:`titanext._overlap`): each side's dispatch and combine
+overlapped pair interleaved (:mod:`titanext._baton_threads`): each side's dispatch and combine
 all-to-alls travel while the other side computes.
 
 - **DualPipe, DualPipeV**: their steady state is made of such pairs already (OVERLAP_F_B

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext._compat import reduce_scatter_single
-from titanext._ranges import CP, phase
+from titanext._profiler_ranges import CP, phase
 from titanext.plugins._counting import Counters
 
 Group = dist.ProcessGroup | DeviceMesh

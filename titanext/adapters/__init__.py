@@ -1,1 +1,0 @@
-"""Old home of the ``transformers`` adapters, now :mod:`titanext.hf.transformers`."""

@@ -1,0 +1,148 @@
+"""What a schedule runs and how it would run: its per-rank action lists (:func:`schedule_order`),
+torch's check of them (:func:`validate_order`), their replay in the simulator (:func:`simulate`)
+and the problems of running a schedule with given settings (:func:`schedule_problems`).
+"""
+
+from __future__ import annotations
+
+from titanext.schedules._torch_ir import check_actions, leaves, torch_pipeline_order
+from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
+from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
+from titanext.schedules.placement import num_stages_for, resolved_stages_per_rank
+from titanext.schedules.registry import get_schedule_class
+from titanext.schedules.simulator import SimResult, replay
+from titanext.schedules.zero_bubble import GeneratedSchedule
+
+__all__ = ["schedule_order", "schedule_problems", "simulate", "validate_order"]
+
+
+def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbatches: int
+                   ) -> None:
+    """torch's own check of per-rank compute lists (overlapped F&B pairs counted as their two
+    actions); raises on an invalid schedule."""
+    check_actions({r: [x for a in acts for x in leaves(a)] for r, acts in order.items()}, pp,
+             num_stages, microbatches)
+
+
+def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None,
+                   max_pending_weight_grads: int = 0, **costs: float) -> dict[int, list]:
+    """The compute action lists schedule ``name`` runs on each rank (what executes).
+
+    Ours come from their generators (``costs`` feed Auto), torch's multi-stage ones from the
+    ``pipeline_order`` torch builds; GPipe and 1F1B (single-stage runtimes without action
+    lists) use their textbook orders. ``max_pending_weight_grads`` > 0 caps the deferred W's
+    (:mod:`titanext.schedules.memory_cap`).
+    """
+    cls = capped_schedule_class(get_schedule_class(name), max_pending_weight_grads)
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+    if hasattr(cls, "textbook_order"):
+        return cls.textbook_order(pp, microbatches)
+    if issubclass(cls, GeneratedSchedule):
+        return (cls.with_costs(**costs) if costs else cls).order(pp, microbatches)
+    if hasattr(cls, "generate"):
+        return cls.generate(pp, microbatches)
+    return torch_pipeline_order(cls, pp, microbatches, spr)
+
+
+def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
+             w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
+             runtime_order: bool = False, max_pending_weight_grads: int = 0,
+             a2a: float = 0.0, a2a_b: float | None = None, overlap: bool = False) -> SimResult:
+    """Replay schedule ``name``'s action lists with these costs.
+
+    ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
+    through 1/pp of the model; a schedule with k stages per rank (same model) runs stages of
+    cost f/k, and ``peak_memory`` counts activations in the same 1/pp units. A full backward
+    B costs b + w. ``comm`` is the latency of each cross-rank send. A generated schedule's
+    lists are generated for these costs; with ``runtime_order`` they are the lists the trainer
+    runs instead (generated for equal costs, except Auto's, which the trainer measures).
+    ``max_pending_weight_grads`` > 0: the lists capped as the trainer runs them
+    (:func:`titanext.schedules.memory_cap.cap_pending_weight_grads`).
+
+    ``a2a`` (``a2a_b``) is the expert-parallel all-to-all time of one micro-batch's F (I or B;
+    default ``a2a``) through 1/pp of the model, exposed unless ``overlap`` runs the schedule as
+    ``expert_parallel_comm_overlap`` does: the paired chunks interleaved (1F1B and
+    Interleaved1F1B as their combined lists, :mod:`titanext.schedules.overlap`; a ValueError
+    for a schedule without paired chunks). ``a2a_exposed`` says what each rank waited.
+
+    >>> [round(sum(simulate("DualPipeV", pp=4, microbatches=16, a2a=0.5, overlap=o).a2a_exposed)
+    ...        / 4, 2) for o in (False, True)]
+    [16.0, 4.88]
+    >>> r = simulate("1F1B", pp=4, microbatches=8)
+    >>> round(r.bubble_ratio, 4), r.peak_activations
+    (0.2727, [4, 3, 2, 1])
+    """
+    cls = get_schedule_class(name)
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+    share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
+    costs = dict(f=f * share, b=b * share, w=w * share, comm=comm, a2a=a2a * share,
+                 a2a_b=None if a2a_b is None else a2a_b * share)
+    order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
+                   else dict(f=f, b=b, w=w, comm=comm))
+    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
+        order = combined_order(cls.__name__, pp, microbatches, spr)
+    elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
+        raise ValueError(f"schedule {name!r} has no paired forward/backward chunks to overlap; "
+                         f"choose one of {', '.join(OVERLAP_SCHEDULES)}")
+    else:
+        order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+                               max_pending_weight_grads=max_pending_weight_grads, **order_costs)
+    chain = num_stages_for(cls.placement, pp, spr)
+    if cls.placement != "dualpipe":
+        validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
+    return replay(order, num_stages=chain, stage_size=share, overlap=overlap, **costs)
+
+
+def schedule_problems(name: str, *, pp: int, microbatches: int,
+                      stages_per_rank: int | None = None, compiled: bool = False,
+                      max_pending_weight_grads: int = 0) -> list[str]:
+    """Config problems of running schedule ``name`` with these settings (one line each).
+
+    >>> schedule_problems("DualPipe", pp=4, microbatches=6)[0]
+    'parallelism.pipeline_parallel_microbatches = 6: DualPipe needs an even number >= 2 x pp = 8'
+    """
+    key = "parallelism.pipeline_parallel"
+    try:
+        cls = get_schedule_class(name)
+    except ValueError as e:
+        return [f"{key}_schedule = {name!r}: {e}"]
+    problems = []
+    cap = max_pending_weight_grads
+    if cap > 0 and cls.__name__ not in CAPPABLE:  # a negative cap is the key's own check
+        problems.append(f"{key}_max_pending_weight_grads = {cap} needs a schedule whose W's "
+                        f"titanext places ({', '.join(CAPPABLE)}), not {name!r}; or set it to 0 "
+                        "(no cap)")
+    if cls.stages_per_rank is not None and stages_per_rank not in (None, cls.stages_per_rank):
+        problems.append(f"{key}_stages_per_rank = {stages_per_rank}: schedule {name!r} places "
+                        f"exactly {cls.stages_per_rank} stage(s) per rank; remove the key")
+        spr = cls.stages_per_rank
+    else:
+        try:
+            spr = resolved_stages_per_rank(cls, stages_per_rank)
+        except ValueError as e:
+            return [f"{key}_stages_per_rank = {stages_per_rank}: {e}"]
+    if microbatches < 1:
+        problems.append(f"{key}_microbatches = {microbatches} must be >= 1")
+    elif cls.placement == "dualpipe" and pp % 2:
+        problems.append(f"{key}_degree = {pp}: DualPipe needs an even degree (mirrored pairs)")
+    elif cls.placement == "dualpipe" and (microbatches < 2 * pp or microbatches % 2):
+        problems.append(f"{key}_microbatches = {microbatches}: DualPipe needs an even number "
+                        f">= 2 x pp = {2 * pp}")
+    elif microbatches < getattr(cls, "min_microbatches_per_rank", 0) * pp:
+        need = cls.min_microbatches_per_rank
+        problems.append(f"{key}_microbatches = {microbatches}: {cls.__name__} needs >= {need} x pp "
+                        f"= {need * pp}")
+    elif microbatches < getattr(cls, "min_microbatches_per_stage", 0) * pp * spr:
+        problems.append(f"{key}_microbatches = {microbatches}: {name} needs at least one "
+                        f"micro-batch per stage ({pp * spr})")
+    elif pp > 1:
+        try:
+            schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr)
+        except Exception as e:  # torch's own constructor checks, e.g. m vs pp for interleaving
+            problems.append(f"{key}_microbatches = {microbatches} does not fit schedule "
+                            f"{name!r} at pp = {pp}, {spr} stage(s) per rank: {e}")
+    if compiled and cls.splits_backward:
+        problems.append(f"{key}_schedule = {name!r} splits the backward into input and weight "
+                        "gradients, which torch does not support on torch.compile'd stages; "
+                        "set compile.enable = false or use 1F1B / Interleaved1F1B / GPipe")
+    return problems
