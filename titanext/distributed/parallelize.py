@@ -54,8 +54,8 @@ Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
                                  "layers.*.down": RowwiseParallel()})
     model(torch.randn(8, 16, 64)).square().mean().backward()   # FSDP x TP gradients
 
-``tests/multiprocess/test_plugins_user_model.py::test_parallelize_user_model_matches_one_process`` runs
-this (and ZeRO-1 from a meta model) against one process.
+``test_parallelize_user_model_matches_one_process`` (tests/multiprocess/test_plugins_user_model.py)
+runs this (and ZeRO-1 from a meta model) against one process.
 """
 
 from __future__ import annotations
