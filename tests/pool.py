@@ -150,7 +150,10 @@ def _drop_case_groups(dist, home) -> None:
     import torch.distributed.device_mesh as device_mesh
 
     c10d = dist.distributed_c10d
-    for group in [g for g in list(c10d._world.pg_map) if g is not home]:
+    groups = [g for g in list(c10d._world.pg_map) if g is not home]
+    if not groups:  # most cases: nothing to end, nothing cached that names an ended group
+        return
+    for group in groups:
         dist.destroy_process_group(group)
     registry = getattr(device_mesh, "_mesh_resources", None)
     for value in vars(registry).values() if registry is not None else ():
@@ -341,6 +344,9 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}  # world size -> pool, least recently used first
 #: Cases handed to any pool so far (tests/unit/conftest.py checks that unit tests hand none).
 cases_run = 0
+#: Pools started so far, and why the ones that ended early did ("failed", "retired").
+pools_started = 0
+pools_ended: dict[str, int] = {}
 
 
 def _case_name(fn) -> str:
@@ -352,7 +358,7 @@ def _case_name(fn) -> str:
 def run(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
         timeout_s: float = 60.0) -> list:
     """``fn(rank, world_size, *args, **kwargs)`` on every worker of the ``world_size`` pool."""
-    global cases_run
+    global cases_run, pools_started
     cases_run += 1
     pool = _POOLS.pop(world_size, None)
     if pool is None:
@@ -362,13 +368,16 @@ def run(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
             pool = _Pool(world_size)
         except AssertionError:  # the free port was taken before rank 0 bound it: once more
             pool = _Pool(world_size)
+        pools_started += 1
     try:
         results, retire = pool.run(fn, args, kwargs or {}, timeout_s, _case_name(fn))
     except BaseException:
         pool.close(kill=True)
+        pools_ended["failed"] = pools_ended.get("failed", 0) + 1
         raise
     if retire:
         pool.close()
+        pools_ended["retired"] = pools_ended.get("retired", 0) + 1
     else:
         _POOLS[world_size] = pool  # most recently used last
     return results
