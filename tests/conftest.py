@@ -10,6 +10,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"gloo worker pools: {pool.pools_started} started for {pool.cases_run} multi-process "
             f"cases" + (f" ({ended})" if ended else ""))
+        for line in pool.retired_by:
+            terminalreporter.write_line(f"  retired after {line}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -94,11 +94,11 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     except BaseException:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), False)))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), "failed")))
         raise
     home = dist.group.WORLD  # a case may replace it (the dry run's fake group): retire then
     fresh = _FreshState(torch)
-    conn.send_bytes(pickle.dumps(("ready", None, False)))
+    conn.send_bytes(pickle.dumps(("ready", None, "")))
     while True:
         try:
             fn, args, kwargs, timeout_s = pickle.loads(conn.recv_bytes())
@@ -115,9 +115,12 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
                 _drop_case_groups(dist, home)
             buf = io.BytesIO()
             torch.save(result, buf)
-            message = ("ok", buf.getvalue(), not alive or _thread_count() > THREAD_LIMIT)
+            threads = _thread_count()
+            retire = ("" if alive and threads <= THREAD_LIMIT else
+                      "its group ended" if not alive else f"{threads} threads")
+            message = ("ok", buf.getvalue(), retire)
         except BaseException:
-            message = ("error", traceback.format_exc(), True)
+            message = ("error", traceback.format_exc(), "failed")
         conn.send_bytes(pickle.dumps(message))
         if message[0] == "ok" and message[2]:  # the group is gone or leaked: retire this pool
             break
@@ -169,14 +172,19 @@ def _clear_torch_distributed_caches() -> None:
     DTensor's sharding propagation and redistribute planner cache their answers by value
     (specs whose meshes compare equal by shape and names): a later case's equal mesh would get
     back the earlier mesh object, whose groups are destroyed ("Could not resolve the process
-    group registered under the name 1"). Clearing a cache only costs recomputation, so every
-    ``functools`` cache in torch.distributed's modules (and their classes) goes, plus the
-    sharding propagator's per-thread and C++ caches where this torch has the helper for them.
+    group registered under the name 1"), and the redistribute planners cached per mesh keep the
+    groups (and their threads) alive. Clearing a cache only costs recomputation, so every
+    ``functools`` cache in torch.distributed's modules (and their classes) and every module-level
+    ``*_cache`` dict goes, plus the sharding propagator's per-thread and C++ caches where this
+    torch has the helper for them.
     """
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed") or module is None:
             continue
-        for obj in list(vars(module).values()):
+        for attr, obj in list(vars(module).items()):
+            if attr.endswith("_cache") and isinstance(obj, dict):  # e.g. DTensor's planners,
+                obj.clear()  # keyed by a weak reference to a mesh, holding its groups alive
+                continue
             holders = [obj, *vars(obj).values()] if isinstance(obj, type) else [obj]
             for holder in holders:
                 clear = getattr(holder, "cache_clear", None)
@@ -248,17 +256,17 @@ class _Pool:
             self.close(kill=True)
             raise
 
-    def run(self, fn, args: tuple, kwargs: dict, timeout_s: float, case: str) -> tuple[list, bool]:
-        """Per-rank results, and whether the pool must be retired after this case."""
+    def run(self, fn, args: tuple, kwargs: dict, timeout_s: float, case: str) -> tuple[list, str]:
+        """Per-rank results, and why the pool must be retired after this case ("" if not)."""
         task = pickle.dumps((fn, args, kwargs, timeout_s))
         for conn in self.conns:
             conn.send_bytes(task)
         return self._collect(case, case_deadline_s(timeout_s))
 
-    def _collect(self, case: str, deadline_s: float) -> tuple[list, bool]:
+    def _collect(self, case: str, deadline_s: float) -> tuple[list, str]:
         results: dict[int, object] = {}
         errors: dict[int, str] = {}
-        retire = False
+        retire = ""
         deadline = time.monotonic() + deadline_s
         pending = dict(enumerate(self.conns))
         while pending:
@@ -278,9 +286,10 @@ class _Pool:
                 except (EOFError, OSError):
                     self.procs[rank].join(1.0)
                     kind, payload, rank_retires = (
-                        "error", f"the process died (exit code {self.procs[rank].exitcode})", True)
+                        "error", f"the process died (exit code {self.procs[rank].exitcode})",
+                        "failed")
                 del pending[rank]
-                retire |= rank_retires
+                retire = retire or rank_retires
                 if kind == "error":
                     if not errors:  # give the others a moment to say why, then stop
                         deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
@@ -347,6 +356,8 @@ cases_run = 0
 #: Pools started so far, and why the ones that ended early did ("failed", "retired").
 pools_started = 0
 pools_ended: dict[str, int] = {}
+#: The cases after which a pool retired, and why ("its group ended", "N threads").
+retired_by: list[str] = []
 
 
 def _case_name(fn) -> str:
@@ -378,6 +389,7 @@ def run(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
     if retire:
         pool.close()
         pools_ended["retired"] = pools_ended.get("retired", 0) + 1
+        retired_by.append(f"{_case_name(fn)}: {retire}")
     else:
         _POOLS[world_size] = pool  # most recently used last
     return results
