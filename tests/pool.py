@@ -56,7 +56,8 @@ MAX_WORKERS = 18
 #: three threads; a case's groups are destroyed after it, but where something outside the case
 #: still holds one (seen: 176 groups in one worker of a full run), its threads stay and wake up
 #: now and then, and hundreds of them slow every other process on 2 cores. A fresh worker
-#: has about 30.
+#: has about 30. Measured on tests/multiprocess (2026-11-27): 291 s at 100, 296 s at 60, 360 s
+#: at 250 (fewer restarts, but the kernel time doubled).
 THREAD_LIMIT = 100
 #: Seconds the workers get for ``import torch`` and the gloo handshake.
 START_TIMEOUT_S = 180.0
