@@ -4,10 +4,11 @@ run (tests/pool.py): one process start-up per world size, not per test."""
 
 from typing import Any
 
-import torch
-
 from tests import pool
 from titanext.launch.local import free_port
+
+__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
+           "trainer_runs"]
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
@@ -17,9 +18,6 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
     Same contract as :func:`titanext.launch.local.run_distributed`, on pooled workers: an error
     on any rank fails the test naming it and its rank."""
     return pool.run(fn, world_size, args, kwargs, timeout_s)
-
-__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
-           "trainer_runs", "update_relative_error"]
 
 
 #: Adam's epsilon in the layout-vs-one-process tests. Adam divides each gradient element by its
@@ -31,16 +29,6 @@ __all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "run_distributed",
 #: and the same comparison agrees to 1e-6, while elements with real gradients still take Adam's
 #: normalised step.
 ADAM_EPS = 1e-5
-
-
-def update_relative_error(got: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
-    """``|got - ref| / |ref - start|``: a parameter after some steps against one process's, as a
-    fraction of the update one process made (the parity check's measure), so that a large
-    initial value cannot hide a wrong update. A tensor that did not move is measured against
-    its own norm."""
-    update = (ref - start).norm()
-    scale = update if update > 0 else ref.norm()
-    return ((got - ref).norm() / scale.clamp_min(1e-30)).item()
 
 
 def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 
 from titanext.components.metrics import format_table
 
-__all__ = ["ParityReport", "build_report"]
+__all__ = ["ParityReport", "build_report", "update_error"]
 
 TOP = 10
 
@@ -99,6 +99,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return diff / denom if denom > 0 else (0.0 if diff == 0 else float("inf"))
 
 
+def update_error(got: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float:
+    """``|got - ref| / |ref - start|``: a parameter after some steps against the reference's, as a
+    fraction of the update the reference made (a tensor that did not move: of its own norm).
+
+    >>> update_error(torch.tensor([1.1]), torch.tensor([1.0]), torch.tensor([0.0]))
+    0.10000002384185791
+    """
+    update = ref - start
+    return _rel(got, ref, update if update.norm() > 0 else ref)
+
+
 def _worst(errors: dict[str, float]) -> list[tuple[str, float]]:
     return sorted(errors.items(), key=lambda kv: -kv[1])[:TOP]
 
@@ -160,9 +171,8 @@ def build_report(ranks: list[dict], ref: dict, *, tol: float, mesh: dict[str, in
             if name in ref["grads"]:
                 grad_err[name] = float("inf")
         for name, p in r["params"].items():
-            update = ref["params"][name] - ref["start"][name]
-            scale = update if update.norm() > 0 else ref["params"][name]
-            param_err[name] = max(param_err.get(name, 0.0), _rel(p, ref["params"][name], scale))
+            param_err[name] = max(param_err.get(name, 0.0),
+                                  update_error(p, ref["params"][name], ref["start"][name]))
             seen.add(name)
         report.placements.update(r["applied"]["placements"])
         for kind in ("float8", "deferred"):
