@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from titanext.components.tokenizer import ByteTokenizer
+from titanext.data.tokenizer import ByteTokenizer
 from titanext.data import build_dataloader, load_documents, pack_documents
 
 TOK = ByteTokenizer()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from titanext.components.tokenizer import ByteTokenizer
+from titanext.data.tokenizer import ByteTokenizer
 from titanext.data import (
     build_dataloader,
     check_dataset,
@@ -22,7 +22,7 @@ from titanext.data import (
     load_documents,
     readers,
 )
-from titanext.data.__main__ import main
+from titanext.launch.data import main
 from titanext.data.pretokenize import tokenize_corpus
 from titanext.data.tokens import permute
 from titanext.errors import ConfigError

@@ -44,7 +44,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from titanext._compat import cuda_memory_snapshot, record_cuda_memory_history
 from titanext._fake_backend import mem_tracker
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.components.step_table import breakdown_rows, simulated_idle, step_breakdown
 from titanext.components.trace_svg import write_timeline
 from titanext.config import Profiling

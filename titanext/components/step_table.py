@@ -205,7 +205,7 @@ def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank
 
 def breakdown_rows(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Table rows (phase, then one ms column per rank; min / median / max over more than 8
-    ranks) for :func:`titanext.components.metrics.format_table`."""
+    ranks) for :func:`titanext._text.format_table`."""
     names: list[tuple[str, Any]] = [("step", lambda b: b["step_ms"])]
     keys = list(dict.fromkeys(k for b in per_rank for k in b["phases"]))
     names += [(k, lambda b, k=k: b["phases"].get(k)) for k in keys]

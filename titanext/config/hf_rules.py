@@ -16,7 +16,7 @@ import dataclasses
 from titanext.errors import ConfigError
 from titanext.hf.tokenizer import HFTokenizer
 from titanext.models.args import ModelArgs
-from titanext.models.hf import model_args_from_hf
+from titanext.hf.configs import model_args_from_hf
 
 __all__ = ["hf_problems"]
 

@@ -22,7 +22,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
-from titanext._hints import did_you_mean as _did_you_mean
+from titanext._text import did_you_mean as _did_you_mean
 from titanext.config.degrees import (
     accumulation_steps,
     batch_problem,
@@ -167,7 +167,7 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 # -- model, MoE, expert parallelism, float8 -------------------------------------------------------
 
 def _tokenizer_vocab(name: str) -> int:
-    from titanext.components.tokenizer import build_tokenizer
+    from titanext.data.tokenizer import build_tokenizer
 
     return build_tokenizer(name).vocab_size
 
@@ -193,7 +193,7 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if m.flavor == "hf":
         if problems or not m.hf_assets_path:
             return problems
-        from titanext.models.hf import model_args_from_hf
+        from titanext.hf.configs import model_args_from_hf
 
         args = model_args_from_hf(m.hf_assets_path)
     else:
@@ -285,7 +285,7 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
     from titanext.config.hf_rules import hf_problems
     from titanext.models import get_model_args
-    from titanext.models.hf import hf_config_from_model_args
+    from titanext.hf.configs import hf_config_from_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -325,7 +325,7 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     1
     """
     from titanext.models import get_model_args, with_moe_overrides
-    from titanext.models.hf import model_args_from_hf
+    from titanext.hf.configs import model_args_from_hf
 
     if cfg.model.flavor == "hf":
         base = model_args_from_hf(cfg.model.hf_assets_path)
@@ -590,7 +590,7 @@ def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
             if not sec.dataset_path:
                 what = (".txt, .jsonl, .parquet or .arrow file, or a folder of them"
                         if sec.dataset == "text"
-                        else "folder of .npy shards from python -m titanext.data tokenize")
+                        else "folder of .npy shards from titanext-data tokenize")
                 problems.append(f"{name}.dataset = {sec.dataset!r} needs {name}.dataset_path (a "
                                 f"{what}), which is unset")
                 continue
@@ -614,7 +614,7 @@ def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
     """(vocab size, EOS id) of the configured tokenizer, or Nones when it cannot be built (its
     own rule reports why)."""
-    from titanext.components.tokenizer import build_tokenizer
+    from titanext.data.tokenizer import build_tokenizer
 
     try:
         tok = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)

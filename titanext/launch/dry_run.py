@@ -274,7 +274,7 @@ def measure_real(cfg: JobConfig) -> DryRunResult:
 
 def dry_run(cfg: JobConfig) -> int:
     """``python -m titanext.train`` in fake_backend mode: measure, print the table, return 0."""
-    from titanext.components.metrics import format_table
+    from titanext._text import format_table
 
     result = measure(cfg)
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
