@@ -33,10 +33,11 @@ from titanext.components.checkpoint import CheckpointManager, manifest_info
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.profiling import PipelineShape, StepProfiler
-from titanext.data.tokenizer import build_tokenizer
 from titanext.components.validation import Validator
 from titanext.config import JobConfig, gradient_accumulation_steps, model_args, ulysses_degree
 from titanext.data import dataloader_from_config
+from titanext.data.tokenizer import build_tokenizer
+from titanext.distributed.faults import inject_test_fault
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import (
     cp_layout,
@@ -54,7 +55,6 @@ from titanext.distributed.utils import (
 )
 from titanext.errors import TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
-from titanext.distributed.faults import inject_test_fault
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence

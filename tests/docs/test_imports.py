@@ -19,8 +19,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from tests import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -114,8 +114,8 @@ def _train_and_probe(rank: int, world_size: int, overrides: list[str], dirs: dic
 def test_hf_start_train_export_reload(job):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from titanext.data.tokenizer import build_tokenizer
     from titanext.data import build_dataloader
+    from titanext.data.tokenizer import build_tokenizer
 
     (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
                                         args=(job["overrides"], job), timeout_s=180)

@@ -25,8 +25,8 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Mapping
+from typing import IO
 
 import torch
 

@@ -6,9 +6,17 @@ The package has three parts, each with one job:
   attribute docstring is its ``--help`` text, and its own constraints sit next to it.
 - :mod:`~titanext.config.loader`: TOML reading with ``[job] extends``, command-line overrides,
   ``--help`` (:func:`config_help`) and ``--print-config`` (:func:`to_toml`).
-- :mod:`~titanext.config.rules`: every cross-field rule, one owner per rule;
-  :class:`~titanext.distributed.parallel_dims.ParallelDims`, the pipeline and the planner
-  call the same functions.
+- :mod:`~titanext.config.rules`: the cross-cutting rules, and the collecting of every problem
+  into one report (:func:`collect_problems`, :func:`check_config`).
+
+Where a rule lives: a rule about one package's own options sits in that package, torch-free,
+taking plain values, and the config calls it: ``plugins/options.py`` (float8, hot-expert
+replication, whose bound is the plugin's own :func:`~titanext.plugins.options.max_replicas`),
+``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/checks.py``
+(datasets, token shards), ``hf/checks.py`` (HF assets, vocab, initial load), ``config/degrees.py``
+(the plain-int layout arithmetic). What stays here involves several sections at once (degrees,
+batch, pipeline composition, MTP against the layout: ``mtp_rules.py``) or guards code that sits
+above the config and so cannot hold it (``[profiling]``: ``profiling_rules.py``).
 
 Importing the package does not import torch.
 

@@ -18,8 +18,6 @@ that need them, so that ``import titanext.config`` stays light (no torch).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 from typing import TYPE_CHECKING, Any
 
 from titanext._text import did_you_mean as _did_you_mean
@@ -34,10 +32,10 @@ from titanext.config.degrees import (
 )
 from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
-from titanext.config.replication_rules import MOE_RUNTIME_KEYS, replication_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
+from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
-from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES
+from titanext.plugins.options import float8_problems, replication_problems
 
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
@@ -166,12 +164,6 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 
 # -- model, MoE, expert parallelism, float8 -------------------------------------------------------
 
-def _tokenizer_vocab(name: str) -> int:
-    from titanext.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(name).vocab_size
-
-
 def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[str]:
     """Name and flavor against the registry, then the rules that need the model's shape."""
     from titanext.models import MODEL_FLAVORS, get_model_args
@@ -221,7 +213,9 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
                         f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
     if "model.tokenizer" not in skip and m.tokenizer != "hf":  # 'hf': in _hf_rule_problems
-        vocab = _tokenizer_vocab(m.tokenizer)
+        from titanext.data.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(m.tokenizer).vocab_size
         if args.vocab_size < vocab:
             problems.append(f"model.tokenizer = {m.tokenizer!r} produces {vocab} token ids but "
                             f"the model's vocab_size = {args.vocab_size} ({which}); pick a flavor "
@@ -283,9 +277,9 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
-    from titanext.config.hf_rules import hf_problems
-    from titanext.models import get_model_args
+    from titanext.hf.checks import hf_problems
     from titanext.hf.configs import hf_config_from_model_args
+    from titanext.models import get_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -311,6 +305,10 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     return problems
 
 
+#: [moe] keys that are not model hyper-parameters (not passed to the flavor's MoEArgs)
+MOE_RUNTIME_KEYS = frozenset({"replicate_hot_experts"})
+
+
 def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)
             if getattr(cfg.moe, f.name) is not None and f.name not in MOE_RUNTIME_KEYS}
@@ -324,8 +322,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
     1
     """
-    from titanext.models import get_model_args, with_moe_overrides
     from titanext.hf.configs import model_args_from_hf
+    from titanext.models import get_model_args, with_moe_overrides
 
     if cfg.model.flavor == "hf":
         base = model_args_from_hf(cfg.model.hf_assets_path)
@@ -440,35 +438,6 @@ def ep_overlap_problems(cfg: JobConfig) -> list[str]:
     return overlap_problems(canonical, pp=pp, microbatches=mb, stages_per_rank=spr)
 
 
-def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
-    """[float8] combinations that cannot work (checked only with float8.enable)."""
-    f, p = cfg.float8, cfg.parallelism
-    if not f.enable or skip & {"float8.recipe", "float8.enable_fsdp_float8_all_gather"}:
-        return []
-    problems = []
-    if f.enable_fsdp_float8_all_gather and f.recipe not in FLOAT8_ALL_GATHER_RECIPES:
-        problems.append(f"float8.enable_fsdp_float8_all_gather = true needs one scale per weight "
-                        f"tensor, which recipe = {f.recipe!r} does not have; use recipe = "
-                        "'tensorwise' or set enable_fsdp_float8_all_gather = false")
-    if f.precompute_scale and not f.enable_fsdp_float8_all_gather:
-        problems.append("float8.precompute_scale = true only precomputes the scales of float8 "
-                        "all-gathered weights; set enable_fsdp_float8_all_gather = true too, or "
-                        "precompute_scale = false")
-    if f.enable_fsdp_float8_all_gather and p.zero_stage == 1:
-        problems.append("float8.enable_fsdp_float8_all_gather = true needs FSDP, but "
-                        "parallelism.zero_stage = 1 replicates parameters (DDP); use zero_stage "
-                        "2 or 3")
-    if f.recipe != "blockwise" and importlib.util.find_spec("torchao") is None:
-        problems.append(f"float8.recipe = {f.recipe!r} needs torchao >= 0.17, which is not "
-                        "installed here (pip install torchao); recipe = 'blockwise' runs "
-                        "without it")
-    if f.recipe == "blockwise" and p.tensor_parallel_degree > 1:
-        problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
-                        f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
-                        "or 'rowwise' with TP")
-    return problems
-
-
 # -- all rules -------------------------------------------------------------------------------------
 
 def collect_problems(cfg: JobConfig, world_size: int | None = None,
@@ -538,7 +507,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += _model_problems(cfg, skip, degrees_ok)
     if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
         problems += pipeline_config_problems(cfg)
-    problems += _float8_problems(cfg, skip)
+    problems += float8_problems(cfg.float8, cfg.parallelism, skip)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)
@@ -567,60 +536,15 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
             "with zero_stage = 2, which never reshards after forward; leave it 'default' or use "
             "zero_stage = 3")
 
-    problems += _data_problems(cfg, skip)
+    sections = [("training", cfg.training)] + ([("validation", cfg.validation)]
+                                               if cfg.validation.enable else [])
+    problems += data_problems(
+        [(name, sec.dataset, sec.dataset_path) for name, sec in sections
+         if not {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip],
+        text_field=cfg.training.dataset_text_field, tokenizer=cfg.model.tokenizer,
+        hf_assets_path=cfg.model.hf_assets_path)
     problems += profiling_problems(cfg, skip)
     return problems
-
-
-def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
-    """training's and (when enabled) validation's dataset and files: the path exists, parquet
-    and jsonl files have the text field, token shards' dtype holds the tokenizer's ids
-    (titanext.data.checks; file headers only)."""
-    from titanext.data.checks import check_dataset
-
-    problems: list[str] = []
-    sections = [("training", cfg.training)]
-    if cfg.validation.enable:
-        sections.append(("validation", cfg.validation))
-    vocab: tuple[int | None, int | None] | None = None
-    for name, sec in sections:
-        if {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip:
-            continue
-        if sec.dataset in ("text", "tokens"):
-            if not sec.dataset_path:
-                what = (".txt, .jsonl, .parquet or .arrow file, or a folder of them"
-                        if sec.dataset == "text"
-                        else "folder of .npy shards from titanext-data tokenize")
-                problems.append(f"{name}.dataset = {sec.dataset!r} needs {name}.dataset_path (a "
-                                f"{what}), which is unset")
-                continue
-            if not os.path.exists(sec.dataset_path):
-                problems.append(f"{name}.dataset_path = {sec.dataset_path!r} does not exist "
-                                f"(relative paths start at {os.getcwd()!r})")
-                continue
-            if sec.dataset == "tokens" and vocab is None:
-                vocab = _tokenizer_ids(cfg)
-            problems += check_dataset(sec.dataset, sec.dataset_path,
-                                      text_field=cfg.training.dataset_text_field,
-                                      vocab_size=vocab[0] if vocab else None,
-                                      eos_id=vocab[1] if vocab else None, section=name)
-        elif sec.dataset_path:
-            problems.append(f"{name}.dataset_path = {sec.dataset_path!r} is only read with "
-                            f"dataset = 'text' or 'tokens', but {name}.dataset = "
-                            f"{sec.dataset!r}; set dataset = 'text' or dataset_path = \"\"")
-    return problems
-
-
-def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
-    """(vocab size, EOS id) of the configured tokenizer, or Nones when it cannot be built (its
-    own rule reports why)."""
-    from titanext.data.tokenizer import build_tokenizer
-
-    try:
-        tok = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
-    except (ConfigError, ValueError):
-        return None, None
-    return tok.vocab_size, tok.eos_id
 
 
 def fake_world_size(cfg: JobConfig) -> int:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the config builds a tokenizer to check its vocabulary; keep
     import torch
 
 from titanext.errors import ConfigError
-from titanext.hf.tokenizer import TOKENIZER_FILES, HFTokenizer
+from titanext.hf.tokenizer import HFTokenizer
 
 __all__ = ["TOKENIZERS", "ByteTokenizer", "build_tokenizer"]
 

@@ -26,7 +26,6 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 
 import torch
 
@@ -42,7 +41,7 @@ from titanext.hf.checkpoint import (
 from titanext.hf.tokenizer import TOKENIZER_FILES
 from titanext.models.args import ModelArgs
 
-__all__ = ["dcp_to_hf", "hf_to_dcp", "main"]
+__all__ = ["dcp_to_hf", "hf_to_dcp"]
 
 
 class Progress:
