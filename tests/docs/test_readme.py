@@ -79,7 +79,8 @@ def test_readme_test_command_is_what_ci_runs():
 def test_layout_paths_exist():
     missing = [p for p in _layout_paths() if not (ROOT / p).exists()
                or p.endswith("/") != (ROOT / p).is_dir()]
-    assert not missing, f"docs/INTERFACES.md's module map names paths that are not in the tree: {missing}"
+    assert not missing, ("docs/INTERFACES.md's module map names paths that are not in the tree: "
+                         f"{missing}")
 
 
 def test_layout_lists_every_module_and_package():
