@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import phase, pp_chunk
 from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
+from titanext.distributed.failsafe import guarded
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
 from titanext.plugins.weight_grad import (
@@ -120,6 +121,7 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
         add_positions, with_kwargs=True)
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
@@ -134,7 +136,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
-    Returns (stages, schedule).
+    Returns (stages, schedule). The schedule's ``step`` is guarded like this function: an
+    exception on one rank ends every rank within seconds, and the others raise
+    :class:`~titanext.distributed.failsafe.PeerFailed` naming it
+    (:mod:`titanext.distributed.failsafe`).
 
     Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
 
@@ -156,8 +161,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
                    **extra)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
-    return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
-                                  scale_grads=False, **(schedule_kwargs or {}))
+    built = build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
+                           scale_grads=False, **(schedule_kwargs or {}))
+    built.step = guarded(built.step, f"{type(built).__name__}.step")  # no rank left waiting
+    return stages, built
 
 
 def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
