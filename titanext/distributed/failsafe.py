@@ -32,7 +32,7 @@ from functools import wraps
 from typing import TypeVar
 
 __all__ = ["ALIKE_GRACE_S", "PEER_GONE", "PeerFailed", "abort_process_group", "fail_together",
-           "guarded"]
+           "guarded", "settle_failure"]
 
 #: Seconds a failed rank waits for the other ranks to fail alike before it aborts the group.
 ALIKE_GRACE_S = 5.0
@@ -143,15 +143,21 @@ def _all_failed(store, key: str, world: int) -> bool:
     return True
 
 
-def _handle(where: str, e: Exception) -> None:
-    """Decide, once per exception, whether the ranks failed alike or the group must end; raise
-    :class:`PeerFailed` where this rank stopped because of another."""
+def settle_failure(where: str, e: Exception) -> PeerFailed | None:
+    """What :func:`fail_together` does with an exception ``e`` raised in ``where``, for code that
+    reports errors instead of raising them (the parity check): returns the
+    :class:`PeerFailed` to report where this rank stopped because another rank failed first,
+    else None (the ranks failed alike, or the group was aborted for this rank's own error).
+    Settles each exception once: a :class:`PeerFailed` is returned as it is, another exception
+    already settled (by an inner guard) returns None."""
     import torch.distributed as dist
 
     from titanext import _compat
 
+    if isinstance(e, PeerFailed):  # settled by an inner guard already
+        return e
     if getattr(e, "_titanext_failsafe", False) or not _initialized():
-        return
+        return None
     e._titanext_failsafe = True  # an outer guard leaves it as it is
     try:
         store = _compat.default_store()
@@ -159,19 +165,20 @@ def _handle(where: str, e: Exception) -> None:
         store = None
     if store is None:
         abort_process_group()
-        return
+        return None
     _state["store"] = store  # the store outlives the group (its server may live here)
     peer = _recorded(store, _RECORD_WAIT_S if any(m in str(e) for m in PEER_GONE) else 0.0)
     if peer is not None:  # another rank failed and ended the group: that is the error
         abort_process_group()
         failed = PeerFailed(*peer, here=where)
         failed._titanext_failsafe = True
-        raise failed from e
+        return failed
     _state["failures"] += 1
     if _all_failed(store, _COUNT_KEY.format(_state["failures"]), dist.get_world_size()):
-        return  # every rank raised: nobody waits, the group stays usable
+        return None  # every rank raised: nobody waits, the group stays usable
     _record(store, where, e)
     abort_process_group()
+    return None
 
 
 @contextmanager
@@ -187,7 +194,9 @@ def fail_together(where: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        _handle(where, e)
+        peer = settle_failure(where, e)
+        if peer is not None and peer is not e:
+            raise peer from e
         raise
 
 

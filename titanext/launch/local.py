@@ -58,10 +58,11 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir):
         )
         raise
     finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        if dist.is_initialized():  # (titanext's fail-safe may have aborted the group)
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
     # Done and saved: leave without the interpreter's teardown, where gloo's threads can race
     # C++ static destructors and abort a finished rank ("terminate called without an active
     # exception", seen about once in tens of runs on 2 busy cores), failing a passing run.
