@@ -1,9 +1,7 @@
 """No rank left waiting, on the docs' own-model pipeline recipe: ``split_model(...,
-skip_missing=True)`` on a tiny transformers GPT-2 (Conv1D projections, a forward returning a
-``ModelOutput``) under 1F1B.
+skip_missing=True)`` on a tiny transformers GPT-2 under 1F1B (that it trains like one process is
+tests/multiprocess/test_pipeline_hf_outputs.py).
 
-- It trains like one process (loss and every gradient within 1e-5): the last stage's
-  ``CausalLMOutputWithCrossAttentions`` gives its logits.
 - Where rank 1 fails (in the schedule's step, or already in ``split_model``), both ranks end
   within seconds, rank 1 with its own error and rank 0 with a ``PeerFailed`` naming rank 1's
   error; the same under the parity check's run.
@@ -66,31 +64,6 @@ def _pipeline(rank: int, model, *, fail: str | None = None):
     last = {"target": labels, "losses": losses} if rank == 1 else {}
     schedule.step(input_ids=inputs, return_outputs=False, **last)  # inputs by keyword
     return stage, losses
-
-
-def _matches_one_process(rank: int, world_size: int) -> dict:
-    model = gpt2()
-    inputs, labels = _batch()
-    ref_loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), labels.flatten())
-    ref_loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    stage, losses = _pipeline(rank, model)
-    loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())
-    dist.all_reduce(loss)
-    return {"loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-            "grad_errs": {n: ((p.grad - ref[n]).norm() / ref[n].norm()).item()
-                          for n, p in stage.named_parameters()}}
-
-
-def test_gpt2_modeloutput_split_trains_like_one_process():
-    r0, r1 = run_distributed(_matches_one_process, 2, timeout_s=TIMEOUT_S)
-    assert r0["loss_err"] < 1e-5, r0["loss_err"]
-    assert "transformer.h.0.attn.c_attn.weight" in r0["grad_errs"]  # a Conv1D
-    assert "lm_head.weight" in r1["grad_errs"]
-    for res in (r0, r1):
-        worst = max(res["grad_errs"], key=res["grad_errs"].get)
-        assert res["grad_errs"][worst] < 1e-5, (worst, res["grad_errs"][worst])
 
 
 def _fails_on_rank_1(rank: int, world_size: int, fail: str) -> dict:

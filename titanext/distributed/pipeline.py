@@ -44,6 +44,7 @@ from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re
 from titanext.distributed.failsafe import guarded
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
+from titanext.plugins._blocks import block_container
 from titanext.plugins.weight_grad import (
     DeferredPipelineStage,
     WeightGradQueue,
@@ -260,6 +261,18 @@ class StageTimer:
         return {"f": 1.0, "b": b / f, "w": w / f}
 
 
+def _first_input_name(model: nn.Module) -> str:
+    """The name of the first argument of ``model.forward`` (``input_ids``, ``idx``, ...)."""
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params or params[0].kind is params[0].POSITIONAL_ONLY:
+        raise ValueError(f"skip_missing=True: {type(model).__name__}.forward must take its "
+                         "inputs as a named first argument (every stage gets them by keyword)")
+    return params[0].name
+
+
 class PipelineRunner:
     """This rank's pipeline stages of a model and the schedule that trains them.
 
@@ -286,6 +299,11 @@ class PipelineRunner:
       Interleaved1F1B run interleaved at their expert-parallel all-to-alls
       (:mod:`titanext.schedules.overlap`).
 
+    - a model of another layout, as :func:`split_model` takes it: ``blocks`` (a dotted path),
+      ``first`` / ``last`` (the parts only the first / last stage holds) and ``skip_missing``
+      (each stage runs the model's own ``forward``, and every stage is handed the inputs by
+      the name of that forward's first argument).
+
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
 
@@ -309,7 +327,9 @@ class PipelineRunner:
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 split_backward: str = "deferred", comm_overlap: bool = False):
+                 split_backward: str = "deferred", comm_overlap: bool = False,
+                 blocks: str = "layers", skip_missing: bool = False,
+                 first: Sequence[str] | None = None, last: Sequence[str] | None = None):
         cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
         if comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
             cls = overlap_schedule_class(cls)
@@ -326,7 +346,10 @@ class PipelineRunner:
         self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
                                                                           per_rank)
                                 for r in range(pp))
-        counts = layers_per_stage(len(model.layers), self.num_stages,
+        # split_model's protocol: blocks at a dotted path; skip_missing runs the model's own
+        # forward on every stage, which then takes the inputs by keyword (see step)
+        self._input_kwarg = _first_input_name(model) if skip_missing else None
+        counts = layers_per_stage(len(block_container(model, blocks)), self.num_stages,
                                   first_stage_less_layers=first_stage_less_layers,
                                   last_stage_less_layers=last_stage_less_layers,
                                   explicit=stage_layers,
@@ -336,7 +359,8 @@ class PipelineRunner:
             from titanext.distributed.parallelize import parallelize
 
             def parallelize_stage(m: nn.Module) -> nn.Module:
-                return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
+                return parallelize(m, dims, device=device, blocks=blocks,
+                                   init_weights=lambda s: s.init_weights())
 
         if split_backward not in SPLIT_BACKWARD:
             raise ValueError(f"split_backward = {split_backward!r}; allowed: "
@@ -344,7 +368,9 @@ class PipelineRunner:
         # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
         # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
         self.weight_grad_queue = None
-        parts = [split_model(model, counts, i, **stage_parts(model, i, self.num_stages))
+        ends = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
+        parts = [split_model(model, counts, i, blocks=blocks, skip_missing=skip_missing,
+                             **{**stage_parts(model, i, self.num_stages), **ends})
                  for i in self.stage_ids]
         owners = stage_owners(cls.placement, pp, per_rank)
         # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
@@ -423,9 +449,11 @@ class PipelineRunner:
         for i, (inputs, labels, *extra) in enumerate(batches):
             if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
                 self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
-            args = (inputs.to(self.device),) if first else ()
+            args = (inputs.to(self.device),) if first and self._input_kwarg is None else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            if self._input_kwarg is not None:  # skip_missing: every stage takes the inputs
+                kwargs[self._input_kwarg] = inputs.to(self.device)
             # torch splits step's keyword tensors along dim 0 like the inputs and passes
             # micro-batch j's slice to every stage's forward of j (first or not)
             kwargs.update(self.stage_kwargs(*extra))
