@@ -99,6 +99,7 @@ from titanext.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMismatch,
+    CheckpointUnsafe,
 )
 
 __all__ = ["CheckpointManager", "config_changes", "manifest_info", "read_manifest",
@@ -518,6 +519,7 @@ class CheckpointManager:
 
     def _load(self, path: str) -> int:
         trainer = _load_file(os.path.join(path, _TRAINER_STATE))
+        rng = self._read_rng(path, trainer["world_size"])  # before anything is loaded
         # The current config's peak LRs, before the saved scheduler and param groups overwrite them.
         current_lrs = list(getattr(self.lr_scheduler, "base_lrs", []))
 
@@ -556,14 +558,39 @@ class CheckpointManager:
             elif self._rank() == 0:
                 logger.warning("checkpoint %s has no state for %r; it keeps its current state",
                                path, name)
-        self._load_rng(path, trainer["world_size"])
+        self._load_rng(path, trainer["world_size"], rng)
         if self._rank() == 0:
             print(f"titanext: resumed from {path} (step {trainer['step']})", flush=True)
         return trainer["step"]
 
-    def _load_rng(self, path: str, saved_world_size: int) -> None:
+    def _read_rng(self, path: str, saved_world_size: int) -> dict | None:
+        """This rank's saved RNG state (None where it is not restored), read as plain data; a
+        rank's file that needs code raises CheckpointUnsafe on every rank alike."""
         rng_file = os.path.join(path, f"rng-{self._rank()}.pt")
-        if saved_world_size != self._world_size() or not os.path.exists(rng_file):
+        if saved_world_size != self._world_size():  # alike on every rank
+            return None
+        rng = unsafe = None
+        try:
+            rng = _load_file(rng_file) if os.path.exists(rng_file) else None
+        except CheckpointUnsafe as e:
+            unsafe = e
+        if not self._distributed():
+            if unsafe is not None:
+                raise unsafe
+            return rng
+        bad: list = [None] * self._world_size()
+        dist.all_gather_object(bad, unsafe is not None, group=self.process_group)
+        if any(bad):
+            files = ", ".join(f"rng-{r}.pt" for r, b in enumerate(bad) if b)
+            raise CheckpointUnsafe(f"checkpoint {path!r}: {files} need code to load "
+                                   "(torch.load(weights_only=True) refused them); titanext never "
+                                   "runs code from a checkpoint: resume from another step "
+                                   "(--checkpoint.load_step=<step>) or start fresh "
+                                   "(--checkpoint.load_step=none)")
+        return rng
+
+    def _load_rng(self, path: str, saved_world_size: int, rng: dict | None) -> None:
+        if rng is None:
             # Rank r of another layout is not the same worker, so its stream would be wrong
             # anyway; data order does not depend on the RNG, so the loss curve continues.
             if self._rank() == 0:
@@ -571,7 +598,6 @@ class CheckpointManager:
                                "state is not restored (model, optimizer, scheduler and data "
                                "position are)", path, saved_world_size, self._world_size())
             return
-        rng = _load_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
