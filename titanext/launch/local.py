@@ -83,6 +83,9 @@ def run_distributed(
     ``fn`` must be a module-level function. Returns the per-rank results; any rank's
     exception is re-raised here with its traceback.
     """
+    # The result files are full pickles (any picklable result), read with weights_only=False:
+    # safe because the folder is mkdtemp's (mode 0700, a fresh random name) and only this
+    # function's own children write into it, so nobody but this user could plant a file there.
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.spawn(
