@@ -158,25 +158,29 @@ def settle_failure(where: str, e: Exception) -> PeerFailed | None:
         return e
     if getattr(e, "_titanext_failsafe", False) or not _initialized():
         return None
-    e._titanext_failsafe = True  # an outer guard leaves it as it is
+    try:
+        e._titanext_failsafe = True  # an outer guard leaves it as it is
+    except AttributeError:  # an exception type without attributes: settled again outside
+        pass
+    if dist.get_backend() == "fake":  # the dry run: one process plays every rank
+        return None
     try:
         store = _compat.default_store()
-    except Exception:  # noqa: BLE001
-        store = None
-    if store is None:
-        abort_process_group()
-        return None
-    _state["store"] = store  # the store outlives the group (its server may live here)
-    peer = _recorded(store, _RECORD_WAIT_S if any(m in str(e) for m in PEER_GONE) else 0.0)
-    if peer is not None:  # another rank failed and ended the group: that is the error
-        abort_process_group()
-        failed = PeerFailed(*peer, here=where)
-        failed._titanext_failsafe = True
-        return failed
-    _state["failures"] += 1
-    if _all_failed(store, _COUNT_KEY.format(_state["failures"]), dist.get_world_size()):
-        return None  # every rank raised: nobody waits, the group stays usable
-    _record(store, where, e)
+        if store is None:
+            raise RuntimeError("no store")
+        _state["store"] = store  # the store outlives the group (its server may live here)
+        peer = _recorded(store, _RECORD_WAIT_S if any(m in str(e) for m in PEER_GONE) else 0.0)
+        if peer is not None:  # another rank failed and ended the group: that is the error
+            abort_process_group()
+            failed = PeerFailed(*peer, here=where)
+            failed._titanext_failsafe = True
+            return failed
+        _state["failures"] += 1
+        if _all_failed(store, _COUNT_KEY.format(_state["failures"]), dist.get_world_size()):
+            return None  # every rank raised: nobody waits, the group stays usable
+        _record(store, where, e)
+    except Exception:  # noqa: BLE001 - no usable store: end the group all the same
+        pass
     abort_process_group()
     return None
 
