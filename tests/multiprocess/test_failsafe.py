@@ -26,6 +26,7 @@ SPLIT = dict(blocks="transformer.h", first=["transformer.wte", "transformer.wpe"
              last=["transformer.ln_f", "lm_head"], skip_missing=True)
 PLANTED = "planted: rank 1's loss cannot be computed"
 TIMEOUT_S = 60  # the collective timeout: waiting for it would take a minute
+ENDED_WITHIN_S = 40  # 7-9 s on a quiet machine, 12-13 s at load 34 (the 5 s grace included)
 
 
 def gpt2():
@@ -78,9 +79,10 @@ def _fails_on_rank_1(rank: int, world_size: int, fail: str) -> dict:
 
 @pytest.mark.parametrize("fail", ["loss", "split"])
 def test_an_error_on_rank_1_ends_both_ranks_within_seconds(fail):
-    start = time.monotonic()
     r0, r1 = run_distributed(_fails_on_rank_1, 2, args=(fail,), timeout_s=TIMEOUT_S)
-    assert time.monotonic() - start < 25, (r0, r1)  # not the 60 s collective timeout
+    # each rank's own time, building the model included (the pool's start-up is not the
+    # fail-safe's): well below the 60 s collective timeout a waiting rank would need
+    assert max(r0["seconds"], r1["seconds"]) < ENDED_WITHIN_S, (r0, r1)
     want = PLANTED if fail == "loss" else "no attribute `embed`"
     assert r1["type"] in ("RuntimeError", "AttributeError") and want in r1["message"], r1
     assert r0["type"] == "PeerFailed", r0
@@ -151,7 +153,7 @@ def test_the_parity_check_reports_rank_1s_error_within_seconds():
     from titanext.parity.report import build_report
 
     (out0, t0), (out1, t1) = run_distributed(_parity_ranks, 2, timeout_s=TIMEOUT_S)
-    assert max(t0, t1) < 20, (t0, t1)
+    assert max(t0, t1) < ENDED_WITHIN_S, (t0, t1)
     report = build_report([out0[0], out1[0]], {}, tol=1e-5, mesh={"pp": 2})
     assert not report.ok and "on rank 1" in report.error and PLANTED in report.error, report.error
     # the group ended with the first check: the second is not run, and says why

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from titanext.distributed.split import pass_on, split_model
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -246,9 +247,9 @@ class HFCausalLMStage(nn.Module):
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
                                   past_key_values=None, position_ids=position_ids)
         cos_sin = m.rotary_emb(h, position_ids=position_ids)
-        for layer in m.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=cos_sin,
-                      position_ids=position_ids)
+        for name, layer in m.layers.items():  # a tuple output (older transformers): its hidden
+            h = pass_on(layer(h, attention_mask=mask, position_embeddings=cos_sin,
+                              position_ids=position_ids), f"model.layers.{name}", last=False)
         if m.norm is not None:
             h = m.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
@@ -330,8 +331,6 @@ def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[st
 
 def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
                        blocks: str) -> nn.Module:
-    from titanext.distributed.split import split_model
-
     first, last = _ends(model, blocks.split("."))
     return split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
                        skip_missing=True)
