@@ -25,7 +25,8 @@ Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from titanext.config import ActivationCheckpoint
-    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.failsafe import guarded
+from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.utils import init_distributed
     from titanext.distributed.parallelize import parallelize
 
@@ -67,6 +68,7 @@ from torch import nn
 
 from titanext._fake_backend import real_tensors, to_empty
 from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
+from titanext.distributed.failsafe import guarded
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.plugins._blocks import find_blocks
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
@@ -103,6 +105,7 @@ def mixed_precision_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -145,7 +148,8 @@ def parallelize(
 
     Loud or correct: each plugin says what it did in one WARNING line (or raises a ValueError
     naming the model class, what it looked for and the fix when a requested degree > 1 would
-    change nothing).
+    change nothing). No rank is left waiting: an error raised on some ranks only ends every rank
+    within seconds (:mod:`titanext.distributed.failsafe`).
 
     Returns the module to train: ``model`` itself (changed in place), or its DDP wrapper under
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.

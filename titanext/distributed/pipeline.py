@@ -42,8 +42,10 @@ from torch.distributed.tensor import DTensor
 from titanext._profiler_ranges import phase, pp_chunk
 from titanext.config.degrees import layers_per_stage  # re-exported
 from titanext.config.layout import PipelinePlan, pipeline_plan
+from titanext.distributed.failsafe import guarded
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
+from titanext.plugins._blocks import block_container
 from titanext.plugins.weight_grad import (
     DeferredPipelineStage,
     WeightGradQueue,
@@ -115,6 +117,7 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
         add_positions, with_kwargs=True)
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
@@ -129,7 +132,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
-    Returns (stages, schedule).
+    Returns (stages, schedule). The schedule's ``step`` is guarded like this function: an
+    exception on one rank ends every rank within seconds, and the others raise
+    :class:`~titanext.distributed.failsafe.PeerFailed` naming it
+    (:mod:`titanext.distributed.failsafe`).
 
     Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
 
@@ -151,8 +157,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
                    **extra)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
-    return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
-                                  scale_grads=False, **(schedule_kwargs or {}))
+    built = build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
+                           scale_grads=False, **(schedule_kwargs or {}))
+    built.step = guarded(built.step, f"{type(built).__name__}.step")  # no rank left waiting
+    return stages, built
 
 
 def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
@@ -248,6 +256,18 @@ class StageTimer:
         return {"f": 1.0, "b": b / f, "w": w / f}
 
 
+def _first_input_name(model: nn.Module) -> str:
+    """The name of the first argument of ``model.forward`` (``input_ids``, ``idx``, ...)."""
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params or params[0].kind is params[0].POSITIONAL_ONLY:
+        raise ValueError(f"skip_missing=True: {type(model).__name__}.forward must take its "
+                         "inputs as a named first argument (every stage gets them by keyword)")
+    return params[0].name
+
+
 class PipelineRunner:
     """This rank's pipeline stages of a model and the schedule that trains them.
 
@@ -274,6 +294,11 @@ class PipelineRunner:
       Interleaved1F1B run interleaved at their expert-parallel all-to-alls
       (:mod:`titanext.schedules.overlap`).
 
+    - a model of another layout, as :func:`split_model` takes it: ``blocks`` (a dotted path),
+      ``first`` / ``last`` (the parts only the first / last stage holds) and ``skip_missing``
+      (each stage runs the model's own ``forward``, and every stage is handed the inputs by
+      the name of that forward's first argument).
+
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
 
@@ -299,24 +324,29 @@ class PipelineRunner:
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 split_backward: str = "deferred", comm_overlap: bool = False):
+                 split_backward: str = "deferred", comm_overlap: bool = False,
+                 blocks: str = "layers", skip_missing: bool = False,
+                 first: Sequence[str] | None = None, last: Sequence[str] | None = None):
         if split_backward not in SPLIT_BACKWARD:
             raise ValueError(f"split_backward = {split_backward!r}; allowed: "
                              f"{', '.join(SPLIT_BACKWARD)}")
+        # split_model's protocol: blocks at a dotted path; skip_missing runs the model's own
+        # forward on every stage, which then takes the inputs by keyword (see step)
+        n_blocks = len(block_container(model, blocks))
         if plan is None:  # the same one resolution a job's layout runs
             if schedule is None or microbatches is None:
                 raise ValueError("PipelineRunner needs plan= (a resolved PipelinePlan, e.g. "
                                  "trainer.layout.pipeline) or schedule= and microbatches=")
             plan = pipeline_plan(schedule, pp=dims.pp, microbatches=microbatches,
-                                 n_layers=len(model.layers), stages_per_rank=stages_per_rank,
+                                 n_layers=n_blocks, stages_per_rank=stages_per_rank,
                                  first_stage_less_layers=first_stage_less_layers,
                                  last_stage_less_layers=last_stage_less_layers,
                                  stage_layers=stage_layers, split_backward=split_backward,
                                  comm_overlap=comm_overlap)
-        elif plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != len(model.layers):
+        elif plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != n_blocks:
             raise ValueError(f"plan for pp = {plan.pp} and {sum(plan.layers_per_stage or ())} "
                              f"blocks does not fit pp = {dims.pp} and a model of "
-                             f"{len(model.layers)} blocks")
+                             f"{n_blocks} blocks at {blocks!r}")
         self.plan = plan
         cls = plan.schedule
         if plan.comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
@@ -330,18 +360,22 @@ class PipelineRunner:
         self.num_stages = plan.num_stages
         # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
         self._loss_copies = plan.loss_copies
+        self._input_kwarg = _first_input_name(model) if skip_missing else None
         counts = plan.layers_per_stage
         self.stage_ids = list(plan.stage_ids(pp_rank))
         if parallelize_stage is None:
             from titanext.distributed.parallelize import parallelize
 
             def parallelize_stage(m: nn.Module) -> nn.Module:
-                return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
+                return parallelize(m, dims, device=device, blocks=blocks,
+                                   init_weights=lambda s: s.init_weights())
 
         # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
         # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
         self.weight_grad_queue = None
-        parts = [split_model(model, counts, i, **stage_parts(model, i, self.num_stages))
+        ends = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
+        parts = [split_model(model, counts, i, blocks=blocks, skip_missing=skip_missing,
+                             **{**stage_parts(model, i, self.num_stages), **ends})
                  for i in self.stage_ids]
         owners = plan.stage_owners
         # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
@@ -402,9 +436,11 @@ class PipelineRunner:
         for i, (inputs, labels, *extra) in enumerate(batches):
             if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
                 self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
-            args = (inputs.to(self.device),) if first else ()
+            args = (inputs.to(self.device),) if first and self._input_kwarg is None else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            if self._input_kwarg is not None:  # skip_missing: every stage takes the inputs
+                kwargs[self._input_kwarg] = inputs.to(self.device)
             # torch splits step's keyword tensors along dim 0 like the inputs and passes
             # micro-batch j's slice to every stage's forward of j (first or not)
             kwargs.update(self.stage_kwargs(*extra))

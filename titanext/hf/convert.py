@@ -142,6 +142,9 @@ def dcp_to_hf(src: str, dst: str, *, model_args: ModelArgs | None = None,
     args, assets = _args_for(src, model_args, hf_assets)
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise ConfigError(f"dcp-to-hf: {src!r} is not a DCP checkpoint (no .metadata file)")
+    from titanext._safe_load import PlainBytesLoadPlanner, check_dcp_metadata
+
+    check_dcp_metadata(os.path.join(src, ".metadata"))  # a pickle: nothing in it may run
     meta = FileSystemReader(src).read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
     wanted = [(fqn, shape) for fqn, shape in _model_shapes(args) if hf_names(fqn, args)]
@@ -174,7 +177,7 @@ def dcp_to_hf(src: str, dst: str, *, model_args: ModelArgs | None = None,
                  for fqn in fqns}
         ctx = _quiet_dcp()
         try:
-            dcp.load({"model": state}, checkpoint_id=src)
+            dcp.load({"model": state}, checkpoint_id=src, planner=PlainBytesLoadPlanner())
         finally:
             ctx.__exit__(None, None, None)
         fname = ("model.safetensors" if len(shards) == 1

@@ -55,9 +55,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titanext._baton_threads import comm_point
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
+from titanext.plugins._baton_threads import comm_point
 from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
 from titanext.plugins._ep_comm import AllToAll as _AllToAll
 from titanext.plugins._ep_comm import CommCounter, count_comm

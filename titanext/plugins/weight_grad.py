@@ -69,9 +69,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from titanext._baton_threads import register_side_state
 from titanext._compat import grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
+from titanext.plugins._baton_threads import register_side_state
 from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
@@ -96,7 +96,7 @@ def _put_state(saved: tuple) -> None:
     _STATE.recording, _STATE.queue = saved
 
 
-# an overlapped forward/backward pair (titanext._baton_threads) keeps one switch per side
+# an overlapped forward/backward pair (titanext.plugins._baton_threads) keeps one switch per side
 register_side_state(lambda: (_STATE.recording, _STATE.queue), _put_state)
 
 
