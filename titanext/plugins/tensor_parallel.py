@@ -258,9 +258,26 @@ def apply_tensor_parallel(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
-    default = plan is None
-    if default:
-        float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
+    if plan is None and float8:
+        float8 = _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
+    plan, matches, kept = tp_plan_targets(model, tp_mesh.size(), plan,
+                                          sequence_parallel=sequence_parallel,
+                                          loss_parallel=loss_parallel, float8=float8)
+    shared = _shared_parameters(model)
+    parallelize_module(model, tp_mesh, kept)
+    _retie(model, shared)
+    _report(model, tp_mesh, matches)
+    return model
+
+
+def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
+                    sequence_parallel: bool = True, loss_parallel: bool = True,
+                    float8: bool = False) -> tuple[TPPlan, dict[str, list[str]], TPPlan]:
+    """What :func:`apply_tensor_parallel` would do, checked without changing ``model``:
+    (the plan, the modules each rule matches, {module FQN: style}). Raises the same
+    ``ValueError`` it would (no plan for an unknown layout, no rule matching, a style that
+    cannot take the module it matches), so a recipe can check before it mutates anything."""
+    if plan is None:
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                              float8=float8, mla_rope=mla_rope_dim(model))
         problems = default_plan_problems(model, plan)
@@ -279,13 +296,10 @@ def apply_tensor_parallel(
         raise ValueError(
             f"apply_tensor_parallel: no rule of the tp plan matches a module of "
             f"{type(model).__name__} (rules: {', '.join(plan) or 'none'}), so tp = "
-            f"{tp_mesh.size()} would shard nothing. Fix: write the plan's keys as the model's "
+            f"{tp} would shard nothing. Fix: write the plan's keys as the model's "
             "module FQNs (print [n for n, _ in model.named_modules()]), '*' for one component")
-    shared = _shared_parameters(model)
-    parallelize_module(model, tp_mesh, kept)
-    _retie(model, shared)
-    _report(model, tp_mesh, matches)
-    return model
+    check_conv1d_styles(model, kept)
+    return plan, matches, kept
 
 
 def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]) -> None:
