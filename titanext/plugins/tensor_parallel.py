@@ -49,9 +49,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["FusedColwiseParallel", "ReplicatedOverTP", "VocabParallelEmbedding",
-           "apply_tensor_parallel", "default_plan_problems", "llama_tp_plan", "mla_rope_dim",
-           "tp_plan_matches"]
+from titanext.plugins._matmuls import matmul_kind
+from titanext.plugins._tp_conv1d import (
+    Conv1DColwiseParallel,
+    Conv1DRowwiseParallel,
+    check_conv1d_styles,
+)
+
+__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "FusedColwiseParallel",
+           "ReplicatedOverTP", "VocabParallelEmbedding", "apply_tensor_parallel",
+           "default_plan_problems", "llama_tp_plan", "mla_rope_dim", "tp_plan_matches",
+           "tp_plan_targets"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -266,8 +274,14 @@ def apply_tensor_parallel(
     shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, kept)
     _retie(model, shared)
-    _report(model, tp_mesh, matches)
+    _report(model, tp_mesh, matches, replicated=_unsharded_matmuls(model, kept))
     return model
+
+
+def _unsharded_matmuls(model: nn.Module, kept: TPPlan) -> list[str]:
+    """Matmul modules (``titanext.plugins._matmuls``) no rule matched: replicated over tp."""
+    return [f"{fqn} ({type(m).__name__})" for fqn, m in model.named_modules()
+            if fqn not in kept and matmul_kind(m) is not None]
 
 
 def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
@@ -302,7 +316,8 @@ def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
     return plan, matches, kept
 
 
-def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]) -> None:
+def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]],
+            replicated: Sequence[str] = ()) -> None:
     """One WARNING line saying what TP did; ValueError when it sharded no parameter."""
     params = dict(model.named_parameters())
     sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
@@ -315,9 +330,11 @@ def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]
             "ColwiseParallel / RowwiseParallel (or other parameter-sharding styles)")
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s",
+            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s%s",
             name, len(sharded), len(params), tp_mesh.size(), len(matches) - len(unused),
-            f"; matching no module (skipped): {', '.join(unused)}" if unused else "")
+            f"; matching no module (skipped): {', '.join(unused)}" if unused else "",
+            f"; matmul modules no rule names (replicated over tp): {', '.join(replicated[:6])}"
+            + (f", ... ({len(replicated)})" if len(replicated) > 6 else "") if replicated else "")
 
 
 def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
