@@ -72,6 +72,7 @@ __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
     "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
     "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
+    "expert_parallel_targets",
 ]
 
 # -- dispatch / combine ----------------------------------------------------------------------------
@@ -469,6 +470,37 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
     """
     _group(ep_mesh)
     world = ep_mesh.size()
+    chosen = expert_parallel_targets(model, world, filter_fn=filter_fn, layout=layout,
+                                     required=required,
+                                     replicate_hot_experts=replicate_hot_experts)
+    if not chosen or world == 1:
+        return []
+    for fqn, m, found in chosen:
+        if found == "protocol":
+            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
+        else:
+            parent, _, child = fqn.rpartition(".")
+            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
+            model.get_submodule(parent).register_module(child, m)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("titanext").warning(
+            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
+            type(model).__name__, len(chosen), world,
+            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+            if replicate_hot_experts else "",
+            ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
+    return [fqn for fqn, _, _ in chosen]
+
+
+def expert_parallel_targets(model: nn.Module, ep: int, *,
+                            filter_fn: Callable[[str, nn.Module], bool] | None = None,
+                            layout: ExpertsLayout | None = None, required: bool = True,
+                            replicate_hot_experts: int = 0
+                            ) -> list[tuple[str, nn.Module, ExpertsLayout | str]]:
+    """The experts modules :func:`apply_expert_parallel` would split over ``ep`` ranks, as
+    (fqn, module, layout), found and checked without changing ``model``: it raises the same
+    ``ValueError`` (no experts found, an unknown layout, an expert count ``ep`` does not divide,
+    too many hot-expert copies), so a recipe can check before it mutates anything."""
     if replicate_hot_experts < 0:
         raise ValueError(f"replicate_hot_experts = {replicate_hot_experts} must be >= 0")
     chosen = []
@@ -479,37 +511,22 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
         if found is None and filter_fn is None:
             continue
         if found is None or found == "protocol":
-            found = _check_protocol(fqn, m, world)
+            found = _check_protocol(fqn, m, ep)
         chosen.append((fqn, m, found))
-    if not chosen:
-        if world > 1 and required:
-            raise ValueError(_none_found(model, filter_fn))
-        return []
-    if world == 1:
-        return []
-    for fqn, m, found in chosen:
-        if found == "protocol":
-            n_exp = next(m.parameters()).shape[0]
-        else:
-            parent, _, child = fqn.rpartition(".")
-            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
-            n_exp = m.num_experts
-        if replicate_hot_experts > max_replicas(n_exp, world):
+    if not chosen and ep > 1 and required:
+        raise ValueError(_none_found(model, filter_fn))
+    for fqn, m, found in chosen if ep > 1 else ():
+        n_exp = (next(m.parameters()).shape[0] if found == "protocol" else len(m)
+                 if isinstance(found, ModuleListExperts) else
+                 next(iter(found.weights(m).values())).shape[0])
+        if n_exp % ep:
+            raise ValueError(f"{fqn}: {n_exp} experts cannot be split over ep = {ep} ranks; the "
+                             "ep degree must divide the number of experts")
+        if replicate_hot_experts > max_replicas(n_exp, ep):
             raise ValueError(f"{fqn}: replicate_hot_experts = {replicate_hot_experts} is more than "
-                             f"the {max_replicas(n_exp, world)} experts of {n_exp} a rank can host "
-                             f"as copies at ep = {world} (num_experts - num_experts / ep)")
-        if found == "protocol":
-            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
-        else:
-            model.get_submodule(parent).register_module(child, m)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logging.getLogger("titanext").warning(
-            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
-            type(model).__name__, len(chosen), world,
-            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
-            if replicate_hot_experts else "",
-            ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
-    return [fqn for fqn, _, _ in chosen]
+                             f"the {max_replicas(n_exp, ep)} experts of {n_exp} a rank can host "
+                             f"as copies at ep = {ep} (num_experts - num_experts / ep)")
+    return chosen
 
 
 def _kind(layout: ExpertsLayout | str) -> str:
