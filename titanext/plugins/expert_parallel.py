@@ -5,7 +5,9 @@
 parameters becomes a DTensor ``Shard(0)`` over ``ep_mesh`` (rank r of W holds experts
 ``r*E/W .. (r+1)*E/W - 1``) and its call is wrapped in dispatch / combine.
 
-The experts-module protocol (``titanext.models.moe.GroupedExperts`` follows it; so can yours):
+The experts-module protocol (``titanext.models.moe.GroupedExperts`` follows it, so does
+torchtitan's ``GroupedExperts`` inside its router / reorderer MoE, found by its call:
+:mod:`titanext.plugins._ep_layouts`; so can yours):
 
 - every parameter has the expert index as its first dimension (e.g. w1/w2/w3 of shape
   [num_experts, ...]);
@@ -61,6 +63,7 @@ from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
 from titanext.plugins._ep_comm import AllToAll as _AllToAll
 from titanext.plugins._ep_comm import CommCounter, count_comm
+from titanext.plugins._ep_layouts import follows_experts_protocol
 from titanext.plugins.expert_replication import (
     ReplicationPlan,
     copy_experts,
@@ -308,11 +311,14 @@ _STACKED_NAMES = (("gate_up_proj", None, "down_proj"), ("w1", "w3", "w2"),
 
 def detect_experts_layout(fqn: str, module: nn.Module) -> ExpertsLayout | str | None:
     """The layout of ``module`` if it is an experts module titanext knows: "protocol" for
-    :class:`~titanext.models.moe.GroupedExperts`, a :class:`StackedExperts` for 3-D
+    :class:`~titanext.models.moe.GroupedExperts` and any module called as ``forward(x,
+    num_tokens_per_expert)`` that holds its stacked expert weights directly (torchtitan's
+    ``GroupedExperts``: :func:`~titanext.plugins._ep_layouts.follows_experts_protocol`), a
+    :class:`StackedExperts` for 3-D
     ``gate_up_proj``/``down_proj`` (``is_transposed`` read from the module),
     ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
     :class:`ModuleListExperts` for an ``nn.ModuleList`` named ``experts``; else None."""
-    if is_grouped_experts(fqn, module):
+    if is_grouped_experts(fqn, module) or follows_experts_protocol(module):
         return "protocol"
     if isinstance(module, ExpertParallelExperts):
         return None
@@ -558,7 +564,8 @@ def _none_found(model: nn.Module, filter_fn) -> str:
              if "expert" in fqn.rsplit(".", 1)[-1].lower()]
     return (f"apply_expert_parallel: ep > 1 but {type(model).__name__} has no experts module "
             + ("that filter_fn selects" if filter_fn else
-               "titanext knows. Looked for GroupedExperts, modules with 3-D stacked "
+               "titanext knows. Looked for GroupedExperts, modules called as forward(x, "
+               "num_tokens_per_expert) holding [experts, ...] weights, modules with 3-D stacked "
                + " / ".join("/".join(n for n in names if n) for names in _STACKED_NAMES)
                + " weights, and an nn.ModuleList named experts")
             + (f"; modules named like experts, of an unknown layout: {', '.join(named)}"
