@@ -3,7 +3,8 @@ token reorderer that sorts the token rows by expert, and an inner grouped-expert
 stacked w1 / w2 / w3 called as ``experts(rows_sorted_by_expert, num_tokens_per_expert)``.
 
 ``names="v0.3"`` uses torchtitan 0.3's shape-suffixed parameter names (``w1_EFD``, ``w2_EDF``,
-``w3_EFD``, the call's ``num_tokens_per_expert_E``); ``names="v0.2"`` plain ``w1`` / ``w2`` / ``w3``.
+``w3_EFD``, the call's ``num_tokens_per_expert_E``); ``names="v0.2"``: plain ``w1``, ``w2``,
+``w3``.
 The inner module converts its DTensor parameters to local shards, as torchtitan's does."""
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ def test_conv1d_tp_refusals_and_torchtitan_ep_match_one_process():
             _close(case["grads"], f"torchtitan MoE {names}")
         refusals = got["refusals"]
         msg, untouched = refusals["tp_torch_style_on_conv1d"]
-        assert msg.startswith("apply_tensor_parallel: transformer.h.0.mlp.c_fc (ColwiseParallel)"), msg
+        assert msg.startswith(
+            "apply_tensor_parallel: transformer.h.0.mlp.c_fc (ColwiseParallel)"), msg
         assert "use titanext.plugins.tensor_parallel.Conv1DColwiseParallel" in msg
         assert untouched
         msg, untouched = refusals["ep_without_blocks"]
