@@ -17,7 +17,13 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titanext.plugins._matmuls import is_conv1d
@@ -34,6 +40,23 @@ def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, lis
         module.register_parameter(name, dist_param)
 
 
+def _prepare_input(input_layouts, desired_layouts, module, inputs, mesh):
+    """The torch style's input handling, through public DTensor calls: the input as a DTensor
+    in ``input_layouts``, redistributed to ``desired_layouts``."""
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, input_layouts, run_check=False)
+    if tuple(x.placements) != tuple(desired_layouts):
+        x = x.redistribute(placements=desired_layouts, async_op=True)
+    return (x, *inputs[1:])
+
+
+def _prepare_output(output_layouts, use_local_output, module, output, mesh):
+    if tuple(output.placements) != tuple(output_layouts):
+        output = output.redistribute(placements=output_layouts, async_op=True)
+    return output.to_local() if use_local_output else output
+
+
 def _distribute(style, module: nn.Module, mesh: DeviceMesh, placements: dict[str, list]):
     def partition(name, submodule, device_mesh):
         if submodule is module:
@@ -41,8 +64,8 @@ def _distribute(style, module: nn.Module, mesh: DeviceMesh, placements: dict[str
 
     return distribute_module(
         module, mesh, partition,
-        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+        partial(_prepare_input, style.input_layouts, style.desired_input_layouts),
+        partial(_prepare_output, style.output_layouts, style.use_local_output))
 
 
 class Conv1DColwiseParallel(ColwiseParallel):
