@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.matmul_models import MixedMatmuls, gpt2_tokens, tiny_gpt2
-from titanext.plugins._matmuls import is_conv1d, matmul_kind
+from titanext.plugins._loud import is_conv1d, matmul_kind
 from titanext.plugins.float8 import apply_float8
 from titanext.plugins.weight_grad import WeightGradQueue, defer_weight_grads, weight_grad_deferral
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from titanext.plugins._matmuls import is_conv1d
+from titanext.plugins._loud import is_conv1d
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "check_conv1d_styles"]
 

@@ -25,6 +25,15 @@ torch.Size([32, 10])
 With FSDP2 and ``enable_fsdp_float8_all_gather=True``, call :func:`precompute_float8_scales`
 after each optimizer step (one all-reduce for all weight scales instead of one per layer).
 gloo has no float8 collectives: there the float8 weight bytes travel as uint8.
+
+transformers' ``Conv1D`` (weight ``[in, out]``, ``y = x W + b``) converts too. torchao's
+``Float8Linear`` runs ``matmul_with_hp_or_float8_args(x, weight.t())``: a Conv1D's weight *is*
+that transposed operand, so a converted Conv1D runs torchao's own float8 matmul on its weight as
+it is (blockwise: :func:`~titanext.plugins.float8_blockwise.float8_blockwise_linear` on its
+transpose), with the numerics of ``Float8Linear`` on ``nn.Linear(weight.t())``. Only its class
+changes (a subclass of its own, so ``isinstance(m, Conv1D)`` holds): parameters, names, shapes,
+state dict, FSDP's and the optimizer's view stay. FSDP's float8 all-gather wraps ``nn.Linear``
+weights only; a Conv1D's weight is all-gathered in high precision (one WARNING line says so).
 """
 
 from __future__ import annotations
@@ -38,13 +47,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from titanext.plugins._loud import log_rank0, own_forward_line
-from titanext.plugins._matmuls import matmul_kind, param_matmul_reason, unconverted_line
+from titanext.plugins._loud import (
+    log_rank0,
+    matmul_kind,
+    own_forward_line,
+    param_matmul_reason,
+    unconverted_line,
+)
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
 
 __all__ = [
     "FLOAT8_ALL_GATHER_RECIPES",
     "FLOAT8_RECIPES",
+    "Float8Conv1DMixin",
     "apply_float8",
     "auto_filter_keeps",
     "float8_linear_fqns",
@@ -178,7 +193,7 @@ def apply_float8(
         device: the device the model will train on, for ``emulate="auto"``.
         module_filter_fn: an extra ``(module, fqn) -> bool``; False keeps a linear as it is.
 
-    Every matmul module is converted or named (``titanext.plugins._matmuls``): ``nn.Linear``
+    Every matmul module is converted or named (``titanext.plugins._loud``): ``nn.Linear``
     and its subclasses that keep ``nn.Linear.forward`` convert; so does transformers' ``Conv1D``
     (weight ``[in, out]``: torchao's float8 matmul on that weight as it is, parameters and
     state dict unchanged); subclasses with their own forward are listed in one WARNING line and
@@ -284,13 +299,11 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
 def _convert_conv1d(model: nn.Module, fqns: set[str], recipe: str, config, emulate: bool
                     ) -> int:
     """Convert the chosen transformers Conv1D modules; how many."""
-    from titanext.plugins._float8_conv1d import convert_conv1d
-
     count = 0
     for fqn in fqns:
         module = model.get_submodule(fqn)
         if matmul_kind(module) == "conv1d":
-            convert_conv1d(module, recipe, config, emulate)
+            _float8_conv1d(module, recipe, config, emulate)
             count += 1
     return count
 
@@ -312,7 +325,6 @@ def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
 
 def float8_linear_fqns(model: nn.Module) -> list[str]:
     """FQNs of the float8 matmul modules in ``model`` (torchao's, blockwise, Conv1D)."""
-    from titanext.plugins._float8_conv1d import Float8Conv1DMixin
     from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
 
     names = []
@@ -350,6 +362,56 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -- transformers' Conv1D ------------------------------------------------------------------------
+
+_CONV1D_CLASSES: dict[type, type] = {}
+
+
+class Float8Conv1DMixin(nn.Module):
+    """The forward of a float8 transformers Conv1D (see the module docstring)."""
+
+    titanext_convert = False  # already converted
+    float8_recipe: str = "tensorwise"
+    emulate: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8_recipe == "blockwise":
+            from titanext.plugins.float8_blockwise import float8_blockwise_linear
+
+            y = float8_blockwise_linear(x, self.weight.t().contiguous(), emulate=self.emulate)
+        else:
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+            if torch.is_autocast_enabled():  # as Float8Linear: keep the autocast dtype
+                x = x.to(torch.get_autocast_gpu_dtype())
+            y = matmul_with_hp_or_float8_args.apply(x, self.weight, self.linear_mm_config,
+                                                    self.config)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _float8_conv1d_class(cls: type) -> type:
+    if cls not in _CONV1D_CLASSES:
+        _CONV1D_CLASSES[cls] = type(f"Float8{cls.__name__}", (Float8Conv1DMixin, cls),
+                                    {"__module__": cls.__module__})
+    return _CONV1D_CLASSES[cls]
+
+
+def _float8_conv1d(module: nn.Module, recipe: str, config=None, emulate: bool = False) -> None:
+    """Make the Conv1D ``module`` compute in float8, in place (``config``: torchao's
+    ``Float8LinearConfig`` for the torchao recipes, None for ``"blockwise"``)."""
+    module.__class__ = _float8_conv1d_class(type(module))
+    module.float8_recipe, module.emulate = recipe, emulate
+    if config is not None:
+        from torchao.float8.float8_linear import Float8Linear
+
+        # torchao's per-GEMM settings (emulation, fast accumulation, padding) as Float8Linear
+        # builds them; a meta Float8Linear of the same shape lends them.
+        with torch.device("meta"):
+            donor = Float8Linear(module.weight.shape[0], module.weight.shape[1], bias=False,
+                                 config=config)
+        module.config, module.linear_mm_config = donor.config, donor.linear_mm_config
 
 
 # -- FSDP2 float8 all-gather over gloo ------------------------------------------------------------

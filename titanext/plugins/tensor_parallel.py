@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanext.plugins._matmuls import matmul_kind
+from titanext.plugins._loud import matmul_kind
 from titanext.plugins._tp_conv1d import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -279,7 +279,7 @@ def apply_tensor_parallel(
 
 
 def _unsharded_matmuls(model: nn.Module, kept: TPPlan) -> list[str]:
-    """Matmul modules (``titanext.plugins._matmuls``) no rule matched: replicated over tp."""
+    """Matmul modules (``titanext.plugins._loud``) no rule matched: replicated over tp."""
     return [f"{fqn} ({type(m).__name__})" for fqn, m in model.named_modules()
             if fqn not in kept and matmul_kind(m) is not None]
 

@@ -72,8 +72,7 @@ from torch.distributed.pipelining import PipelineStage
 from titanext._baton_threads import register_side_state
 from titanext._compat import grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
-from titanext.plugins._loud import log_rank0, own_forward_line
-from titanext.plugins._matmuls import matmul_kind, unconverted_line
+from titanext.plugins._loud import log_rank0, matmul_kind, own_forward_line, unconverted_line
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
            "has_deferred_modules", "weight_grad_deferral"]
