@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.matmul_models import gpt2_tokens, tiny_gpt2
+from tests.matmul_models import MixedMatmuls, gpt2_tokens, tiny_gpt2
 from tests.spawn import run_distributed
 from tests.torchtitan_style_moe import TTGroupedExperts, TTMoEModel
 
@@ -68,6 +68,28 @@ def _gpt2_tp_case() -> dict:
     loss.backward()
     grads = {n: (_full(p.grad), ref.get_parameter(n).grad) for n, p in model.named_parameters()}
     return {"loss": (loss.detach(), loss_ref.detach()), "grads": grads}
+
+
+def _mixed_tp_case() -> dict:
+    """TP 2 on the subclassed Linears around a module calling F.linear on its own parameter:
+    ``up`` column-wise gathered, ``down`` row-wise, ``mid`` replicated (and named so)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from titanext.plugins.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    ref = MixedMatmuls()
+    model = copy.deepcopy(ref)
+    apply_tensor_parallel(model, _dims(tp=2).tp_mesh, {
+        "up": ColwiseParallel(output_layouts=Replicate()),
+        "down": RowwiseParallel(input_layouts=Replicate())})
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(2))
+    y, y_ref = model(x), ref(x)
+    y.square().mean().backward()
+    y_ref.square().mean().backward()
+    grads = {n: (_full(p.grad), ref.get_parameter(n).grad) for n, p in model.named_parameters()}
+    return {"out": (y.detach(), y_ref.detach()), "grads": grads}
 
 
 def _refusals() -> dict:
@@ -125,7 +147,7 @@ def _torchtitan_ep_case(names: str) -> dict:
 
 
 def _body(rank: int, world_size: int) -> dict:
-    return {"gpt2_tp": _gpt2_tp_case(), "refusals": _refusals(),
+    return {"gpt2_tp": _gpt2_tp_case(), "mixed_tp": _mixed_tp_case(), "refusals": _refusals(),
             **{f"tt_{names}": _torchtitan_ep_case(names) for names in ("v0.2", "v0.3")}}
 
 
@@ -140,6 +162,9 @@ def test_conv1d_tp_refusals_and_torchtitan_ep_match_one_process():
         case = got["gpt2_tp"]
         _close({"loss": case["loss"]}, "GPT-2 Conv1D TP")
         _close(case["grads"], "GPT-2 Conv1D TP")
+        case = got["mixed_tp"]
+        _close({"out": case["out"]}, "subclassed Linear TP")
+        _close(case["grads"], "subclassed Linear TP")
         for names in ("v0.2", "v0.3"):
             case = got[f"tt_{names}"]
             _close({"out": case["out"]}, f"torchtitan MoE {names}")

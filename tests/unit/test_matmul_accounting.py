@@ -124,3 +124,32 @@ def test_converters_name_a_module_multiplying_by_its_own_parameter(caplog):
     assert "found mid (OwnWeightProjection, multiplies by its own 2-D parameter)" in msg, msg
     assert "hold the weights multiplied outside nn.Linear in nn.Linear modules" in msg
     assert "pass module_filter_fn returning True" not in msg
+
+
+def test_tp_plan_targets_refuse_styles_that_cannot_shard_a_matmul_before_sharding():
+    """torch's linear styles on a Conv1D, or on a module calling F.linear on its own parameter,
+    are refused by name with the fix, without a process group and without changing the model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from titanext.plugins.tensor_parallel import (
+        Conv1DColwiseParallel,
+        Conv1DRowwiseParallel,
+        default_plan_problems,
+        tp_plan_targets,
+    )
+
+    gpt2 = tiny_gpt2()
+    with pytest.raises(ValueError) as e:
+        tp_plan_targets(gpt2, 2, {"transformer.h.*.mlp.c_fc": ColwiseParallel(),
+                                  "transformer.h.*.mlp.c_proj": Conv1DRowwiseParallel()})
+    msg = str(e.value)
+    assert msg.startswith("apply_tensor_parallel: transformer.h.0.mlp.c_fc (ColwiseParallel): "
+                          "transformers Conv1D holds its weight as [in, out]"), msg
+    assert "transformer.h.1.mlp.c_fc (ColwiseParallel)" in msg and "c_proj" not in msg
+    _, _, kept = tp_plan_targets(gpt2, 2, {"transformer.h.*.mlp.c_fc": Conv1DColwiseParallel()})
+    assert list(kept) == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+    with pytest.raises(ValueError, match=r"mid \(RowwiseParallel on OwnWeightProjection\): the "
+                       "column / row styles shard nn.Linear, nn.Embedding and Conv1D weights"):
+        tp_plan_targets(MixedMatmuls(), 2, {"up": ColwiseParallel(), "mid": RowwiseParallel()})
+    problems = default_plan_problems(gpt2)
+    assert "transformer.h.0.attn.c_attn (Conv1D) is named by no rule" in problems

@@ -92,16 +92,27 @@ class Conv1DRowwiseParallel(RowwiseParallel):
 
 
 def check_conv1d_styles(model: nn.Module, kept: dict[str, ParallelStyle]) -> None:
-    """Refuse, before anything is sharded, a torch Colwise/Rowwise style on a Conv1D: it would
-    raise deep inside torch, and no linear style can know the weight is transposed."""
-    wrong = [(fqn, style) for fqn, style in kept.items()
-             if isinstance(style, (ColwiseParallel, RowwiseParallel))
-             and not isinstance(style, (Conv1DColwiseParallel, Conv1DRowwiseParallel))
-             and is_conv1d(model.get_submodule(fqn))]
+    """Refuse, before anything is sharded, a torch Colwise/Rowwise style on a module it cannot
+    shard: a Conv1D (no linear style can know its weight is transposed) or any module that is
+    not an ``nn.Linear`` / ``nn.Embedding`` (one calling ``F.linear`` on its own parameter, say).
+    torch would raise deep inside ``parallelize_module``, after other modules were sharded."""
+    wrong = []
+    for fqn, style in kept.items():
+        module = model.get_submodule(fqn)
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or isinstance(
+                module, (nn.Linear, nn.Embedding)):
+            continue
+        ours = isinstance(style, (Conv1DColwiseParallel, Conv1DRowwiseParallel))
+        if is_conv1d(module) and not ours:
+            wrong.append(f"{fqn} ({type(style).__name__}): transformers Conv1D holds its weight "
+                         "as [in, out] (y = x @ W + b), and torch's linear styles take nn.Linear "
+                         "([out, in]) only. Fix: use titanext.plugins.tensor_parallel."
+                         "Conv1DColwiseParallel / Conv1DRowwiseParallel (same arguments) for it "
+                         "(docs/fsdp_tp.md#conv1d)")
+        elif not is_conv1d(module):
+            wrong.append(f"{fqn} ({type(style).__name__} on {type(module).__name__}): the "
+                         "column / row styles shard nn.Linear, nn.Embedding and Conv1D weights "
+                         "only. Fix: hold the module's weight in an nn.Linear, give it a "
+                         "ParallelStyle of your own, or leave it out of the plan (replicated)")
     if wrong:
-        names = ", ".join(f"{fqn} ({type(style).__name__})" for fqn, style in wrong)
-        raise ValueError(
-            f"apply_tensor_parallel: {names}: transformers Conv1D holds its weight as [in, out] "
-            "(y = x @ W + b), and torch's linear styles take nn.Linear ([out, in]) only. Fix: "
-            "use titanext.plugins.tensor_parallel.Conv1DColwiseParallel / "
-            "Conv1DRowwiseParallel (same arguments) for these modules (docs/fsdp_tp.md#conv1d)")
+        raise ValueError("apply_tensor_parallel: " + "; ".join(wrong))

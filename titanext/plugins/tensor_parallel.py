@@ -374,8 +374,9 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
 
     It fits when the blocks are at ``layers.*`` and every block rule matches in every block
     (QK-norm rules optional; a block has its ``feed_forward`` rules or a replicated ``moe``),
-    and every ``nn.Linear`` / ``nn.Embedding`` is named by a rule or sits in a ``moe``. A
-    pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
+    and every matmul module (``titanext.plugins._loud.matmul_kind``: ``nn.Linear``, Conv1D, a
+    module multiplying by its own 2-D parameter) and ``nn.Embedding`` is named by a rule or sits
+    in a ``moe``. A pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
     """
     plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
     modules = dict(model.named_modules())
@@ -394,8 +395,8 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
             if f"{b}.{rule}" not in targets:
                 problems.append(f"rule layers.*.{rule} matches nothing in {b}")
     for n, m in modules.items():
-        if isinstance(m, (nn.Linear, nn.Embedding)) and n not in targets and ".moe." not in (
-                f".{n}."):
+        if (isinstance(m, nn.Embedding) or matmul_kind(m) is not None) and n not in targets \
+                and ".moe." not in f".{n}.":
             problems.append(f"{n} ({type(m).__name__}) is named by no rule")
     return problems
 
