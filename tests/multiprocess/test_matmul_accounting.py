@@ -48,24 +48,39 @@ def _dims(**degrees):
     return dims
 
 
-def _gpt2_tp_case() -> dict:
-    """TP 2 on GPT-2's MLP Conv1D (c_fc column-wise, c_proj row-wise); attention replicated."""
+def _gpt2_tp_case(defer: bool) -> dict:
+    """TP 2 on GPT-2's MLP Conv1D (c_fc column-wise, c_proj row-wise); attention replicated.
+    ``defer``: the Conv1D's weight gradients are queued (DTensor dW) and run after backward."""
+    import contextlib
+
     from titanext.plugins.tensor_parallel import (
         Conv1DColwiseParallel,
         Conv1DRowwiseParallel,
         apply_tensor_parallel,
     )
+    from titanext.plugins.weight_grad import (
+        WeightGradQueue,
+        defer_weight_grads,
+        weight_grad_deferral,
+    )
 
     ref = tiny_gpt2()
     model = copy.deepcopy(ref)
+    queue = WeightGradQueue()
+    if defer:
+        defer_weight_grads(model)
     apply_tensor_parallel(model, _dims(tp=2).tp_mesh, {
         "transformer.h.*.mlp.c_fc": Conv1DColwiseParallel(),
         "transformer.h.*.mlp.c_proj": Conv1DRowwiseParallel()})
     assert model.transformer.h[0].mlp.c_fc.weight.placements[0].dim == 1
     ids = gpt2_tokens()
-    loss_ref, loss = ref(ids, labels=ids).loss, model(ids, labels=ids).loss
+    loss_ref = ref(ids, labels=ids).loss
     loss_ref.backward()
-    loss.backward()
+    with weight_grad_deferral(queue) if defer else contextlib.nullcontext():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    assert len(queue) == (9 if defer else 0)
+    queue.run()
     grads = {n: (_full(p.grad), ref.get_parameter(n).grad) for n, p in model.named_parameters()}
     return {"loss": (loss.detach(), loss_ref.detach()), "grads": grads}
 
@@ -147,7 +162,8 @@ def _torchtitan_ep_case(names: str) -> dict:
 
 
 def _body(rank: int, world_size: int) -> dict:
-    return {"gpt2_tp": _gpt2_tp_case(), "mixed_tp": _mixed_tp_case(), "refusals": _refusals(),
+    return {"gpt2_tp": _gpt2_tp_case(False), "gpt2_tp_deferred": _gpt2_tp_case(True),
+            "mixed_tp": _mixed_tp_case(), "refusals": _refusals(),
             **{f"tt_{names}": _torchtitan_ep_case(names) for names in ("v0.2", "v0.3")}}
 
 
@@ -159,9 +175,9 @@ def _close(pairs: dict, what: str) -> None:
 
 def test_conv1d_tp_refusals_and_torchtitan_ep_match_one_process():
     for got in run_distributed(_body, 2, timeout_s=120):
-        case = got["gpt2_tp"]
-        _close({"loss": case["loss"]}, "GPT-2 Conv1D TP")
-        _close(case["grads"], "GPT-2 Conv1D TP")
+        for key in ("gpt2_tp", "gpt2_tp_deferred"):
+            _close({"loss": got[key]["loss"]}, key)
+            _close(got[key]["grads"], key)
         case = got["mixed_tp"]
         _close({"out": case["out"]}, "subclassed Linear TP")
         _close(case["grads"], "subclassed Linear TP")
