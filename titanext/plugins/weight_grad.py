@@ -217,18 +217,24 @@ class _DeferredLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        dx = dy.matmul(weight) if need_x else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
-        dw = None
-        if need_w:
-            queue = _STATE.queue
-            if queue is None or not ctx.param.is_leaf:
-                dw = _linear_weight_grad(x, dy, ctx.param, None)
-            else:
-                queue.append(_linear_weight_grad, ctx.param, x, dy)
-        return dx, dw, db
+        return _deferring_backward(ctx, dy, dy.matmul, _linear_weight_grad)
+
+
+def _deferring_backward(ctx, dy, input_grad, weight_grad):
+    """(dX, dW, db) of a matmul module: dX = ``input_grad(weight)`` and db now, and dW =
+    ``weight_grad(x, dy, ...)`` queued when a queue is active (else computed now)."""
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    dx = input_grad(weight) if need_x else None
+    db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
+    dw = None
+    if need_w:
+        queue = _STATE.queue
+        if queue is None or not ctx.param.is_leaf:
+            dw = weight_grad(x, dy, ctx.param, None)
+        else:
+            queue.append(weight_grad, ctx.param, x, dy)
+    return dx, dw, db
 
 
 @torch.compiler.disable
@@ -278,18 +284,7 @@ class _DeferredConv1DFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        dx = dy.matmul(weight.t()) if need_x else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
-        dw = None
-        if need_w:
-            queue = _STATE.queue
-            if queue is None or not ctx.param.is_leaf:
-                dw = _conv1d_weight_grad(x, dy, ctx.param, None)
-            else:
-                queue.append(_conv1d_weight_grad, ctx.param, x, dy)
-        return dx, dw, db
+        return _deferring_backward(ctx, dy, lambda w: dy.matmul(w.t()), _conv1d_weight_grad)
 
 
 @torch.compiler.disable
