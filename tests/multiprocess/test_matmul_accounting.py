@@ -125,6 +125,20 @@ def _refusals() -> dict:
     except ValueError as e:
         out["tp_torch_style_on_conv1d"] = (str(e), _untouched(before, gpt2))
 
+    from titanext.config import ActivationCheckpoint
+    from titanext.plugins.tensor_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel
+
+    before = _snapshot(gpt2)
+    try:  # a valid TP plan, then an AC option that only the AC plugin would have rejected
+        parallelize(gpt2, _dims(tp=2), blocks="transformer.h",
+                    activation_checkpoint=ActivationCheckpoint(mode="selective",
+                                                               selective_ac_option="every2"),
+                    tp_plan={"transformer.h.*.mlp.c_fc": Conv1DColwiseParallel(),
+                             "transformer.h.*.mlp.c_proj": Conv1DRowwiseParallel()})
+        out["ac_option_after_tp"] = ("no error", False)
+    except ValueError as e:
+        out["ac_option_after_tp"] = (str(e), _untouched(before, gpt2))
+
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
@@ -190,6 +204,10 @@ def test_conv1d_tp_refusals_and_torchtitan_ep_match_one_process():
         assert msg.startswith(
             "apply_tensor_parallel: transformer.h.0.mlp.c_fc (ColwiseParallel)"), msg
         assert "use titanext.plugins.tensor_parallel.Conv1DColwiseParallel" in msg
+        assert untouched
+        msg, untouched = refusals["ac_option_after_tp"]
+        assert msg == ("activation_checkpoint.selective_ac_option = 'every2'; allowed: 'op' or a "
+                       "positive integer"), msg
         assert untouched
         msg, untouched = refusals["ep_without_blocks"]
         assert msg.startswith("parallelize: FSDP need the model's blocks: Qwen3MoeForCausalLM "

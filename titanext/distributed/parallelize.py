@@ -69,7 +69,10 @@ from titanext._fake_backend import real_tensors, to_empty
 from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.plugins._blocks import find_blocks
-from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+from titanext.plugins.activation_checkpoint import (
+    apply_activation_checkpointing,
+    check_activation_checkpointing,
+)
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import (
     apply_context_parallel,
@@ -230,9 +233,7 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, p: Parallelism,
     error the plugin itself would raise later); returns the blocks, resolved once."""
     zero1 = zero1_enabled(dims, p)
     fsdp = not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1)
-    if ac.mode not in ("none", "full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode = {ac.mode!r}; allowed: none, full, "
-                         "selective")
+    check_activation_checkpointing(ac.mode, ac.selective_ac_option, ac.selective_op_save_list)
     per_block = [name for name, used in (("activation checkpointing", ac.mode != "none"),
                                          ("compile", comp.enable and "model" in comp.components),
                                          ("FSDP", fsdp)) if used]
