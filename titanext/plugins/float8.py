@@ -215,8 +215,8 @@ def apply_float8(
     emulated = resolve_emulate(emulate, device)
     chosen, skipped = _choose(model, recipe, tuple(filter_fqns), auto_filter, module_filter_fn)
     if emulated and emulate == "auto":
-        _log(logging.WARNING, "float8: %d linear(s) converted; %s has no float8 hardware, so "
-             "float8 matmuls are emulated (float8 numerics at high-precision speed); set "
+        _log(logging.WARNING, "float8: %d matmul module(s) converted; %s has no float8 hardware, "
+             "so float8 matmuls are emulated (float8 numerics at high-precision speed); set "
              "emulate = false to insist", len(chosen), device)
     wanted = set(chosen)
 
@@ -244,7 +244,7 @@ def apply_float8(
         _log(logging.WARNING, "float8: the weights of %d Conv1D module(s) are all-gathered by "
              "FSDP in high precision (enable_fsdp_float8_all_gather wraps nn.Linear weights "
              "only); their matmuls still run in float8", conv1d)
-    _log(logging.INFO, "float8 (%s%s): converted %d linear(s); kept in high precision: %s",
+    _log(logging.INFO, "float8 (%s%s): converted %d matmul module(s); kept in high precision: %s",
          recipe, ", emulated" if emulated else "", len(chosen), ", ".join(skipped) or "none")
     return chosen
 

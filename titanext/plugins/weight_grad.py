@@ -429,7 +429,7 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
     outside: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
         kind = matmul_kind(module)
-        float8 += type(module).__name__ == "Float8Linear"
+        float8 += kind == "kept" and type(module).__name__.startswith("Float8")
         already += isinstance(module, _CONVERTED)
         candidate = kind in ("linear", "own_forward", "conv1d") or type(module) is GroupedExperts
         wanted = module_filter_fn(module, fqn) if module_filter_fn and candidate else None
@@ -452,7 +452,7 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
             log_rank0(logging.WARNING, "%s", line)
     if float8:
         log_rank0(logging.WARNING if not converted else logging.INFO,
-                  "weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
+                  "weight_grad: %d float8 module(s) keep their own backward: their weight "
                   "gradients are computed in the input-gradient step, not deferred", float8)
     if not converted and not float8 and not already:
         found = [f"{fqn or '<root>'} ({type(m).__name__}, {why})"
