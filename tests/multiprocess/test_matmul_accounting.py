@@ -85,6 +85,23 @@ def _gpt2_tp_case(defer: bool) -> dict:
     return {"loss": (loss.detach(), loss_ref.detach()), "grads": grads}
 
 
+def _gpt2_fsdp_float8_case() -> dict:
+    """FSDP 2 on GPT-2 with float8 (tensorwise, emulated) Conv1D against one float8 process that
+    runs the ranks' batches as micro-batches (dynamic scales follow the micro-batch)."""
+    from titanext.distributed.parallelize import parallelize
+    from titanext.plugins.float8 import apply_float8
+
+    ref = tiny_gpt2()
+    apply_float8(ref, recipe="tensorwise", filter_fqns=["lm_head"], emulate=True)
+    model = parallelize(copy.deepcopy(ref), _dims(dp_shard=2), blocks="transformer.h")
+    batches = [gpt2_tokens(seed=10 + r) for r in range(2)]
+    for ids in batches:
+        (ref(ids, labels=ids).loss / 2).backward()  # FSDP averages over dp = 2
+    ids = batches[dist.get_rank()]
+    model(ids, labels=ids).loss.backward()
+    return {n: (_full(p.grad), ref.get_parameter(n).grad) for n, p in model.named_parameters()}
+
+
 def _mixed_tp_case() -> dict:
     """TP 2 on the subclassed Linears around a module calling F.linear on its own parameter:
     ``up`` column-wise gathered, ``down`` row-wise, ``mid`` replicated (and named so)."""
@@ -177,7 +194,8 @@ def _torchtitan_ep_case(names: str) -> dict:
 
 def _body(rank: int, world_size: int) -> dict:
     return {"gpt2_tp": _gpt2_tp_case(False), "gpt2_tp_deferred": _gpt2_tp_case(True),
-            "mixed_tp": _mixed_tp_case(), "refusals": _refusals(),
+            "mixed_tp": _mixed_tp_case(), "gpt2_fsdp_float8": _gpt2_fsdp_float8_case(),
+            "refusals": _refusals(),
             **{f"tt_{names}": _torchtitan_ep_case(names) for names in ("v0.2", "v0.3")}}
 
 
@@ -192,6 +210,7 @@ def test_conv1d_tp_refusals_and_torchtitan_ep_match_one_process():
         for key in ("gpt2_tp", "gpt2_tp_deferred"):
             _close({"loss": got[key]["loss"]}, key)
             _close(got[key]["grads"], key)
+        _close(got["gpt2_fsdp_float8"], "GPT-2 FSDP x float8 Conv1D")
         case = got["mixed_tp"]
         _close({"out": case["out"]}, "subclassed Linear TP")
         _close(case["grads"], "subclassed Linear TP")
