@@ -1,12 +1,17 @@
 """Issue 35 on 2 gloo ranks, against one fp32 process (~1e-5) or a named error that leaves the
 model untouched:
 
-- tensor parallelism on transformers' Conv1D (GPT-2's MLP) with the Conv1D styles; torch's
-  linear styles on a Conv1D are refused before anything is sharded;
-- validate before mutating: ``parallelize(..., ep=2)`` on an HF MoE model without ``blocks=``
-  raises before expert parallelism changes it;
+- tensor parallelism on transformers' Conv1D (GPT-2's MLP) with the Conv1D styles, also with the
+  Conv1D weight gradients deferred (DTensor dW); torch's styles on the subclassed Linears of a
+  fixture whose middle module calls F.linear on its own parameter (replicated, and named);
+- FSDP over GPT-2 with float8 Conv1D against one float8 process (the ranks' batches as
+  micro-batches);
+- validate before mutating: torch's linear styles on a Conv1D, a bad AC option after a valid TP
+  plan, and ``parallelize(..., ep=2)`` on an HF MoE model without ``blocks=`` all raise before
+  any plugin changes the model (parameter objects, values and module classes compared);
 - expert parallelism on torchtitan's MoE layout (router, token reorderer, inner grouped experts
-  with stacked w1 / w2 / w3), found by its call, with FSDP x EP through ``parallelize``.
+  with stacked w1 / w2 / w3 under either version's names), found by its call, FSDP x EP through
+  ``parallelize``.
 All cases share one spawn."""
 
 from __future__ import annotations
