@@ -29,7 +29,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from titanext._hints import did_you_mean as _did_you_mean
+from titanext._text import did_you_mean as _did_you_mean
 from titanext.config import schema
 from titanext.config._values import (
     _coerce,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from titanext._hints import did_you_mean as _did_you_mean
+from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
 from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
@@ -156,7 +156,7 @@ class Training:
     """Use deterministic algorithms only (slower; bitwise-repeatable runs)."""
     dataset: str = _field("shakespeare", choices=_DATASETS)
     """Data source: the built-in Shakespeare corpus, your own files streamed and tokenized as
-    they are read ('text'), pre-tokenized .npy shards ('tokens', from python -m titanext.data
+    they are read ('text'), pre-tokenized .npy shards ('tokens', from titanext-data
     tokenize), or synthetic random tokens (for benchmarks and parity tests). See docs/data.md."""
     dataset_path: str | None = _field(None)
     """For dataset = 'text': a .txt, .jsonl, .parquet or .arrow file, or a folder of them

@@ -40,7 +40,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import phase, pp_chunk
-from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
+from titanext.config.degrees import layers_per_stage  # re-exported
+from titanext.config.layout import PipelinePlan, pipeline_plan
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
 from titanext.plugins.weight_grad import (
@@ -50,13 +51,7 @@ from titanext.plugins.weight_grad import (
 )
 from titanext.schedules import (  # pipeline_stage_ids is re-exported
     build_schedule,
-    capped_schedule_class,
-    get_schedule_class,
-    num_stages_for,
     pipeline_stage_ids,
-    resolved_stages_per_rank,
-    stage_ids_for_rank,
-    stage_owners,
 )
 from titanext.schedules.dualpipe import sum_mirrored_grads
 from titanext.schedules.overlap import overlap_schedule_class
@@ -294,52 +289,61 @@ class PipelineRunner:
     the trainer).
     """
 
-    def __init__(self, model: nn.Module, dims, *, schedule: str | type, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, stages_per_rank: int | None = None,
-                 stage_layers: Sequence[int] | None = None, first_stage_less_layers: int = 0,
-                 last_stage_less_layers: int = 0, position_ids: torch.Tensor | None = None,
+    def __init__(self, model: nn.Module, dims, *, loss_fn: Callable[[torch.Tensor, torch.Tensor],
+                                                                    torch.Tensor],
+                 device: torch.device, plan: PipelinePlan | None = None,
+                 schedule: str | type | None = None, microbatches: int | None = None,
+                 stages_per_rank: int | None = None, stage_layers: Sequence[int] | None = None,
+                 first_stage_less_layers: int = 0, last_stage_less_layers: int = 0,
+                 position_ids: torch.Tensor | None = None,
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
                  split_backward: str = "deferred", comm_overlap: bool = False):
-        cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-        if comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                             f"{', '.join(SPLIT_BACKWARD)}")
+        if plan is None:  # the same one resolution a job's layout runs
+            if schedule is None or microbatches is None:
+                raise ValueError("PipelineRunner needs plan= (a resolved PipelinePlan, e.g. "
+                                 "trainer.layout.pipeline) or schedule= and microbatches=")
+            plan = pipeline_plan(schedule, pp=dims.pp, microbatches=microbatches,
+                                 n_layers=len(model.layers), stages_per_rank=stages_per_rank,
+                                 first_stage_less_layers=first_stage_less_layers,
+                                 last_stage_less_layers=last_stage_less_layers,
+                                 stage_layers=stage_layers, split_backward=split_backward,
+                                 comm_overlap=comm_overlap)
+        elif plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != len(model.layers):
+            raise ValueError(f"plan for pp = {plan.pp} and {sum(plan.layers_per_stage or ())} "
+                             f"blocks does not fit pp = {dims.pp} and a model of "
+                             f"{len(model.layers)} blocks")
+        self.plan = plan
+        cls = plan.schedule
+        if plan.comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
             cls = overlap_schedule_class(cls)
-        self.schedule_class, self.device, self.microbatches = cls, device, microbatches
+        self.schedule_class, self.device, self.microbatches = cls, device, plan.microbatches
         self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
-        pp = dims.pp
-        per_rank = resolved_stages_per_rank(cls, stages_per_rank)
         # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
         # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
-        self.mirrored = cls.placement == "dualpipe"
+        self.mirrored = plan.mirrored
         self._mirror_summed = False  # step() summed them (clip_grad_norm must not again)
-        self.num_stages = num_stages_for(cls.placement, pp, per_rank)
+        self.num_stages = plan.num_stages
         # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
-        self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
-                                                                          per_rank)
-                                for r in range(pp))
-        counts = layers_per_stage(len(model.layers), self.num_stages,
-                                  first_stage_less_layers=first_stage_less_layers,
-                                  last_stage_less_layers=last_stage_less_layers,
-                                  explicit=stage_layers,
-                                  stage_ranks=stage_owners(cls.placement, pp, per_rank))
-        self.stage_ids = pipeline_stage_ids(cls, pp_rank=pp_rank, pp=pp, stages_per_rank=per_rank)
+        self._loss_copies = plan.loss_copies
+        counts = plan.layers_per_stage
+        self.stage_ids = list(plan.stage_ids(pp_rank))
         if parallelize_stage is None:
             from titanext.distributed.parallelize import parallelize
 
             def parallelize_stage(m: nn.Module) -> nn.Module:
                 return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
 
-        if split_backward not in SPLIT_BACKWARD:
-            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
-                             f"{', '.join(SPLIT_BACKWARD)}")
         # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
         # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
         self.weight_grad_queue = None
         parts = [split_model(model, counts, i, **stage_parts(model, i, self.num_stages))
                  for i in self.stage_ids]
-        owners = stage_owners(cls.placement, pp, per_rank)
+        owners = plan.stage_owners
         # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
         # gradient is summed with the first stage's (here, or with the rank that holds it)
         self._embedding_peer = None
@@ -347,7 +351,7 @@ class PipelineRunner:
                 owners[0] != owners[-1] and pp_rank in (owners[0], owners[-1]):
             peer = owners[-1] if pp_rank == owners[0] else owners[0]
             self._embedding_peer = dist.get_global_rank(self.pp_group, peer)
-        if split_backward == "deferred" and cls.splits_backward:
+        if plan.split_backward == "deferred" and cls.splits_backward:
             self.weight_grad_queue = WeightGradQueue()
             for part in parts:  # a converter: before TP / FSDP, on the meta stage
                 defer_weight_grads(part)
@@ -363,24 +367,6 @@ class PipelineRunner:
         self._build()
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
-
-    @classmethod
-    def from_config(cls, model: nn.Module, dims, parallelism, *, local_batch_size: int,
-                    **kwargs) -> PipelineRunner:
-        """The runner a config's ``[parallelism]`` section describes (its ``pipeline_parallel_*``
-        keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
-        p = parallelism
-        cap = getattr(p, "pipeline_parallel_max_pending_weight_grads", 0)  # W's pending at most
-        schedule = capped_schedule_class(get_schedule_class(p.pipeline_parallel_schedule), cap)
-        return cls(model, dims, schedule=schedule,
-                   split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
-                   comm_overlap=getattr(p, "expert_parallel_comm_overlap", False),
-                   microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
-                                                     local_batch_size),
-                   stages_per_rank=p.pipeline_parallel_stages_per_rank,
-                   stage_layers=p.pipeline_parallel_layers_per_stage,
-                   first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                   last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers, **kwargs)
 
     def _build(self) -> None:
         self.stages, self.schedule = build_pipeline(

@@ -361,8 +361,8 @@ def write_hf_assets(out: str, args: ModelArgs, *, dtype: torch.dtype,
                     tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
     """config.json (from ``args``; the source config.json's other fields kept) and the
     tokenizer files (those of ``tokenizer.asset_files()``, or of ``hf_assets_path``)."""
+    from titanext.hf.configs import hf_config_from_model_args
     from titanext.hf.tokenizer import TOKENIZER_FILES
-    from titanext.models.hf import hf_config_from_model_args
 
     base = None
     if hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "config.json")):

@@ -64,12 +64,8 @@ from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
 from titanext.plugins._ep_comm import AllToAll as _AllToAll
 from titanext.plugins._ep_comm import CommCounter, count_comm
 from titanext.plugins._ep_layouts import follows_experts_protocol
-from titanext.plugins.expert_replication import (
-    ReplicationPlan,
-    copy_experts,
-    dispatch_replicated,
-    max_replicas,
-)
+from titanext.plugins.expert_replication import ReplicationPlan, copy_experts, dispatch_replicated
+from titanext.plugins.options import max_replicas
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",

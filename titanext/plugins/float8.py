@@ -155,7 +155,7 @@ def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[st
 
 def _check_args(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
     if recipe not in FLOAT8_RECIPES:
-        from titanext._hints import did_you_mean
+        from titanext._text import did_you_mean
 
         raise ValueError(f"apply_float8: recipe = {recipe!r}; allowed: {', '.join(FLOAT8_RECIPES)}"
                          f"{did_you_mean(recipe, FLOAT8_RECIPES, fallback=False)}")
