@@ -37,6 +37,7 @@ from titanext.config.profiling_rules import profiling_problems
 from titanext.config.replication_rules import MOE_RUNTIME_KEYS, replication_problems
 from titanext.config.schema import JobConfig, MoEConfig, field_problems
 from titanext.errors import ConfigError
+from titanext.plugins.ep_dispatch_rules import dispatch_problems
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES
 
 if TYPE_CHECKING:
@@ -542,6 +543,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)
+    problems += dispatch_problems(cfg, skip, model_args)
     if degrees_ok and ok("expert_parallel_degree", "pipeline_parallel_schedule"):
         problems += ep_overlap_problems(cfg)
     if degrees_ok:

@@ -74,6 +74,7 @@ from titanext.plugins.expert_replication import (
     dispatch_replicated,
     max_replicas,
 )
+from titanext.plugins.options import EP_DISPATCH_MODES
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
@@ -81,10 +82,6 @@ __all__ = [
     "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
     "EP_DISPATCH_MODES",
 ]
-
-#: ``apply_expert_parallel(dispatch=...)``: every (token, expert) row sent on its own, or each
-#: token once per destination node, then fanned out inside it (:mod:`._ep_two_level`).
-EP_DISPATCH_MODES = ("flat", "two_level")
 
 # -- dispatch / combine ----------------------------------------------------------------------------
 

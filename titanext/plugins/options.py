@@ -11,7 +11,8 @@ import and re-export them.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK"]
+__all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES",
+           "REPLICATION_SLACK"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -33,3 +34,8 @@ DEFAULT_SAVE_OPS = (
 #: Hot-expert replication makes no new copy while the busiest ep rank is within this fraction
 #: of the mean rows (a copy would cost more than the rows it moves).
 REPLICATION_SLACK = 0.05
+
+#: ``[parallelism] expert_parallel_dispatch`` and ``apply_expert_parallel(dispatch=...)``: every
+#: (token, expert) row sent on its own, or each token once per destination node, then fanned
+#: out inside it (:mod:`titanext.plugins._ep_two_level`).
+EP_DISPATCH_MODES = ("flat", "two_level")
