@@ -21,7 +21,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.multiprocess.test_expert_replication import Holder, _grads, _grads_ref

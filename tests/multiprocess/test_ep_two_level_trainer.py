@@ -16,13 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiprocess.test_expert_parallel import (  # noqa: F401 (the fixture)
-    AUX,
-    STEPS,
-    _assert_matches,
-    _train,
-    moe_reference,
-)
+from tests.multiprocess import test_expert_parallel as _ep
+from tests.multiprocess.test_expert_parallel import AUX, STEPS, _assert_matches, _train
 from tests.spawn import run_distributed
 
 P = "--parallelism."
@@ -62,8 +57,11 @@ def _all(rank: int, world_size: int, folder: str):
     return trained, overlap
 
 
+moe_reference = _ep.moe_reference  # the one-process reference runs (a module-scoped fixture)
+
+
 @pytest.mark.slow
-def test_two_level_dispatch_through_the_trainer(moe_reference, tmp_path):
+def test_two_level_dispatch_through_the_trainer(moe_reference, tmp_path):  # noqa: F811
     per_rank = run_distributed(_all, 4, args=(str(tmp_path),), timeout_s=180)
     got = per_rank[0][0]
     for pp in ("pp2_dualpipe_x_ep2_two_level", "pp2_x_ep2_ZBH1_two_level_aux"):

@@ -35,7 +35,7 @@ from titanext._baton_threads import comm_point
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._counting import Counters
 
-__all__ = ["CommCounter", "Wire", "count_comm", "dequantize_rows", "quantize_rows"]
+__all__ = ["PLAIN", "CommCounter", "Wire", "count_comm", "dequantize_rows", "quantize_rows"]
 
 FLOAT8_BLOCK = 128  # values per scale along a row (DeepSeek-V3's 1 x 128 activation tiles)
 _F8 = torch.float8_e4m3fn
@@ -89,6 +89,9 @@ class Wire:
     float8: bool = False
 
 
+PLAIN = Wire()  # unknown node size, rows in their own dtype
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` [rows, dim] as uint8 [rows, dim + ceil(dim / 128)]: the float8 e4m3 bytes, then one
     signed exponent byte per 1 x 128 block (scale = 2 ** exponent, amax / scale <= 448)."""
@@ -114,7 +117,7 @@ def dequantize_rows(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torc
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup, kind: str = "tokens", wire: Wire = Wire()
+               group: dist.ProcessGroup, kind: str = "tokens", wire: Wire = PLAIN
                ) -> torch.Tensor:
     """``all_to_all_single`` of rows (not differentiable). ``kind`` says how it is counted:
     "dispatch" (forward token rows), "tokens" (other token rows), "routing" or "weights"."""
@@ -160,7 +163,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, kind="tokens",  # type: ignore[override]
-                wire=Wire()):
+                wire=PLAIN):
         ctx.splits, ctx.group, ctx.kind, ctx.wire = (out_splits, in_splits), group, kind, wire
         if not wire.float8:
             return all_to_all(x, out_splits, in_splits, group, kind, wire)

@@ -36,6 +36,7 @@ from titanext._baton_threads import comm_point
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, AllToAll, Wire
+from titanext.plugins._ep_dispatch import Route, combine_tokens, dispatch_tokens
 
 __all__ = ["NodeGroups", "TwoLevelRoute", "combine_two_level", "dispatch_two_level",
            "node_groups"]
@@ -78,7 +79,7 @@ class TwoLevelRoute:
     recv_splits: list[int]  # rows from each node
     row: torch.Tensor  # [V] received row of each assignment handed to this node's experts
     weight: torch.Tensor  # [V] its routing weight (fp32, differentiable)
-    inner: object  # the intra-node flat Route (expert_parallel.Route)
+    inner: Route  # the intra-node flat dispatch's
     groups: NodeGroups
     num_tokens: int
 
@@ -124,8 +125,6 @@ def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     (rows for this rank's experts in local-expert order, their counts, the
     :class:`TwoLevelRoute` for :func:`combine_two_level`). ``float8``: the rows travel as
     float8 on both levels (:mod:`~titanext.plugins._ep_comm`)."""
-    from titanext.plugins.expert_parallel import dispatch_tokens
-
     world = groups.nodes * groups.ranks_per_node
     if num_experts % world:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world} ep ranks")
@@ -161,8 +160,6 @@ def combine_two_level(y: torch.Tensor, route: TwoLevelRoute) -> torch.Tensor:
     """Inverse of :func:`dispatch_two_level`, weighted: ``out[t] = sum_j w[t, j] y[t, j]`` over
     token t's experts, each node's part summed inside the node before it crosses back. Returns
     [T, dim] in ``y``'s dtype (fp32 sums, one rounding per node and one at the end)."""
-    from titanext.plugins.expert_parallel import combine_tokens
-
     back = combine_tokens(y, route.inner)  # [V, dim]: this node's assignments, by expert
     received = sum(route.recv_splits)
     partial = torch.zeros(received, y.shape[1], dtype=torch.float32, device=y.device)

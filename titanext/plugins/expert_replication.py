@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._ep_comm import COUNTERS, AllToAll, Wire
+from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire
 from titanext.plugins.options import REPLICATION_SLACK
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
@@ -267,7 +267,7 @@ def _expand(keys: list[int], sizes: list[int], total: int, device: torch.device)
 
 
 def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
-                        copies: int, wire: Wire = Wire()):
+                        copies: int, wire: Wire = PLAIN):
     """:func:`~titanext.plugins.expert_parallel.dispatch_tokens` with up to ``copies`` hot
     experts copied: returns (rows in local-slot order, rows per slot [L + hosted copies], the
     send order of ``x``'s rows, send splits, receive splits, arrival-to-slot order, the plan)."""
