@@ -55,15 +55,17 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanext.plugins._ep_comm import PLAIN, CommCounter, Wire, count_comm
-from titanext.plugins._ep_dispatch import Route, combine_tokens, dispatch_tokens
-from titanext.plugins._ep_dispatch import ep_group as _group
-from titanext.plugins._ep_two_level import (
+from titanext.plugins._ep_dispatch import (
     NodeGroups,
+    Route,
     TwoLevelRoute,
+    combine_tokens,
     combine_two_level,
+    dispatch_tokens,
     dispatch_two_level,
     node_groups,
 )
+from titanext.plugins._ep_dispatch import ep_group as _group
 from titanext.plugins.expert_replication import copy_experts, max_replicas
 from titanext.plugins.options import EP_DISPATCH_MODES
 
@@ -411,7 +413,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             num_experts / ep``.
         dispatch: ``"flat"`` (every (token, expert) row travels on its own) or ``"two_level"``
             (each token once to every node holding one of its experts, then to the experts
-            inside it; the combine sums each node's part there: :mod:`._ep_two_level`; the
+            inside it; the combine sums each node's part there: :mod:`._ep_dispatch`; the
             experts module is then called with the routing, see :class:`ExpertParallel`).
         ranks_per_node: consecutive ep ranks that share a node (NVLink): needed by two-level
             dispatch (it must divide ``ep_mesh.size()`` and be smaller); with flat dispatch it

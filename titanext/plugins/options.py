@@ -37,5 +37,5 @@ REPLICATION_SLACK = 0.05
 
 #: ``[parallelism] expert_parallel_dispatch`` and ``apply_expert_parallel(dispatch=...)``: every
 #: (token, expert) row sent on its own, or each token once per destination node, then fanned
-#: out inside it (:mod:`titanext.plugins._ep_two_level`).
+#: out inside it (:mod:`titanext.plugins._ep_dispatch`).
 EP_DISPATCH_MODES = ("flat", "two_level")
