@@ -210,7 +210,9 @@ def _exchange_counts(x: torch.Tensor, ids: torch.Tensor, groups: NodeGroups, e_n
     n, t = groups.nodes, x.shape[0]
     hit = torch.zeros(t, n, dtype=torch.bool, device=x.device)
     hit = hit.scatter_(1, ids // e_node, True).t()  # [nodes, T]
-    per_expert = torch.bincount(ids.reshape(-1), minlength=n * e_node).view(n, e_node)
+    flat = ids.reshape(-1)  # no bincount: its output shape is data-dependent (the dry run)
+    per_expert = torch.zeros(n * e_node, dtype=torch.int64, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)).view(n, e_node)
     send = torch.cat([hit.sum(1, keepdim=True), per_expert], 1).contiguous()  # [nodes, 1 + e]
     recv = torch.empty_like(send)
     with phase(EP_ALL_TO_ALL):  # recv[s]: rows from node s, then its assignments per expert
