@@ -23,10 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.multiprocess.test_expert_replication import Holder, _grads, _grads_ref
+from tests.multiprocess.test_expert_replication import (
+    _adapter_case,
+    _grads,
+    _grads_ref,
+    assert_same_layer,
+)
 from tests.spawn import run_distributed
 
-TOL = dict(rtol=1e-6, atol=1e-6)
+TOL = dict(rtol=1e-6, atol=1e-6)  # assert_same_layer's too
 NODE = 2  # ranks per "node"
 
 
@@ -72,15 +77,8 @@ def _layer_case(mesh, grouped: bool, limited: bool, copies: int = 0) -> dict:
     mine = slice(2 * rank, 2 * rank + 2)
     got = {name: _run(model, xs.detach()[mine], cs[mine], group)
            for name, model in (("flat", flat), ("two_level", two))}
-    y, xg, grads = got["two_level"][:3]
-    for other, (y2, xg2, grads2) in (("flat", got["flat"][:3]),
-                                     ("one process", (ref(xs.detach())[mine], xs.grad[mine],
-                                                      _grads_ref(ref)))):
-        torch.testing.assert_close(y, y2, **TOL, msg=lambda m, o=other: f"output vs {o}: {m}")
-        torch.testing.assert_close(xg, xg2, **TOL, msg=lambda m, o=other: f"x grad vs {o}: {m}")
-        for n, want in grads2.items():
-            torch.testing.assert_close(grads[n], want, **TOL,
-                                       msg=lambda m, n=n, o=other: f"{n} grad vs {o}: {m}")
+    assert_same_layer(*got["two_level"][:3], {"flat": got["flat"][:3], "one process": (
+        ref(xs.detach())[mine], xs.grad[mine], _grads_ref(ref))})
     tokens = 2 * 6
     inter = {k: v[3].inter_node_dispatch_bytes_sent for k, v in got.items()}
     if limited:  # M = 1 node per token: at most one row of dim fp32 values per token
@@ -88,30 +86,6 @@ def _layer_case(mesh, grouped: bool, limited: bool, copies: int = 0) -> dict:
     return {"inter": inter, "syncs": got["two_level"][3].host_syncs,
             "routing": got["two_level"][3].routing_bytes_sent,
             "copies": (got["two_level"][3].replicas, got["two_level"][3].weight_bytes_sent)}
-
-
-def _adapter_case(mesh) -> None:
-    """The adapter (ExpertParallelExperts, transformers' call) under two-level == one process."""
-    from titanext.plugins.expert_parallel import StackedExperts, apply_expert_parallel
-
-    rank, world, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
-    ref = Holder()
-    two = copy.deepcopy(ref)
-    apply_expert_parallel(two, mesh, filter_fn=lambda n, m: n == "experts",
-                          layout=StackedExperts("gate_proj", "up_proj", "down_proj",
-                                                transposed=True),
-                          dispatch="two_level", ranks_per_node=NODE)
-    g = torch.Generator().manual_seed(2)
-    xs = torch.randn(6 * world, 6, generator=g)
-    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6 * world)])
-    w = torch.rand(6 * world, 3, generator=g)
-    ref.experts(xs, ids, w).pow(2).sum().backward()
-    mine = slice(6 * rank, 6 * rank + 6)
-    y = two.experts(xs[mine], ids[mine], w[mine])
-    y.pow(2).sum().backward()
-    torch.testing.assert_close(y, ref.experts(xs, ids, w)[mine], **TOL)
-    for n, want in _grads_ref(ref).items():
-        torch.testing.assert_close(_grads(two, group)[n], want, **TOL)
 
 
 def _float8_case(mesh, dispatch: str) -> dict:
@@ -149,7 +123,8 @@ def _cases(rank: int, world_size: int) -> dict:
     for grouped, limited in ((True, True), (False, True), (True, False)):
         out[("layer", grouped, limited)] = _layer_case(mesh, grouped, limited)
     out["replicated"] = _layer_case(mesh, True, limited=True, copies=2)
-    _adapter_case(mesh)
+    # the adapter (ExpertParallelExperts, transformers' call), with copies inside a node
+    _adapter_case(mesh, copies=2, dispatch="two_level", ranks_per_node=NODE)
     for dispatch in ("flat", "two_level"):
         out[("float8", dispatch)] = _float8_case(mesh, dispatch)
     dist.barrier()
