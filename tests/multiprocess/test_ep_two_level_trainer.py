@@ -1,8 +1,9 @@
 """Two-level and float8 expert-parallel dispatch through the trainer (debugmoe, fp32, 4 ranks).
 
 - ep = 4 as 2 "nodes" x 2 gloo ranks under FSDP, also with hot-expert replication and full AC,
-  and ep = 2 as 2 nodes x 1 inside pipeline stages (DualPipe, ZBH1 with split backward and the
-  sequence aux loss): losses, gradient norms and parameters after 4 steps match one process
+  and ep = 2 as 2 nodes x 1 with TP, with CP and full AC, and inside pipeline stages (DualPipe,
+  ZBH1 with split backward and the sequence aux loss): losses, gradient norms and parameters
+  after 4 steps match one process
   (tests/multiprocess/test_expert_parallel.py's reference and bounds);
 - expert_parallel_comm_overlap with two-level dispatch, float8 linears and deferred weight
   gradients (DualPipeV): bitwise the run without the overlap;
@@ -34,6 +35,15 @@ CASES = {
     "pp2_x_ep2_ZBH1_two_level_aux": [*PP2_EP2, P + "pipeline_parallel_schedule=ZBH1",
                                      P + "pipeline_parallel_microbatches=2", *AUX],
     "ep4_two_level_float8_dispatch": [*EP4, P + "expert_parallel_float8_dispatch=true"],
+    # the MoE replicated over tp: each ep group's ranks stride by tp (2 nodes x 1 here)
+    "ep2_x_tp2_two_level": ["--training.local_batch_size=4", P + "expert_parallel_degree=2",
+                            P + "expert_parallel_ranks_per_node=1", *TWO,
+                            P + "tensor_parallel_degree=2"],
+    "ep2_x_cp2_full_ac_two_level": ["--training.local_batch_size=4",
+                                    P + "expert_parallel_degree=2",
+                                    P + "expert_parallel_ranks_per_node=1", *TWO,
+                                    P + "context_parallel_degree=2",
+                                    "--activation_checkpoint.mode=full"],
 }
 # The dispatched activations rounded to float8 e4m3 (3 mantissa bits): a float8 bound, not
 # fp32's. Measured 2026-11-27: 5.2e-7 from one process over 4 steps (debugmoe's routed experts
