@@ -33,6 +33,12 @@ has no sync at all. Where syncs remain: one per dispatch (step 2), once more whe
 checkpointing recomputes the layer, and inside the experts module if it needs host counts
 (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path does not).
 
+Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``
+sends each token once to every node holding one of its experts, then to the experts inside it,
+and sums each node's weighted outputs there (:mod:`titanext.plugins._ep_dispatch`: the module
+then takes the routing, ``experts(tokens, TokenRouting(ids, weights))``); ``float8_dispatch``
+sends the dispatched rows as float8 with 1 x 128 scales (:mod:`titanext.plugins._ep_comm`).
+
 Under torchrun, with ``ep_mesh`` a 1D DeviceMesh over the ranks that split the experts:
 
 >>> apply_expert_parallel(model, ep_mesh)  # in a process group  # doctest: +SKIP
