@@ -195,7 +195,7 @@ class TwoLevelRoute:
     num_tokens: int
 
     @property
-    def plan(self):
+    def plan(self) -> ReplicationPlan | None:
         return self.inner.plan  # hot-expert copies inside the node
 
     @property
@@ -232,7 +232,8 @@ def _exchange_counts(x: torch.Tensor, ids: torch.Tensor, groups: NodeGroups, e_n
 
 def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        groups: NodeGroups, num_experts: int, replicate_hot_experts: int = 0,
-                       float8: bool = False):
+                       float8: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, TwoLevelRoute]:
     """Send each token of ``x`` [T, dim] once to every node holding one of its experts
     (``top_k_index`` [T, k], global expert ids), then to its experts inside the node. Returns
     (rows for this rank's experts in local-expert order, their counts, the
