@@ -2,8 +2,8 @@
 
 - ep = 4 as 2 "nodes" x 2 gloo ranks under FSDP, also with hot-expert replication and full AC,
   and ep = 2 as 2 nodes x 1 with TP, with CP and full AC, and inside pipeline stages (DualPipe,
-  ZBH1 with split backward and the sequence aux loss): losses, gradient norms and parameters
-  after 4 steps match one process
+  1F1B, ZBH1 with split backward and the sequence aux loss): losses, gradient norms and
+  parameters after 4 steps match one process
   (tests/multiprocess/test_expert_parallel.py's reference and bounds);
 - expert_parallel_comm_overlap with two-level dispatch, float8 linears and deferred weight
   gradients (DualPipeV): bitwise the run without the overlap;
@@ -34,6 +34,8 @@ CASES = {
     "pp2_dualpipe_x_ep2_two_level": [*PP2_EP2, P + "pipeline_parallel_schedule=DualPipe"],
     "pp2_x_ep2_ZBH1_two_level_aux": [*PP2_EP2, P + "pipeline_parallel_schedule=ZBH1",
                                      P + "pipeline_parallel_microbatches=2", *AUX],
+    "pp2_x_ep2_1F1B_two_level": [*PP2_EP2, P + "pipeline_parallel_schedule=1F1B",
+                                 P + "pipeline_parallel_microbatches=4"],
     "ep4_two_level_float8_dispatch": [*EP4, P + "expert_parallel_float8_dispatch=true"],
     # the MoE replicated over tp: each ep group's ranks stride by tp (2 nodes x 1 here)
     "ep2_x_tp2_two_level": ["--training.local_batch_size=4", P + "expert_parallel_degree=2",
@@ -74,7 +76,7 @@ moe_reference = _ep.moe_reference  # the one-process reference runs (a module-sc
 def test_two_level_dispatch_through_the_trainer(moe_reference, tmp_path):  # noqa: F811
     per_rank = run_distributed(_all, 4, args=(str(tmp_path),), timeout_s=180)
     got = per_rank[0][0]
-    for pp in ("pp2_dualpipe_x_ep2_two_level", "pp2_x_ep2_ZBH1_two_level_aux"):
+    for pp in (n for n in CASES if n.startswith("pp2")):
         got[pp] = (*got[pp][:2], {**got[pp][2], **per_rank[2][0][pp][2]}, *got[pp][3:])
     for name in CASES:
         assert len(got[name][0]) == STEPS, name
