@@ -99,6 +99,7 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
         raise
     home = dist.group.WORLD  # a case may replace it (the dry run's fake group): retire then
     fresh = _FreshState(torch)
+    base_store, cases = dist.distributed_c10d._world.pg_map[home][1], 0
     conn.send_bytes(pickle.dumps(("ready", None, "")))
     while True:
         try:
@@ -108,6 +109,8 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None
         if fn is None:
             break
         fresh.restore(torch, timeout_s)
+        cases += 1
+        _case_store(dist, home, base_store, cases)
         try:
             result = fn(rank, world_size, *args, **kwargs)
             alive = dist.is_initialized() and dist.group.WORLD is home
@@ -140,6 +143,20 @@ def _thread_count() -> int:
         return len(os.listdir(f"/proc/{os.getpid()}/task"))
     except OSError:
         return 0
+
+
+def _case_store(dist, home, base_store, case: int) -> None:
+    """Give the case's new process groups a key prefix of their own in the rendezvous store.
+
+    A group's gloo rendezvous writes each rank's address under ``<group name>/`` in the default
+    group's store, and a group made with ``use_local_synchronization=True`` is named by a hash of
+    its ranks alone: the same name in every case. An earlier case's keys, left in the store,
+    would hand a later case's group the addresses of sockets long closed ("connectFullMesh
+    failed ... Connection refused"). Every rank runs the same cases, so the prefixes agree.
+    """
+    c10d = dist.distributed_c10d
+    backend = c10d._world.pg_map[home][0]
+    c10d._world.pg_map[home] = (backend, dist.PrefixStore(f"case{case}/", base_store))
 
 
 def _drop_case_groups(dist, home) -> None:

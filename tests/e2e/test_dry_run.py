@@ -100,6 +100,11 @@ TRUTH_CASES = {  # 4 ranks each; every case runs for real and as a dry run in ON
     "cp": ("debug_model.toml", ["--parallelism.context_parallel_degree=2"]),
     "pp": ("debug_pp.toml", []),
     "ep": ("debug_moe.toml", ["--parallelism.expert_parallel_degree=2"]),
+    # two-level dispatch over 2 "nodes" of 2 ranks, float8 rows (node groups on fake ranks too)
+    "ep_two_level": ("debug_moe.toml", ["--parallelism.expert_parallel_degree=4",
+                                        "--parallelism.expert_parallel_dispatch=two_level",
+                                        "--parallelism.expert_parallel_ranks_per_node=2",
+                                        "--parallelism.expert_parallel_float8_dispatch=true"]),
 }
 DRY_RANKS = (0, 3)  # a dry run of every rank would only repeat these (pp: first and last)
 PLANNER_CASES = tuple(TRUTH_CASES)  # the planner's 15% holds on every case

@@ -66,17 +66,23 @@ def _layer_case(mesh, grouped: bool, copies: int) -> dict:
             (y * cs[mine]).sum().backward()
         results[name] = (y.detach(), x.grad, _grads(model, group), cc)
     y, xg, grads, cc = results["rep"]
-    for other, (y2, xg2, grads2) in (("plain", results["plain"][:3]),
-                                     ("one process", (ref(xs.detach())[mine], xs.grad[mine],
-                                                      _grads_ref(ref)))):
-        torch.testing.assert_close(y, y2, **TOL, msg=lambda m, o=other: f"output vs {o}: {m}")
-        torch.testing.assert_close(xg, xg2, **TOL, msg=lambda m, o=other: f"x grad vs {o}: {m}")
-        for n, want in grads2.items():
-            torch.testing.assert_close(grads[n], want, **TOL,
-                                       msg=lambda m, n=n, o=other: f"{n} grad vs {o}: {m}")
+    assert_same_layer(y, xg, grads, {"plain": results["plain"][:3], "one process": (
+        ref(xs.detach())[mine], xs.grad[mine], _grads_ref(ref))})
     assert cc.replicas > 0 and cc.weight_bytes_sent > 0 or world == 1, cc
     assert results["plain"][3].weight_bytes_sent == 0
     return {"replicas": cc.replicas, "weight_bytes": cc.weight_bytes_sent}
+
+
+def assert_same_layer(y, x_grad, grads, references: dict[str, tuple]) -> None:
+    """The output, input gradient and every parameter gradient of a layer against each of
+    ``references`` ({name: (output, input gradient, {parameter: gradient})}), to TOL."""
+    for other, (y2, xg2, grads2) in references.items():
+        torch.testing.assert_close(y, y2, **TOL, msg=lambda m, o=other: f"output vs {o}: {m}")
+        torch.testing.assert_close(x_grad, xg2, **TOL,
+                                   msg=lambda m, o=other: f"x grad vs {o}: {m}")
+        for n, want in grads2.items():
+            torch.testing.assert_close(grads[n], want, **TOL,
+                                       msg=lambda m, n=n, o=other: f"{n} grad vs {o}: {m}")
 
 
 def _grads_ref(ref: nn.Module) -> dict[str, torch.Tensor]:
@@ -108,8 +114,9 @@ class Holder(nn.Module):
         self.experts = StackedSwiGLU(8, 6, 10)
 
 
-def _adapter_case(mesh, copies: int) -> None:
-    """The adapter (ExpertParallelExperts) with copies == one process."""
+def _adapter_case(mesh, copies: int, **ep_options) -> None:
+    """The adapter (ExpertParallelExperts) with copies == one process (``ep_options``: more
+    ``apply_expert_parallel`` arguments, such as the two-level dispatch)."""
     from titanext.plugins.expert_parallel import StackedExperts, apply_expert_parallel
 
     rank, world, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
@@ -118,7 +125,7 @@ def _adapter_case(mesh, copies: int) -> None:
     apply_expert_parallel(rep, mesh, filter_fn=lambda n, m: n == "experts",
                           layout=StackedExperts("gate_proj", "up_proj", "down_proj",
                                                            transposed=True),
-                          replicate_hot_experts=copies)
+                          replicate_hot_experts=copies, **ep_options)
     g = torch.Generator().manual_seed(2)
     xs = torch.randn(6 * world, 6, generator=g)
     ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), 2,

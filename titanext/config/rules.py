@@ -35,6 +35,7 @@ from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, field_problems
 from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
+from titanext.plugins.ep_dispatch_rules import dispatch_problems
 from titanext.plugins.options import float8_problems, replication_problems
 
 __all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
@@ -444,6 +445,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)
+    problems += dispatch_problems(cfg, skip, model_args)
     if degrees_ok and ok("expert_parallel_degree", "pipeline_parallel_schedule"):
         problems += ep_overlap_problems(cfg, plan)
     if degrees_ok:

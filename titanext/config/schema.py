@@ -25,7 +25,7 @@ from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._fields import _field, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
-from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
+from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES, FLOAT8_RECIPES
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
@@ -290,6 +290,23 @@ class Parallelism:
     side computes. Results are bitwise those of the run without it. Needs
     expert_parallel_degree > 1 and pipeline_parallel_degree > 1 with one of those schedules
     (1F1B: one more micro-batch in flight per rank, and more than pp micro-batches)."""
+    expert_parallel_dispatch: str = _field("flat", choices=EP_DISPATCH_MODES)
+    """How tokens reach their experts: 'flat' sends every (token, expert) row on its own;
+    'two_level' (DeepSeek-V3's node-limited dispatch) sends each token once to every node that
+    holds one of its experts, then to the experts inside it, and sums each node's weighted
+    expert outputs there before they cross back, so a token crosses the network at most
+    moe.num_limited_groups times (one expert group or more per node). Needs
+    expert_parallel_ranks_per_node; same results as 'flat'."""
+    expert_parallel_ranks_per_node: int = _field(0, ge=0)
+    """Consecutive ep ranks that share a node (NVLink): GPUs per node / tensor_parallel_degree
+    when ep is laid out inside nodes first. Needed by expert_parallel_dispatch = 'two_level'
+    (a divisor of expert_parallel_degree below it); with 'flat' it only splits the EP traffic
+    counters into inter- and intra-node bytes. 0 = unknown."""
+    expert_parallel_float8_dispatch: bool = _field(False)
+    """Send the dispatched token rows as float8 e4m3 with one power-of-two scale per 1 x 128
+    block (dim + dim / 128 bytes a row instead of 2 x dim in bf16); the combine and every
+    gradient stay in the activations' dtype. Within float8 error of the bf16 dispatch. Needs
+    expert_parallel_degree > 1."""
 
 
 _DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.options owns the list

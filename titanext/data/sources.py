@@ -22,7 +22,7 @@ CORPUS = Path(__file__).resolve().parent.parent / "assets" / "shakespeare.txt"
 
 
 class Tokenizer(Protocol):
-    """What the loader needs from a tokenizer (``components.tokenizer.ByteTokenizer`` fits).
+    """What the loader needs from a tokenizer (``titanext.data.tokenizer.ByteTokenizer`` fits).
 
     ``bos_id`` is optional (read with ``getattr``); it only marks document starts for
     document masking.

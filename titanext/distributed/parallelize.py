@@ -187,7 +187,10 @@ def parallelize(
         if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
             found = apply_expert_parallel(model, dims.ep_mesh, filter_fn=experts,
                                           layout=experts_layout, required=not dims.pp_enabled,
-                                          replicate_hot_experts=replicate_hot_experts)
+                                          replicate_hot_experts=replicate_hot_experts,
+                                          dispatch=p.expert_parallel_dispatch,
+                                          ranks_per_node=p.expert_parallel_ranks_per_node,
+                                          float8_dispatch=p.expert_parallel_float8_dispatch)
             expert_units = [model.get_submodule(f) for f in found]
         if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
             apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),

@@ -40,8 +40,8 @@ from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
 from titanext.models.layers import AddLossGradient, FeedForward
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "expert_load",
-           "grouped_mm_supported", "set_aux_loss_weight", "update_expert_bias"]
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "TokenRouting",
+           "expert_load", "grouped_mm_supported", "set_aux_loss_weight", "update_expert_bias"]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -101,6 +101,19 @@ class GroupedExperts(nn.Module):
         for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
             outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class TokenRouting:
+    """Each token's experts ``ids`` [T, k] and routing ``weights`` [T, k] (fp32), handed whole to
+    an experts module whose ``takes_routing`` attribute is set (two-level expert-parallel
+    dispatch, which sends each token once per node and sums its weighted expert outputs there).
+    A plain class on purpose: FSDP's mixed-precision cast of a module's inputs leaves the fp32
+    weights inside it alone, as it does on the flat path, where they never enter the experts."""
+
+    __slots__ = ("ids", "weights")
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor):
+        self.ids, self.weights = ids, weights
 
 
 class RouterGate(nn.Linear):
@@ -202,17 +215,14 @@ class MoE(nn.Module):
             0, flat_ids, torch.ones_like(flat_ids))
         with torch.no_grad():
             self.tokens_per_expert.add_(counts)
-        if a.capacity_factor is None:
-            order, kept_counts = torch.argsort(flat_ids, stable=True), counts
+        if getattr(self.experts, "takes_routing", False):  # the weighted sum per token
+            if a.capacity_factor is not None:
+                raise ValueError("capacity_factor (token dropping) and two-level expert-parallel "
+                                 "dispatch cannot be combined: use dispatch = 'flat' or a "
+                                 "dropless MoE")
+            out = self.experts(tokens, TokenRouting(ids, weights)).to(x.dtype)
         else:
-            order, kept_counts = self._capacity_order(flat_ids, counts,
-                                                      scores.gather(-1, ids).reshape(-1))
-        token_of = order // a.top_k
-        y = self.experts(tokens[token_of], kept_counts)  # [kept, dim] in expert order
-        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
-        out = out.index_add_(0, token_of, y)
-        out = out.to(x.dtype)
+            out = self._routed(tokens, weights, ids, counts, scores)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if a.aux_loss_alpha > 0:
@@ -222,6 +232,22 @@ class MoE(nn.Module):
                 weight = 1.0 / bsz if self.aux_loss_weight is None else self.aux_loss_weight
                 out = AddLossGradient.apply(out, aux, weight)
         return out.view(bsz, seqlen, dim)
+
+    def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum per token, with the T x top_k assignments sorted by
+        expert for ``experts(rows, counts)`` (dropping those over capacity, if any)."""
+        a, flat_ids = self.args, ids.reshape(-1)
+        if a.capacity_factor is None:
+            order, kept_counts = torch.argsort(flat_ids, stable=True), counts
+        else:
+            order, kept_counts = self._capacity_order(flat_ids, counts,
+                                                      scores.gather(-1, ids).reshape(-1))
+        token_of = order // a.top_k
+        y = self.experts(tokens[token_of], kept_counts)  # [kept, dim] in expert order
+        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return out.index_add_(0, token_of, y).to(tokens.dtype)
 
     def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor,
                         flat_scores: torch.Tensor):

@@ -16,7 +16,13 @@ import dataclasses
 from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.memory import state_elements
-from titanext.planning.moe import all_to_all_bytes, expert_copy_bytes
+from titanext.planning.moe import (
+    all_to_all_bytes,
+    destination_nodes,
+    expert_copy_bytes,
+    row_bytes,
+    two_level_bytes,
+)
 from titanext.planning.roofline import MicrobatchTime
 from titanext.planning.stages import RankStages
 
@@ -58,7 +64,12 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         rows, exposed_f, exposed_i = context_parallel_comm(lo, rank, device, mt.attention_f)
         comm += rows
         mt = dataclasses.replace(mt, f=mt.f + exposed_f, i=mt.i + exposed_i)
-    if ep > 1 and lo.n_moe(rank):
+    p = lo.cfg.parallelism
+    if ep > 1 and lo.n_moe(rank) and (p.expert_parallel_dispatch != "flat"
+                                      or p.expert_parallel_float8_dispatch):
+        rows, mt = expert_dispatch_comm(lo, device, rank, mt, imbalance)
+        comm += rows
+    elif ep > 1 and lo.n_moe(rank):
         # dispatch + combine forward, again backward (and in the recompute); one count exchange
         # per dispatch; on the critical path (the MoE waits for its tokens)
         n_f = 2 * lo.n_moe(rank)
@@ -73,10 +84,10 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
         c["a2a_f_s"], c["a2a_i_s"] = n_f * t_one, n_i * t_one
         mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
-        copies = lo.cfg.moe.replicate_hot_experts
-        if copies:  # hot-expert copies: weights out per dispatch, their gradients back
-            rows, mt = expert_copies_comm(lo, device, rank, mt, copies)
-            comm.append(rows)
+    copies = lo.cfg.moe.replicate_hot_experts
+    if ep > 1 and lo.n_moe(rank) and copies:  # hot-expert copies: weights out, gradients back
+        rows, mt = expert_copies_comm(lo, device, rank, mt, copies)
+        comm.append(rows)
     p2p = 0.0
     if pp > 1:
         send = tokens * shape.dim * a / (tp if sp else 1)  # one block-boundary activation
@@ -86,6 +97,64 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         comm.append(c)
         p2p = comm_time({**c, "collectives": 1, "bytes": send}, device)
     return comm, mt, p2p
+
+
+def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime,
+                         imbalance: float) -> tuple[list[dict], MicrobatchTime]:
+    """The EP all-to-all rows of float8 and two-level dispatch (flat bf16: the plain row of
+    :func:`model_parallel_comm`) and ``mt`` with their time.
+
+    Per MoE block and micro-batch: F runs the dispatch (float8 rows, with the routing under
+    two-level) and the combine; I runs their backwards (rows in the activations' dtype; the
+    dispatch's backward returns the routing weights' gradients too) and, under full AC, the
+    recomputed dispatch and combine. Two-level dispatch gives two rows: "EP all-to-all" (the
+    network part: each token once per destination node) and "EP all-to-all intra-node" (the
+    fan-out to the experts inside the node), both on the critical path; the first carries the
+    micro-batch's all-to-all seconds of both (``a2a_f_s``, ``a2a_i_s``)."""
+    p, shape, moe, a, tp, ep = lo.cfg.parallelism, lo.shape, lo.shape.moe, lo.a, lo.tp, lo.ep
+    n_moe, full, passes = lo.n_moe(rank), lo.ac == "full", lo.passes
+    row = row_bytes(shape.dim, a)
+    disp_row = row_bytes(shape.dim, a, p.expert_parallel_float8_dispatch)
+    if p.expert_parallel_dispatch == "flat":  # one level; one all-to-all each
+        def sizes(r: float, routing: bool) -> list[tuple[float, int]]:
+            return [(all_to_all_bytes(lo.tokens, dim=1, top_k=moe.top_k, ep=ep, a=1) * r
+                     * imbalance, 1)]
+        names = [("EP all-to-all", lo.level(tp, ep))]
+        exchanges = [1]
+    else:  # network (rows, and the routing beside a dispatch's), then NVLink
+        rpn = p.expert_parallel_ranks_per_node
+        if rpn < 1 or ep % rpn or ep == rpn:  # the config rules refuse it (the advice skips it)
+            raise ValueError(f"two-level dispatch: ep = {ep} does not split into nodes of "
+                             f"expert_parallel_ranks_per_node = {rpn}")
+        nodes = ep // rpn
+
+        def sizes(r: float, routing: bool) -> list[tuple[float, int]]:
+            far, near = two_level_bytes(lo.tokens, row=r, top_k=moe.top_k, nodes=nodes,
+                                        ranks_per_node=rpn, routing=routing,
+                                        dest_nodes=destination_nodes(moe, nodes))
+            return [(far * imbalance, 2 if routing else 1), (near * imbalance, 1)]
+        names = [("EP all-to-all", lo.level(tp * rpn, nodes)),
+                 ("EP all-to-all intra-node", lo.level(tp, rpn))]
+        exchanges = [1, 1]
+    # (bytes, collectives) per level of: dispatch, combine, and their backwards
+    fwd_disp, fwd_comb = sizes(disp_row, True), sizes(row, False)
+    bwd_disp, bwd_comb = sizes(row, True), sizes(row, False)
+    f_parts = [fwd_disp, fwd_comb]
+    i_parts = [bwd_comb, bwd_disp, *([fwd_disp, fwd_comb] if full else [])]
+    rows, t_f, t_i = [], 0.0, 0.0
+    overlap = "paired chunk" if p.expert_parallel_comm_overlap else "none"
+    for lvl, ((name, level), counts) in enumerate(zip(names, exchanges, strict=True)):
+        c = {"parallelism": name, "level": level, "overlap": overlap,
+             "collectives": passes * n_moe * (counts * (2 if full else 1)
+                                               + sum(part[lvl][1] for part in f_parts + i_parts)),
+             "bytes": passes * n_moe * sum(part[lvl][0] for part in f_parts + i_parts)}
+        rows.append(c)
+        for parts, is_f in ((f_parts, True), (i_parts, False)):
+            t = n_moe * sum(comm_time({**c, "collectives": part[lvl][1], "bytes": part[lvl][0]},
+                                      device) for part in parts)
+            t_f, t_i = (t_f + t, t_i) if is_f else (t_f, t_i + t)
+    rows[0]["a2a_f_s"], rows[0]["a2a_i_s"] = t_f, t_i
+    return rows, dataclasses.replace(mt, f=mt.f + t_f, i=mt.i + t_i)
 
 
 def expert_copies_comm(lo: Layout, device: Device, rank: RankStages, mt: MicrobatchTime,

@@ -9,6 +9,8 @@ typical of NCCL rings on these fabrics.
 
 >>> DEVICES["h100"].bf16_flops / 1e12, DEVICES["h100"].fp8_flops / 1e12
 (989.4, 1978.8)
+>>> DEVICES["h800"].bf16_flops == DEVICES["h100"].bf16_flops, DEVICES["h800"].intra_bw / 1e9
+(True, 200.0)
 >>> with_overrides(DEVICES["h100"], inter_gbps=100).inter_bw / 1e9
 100.0
 """
@@ -51,10 +53,13 @@ def _device(name: str, datasheet_name: str, hbm_gb: float, hbm_tbps: float, intr
 
 
 # NVLink 4 (H100/H200) moves 900 GB/s in both directions together, NVLink 3 600, NVLink 5 1800;
-# one 400 Gb/s NIC per GPU is 50 GB/s (A100 systems: 200 Gb/s, 25 GB/s).
+# one 400 Gb/s NIC per GPU is 50 GB/s (A100 systems: 200 Gb/s, 25 GB/s). The H800 (DeepSeek-V3's
+# GPU) computes as the H100 SXM with NVLink cut to 400 GB/s both ways together (200 each way)
+# and one 400 Gb/s InfiniBand NIC per GPU.
 DEVICES: dict[str, Device] = {
     "h100": _device("H100 SXM", "NVIDIA H100 80GB HBM3", 80, 3.35, 450, 50),
     "h200": _device("H200 SXM", "NVIDIA H200", 141, 4.8, 450, 50),
+    "h800": _device("H800 SXM", "NVIDIA H800", 80, 3.35, 200, 50),
     "a100": _device("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 80, 2.039, 300, 25),
     "b200": _device("B200", "NVIDIA B200", 180, 8.0, 900, 50),
 }

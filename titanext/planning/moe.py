@@ -26,9 +26,17 @@ holds; an imbalance of ``max/mean`` load scales the routed terms.
 
 All-to-all bytes per MoE block and micro-batch, per rank: dispatch and combine each move
 ``T k (ep-1)/ep x h x a`` (forward), and again in backward (and in the recomputed forward under
-full AC). Hot-expert replication (``[moe] replicate_hot_experts = N``) adds at most ``N`` experts'
-weights, ``N x 3 h f_e x a``, per dispatch (and recompute), and their gradients in backward
-(:func:`expert_copy_bytes`).
+full AC). Float8 dispatch (``[parallelism] expert_parallel_float8_dispatch``) sends the forward
+dispatches' rows as ``h + ceil(h / 128)`` bytes (:func:`row_bytes`); the combine and the backward
+keep ``h x a``. Two-level dispatch (``expert_parallel_dispatch = "two_level"`` over nodes of
+``r = expert_parallel_ranks_per_node`` ep ranks, ``n = ep / r`` nodes) sends each token once to
+each of its ``d`` destination nodes (``d = min(n, top_k, num_limited_groups)`` when each node holds
+whole expert groups, else ``min(n, top_k)``: the bound, reached by most tokens), with ``8 k``
+bytes of routing per row, then fans it out inside the node: per all-to-all
+``T d (n-1)/n x (row + 8 k)`` bytes cross the network and ``T k (r-1)/r x row`` stay on NVLink
+(:func:`two_level_bytes`). Hot-expert replication (``[moe] replicate_hot_experts = N``) adds at
+most ``N`` experts' weights, ``N x 3 h f_e x a``, per dispatch (and recompute), and their
+gradients in backward (:func:`expert_copy_bytes`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class MoEShape:
     experts: int  # routed expert parameters
     tensors: int  # parameter tensors of the block
     linears: tuple[Linear, ...]  # attention from the TP plan; router, shared, routed experts
+    limited: int = 0  # groups a token's experts may come from (group-limited routing; 0 = off)
 
 
 def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
@@ -83,7 +92,9 @@ def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
     return MoEShape(layer_ids=frozenset(moe_ids), num_experts=args.num_experts, top_k=args.top_k,
                     hidden=args.hidden_dim, shared_hidden=shared, groups=args.num_expert_groups,
                     sharded=attention, replicated=total - attention - experts, experts=experts,
-                    tensors=len(list(block.parameters())), linears=linears)
+                    tensors=len(list(block.parameters())), linears=linears,
+                    limited=args.num_limited_groups if args.num_limited_groups
+                    < args.num_expert_groups else 0)
 
 
 def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Linear]:
@@ -109,6 +120,39 @@ def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> flo
 def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) -> float:
     """Bytes one rank sends in one all-to-all (dispatch or combine) of ``tokens`` tokens."""
     return tokens * top_k * (ep - 1) / ep * dim * a
+
+
+def row_bytes(dim: int, a: int, float8: bool = False) -> int:
+    """Bytes of one token row on the wire: ``dim x a``, or float8 with one exponent byte per
+    1 x 128 block (``titanext.plugins._ep_comm.quantize_rows``).
+
+    >>> row_bytes(7168, 2), row_bytes(7168, 2, float8=True)
+    (14336, 7224)
+    """
+    return dim + -(-dim // 128) if float8 else dim * a
+
+
+def destination_nodes(shape: MoEShape, nodes: int) -> int:
+    """The most nodes one token's experts sit on: ``num_limited_groups`` when each node holds
+    whole expert groups (node-limited routing), else ``top_k``; at most ``nodes``."""
+    limit = shape.top_k
+    if shape.limited and shape.groups % nodes == 0:
+        limit = min(limit, shape.limited)
+    return min(limit, nodes)
+
+
+def two_level_bytes(tokens: float, *, row: float, top_k: int, nodes: int, ranks_per_node: int,
+                    dest_nodes: int, routing: bool) -> tuple[float, float]:
+    """(inter-node, intra-node) bytes one rank sends in one two-level all-to-all of ``tokens``
+    tokens and ``row`` bytes a row: each token to ``dest_nodes`` nodes (``routing``: with its
+    ``2 top_k`` fp32 ids and weights), then to its ``top_k`` experts inside each node.
+
+    >>> two_level_bytes(1000, row=100, top_k=8, nodes=8, ranks_per_node=8, dest_nodes=4,
+    ...                 routing=True)
+    (574000.0, 700000.0)
+    """
+    inter = tokens * dest_nodes * (nodes - 1) / nodes * (row + (8 * top_k if routing else 0))
+    return inter, tokens * top_k * (ranks_per_node - 1) / ranks_per_node * row
 
 
 def expert_copy_bytes(expert_params: int, num_experts: int, *, copies: int, a: int) -> float:

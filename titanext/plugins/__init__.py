@@ -10,7 +10,8 @@ module                                      entry points
 :mod:`~titanext.plugins.context_parallel`   ``ring_attention``, ``ulysses_attention``,
                                             ``zigzag_shard`` / ``zigzag_unshard``,
                                             ``apply_context_parallel``
-:mod:`~titanext.plugins.expert_parallel`    ``apply_expert_parallel``
+:mod:`~titanext.plugins.expert_parallel`    ``apply_expert_parallel`` (flat or two-level
+                                            dispatch, float8 dispatch)
 :mod:`~titanext.plugins.moe_balancing`      ``MoEBalancing`` (bias and aux-loss balancing)
 :mod:`~titanext.plugins.float8`             ``apply_float8`` (torchao; a converter; Linear
                                             and transformers' Conv1D)
@@ -19,6 +20,7 @@ module                                      entry points
 :mod:`~titanext.plugins.activation_checkpoint`  ``apply_activation_checkpointing``
 :mod:`~titanext.plugins.compile`            ``apply_compile`` (per block)
 :mod:`~titanext.plugins.options`            option values, importable without torch
+:mod:`~titanext.plugins.ep_dispatch_rules`  config rules of the EP dispatch keys (no torch)
 ==========================================  ================================================
 
 :func:`titanext.distributed.parallelize.parallelize` applies them in the trainer's order.

@@ -1,8 +1,26 @@
-"""Expert parallelism's differentiable all-to-all and its opt-in traffic counters.
+"""Expert parallelism's differentiable all-to-all, its float8 wire format and its opt-in
+traffic counters.
 
-Shared by :mod:`titanext.plugins.expert_parallel` (token dispatch / combine) and
-:mod:`titanext.plugins.expert_replication` (hot-expert weight copies), which re-export
-:class:`CommCounter` and :func:`count_comm` through ``expert_parallel``.
+Shared by :mod:`titanext.plugins.expert_parallel` (token dispatch / combine, flat or two-level:
+:mod:`titanext.plugins._ep_dispatch`) and :mod:`titanext.plugins.expert_replication` (hot-expert
+weight copies), which re-export :class:`CommCounter` and :func:`count_comm` through
+``expert_parallel``.
+
+Float8 dispatch (:class:`Wire` ``float8=True``): the rows a dispatch sends travel as float8 e4m3
+with one power-of-two scale per 1 x 128 block of a row, stored as its exponent in one byte, so a
+row of ``dim`` values costs ``dim + ceil(dim / 128)`` bytes instead of ``2 dim`` (bf16). The
+payload moves as uint8 (NCCL and gloo have no float8 collectives everywhere) and is dequantized
+on arrival to the rows' own dtype. Power-of-two scales make the dequantized values exact in
+bf16, so a second hop (two-level dispatch) re-quantizes them to the same bytes. The backward
+sends the gradients in their own dtype (straight-through: the quantization is treated as the
+identity), and the combine is never quantized.
+
+>>> x = torch.randn(3, 256)
+>>> payload = quantize_rows(x)
+>>> payload.dtype, tuple(payload.shape)
+(torch.uint8, (3, 258))
+>>> bool(((dequantize_rows(payload, 256, x.dtype) - x).abs() <= x.abs() / 8 + 1e-6).all())
+True
 """
 
 from __future__ import annotations
@@ -17,17 +35,26 @@ from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._baton_threads import comm_point
 from titanext.plugins._counting import Counters
 
-__all__ = ["CommCounter", "count_comm"]
+__all__ = ["PLAIN", "CommCounter", "Wire", "count_comm", "dequantize_rows", "quantize_rows"]
+
+FLOAT8_BLOCK = 128  # values per scale along a row (DeepSeek-V3's 1 x 128 activation tiles)
+_F8 = torch.float8_e4m3fn
+_F8_MAX = 448.0
 
 
 @dataclass
 class CommCounter:
     """What this rank sent to *other* ranks in the EP all-to-alls (forward and backward).
 
-    ``all_to_alls`` / ``rows_sent`` / ``bytes_sent``: token rows (dispatch and combine);
+    ``all_to_alls`` / ``rows_sent`` / ``bytes_sent``: token rows (dispatch and combine, both
+    directions, every level); ``dispatch_bytes_sent``: the forward dispatches' token rows only
+    (what float8 dispatch halves); ``inter_node_bytes_sent`` / ``inter_node_dispatch_bytes_sent``:
+    the same to ranks on other nodes (counted where the node size is known:
+    ``apply_expert_parallel(..., ranks_per_node=N)``); ``routing_bytes_sent``: the routing
+    (expert ids and weights) that two-level dispatch sends beside each row;
     ``weight_all_to_alls`` / ``weight_bytes_sent``: hot-expert copies (their weights forward,
     their gradients back in backward); ``replicas``: expert copies planned by this rank's
-    dispatches; ``count_exchanges`` / ``host_syncs``: per dispatch.
+    dispatches; ``count_exchanges`` / ``host_syncs``: per dispatch (two per two-level one).
     """
 
     all_to_alls: int = 0
@@ -38,6 +65,10 @@ class CommCounter:
     replicas: int = 0
     weight_all_to_alls: int = 0
     weight_bytes_sent: int = 0
+    dispatch_bytes_sent: int = 0
+    inter_node_bytes_sent: int = 0
+    inter_node_dispatch_bytes_sent: int = 0
+    routing_bytes_sent: int = 0
 
 
 COUNTERS = Counters(CommCounter)
@@ -48,9 +79,48 @@ def count_comm() -> contextlib.AbstractContextManager[CommCounter]:
     return COUNTERS.open()
 
 
+@dataclass(frozen=True)
+class Wire:
+    """How one all-to-all's rows travel and are counted: ``ranks_per_node`` (consecutive ranks
+    of the group that share a node; 0 = unknown, no inter-node counts) and ``float8`` (the rows
+    as float8 with 1 x 128 scales, forward only)."""
+
+    ranks_per_node: int = 0
+    float8: bool = False
+
+
+PLAIN = Wire()  # unknown node size, rows in their own dtype
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, dim] as uint8 [rows, dim + ceil(dim / 128)]: the float8 e4m3 bytes, then one
+    signed exponent byte per 1 x 128 block (scale = 2 ** exponent, amax / scale <= 448)."""
+    rows, dim = x.shape
+    blocks = -(-dim // FLOAT8_BLOCK)
+    padded = torch.nn.functional.pad(x.float(), (0, blocks * FLOAT8_BLOCK - dim))
+    tiles = padded.view(rows, blocks, FLOAT8_BLOCK)
+    amax = tiles.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / _F8_MAX)).clamp(-126, 127)
+    q = (tiles / torch.exp2(exponent).unsqueeze(-1)).clamp(-_F8_MAX, _F8_MAX).to(_F8)
+    data = q.view(rows, blocks * FLOAT8_BLOCK)[:, :dim].view(torch.uint8)
+    return torch.cat([data, exponent.to(torch.int8).view(torch.uint8)], 1)
+
+
+def dequantize_rows(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: [rows, dim] in ``dtype``."""
+    rows = payload.shape[0]
+    blocks = -(-dim // FLOAT8_BLOCK)
+    q = payload[:, :dim].contiguous().view(_F8).float()
+    q = torch.nn.functional.pad(q, (0, blocks * FLOAT8_BLOCK - dim)).view(rows, blocks, -1)
+    exponent = payload[:, dim:].contiguous().view(torch.int8).float()
+    return (q * torch.exp2(exponent).unsqueeze(-1)).view(rows, -1)[:, :dim].to(dtype)
+
+
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup, weights: bool = False) -> torch.Tensor:
-    """``all_to_all_single`` of rows (not differentiable; counted as token or weight bytes)."""
+               group: dist.ProcessGroup, kind: str = "tokens", wire: Wire = PLAIN
+               ) -> torch.Tensor:
+    """``all_to_all_single`` of rows (not differentiable). ``kind`` says how it is counted:
+    "dispatch" (forward token rows), "tokens" (other token rows), "routing" or "weights"."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     with phase(EP_ALL_TO_ALL):  # forward and backward; overlapped inside run_interleaved
@@ -58,31 +128,52 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                                                            group=group, async_op=async_op),
                    nbytes=x.numel() * x.element_size())
     if COUNTERS:
-        me = dist.get_rank(group)
-        rows = sum(in_splits) - in_splits[me]
-        row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
-        for c in COUNTERS:
-            if weights:
-                c.weight_all_to_alls += 1
-                c.weight_bytes_sent += rows * row_bytes
-            else:
-                c.all_to_alls += 1
-                c.rows_sent += rows
-                c.bytes_sent += rows * row_bytes
+        _count(x, in_splits, group, kind, wire)
     return out
+
+
+def _count(x: torch.Tensor, in_splits: list[int], group: dist.ProcessGroup, kind: str,
+           wire: Wire) -> None:
+    me = dist.get_rank(group)
+    rows = sum(in_splits) - in_splits[me]
+    row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    rpn = wire.ranks_per_node
+    far = (sum(n for r, n in enumerate(in_splits) if r // rpn != me // rpn) * row_bytes
+           if rpn else 0)
+    for c in COUNTERS:
+        if kind == "weights":
+            c.weight_all_to_alls += 1
+            c.weight_bytes_sent += rows * row_bytes
+        elif kind == "routing":
+            c.routing_bytes_sent += rows * row_bytes
+        else:
+            c.all_to_alls += 1
+            c.rows_sent += rows
+            c.bytes_sent += rows * row_bytes
+            c.inter_node_bytes_sent += far
+            if kind == "dispatch":
+                c.dispatch_bytes_sent += rows * row_bytes
+                c.inter_node_dispatch_bytes_sent += far
 
 
 class AllToAll(torch.autograd.Function):
     """Rows ``in_splits[r]`` go to rank r; ``out_splits[r]`` rows come from rank r. The
-    backward sends the gradients back with the splits swapped (host lists, no sync)."""
+    backward sends the gradients back with the splits swapped (host lists, no sync), in their
+    own dtype. With ``wire.float8`` the forward rows travel as :func:`quantize_rows` bytes."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, weights=False):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.weights = (out_splits, in_splits), group, weights
-        return all_to_all(x, out_splits, in_splits, group, weights)
+    def forward(ctx, x, out_splits, in_splits, group, kind="tokens",  # type: ignore[override]
+                wire=PLAIN):
+        ctx.splits, ctx.group, ctx.kind, ctx.wire = (out_splits, in_splits), group, kind, wire
+        if not wire.float8:
+            return all_to_all(x, out_splits, in_splits, group, kind, wire)
+        payload = all_to_all(quantize_rows(x), out_splits, in_splits, group, kind, wire)
+        return dequantize_rows(payload, x.shape[1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return (AllToAll.apply(grad, in_splits, out_splits, ctx.group, ctx.weights),
-                None, None, None, None)
+        kind = "tokens" if ctx.kind == "dispatch" else ctx.kind
+        wire = Wire(ctx.wire.ranks_per_node)  # gradients stay in their dtype
+        return (AllToAll.apply(grad, in_splits, out_splits, ctx.group, kind, wire),
+                None, None, None, None, None)

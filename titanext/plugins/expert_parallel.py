@@ -35,6 +35,12 @@ has no sync at all. Where syncs remain: one per dispatch (step 2), once more whe
 checkpointing recomputes the layer, and inside the experts module if it needs host counts
 (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path does not).
 
+Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``
+sends each token once to every node holding one of its experts, then to the experts inside it,
+and sums each node's weighted outputs there (:mod:`titanext.plugins._ep_dispatch`: the module
+then takes the routing, ``experts(tokens, TokenRouting(ids, weights))``); ``float8_dispatch``
+sends the dispatched rows as float8 with 1 x 128 scales (:mod:`titanext.plugins._ep_comm`).
+
 Under torchrun, with ``ep_mesh`` a 1D DeviceMesh over the ranks that split the experts:
 
 >>> apply_expert_parallel(model, ep_mesh)  # in a process group  # doctest: +SKIP
@@ -48,7 +54,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,116 +62,40 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titanext._fake_backend import is_fake
-from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._baton_threads import comm_point
-from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
-from titanext.plugins._ep_comm import AllToAll as _AllToAll
-from titanext.plugins._ep_comm import CommCounter, count_comm
+from titanext.plugins._ep_comm import PLAIN, CommCounter, Wire, count_comm
+from titanext.plugins._ep_dispatch import (
+    NodeGroups,
+    Route,
+    TwoLevelRoute,
+    combine_tokens,
+    combine_two_level,
+    dispatch_tokens,
+    dispatch_two_level,
+    node_groups,
+)
+from titanext.plugins._ep_dispatch import ep_group as _group
 from titanext.plugins._ep_layouts import follows_experts_protocol
-from titanext.plugins.expert_replication import ReplicationPlan, copy_experts, dispatch_replicated
-from titanext.plugins.options import max_replicas
+from titanext.plugins.expert_replication import copy_experts
+from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
     "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
     "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
-    "expert_parallel_targets",
+    "expert_parallel_targets", "EP_DISPATCH_MODES",
 ]
 
-# -- dispatch / combine ----------------------------------------------------------------------------
+
+_NEEDS_ROUTING = ("{} under two-level expert-parallel dispatch sends each token once per node "
+                  "and needs its routing: call it as experts(tokens, TokenRouting(top_k_index, "
+                  "top_k_weights)) (titanext.models.moe.MoE does when experts.takes_routing is "
+                  "set), or use dispatch='flat'")
 
 
-@dataclass
-class Route:
-    """What combine (and both backwards) need from a dispatch: host split lists and the
-    device permutation. ``send_splits[r]``: rows this rank sent to ep rank r;
-    ``recv_splits[r]``: rows it received from r; ``order``: received-row index of each row of
-    the expert input (local-expert order). With replication, ``send_order`` and ``plan`` (see
-    :mod:`~titanext.plugins.expert_replication`)."""
-
-    send_splits: list[int]
-    recv_splits: list[int]
-    order: torch.Tensor
-    group: dist.ProcessGroup
-    send_order: torch.Tensor | None = None  # with replication: x's rows in sending order
-    plan: ReplicationPlan | None = None  # with replication: the copies of this dispatch
-
-
-def _group(ep: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
-    if isinstance(ep, DeviceMesh):
-        if ep.ndim != 1:
-            raise ValueError(f"expert parallelism needs a 1D ep mesh, got {ep.ndim}D "
-                             f"{ep.mesh_dim_names}; pass a flattened view such as dims.ep_mesh")
-        return ep.get_group()
-    return ep
-
-
-def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                    group: DeviceMesh | dist.ProcessGroup, replicate_hot_experts: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor, Route]:
-    """Send each row of ``x`` (grouped by global expert, in expert order) to the ep rank that
-    holds its expert. Returns (rows for this rank's experts in local-expert order, their
-    counts per local expert [L], the :class:`Route` for :func:`combine_tokens`).
-
-    Differentiable in ``x``. One device-to-host sync (the split sizes).
-    ``replicate_hot_experts`` > 0: up to that many hot experts are copied to the least loaded
-    ranks (:mod:`~titanext.plugins.expert_replication`): the counts are all-gathered instead, the
-    rows of a copy come after the rank's own experts' (counts [L + copies hosted here]), and
-    ``route.plan`` says which weights :func:`~titanext.plugins.expert_replication.copy_experts`
-    must fetch.
-    """
-    pg = _group(group)
-    world = dist.get_world_size(pg)
-    counts = num_tokens_per_expert.reshape(-1).to(torch.int64)
-    n_exp = counts.numel()
-    if n_exp % world:
-        raise ValueError(f"{n_exp} experts cannot be split evenly over {world} ep ranks")
-    n_local = n_exp // world
-    if replicate_hot_experts:
-        rows, local, send_order, send, recv_splits, order, plan = dispatch_replicated(
-            x, counts, pg, replicate_hot_experts)
-        return rows, local, Route(send, recv_splits, order, pg, send_order, plan)
-    recv = torch.empty_like(counts)
-    counts = counts.contiguous()
-    with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
-        comm_point(lambda async_op: dist.all_to_all_single(recv, counts, group=pg,
-                                                           async_op=async_op), hand_over=False)
-    if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
-        rows = x.shape[0]
-        send_splits = [rows // world + (r < rows % world) for r in range(world)]
-        recv_splits = list(send_splits)
-    else:
-        host = torch.cat([counts, recv]).cpu()  # the one sync
-        for c in _COUNTERS:
-            c.count_exchanges += 1
-            c.host_syncs += 1
-        send_splits = host[:n_exp].view(world, n_local).sum(1).tolist()
-        recv_splits = host[n_exp:].view(world, n_local).sum(1).tolist()
-    if sum(send_splits) != x.shape[0]:
-        raise ValueError(f"num_tokens_per_expert sums to {sum(send_splits)} but x has "
-                         f"{x.shape[0]} rows")
-    received = _AllToAll.apply(x, recv_splits, send_splits, pg)
-    # Received rows come as (source rank, local expert) segments; stable-sort them by expert.
-    expert_of_segment = torch.arange(n_exp, device=recv.device) % n_local
-    labels = torch.repeat_interleave(expert_of_segment, recv, output_size=sum(recv_splits))
-    order = torch.argsort(labels, stable=True)
-    local_counts = recv.view(world, n_local).sum(0)
-    return received.index_select(0, order), local_counts, Route(send_splits, recv_splits, order, pg)
-
-
-def combine_tokens(y: torch.Tensor, route: Route) -> torch.Tensor:
-    """Inverse of :func:`dispatch_tokens`: the expert outputs back to the ranks and row order
-    the inputs came from. Differentiable; no sync."""
-    inverse = torch.empty_like(route.order)
-    inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
-    back = y.index_select(0, inverse)
-    out = _AllToAll.apply(back, route.send_splits, route.recv_splits, route.group)
-    if route.send_order is None:
-        return out
-    unsort = torch.empty_like(route.send_order)
-    unsort[route.send_order] = torch.arange(route.send_order.numel(), device=unsort.device)
-    return out.index_select(0, unsort)
+def _combine(y: torch.Tensor, route: Route | TwoLevelRoute) -> torch.Tensor:
+    if isinstance(route, TwoLevelRoute):
+        return combine_two_level(y, route)
+    return combine_tokens(y, route)
 
 
 # -- the ParallelStyle -----------------------------------------------------------------------------
@@ -180,12 +109,16 @@ class ExpertParallel(ParallelStyle):
     ExpertParallel()})`` or through :func:`apply_expert_parallel`. ``replicate_hot_experts``:
     see :func:`apply_expert_parallel`; the copies' weights are the module's parameters during
     its forward (``[L + copies, ...]`` local shards, swapped in by the pre-hook and back by the
-    post-hook), so its own forward needs no change.
+    post-hook), so its own forward needs no change. ``nodes`` (two-level dispatch) and ``wire``
+    (float8 rows, node size): see :func:`apply_expert_parallel`; under two-level dispatch the
+    module is called as ``experts(tokens, TokenRouting(ids, weights))`` (the module's
+    ``takes_routing`` attribute tells the MoE so) and returns each token's weighted sum.
     """
 
-    def __init__(self, replicate_hot_experts: int = 0):
+    def __init__(self, replicate_hot_experts: int = 0, *, nodes: NodeGroups | None = None,
+                 wire: Wire = PLAIN):
         super().__init__()
-        self.replicate_hot_experts = replicate_hot_experts
+        self.replicate_hot_experts, self.nodes, self.wire = replicate_hot_experts, nodes, wire
 
     def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:  # distribute_module visits submodules too; the protocol has none with params
@@ -200,7 +133,17 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"{type(module).__name__} under ExpertParallel must be called as "
                             "experts(x, num_tokens_per_expert) with positional arguments")
         x, counts = inputs
-        x_local, local_counts, route = dispatch_tokens(x, counts, mesh, self.replicate_hot_experts)
+        if self.nodes is not None:
+            if not hasattr(counts, "weights"):
+                raise TypeError(_NEEDS_ROUTING.format(type(module).__name__))
+            n_exp = next(module.parameters()).shape[0]
+            x_local, local_counts, route = dispatch_two_level(
+                x, counts.ids, counts.weights, self.nodes, n_exp, self.replicate_hot_experts,
+                self.wire.float8)
+        else:
+            x_local, local_counts, route = dispatch_tokens(x, counts, mesh,
+                                                           self.replicate_hot_experts,
+                                                           wire=self.wire)
         swapped = {}
         if route.plan is not None and route.plan.replicas:  # the same on every rank
             swapped = dict(module.named_parameters(recurse=False))
@@ -217,10 +160,11 @@ class ExpertParallel(ParallelStyle):
         route, swapped = module._ep_routes.pop()
         for name, p in swapped.items():  # the parameters again, before FSDP's post-forward
             module._parameters[name] = p
-        return combine_tokens(outputs, route)
+        return _combine(outputs, route)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _group(device_mesh)  # 1D check
+        module.takes_routing = self.nodes is not None
         return distribute_module(module, device_mesh, partition_fn=self._partition_fn,
                                  input_fn=self._input_fn, output_fn=self._output_fn)
 
@@ -349,10 +293,11 @@ class ExpertParallelExperts(nn.Module):
     """
 
     def __init__(self, experts: nn.Module, layout: ExpertsLayout, ep_mesh: DeviceMesh,
-                 replicate_hot_experts: int = 0):
+                 replicate_hot_experts: int = 0, *, nodes: NodeGroups | None = None,
+                 wire: Wire = PLAIN):
         super().__init__()
         self.layout, self.ep_mesh = layout, ep_mesh
-        self.replicate_hot_experts = replicate_hot_experts
+        self.replicate_hot_experts, self.nodes, self.wire = replicate_hot_experts, nodes, wire
         stacked = layout.weights(experts)
         self.num_experts = next(iter(stacked.values())).shape[0]
         if self.num_experts % ep_mesh.size():
@@ -381,7 +326,7 @@ class ExpertParallelExperts(nn.Module):
         return self.num_experts
 
     def _local_experts(self, rows: torch.Tensor, local_counts: torch.Tensor,
-                       route: Route) -> torch.Tensor:
+                       route: Route | TwoLevelRoute) -> torch.Tensor:
         local = {n: self.get_parameter(n).to_local() for n in self._names}
         if route.plan is not None:  # hot-expert copies after the local experts
             local = copy_experts(local, route.plan, dist.get_rank(route.group), route.group)
@@ -390,9 +335,19 @@ class ExpertParallelExperts(nn.Module):
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
+        if len(routing) == 1 and hasattr(routing[0], "weights"):  # a TokenRouting
+            routing = (routing[0].ids, routing[0].weights)
+        if self.nodes is not None:  # two-level: each token once per node, summed there
+            if len(routing) != 2:
+                raise TypeError(_NEEDS_ROUTING.format(type(self).__name__))
+            rows, local_counts, route = dispatch_two_level(
+                x, routing[0], routing[1], self.nodes, self.num_experts,
+                self.replicate_hot_experts, self.wire.float8)
+            return combine_two_level(self._local_experts(rows, local_counts, route),
+                                     route).to(x.dtype)
         if len(routing) == 1:  # the protocol: rows grouped by expert
             rows, local_counts, route = dispatch_tokens(x, routing[0], self.ep_mesh,
-                                                        self.replicate_hot_experts)
+                                                        self.replicate_hot_experts, wire=self.wire)
             return combine_tokens(self._local_experts(rows, local_counts, route), route)
         if len(routing) != 2:
             raise TypeError("ExpertParallelExperts is called as experts(x, num_tokens_per_expert) "
@@ -403,7 +358,7 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat, stable=True)             # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         rows, local_counts, route = dispatch_tokens(x[order // k], counts, self.ep_mesh,
-                                                    self.replicate_hot_experts)
+                                                    self.replicate_hot_experts, wire=self.wire)
         back = combine_tokens(self._local_experts(rows, local_counts, route), route)
         back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, back.to(x.dtype))
@@ -443,7 +398,8 @@ def is_grouped_experts(name: str, module: nn.Module) -> bool:
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
                           filter_fn: Callable[[str, nn.Module], bool] | None = None,
                           layout: ExpertsLayout | None = None, required: bool = True,
-                          replicate_hot_experts: int = 0) -> list[str]:
+                          replicate_hot_experts: int = 0, dispatch: str = "flat",
+                          ranks_per_node: int = 0, float8_dispatch: bool = False) -> list[str]:
     """Split the experts of every selected experts module over ``ep_mesh``, in place.
 
     Args:
@@ -464,7 +420,19 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             ``ceil(mean)`` of the mean where N copies allow (exact: the same rows meet the same
             weights; the copies' gradients are summed into the home experts'). At most
             ``num_experts - num_experts / ep``. See
-            :mod:`~titanext.plugins.expert_replication` for the plan and its cost.
+            :mod:`~titanext.plugins.expert_replication` for the plan and its cost. Under
+            two-level dispatch the copies stay inside a node: at most ``num_experts / nodes -
+            num_experts / ep``.
+        dispatch: ``"flat"`` (every (token, expert) row travels on its own) or ``"two_level"``
+            (each token once to every node holding one of its experts, then to the experts
+            inside it; the combine sums each node's part there: :mod:`._ep_dispatch`; the
+            experts module is then called with the routing, see :class:`ExpertParallel`).
+        ranks_per_node: consecutive ep ranks that share a node (NVLink): needed by two-level
+            dispatch (it must divide ``ep_mesh.size()`` and be smaller); with flat dispatch it
+            only lets ``count_comm()`` tell inter-node bytes apart. 0 = unknown.
+        float8_dispatch: the dispatched token rows travel as float8 e4m3 with a power-of-two
+            scale per 1 x 128 block (about half the bytes of bf16); the combine and all
+            gradients stay in the activations' dtype (:mod:`._ep_comm`).
 
     Returns the FQNs of the modules it converted (nothing happens when ``ep_mesh`` has one
     rank). Apply it after tensor parallelism and before activation checkpointing, compile and
@@ -472,24 +440,36 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
     """
     _group(ep_mesh)
     world = ep_mesh.size()
+    if dispatch not in EP_DISPATCH_MODES:
+        raise ValueError(f"dispatch = {dispatch!r}: one of {', '.join(EP_DISPATCH_MODES)}")
+    if dispatch == "two_level" and not ranks_per_node:
+        raise ValueError("dispatch = 'two_level' needs ranks_per_node: the consecutive ep ranks "
+                         "that share a node")
     chosen = expert_parallel_targets(model, world, filter_fn=filter_fn, layout=layout,
                                      required=required,
-                                     replicate_hot_experts=replicate_hot_experts)
+                                     replicate_hot_experts=replicate_hot_experts,
+                                     copies_within=ranks_per_node if dispatch == "two_level"
+                                     else 0)
     if not chosen or world == 1:
         return []
+    wire = Wire(ranks_per_node, float8_dispatch)
+    nodes = node_groups(_group(ep_mesh), ranks_per_node) if dispatch == "two_level" else None
     for fqn, m, found in chosen:
         if found == "protocol":
-            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
+            ExpertParallel(replicate_hot_experts, nodes=nodes, wire=wire)._apply(m, ep_mesh)
         else:
             parent, _, child = fqn.rpartition(".")
-            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
+            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts, nodes=nodes,
+                                      wire=wire)
             model.get_submodule(parent).register_module(child, m)
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
+            "expert parallel: %s: %d experts module(s) split over ep = %d%s%s: %s",
             type(model).__name__, len(chosen), world,
-            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
-            if replicate_hot_experts else "",
+            "" if nodes is None else f" ({nodes.nodes} nodes x {ranks_per_node}, two-level "
+            "dispatch)",
+            (f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+             if replicate_hot_experts else "") + (", float8 dispatch" if float8_dispatch else ""),
             ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
     return [fqn for fqn, _, _ in chosen]
 
@@ -497,12 +477,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
 def expert_parallel_targets(model: nn.Module, ep: int, *,
                             filter_fn: Callable[[str, nn.Module], bool] | None = None,
                             layout: ExpertsLayout | None = None, required: bool = True,
-                            replicate_hot_experts: int = 0
+                            replicate_hot_experts: int = 0, copies_within: int = 0
                             ) -> list[tuple[str, nn.Module, ExpertsLayout | str]]:
     """The experts modules :func:`apply_expert_parallel` would split over ``ep`` ranks, as
     (fqn, module, layout), found and checked without changing ``model``: it raises the same
     ``ValueError`` (no experts found, an unknown layout, an expert count ``ep`` does not divide,
-    too many hot-expert copies), so a recipe can check before it mutates anything."""
+    too many hot-expert copies), so a recipe can check before it mutates anything.
+    ``copies_within``: the ranks a copy can go to (two-level dispatch keeps copies inside a
+    node of that many ranks; 0: any ep rank)."""
     if replicate_hot_experts < 0:
         raise ValueError(f"replicate_hot_experts = {replicate_hot_experts} must be >= 0")
     chosen = []
@@ -524,10 +506,15 @@ def expert_parallel_targets(model: nn.Module, ep: int, *,
         if n_exp % ep:
             raise ValueError(f"{fqn}: {n_exp} experts cannot be split over ep = {ep} ranks; the "
                              "ep degree must divide the number of experts")
-        if replicate_hot_experts > max_replicas(n_exp, ep):
+        homes = copies_within or ep
+        pool = n_exp * homes // ep  # the experts of the ranks a copy can go to
+        if replicate_hot_experts > max_replicas(pool, homes):
             raise ValueError(f"{fqn}: replicate_hot_experts = {replicate_hot_experts} is more than "
-                             f"the {max_replicas(n_exp, ep)} experts of {n_exp} a rank can host "
-                             f"as copies at ep = {ep} (num_experts - num_experts / ep)")
+                             f"the {max_replicas(pool, homes)} experts of {pool} a rank can host "
+                             f"as copies at ep = {ep}" + (
+                                 " (num_experts - num_experts / ep)" if not copies_within else
+                                 f" with two-level dispatch over nodes of {copies_within} ranks "
+                                 "(num_experts / nodes - num_experts / ep)"))
     return chosen
 
 

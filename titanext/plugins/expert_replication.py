@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._ep_comm import COUNTERS, AllToAll
+from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire
 from titanext.plugins.options import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
@@ -225,7 +225,7 @@ def copy_experts(local: dict[str, torch.Tensor], plan: ReplicationPlan, me: int,
     for part in groups:  # one all-to-all when every weight has one dtype
         packed = torch.cat([local[n].index_select(0, index).reshape(len(sent), local[n][0].numel())
                             for n in part], 1)
-        got = AllToAll.apply(packed, recv_splits, send_splits, group, True)
+        got = AllToAll.apply(packed, recv_splits, send_splits, group, "weights")
         widths = [local[n][0].numel() for n in part]
         for n, w in zip(part, got.split(widths, 1), strict=True):
             # cat even with nothing hosted: every rank must run the backward all-to-all
@@ -262,7 +262,7 @@ def _expand(keys: list[int], sizes: list[int], total: int, device: torch.device)
 
 
 def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
-                        copies: int):
+                        copies: int, wire: Wire = PLAIN):
     """:func:`~titanext.plugins.expert_parallel.dispatch_tokens` with up to ``copies`` hot
     experts copied: returns (rows in local-slot order, rows per slot [L + hosted copies], the
     send order of ``x``'s rows, send splits, receive splits, arrival-to-slot order, the plan)."""
@@ -276,7 +276,7 @@ def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
     send_order = torch.argsort(_expand(list(keys), list(sizes), x.shape[0], x.device),
                                stable=True)
     received = AllToAll.apply(x.index_select(0, send_order), routing.recv_splits,
-                              routing.send_splits, group)
+                              routing.send_splits, group, "dispatch", wire)
     slots, sizes = zip(*routing.arrivals, strict=True) if routing.arrivals else ((), ())
     order = torch.argsort(_expand(list(slots), list(sizes), received.shape[0], x.device),
                           stable=True)

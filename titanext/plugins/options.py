@@ -15,8 +15,8 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK",
-           "float8_problems", "max_replicas", "replication_problems"]
+__all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES",
+           "REPLICATION_SLACK", "float8_problems", "max_replicas", "replication_problems"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -39,6 +39,10 @@ DEFAULT_SAVE_OPS = (
 #: of the mean rows (a copy would cost more than the rows it moves).
 REPLICATION_SLACK = 0.05
 
+#: ``[parallelism] expert_parallel_dispatch`` and ``apply_expert_parallel(dispatch=...)``: every
+#: (token, expert) row sent on its own, or each token once per destination node, then fanned
+#: out inside it (:mod:`titanext.plugins._ep_dispatch`).
+EP_DISPATCH_MODES = ("flat", "two_level")
 
 def max_replicas(num_experts: int, ep: int) -> int:
     """The largest useful ``replicate_hot_experts``: the experts a rank does not hold."""
