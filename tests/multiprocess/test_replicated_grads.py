@@ -1,0 +1,152 @@
+"""The invariant "replicated gradients agree" (titanext.plugins.replicated_grads) on gloo ranks:
+it names the parameter and the dim of a real mismatch at the first step, and stays silent on
+right wirings (TP with the QK-norm rule, FSDP x TP, HSDP). All cases share one spawn per size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.invariant_models import VOCAB, qk_norm_lm, tp_plan
+from tests.spawn import run_distributed
+
+
+def _batch(rows: int = 4, seq: int = 8):
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _loss(model, rows=slice(None)):
+    x, y = _batch()
+    return F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
+
+
+def _tp_case(mesh, qk_norm_rule: bool) -> list[str]:
+    from titanext.plugins.replicated_grads import replicated_grad_problems
+    from titanext.plugins.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    model = qk_norm_lm()
+    apply_tensor_parallel(model, mesh["tp"], tp_plan(qk_norm_rule=qk_norm_rule))
+    _loss(model).backward()
+    return replicated_grad_problems(model, {"tp": mesh["tp"]})
+
+
+def _body_tp(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out = {"with_rule": _tp_case(mesh, True), "without_rule": _tp_case(mesh, False)}
+    dist.barrier()
+    return out
+
+
+def _body_2d(rank, world_size):
+    """dp x tp: FSDP over dp (its DTensors span dp only: tp is checked as an implicit dim), a
+    wiring without FSDP whose gradients are never reduced over dp (caught on dp), HSDP's
+    replicate dim (a DTensor Replicate placement), and parallelize()'s optimizer-step hook."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.parallelize import parallelize
+    from titanext.plugins.fsdp import apply_fsdp
+    from titanext.plugins.replicated_grads import (
+        ReplicatedGradientMismatch,
+        replicated_grad_problems,
+    )
+    from titanext.plugins.tensor_parallel import apply_tensor_parallel
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    mine = slice(2 * dp, 2 * dp + 2)
+    for rule in (True, False):
+        torch.manual_seed(0)
+        model = qk_norm_lm()
+        apply_tensor_parallel(model, mesh["tp"], tp_plan(qk_norm_rule=rule))
+        apply_fsdp(model, mesh["dp"])
+        _loss(model, mine).backward()
+        out[f"fsdp_tp_{rule}"] = replicated_grad_problems(model, {"tp": mesh["tp"],
+                                                                 "dp": mesh["dp"]})
+    torch.manual_seed(0)
+    model = qk_norm_lm()  # plain data parallel without any gradient reduction
+    _loss(model, mine).backward()
+    out["unreduced_dp"] = replicated_grad_problems(model, {"dp": mesh["dp"]})
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    model = qk_norm_lm()
+    apply_fsdp(model, hsdp)
+    rows = slice(hsdp.get_coordinate()[0] * 2 + hsdp.get_coordinate()[1], None, 4)
+    _loss(model, rows).backward()
+    out["hsdp"] = replicated_grad_problems(model, {})
+
+    # parallelize(): checked before the first optimizer steps, with no code in the loop
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    dims.build_mesh("cpu")
+    for rule in (True, False):
+        torch.manual_seed(0)
+        model = parallelize(qk_norm_lm(), dims, tp_plan=tp_plan(qk_norm_rule=rule),
+                            check_replicated_grads=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            for _ in range(2):
+                _loss(model, mine).backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"parallelize_{rule}"] = "ok"
+        except ReplicatedGradientMismatch as e:
+            out[f"parallelize_{rule}"] = str(e)
+    dist.barrier()
+    return out
+
+
+def test_replicated_gradients_are_checked_over_tp():
+    results = run_distributed(_body_tp, 2)
+    for r in results:
+        assert r["with_rule"] == [], r["with_rule"]
+        lines = r["without_rule"]
+        # q_norm and k_norm of both blocks, nothing else
+        assert len(lines) == 4, lines
+        assert all(("q_norm.weight" in x or "k_norm.weight" in x) for x in lines), lines
+        assert "gradients differ across tp ranks (rel" in lines[0]
+        assert "needs a rule" in lines[0]
+    assert results[0]["without_rule"] == results[1]["without_rule"]  # every rank says the same
+
+
+def test_replicated_gradients_are_checked_over_fsdp_hsdp_and_parallelize():
+    results = run_distributed(_body_2d, 4)
+    for r in results:
+        assert r["fsdp_tp_True"] == [], r["fsdp_tp_True"]
+        bad = r["fsdp_tp_False"]
+        assert bad and all("norm.weight: gradients differ across tp ranks" in x for x in bad), bad
+        # no reduction at all: every parameter differs over dp
+        assert len(r["unreduced_dp"]) == sum(1 for _ in qk_norm_lm().parameters())
+        assert all("across dp ranks" in x and "not reduced" in x for x in r["unreduced_dp"])
+        assert r["hsdp"] == [], r["hsdp"]
+        assert r["parallelize_True"] == "ok", r["parallelize_True"]
+        assert r["parallelize_False"].startswith("step 1: layers.")
+        assert "q_norm.weight: gradients differ across tp ranks" in r["parallelize_False"]
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_checksum_spread_is_relative(n):
+    from titanext.plugins.replicated_grads import _spread
+
+    g = torch.randn(100, dtype=torch.float64)
+    w = torch.remainder(torch.arange(100, dtype=torch.float64) * 0.6180339887498949, 1.0) - 0.5
+
+    def sums(t):
+        return torch.stack([t.sum(), t.square().sum(), (t * w).sum(), torch.ones((),
+                                                                                  dtype=t.dtype)])
+
+    h = sums(g)
+    other = g.clone()
+    if n:
+        other[:n] = other[:n].flip(0)  # a permutation: only the weighted sum sees it
+    lo = torch.minimum(h, sums(other))
+    hi = torch.maximum(h, sums(other))
+    assert (_spread(hi, lo, 100) > 1e-3) == bool(n)
