@@ -65,7 +65,7 @@ def _body(rank, world_size, layouts, rounds, folder):
             trainer = Trainer(cfg)
             meshes = _dims_meshes(trainer)
 
-            def step():
+            def step(trainer=trainer):
                 dist.barrier()
                 start = time.perf_counter()
                 trainer.train_step(trainer.next_microbatches())

@@ -65,8 +65,9 @@ from titanext.plugins.expert_parallel import (
 from titanext.plugins.tensor_parallel import ReplicatedOverTP, VocabParallelEmbedding
 from titanext.plugins.tp_coverage import unruled_parameters
 
-__all__ = ["hf_blocks", "hf_llama_tp_plan", "hf_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
-           "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
+__all__ = ["hf_blocks", "hf_llama_tp_plan", "hf_tp_plan", "apply_hf_context_parallel",
+           "hf_shard_batch", "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel",
+           "apply_hf_expert_parallel"]
 
 _ids = itertools.count()
 
@@ -157,7 +158,8 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     per-rank partial gradient. Needs heads, KV heads, intermediate sizes and the vocabulary
     divisible by the TP degree.
 
-    >>> apply_tensor_parallel(model, mesh["tp"], plan=hf_tp_plan(model))  # torchrun  # doctest: +SKIP
+    >>> plan = hf_tp_plan(model)  # your model  # doctest: +SKIP
+    >>> apply_tensor_parallel(model, mesh["tp"], plan=plan)  # torchrun  # doctest: +SKIP
     """
     names = {n for n, _ in model.named_modules()}
 

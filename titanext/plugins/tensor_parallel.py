@@ -30,6 +30,7 @@ process once.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -417,9 +418,9 @@ class FusedColwiseParallel(ColwiseParallel):
     the ``Shard(0)`` distribution. ``state_dict`` un-permutes (the saved weight is the plain
     ``[q; k; v]`` one, loadable by any layout, at the cost of one all-gather per fused weight)
     and ``load_state_dict`` permutes back. A parameter's or gradient's ``full_tensor()`` is in
-    rank-major order: :meth:`to_original` maps it back. Only a local output is allowed
-    (``output_layouts=Shard(-1)``, ``use_local_output=True``): a gathered output would be in
-    rank-major order too.
+    rank-major order: :meth:`to_original` (the module's ``titanext_to_original``) maps it back.
+    Only a local output is allowed (``output_layouts=Shard(-1)``, ``use_local_output=True``): a
+    gathered output would be in rank-major order too.
     """
 
     def __init__(self, split_sizes: Sequence[int], *, input_layouts=None):
@@ -478,6 +479,8 @@ class FusedColwiseParallel(ColwiseParallel):
                 module.register_parameter(name, moved)
         module.register_state_dict_post_hook(self._state_dict_hook(tp))
         module.register_load_state_dict_pre_hook(self._load_hook(tp))
+        # what reads named_parameters() (the parity check) maps full values back with it
+        module.titanext_to_original = functools.partial(self.to_original, tp=tp)
         return super()._apply(module, device_mesh)
 
     def _convert(self, value: torch.Tensor, tp: int, to_rank_major: bool) -> torch.Tensor:
