@@ -1,6 +1,6 @@
 """The cost of the replicated-gradient check: time per checked step against an unchecked one.
 
-    python benchmarks/replicated_grads.py [--markdown] [--rounds 8] [--layouts tp2,cp2,fsdp2]
+    python benchmarks/replicated_grads.py [--markdown] [--rounds 8] [--layouts tp2,cp2,fsdp2,zero1]
 
 Per layout, one ``titanext.trainer.Trainer`` on the debug model (2 gloo ranks, one thread each,
 fp32, synthetic data, 4 x 128 tokens per rank) with ``check_replicated_grads_steps = 0``. After
@@ -9,7 +9,9 @@ that step only (``install_replicated_grad_check(..., steps=1)`` over the dims th
 check), and so on, so load from elsewhere hits both alike. Per layout: the median step time of
 each, the added time (median of the per-pair differences), the check alone (median time of
 ``ReplicatedGradCheck()`` on the gradients of the last step) and how many (parameter, dim)
-pairs it checks.
+pairs it checks. tp2 checks the norms (SequenceParallel's replicated DTensors); under cp2 and
+fsdp2 FSDP spans every dim, so nothing is replicated and the check is a no-op (the rows show the
+noise); zero1 (DDP over 2 ranks) checks every parameter over dp: the worst case.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ LAYOUTS = {
     "cp2": ["--parallelism.context_parallel_degree=2",
             "--parallelism.data_parallel_shard_degree=1"],
     "fsdp2": ["--parallelism.data_parallel_shard_degree=2"],
+    "zero1": ["--parallelism.data_parallel_shard_degree=2", "--parallelism.zero_stage=1"],
 }
 
 
 def _dims_meshes(trainer) -> dict:
+    """The dims parallelize() checks: tp, cp, and the loss ranks under ZeRO-1 (DDP)."""
+    from titanext.distributed.parallelize import zero1_enabled
+
     d = trainer.dims
-    return {name: mesh for name, mesh, on in (("tp", d.tp_mesh if d.tp_enabled else None,
-                                               d.tp_enabled),
-                                              ("cp", d.cp_mesh if d.cp_enabled else None,
-                                               d.cp_enabled)) if on}
+    meshes = {"tp": d.tp_mesh if d.tp_enabled else None,
+              "cp": d.cp_mesh if d.cp_enabled else None,
+              "dp": d.loss_mesh if zero1_enabled(d, trainer.cfg.parallelism) else None}
+    return {name: mesh for name, mesh in meshes.items() if mesh is not None}
 
 
 def _body(rank, world_size, layouts, rounds, folder):
@@ -98,7 +104,7 @@ def _body(rank, world_size, layouts, rounds, folder):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--layouts", default="tp2,cp2,fsdp2")
+    ap.add_argument("--layouts", default="tp2,cp2,fsdp2,zero1")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     layouts = args.layouts.split(",")

@@ -35,11 +35,43 @@ def _tp_case(mesh, qk_norm_rule: bool) -> list[str]:
     return replicated_grad_problems(model, {"tp": mesh["tp"]})
 
 
+class _Outer(torch.optim.SGD):
+    """An optimizer stepping another inside its step (as ZeroRedundancyOptimizer does)."""
+
+    def __init__(self, params, lr):
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.inner = torch.optim.SGD(params, lr=lr)
+
+    def step(self, closure=None):
+        return self.inner.step()
+
+
+def _hook_case(mesh) -> dict:
+    """install_replicated_grad_check: checks the first `steps` steps once each, then leaves."""
+    from titanext.plugins.replicated_grads import install_replicated_grad_check
+    from titanext.plugins.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    model = qk_norm_lm()
+    apply_tensor_parallel(model, mesh["tp"], tp_plan(qk_norm_rule=True))
+    check = install_replicated_grad_check(model, {"tp": mesh["tp"]}, steps=2)
+    opt = _Outer(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # not the model's
+    for _ in range(3):
+        _loss(model).backward()
+        opt.step()
+        other.step()
+        opt.zero_grad()
+    return {"calls": check.calls, "hooks_left": len(check._handles)}
+
+
 def _body_tp(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    out = {"with_rule": _tp_case(mesh, True), "without_rule": _tp_case(mesh, False)}
+    out = {"with_rule": _tp_case(mesh, True), "without_rule": _tp_case(mesh, False),
+           "hook": _hook_case(mesh)}
     dist.barrier()
     return out
 
@@ -115,6 +147,8 @@ def test_replicated_gradients_are_checked_over_tp():
         assert "gradients differ across tp ranks (rel" in lines[0]
         assert "needs a rule" in lines[0]
     assert results[0]["without_rule"] == results[1]["without_rule"]  # every rank says the same
+    # 3 steps of a nested optimizer, steps=2: two checks (not four), then the hooks are gone
+    assert [r["hook"] for r in results] == [{"calls": 2, "hooks_left": 0}] * 2
 
 
 def test_replicated_gradients_are_checked_over_fsdp_hsdp_and_parallelize():

@@ -22,7 +22,7 @@ its ranks. A relative spread above ``tol`` names the parameter, the dim and the 
     tensor-parallel region needs a rule ...
 
 >>> check = ReplicatedGradCheck(model, {"tp": mesh["tp"]})  # in a process group  # doctest: +SKIP
->>> loss.backward(); check(); optimizer.step()                # doctest: +SKIP
+>>> loss.backward(); check(); optimizer.step()  # your loop  # doctest: +SKIP
 
 ``install_replicated_grad_check(model, dims, steps=2)`` runs it before the first ``steps``
 optimizer steps that touch ``model``'s parameters, through torch's global optimizer step
@@ -40,7 +40,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 __all__ = ["ReplicatedGradCheck", "ReplicatedGradientMismatch", "install_replicated_grad_check",
            "replicated_grad_problems"]
@@ -106,6 +109,14 @@ class ReplicatedGradCheck:
         self._weights: dict[int, torch.Tensor] = {}
         self._plan: dict[tuple[str, tuple[int, ...]], tuple[dist.ProcessGroup, list]] | None = None
         self.checked = 0  # (parameter, dim) pairs checked by the last call
+        self.calls = 0  # checks run (steps checked)
+        self._handles: list = []  # optimizer hooks (install_replicated_grad_check)
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks :func:`install_replicated_grad_check` installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         seen, out = set(), []
@@ -181,6 +192,7 @@ class ReplicatedGradCheck:
         return sorted(found, key=lambda x: -x[0])
 
     def __call__(self, step: int | None = None) -> None:
+        self.calls += 1
         found = self.problems()
         if found:
             where = f"step {step}: " if step is not None else ""
@@ -228,26 +240,43 @@ def install_replicated_grad_check(model: nn.Module | Iterable[nn.Module],
                                   skip: Callable[[str, str], bool] | None = None,
                                   tol: float = 1e-5) -> ReplicatedGradCheck | None:
     """Run :class:`ReplicatedGradCheck` before each of the first ``steps`` optimizer steps whose
-    parameters include ``model``'s, then remove itself; returns the check (``.handle.remove()``
-    turns it off sooner), or None when ``steps`` is 0 or no dim has more than one rank.
+    parameters include ``model``'s, then remove itself; returns the check (``.remove()`` turns
+    it off sooner), or None when ``steps`` is 0 or no dim has more than one rank.
 
-    Uses ``torch.optim.optimizer.register_optimizer_step_pre_hook`` (every ``torch.optim``
-    optimizer, and subclasses, call it): gradients are complete there (FSDP and DDP reduce them
-    in backward; gradient clipping scales them alike on every rank).
+    Uses torch's global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_
+    pre_hook`` / ``_post_hook``; every ``torch.optim`` optimizer and subclass calls them):
+    gradients are complete there (FSDP and DDP reduce them in backward; clipping scales them
+    alike on every rank). An optimizer stepping inside another (ZeroRedundancyOptimizer's
+    inner one) is not checked twice. A mismatch raises, and removes the hooks.
     """
     check = ReplicatedGradCheck(model, dims, skip=skip, tol=tol)
     if steps <= 0 or not check.dims:
         return None
-    done = [0]
+    state = {"done": 0, "depth": 0}
 
-    def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        ours = {id(p) for m in check.modules for p in m.parameters()}
-        if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+    def ours(optimizer: torch.optim.Optimizer) -> bool:
+        mine = {id(p) for m in check.modules for p in m.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    def pre(optimizer, args, kwargs) -> None:
+        if not ours(optimizer):
             return
-        done[0] += 1
-        if done[0] >= steps:
-            check.handle.remove()
-        check(step=done[0])
+        state["depth"] += 1
+        if state["depth"] > 1 or state["done"] >= steps:
+            return
+        state["done"] += 1
+        try:
+            check(step=state["done"])
+        except ReplicatedGradientMismatch:
+            check.remove()
+            raise
 
-    check.handle = register_optimizer_step_pre_hook(hook)
+    def post(optimizer, args, kwargs) -> None:
+        if ours(optimizer):
+            state["depth"] -= 1
+            if state["depth"] == 0 and state["done"] >= steps:
+                check.remove()
+
+    check._handles = [register_optimizer_step_pre_hook(pre),
+                      register_optimizer_step_post_hook(post)]
     return check
