@@ -71,13 +71,13 @@ def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
-def _weights(n: int, cache: dict) -> torch.Tensor:
+def _weights(n: int, device: torch.device, cache: dict) -> torch.Tensor:
     """Position weights in [-0.5, 0.5) (a golden-ratio sequence): a permuted gradient changes the
     weighted sum even when its sum and sum of squares do not."""
-    w = cache.get(n)
+    w = cache.get((n, device))
     if w is None:
-        w = torch.remainder(torch.arange(n, dtype=torch.float64) * 0.6180339887498949, 1.0) - 0.5
-        cache[n] = w
+        w = torch.arange(n, dtype=torch.float64, device=device) * 0.6180339887498949
+        w = cache[(n, device)] = torch.remainder(w, 1.0) - 0.5
     return w
 
 
@@ -156,16 +156,18 @@ class ReplicatedGradCheck:
         self._plan = dict(sorted(plan.items()))  # the same order on every rank
         return self._plan
 
-    def _checksums(self, p: nn.Parameter) -> torch.Tensor:
+    def _checksums(self, p: nn.Parameter, device: torch.device) -> torch.Tensor:
+        """[K] float64 on ``device`` (computed where the gradient lives: no copy of it)."""
         grad = p.grad
         if grad is None:
-            return torch.zeros(_K, dtype=torch.float64)
+            return torch.zeros(_K, dtype=torch.float64, device=device)
         if isinstance(grad, DTensor):
             grad = grad.to_local()
-        g = grad.detach().flatten().to(torch.float64).cpu()
-        w = _weights(g.numel(), self._weights)
-        return torch.stack([g.sum(), g.square().sum(), (g * w).sum(),
-                            torch.ones((), dtype=torch.float64)])
+        g = grad.detach().flatten().to(torch.float64)
+        w = _weights(g.numel(), g.device, self._weights)
+        sums = torch.stack([g.sum(), g.square().sum(), (g * w).sum(),
+                            torch.ones((), dtype=torch.float64, device=g.device)])
+        return sums.to(device)
 
     def problems(self) -> list[tuple[float, str]]:
         """(relative spread, line) per mismatching (parameter, dim), worst first; one
@@ -176,11 +178,11 @@ class ReplicatedGradCheck:
             if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
         for (dim, _), (group, params) in self._groups().items():
-            local = torch.stack([self._checksums(p) for _, p in params])  # [n, K]
+            # the collective's device: the parameters' (CUDA for NCCL), else CPU
+            device = next((p.device for _, p in params if p.device.type != "meta"),
+                          torch.device("cpu"))
+            local = torch.stack([self._checksums(p, device) for _, p in params])  # [n, K]
             both = torch.cat([local, -local], dim=1)
-            dev = next((p.grad.device for _, p in params if p.grad is not None), None)
-            if dist.get_backend(group) == "nccl" and dev is not None and dev.type == "cuda":
-                both = both.to(dev)
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
             both = both.cpu()
             hi, lo = both[:, :_K], -both[:, _K:]
