@@ -184,3 +184,56 @@ def test_checksum_spread_is_relative(n):
     lo = torch.minimum(h, sums(other))
     hi = torch.maximum(h, sums(other))
     assert (_spread(hi, lo, 100) > 1e-3) == bool(n)
+
+
+def _body_trainer(rank, world_size, folder):
+    """The trainer at tp = 2 without SP (the norms are plain tensors replicated over tp): the
+    check runs on the first `check_replicated_grads_steps` steps and is silent; a gradient
+    perturbed on one tp rank stops step 1 naming the parameter."""
+    from tests.spawn import fp32_trainer_overrides
+    from titanext.config import load_config
+    from titanext.plugins import replicated_grads
+    from titanext.trainer import Trainer
+
+    calls = []
+    original = replicated_grads.ReplicatedGradCheck.__call__
+
+    def counted(self, step=None):
+        calls.append(step)
+        return original(self, step)
+
+    replicated_grads.ReplicatedGradCheck.__call__ = counted
+    out = {}
+    try:
+        for i, perturb in enumerate((False, True)):
+            cfg = load_config(None, [
+                *fp32_trainer_overrides(steps=3, seq_len=32, flavor="debugtiny"),
+                "--parallelism.tensor_parallel_degree=2",
+                "--parallelism.enable_sequence_parallel=false",
+                "--parallelism.data_parallel_shard_degree=1",
+                f"--job.dump_folder={folder}/{i}"], world_size=world_size)
+            trainer = Trainer(cfg)
+            if perturb and rank == 1:
+                def scale(p):
+                    p.grad.mul_(1.5)
+
+                trainer.model.norm.weight.register_post_accumulate_grad_hook(scale)
+            calls.clear()
+            try:
+                trainer.train()
+                out[perturb] = ("ok", list(calls))
+            except replicated_grads.ReplicatedGradientMismatch as e:
+                out[perturb] = (str(e), list(calls))
+    finally:
+        replicated_grads.ReplicatedGradCheck.__call__ = original
+    dist.barrier()
+    return out
+
+
+def test_the_trainer_checks_the_first_steps(tmp_path):
+    results = run_distributed(_body_trainer, 2, args=(str(tmp_path),), timeout_s=120)
+    for r in results:
+        assert r[False] == ("ok", [1, 2]), r[False]  # default: the first 2 of 3 steps
+        msg, calls = r[True]
+        assert calls == [1] and msg.startswith("step 1: norm.weight: gradients differ across "
+                                               "tp ranks (rel 0.56)"), msg
