@@ -24,15 +24,29 @@ def _loss(model, rows=slice(None)):
     return F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
 
 
-def _tp_case(mesh, qk_norm_rule: bool) -> list[str]:
+def _tp_case(mesh, qk_norm_rule: bool) -> tuple[list[str], str]:
+    """(the check's lines, apply_tensor_parallel's WARNING line on rank 0)."""
+    import logging
+
     from titanext.plugins.replicated_grads import replicated_grad_problems
     from titanext.plugins.tensor_parallel import apply_tensor_parallel
 
+    class Keep(logging.Handler):
+        lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("titanext").addHandler(handler)
     torch.manual_seed(0)
     model = qk_norm_lm()
-    apply_tensor_parallel(model, mesh["tp"], tp_plan(qk_norm_rule=qk_norm_rule))
+    try:
+        apply_tensor_parallel(model, mesh["tp"], tp_plan(qk_norm_rule=qk_norm_rule))
+    finally:
+        logging.getLogger("titanext").removeHandler(handler)
     _loss(model).backward()
-    return replicated_grad_problems(model, {"tp": mesh["tp"]})
+    return replicated_grad_problems(model, {"tp": mesh["tp"]}), " ".join(handler.lines)
 
 
 class _Outer(torch.optim.SGD):
@@ -70,8 +84,10 @@ def _body_tp(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    out = {"with_rule": _tp_case(mesh, True), "without_rule": _tp_case(mesh, False),
-           "hook": _hook_case(mesh)}
+    (with_rule, log_with), (without_rule, log_without) = _tp_case(mesh, True), _tp_case(mesh,
+                                                                                       False)
+    out = {"with_rule": with_rule, "without_rule": without_rule, "hook": _hook_case(mesh),
+           "logs": (log_with, log_without)}
     dist.barrier()
     return out
 
@@ -147,6 +163,10 @@ def test_replicated_gradients_are_checked_over_tp():
         assert "gradients differ across tp ranks (rel" in lines[0]
         assert "needs a rule" in lines[0]
     assert results[0]["without_rule"] == results[1]["without_rule"]  # every rank says the same
+    log_with, log_without = results[0]["logs"]  # rank 0's WARNING line names them beforehand
+    assert "NO RULE" not in log_with, log_with
+    assert "NO RULE inside a split attention / MLP" in log_without, log_without
+    assert "layers.0.attention.q_norm.weight" in log_without, log_without
     # 3 steps of a nested optimizer, steps=2: two checks (not four), then the hooks are gone
     assert [r["hook"] for r in results] == [{"calls": 2, "hooks_left": 0}] * 2
 

@@ -50,6 +50,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanext.plugins.tp_coverage import unruled_parameters
+
 __all__ = ["FusedColwiseParallel", "ReplicatedOverTP", "VocabParallelEmbedding",
            "apply_tensor_parallel", "default_plan_problems", "llama_tp_plan", "mla_rope_dim",
            "tp_plan_matches"]
@@ -252,10 +254,12 @@ def apply_tensor_parallel(
     communicates in high precision and says so; the linears still compute in float8. A custom
     ``plan`` is used as given (put torchao's ``Float8ColwiseParallel`` etc. in it yourself).
 
-    Loud or correct: one WARNING line says how many parameters were sharded and which rules
-    matched nothing. ``ValueError`` (naming the model class and the fix) when no plan is given
-    and :func:`default_plan_problems` finds the model unlike titanext's Llama, when no rule
-    matches any module, or when nothing was sharded. See :func:`tp_plan_matches`.
+    Loud or correct: one WARNING line says how many parameters were sharded, which rules
+    matched nothing, and which parameters inside a split attention / MLP no rule covers
+    (:func:`titanext.plugins.tp_coverage.unruled_parameters`: a QK-norm without its rule, say).
+    ``ValueError`` (naming the model class and the fix) when no plan is given and
+    :func:`default_plan_problems` finds the model unlike titanext's Llama, when no rule matches
+    any module, or when nothing was sharded. See :func:`tp_plan_matches`.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
@@ -283,13 +287,15 @@ def apply_tensor_parallel(
             f"{tp_mesh.size()} would shard nothing. Fix: write the plan's keys as the model's "
             "module FQNs (print [n for n, _ in model.named_modules()]), '*' for one component")
     shared = _shared_parameters(model)
+    unruled = unruled_parameters(model, kept)  # before sharding: what the plan leaves alone
     parallelize_module(model, tp_mesh, kept)
     _retie(model, shared)
-    _report(model, tp_mesh, matches)
+    _report(model, tp_mesh, matches, unruled)
     return model
 
 
-def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]) -> None:
+def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]],
+            unruled: Sequence[str] = ()) -> None:
     """One WARNING line saying what TP did; ValueError when it sharded no parameter."""
     params = dict(model.named_parameters())
     sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
@@ -302,9 +308,12 @@ def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]
             "ColwiseParallel / RowwiseParallel (or other parameter-sharding styles)")
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s",
+            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s%s",
             name, len(sharded), len(params), tp_mesh.size(), len(matches) - len(unused),
-            f"; matching no module (skipped): {', '.join(unused)}" if unused else "")
+            f"; matching no module (skipped): {', '.join(unused)}" if unused else "",
+            f"; NO RULE inside a split attention / MLP, kept replicated (each rank would get its "
+            f"heads' gradient only; the replicated-gradient check tests it at the first steps): "
+            f"{', '.join(unruled[:6])}{' ...' if len(unruled) > 6 else ''}" if unruled else "")
 
 
 def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
