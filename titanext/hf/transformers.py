@@ -34,7 +34,6 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -63,7 +62,7 @@ from titanext.plugins.expert_parallel import (
     detect_experts_layout,
 )
 from titanext.plugins.tensor_parallel import ReplicatedOverTP, VocabParallelEmbedding
-from titanext.plugins.tp_coverage import unruled_parameters
+from titanext.plugins.tp_coverage import fqn_matches, unruled_parameters
 
 __all__ = ["hf_blocks", "hf_llama_tp_plan", "hf_tp_plan", "apply_hf_context_parallel",
            "hf_shard_batch", "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel",
@@ -192,9 +191,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 
 def _any_match(pattern: str, names: set[str]) -> bool:
-    parts = pattern.split(".")
-    return any(len(n.split(".")) == len(parts) and all(
-        fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts)) for n in names)
+    return any(fqn_matches(pattern, n) for n in names)
 
 
 def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigzag",

@@ -26,10 +26,11 @@ import fnmatch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-__all__ = ["unruled_parameters"]
+__all__ = ["fqn_matches", "unruled_parameters"]
 
 
-def _matches(pattern: str, name: str) -> bool:
+def fqn_matches(pattern: str, name: str) -> bool:
+    """Whether module FQN ``name`` matches a plan key (``*`` / fnmatch per dotted component)."""
     parts, got = pattern.split("."), name.split(".")
     return len(parts) == len(got) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(got, parts))
 
@@ -40,9 +41,9 @@ def unruled_parameters(model: nn.Module, plan: dict[str, ParallelStyle],
     covers (a rule covers its module's parameters and those of its submodules). Blocks are
     the modules ``<...>.<blocks>.<i>`` (``layers.3``, ``model.layers.3``)."""
     names = [n for n, _ in model.named_modules()]
-    ruled = {n for n in names for key in plan if _matches(key, n)}
+    ruled = {n for n in names for key in plan if fqn_matches(key, n)}
     sharding = {n for n in names for key, style in plan.items()
-                if isinstance(style, ColwiseParallel | RowwiseParallel) and _matches(key, n)}
+                if isinstance(style, ColwiseParallel | RowwiseParallel) and fqn_matches(key, n)}
 
     def in_block(fqn: str) -> bool:
         parts = fqn.split(".")
