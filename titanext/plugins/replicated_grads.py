@@ -249,19 +249,28 @@ def install_replicated_grad_check(model: nn.Module | Iterable[nn.Module],
     pre_hook`` / ``_post_hook``; every ``torch.optim`` optimizer and subclass calls them):
     gradients are complete there (FSDP and DDP reduce them in backward; clipping scales them
     alike on every rank). An optimizer stepping inside another (ZeroRedundancyOptimizer's
-    inner one) is not checked twice. A mismatch raises, and removes the hooks.
+    inner one) is not checked twice. A mismatch raises. After the last checked step (or a
+    mismatch) the hooks do nothing; one of them stays registered (a hook cannot remove itself
+    while torch iterates over its hooks), holding no reference to the model.
     """
     check = ReplicatedGradCheck(model, dims, skip=skip, tol=tol)
     if steps <= 0 or not check.dims:
         return None
-    state = {"done": 0, "depth": 0}
+    state = {"done": 0, "depth": 0, "finished": False}
 
     def ours(optimizer: torch.optim.Optimizer) -> bool:
         mine = {id(p) for m in check.modules for p in m.parameters()}
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
+    def finish() -> None:
+        # A hook must not remove itself while torch iterates over its dict: the post hook
+        # removes the pre hook; the post hook stays as a no-op holding nothing.
+        state["finished"] = True
+        pre_handle.remove()
+        check.modules, check._plan, check._handles = [], {}, [post_handle]
+
     def pre(optimizer, args, kwargs) -> None:
-        if not ours(optimizer):
+        if state["finished"] or not ours(optimizer):
             return
         state["depth"] += 1
         if state["depth"] > 1 or state["done"] >= steps:
@@ -270,15 +279,19 @@ def install_replicated_grad_check(model: nn.Module | Iterable[nn.Module],
         try:
             check(step=state["done"])
         except ReplicatedGradientMismatch:
-            check.remove()
+            state["finished"] = True
+            post_handle.remove()  # (the pre hook is a no-op from now on)
+            check._handles = [pre_handle]
             raise
 
     def post(optimizer, args, kwargs) -> None:
-        if ours(optimizer):
-            state["depth"] -= 1
-            if state["depth"] == 0 and state["done"] >= steps:
-                check.remove()
+        if state["finished"] or not ours(optimizer):
+            return
+        state["depth"] -= 1
+        if state["depth"] == 0 and state["done"] >= steps:
+            finish()
 
-    check._handles = [register_optimizer_step_pre_hook(pre),
-                      register_optimizer_step_post_hook(post)]
+    pre_handle = register_optimizer_step_pre_hook(pre)
+    post_handle = register_optimizer_step_post_hook(post)
+    check._handles = [pre_handle, post_handle]
     return check
