@@ -71,14 +71,33 @@ def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
-def _weights(n: int, device: torch.device, cache: dict) -> torch.Tensor:
-    """Position weights in [-0.5, 0.5) (a golden-ratio sequence): a permuted gradient changes the
-    weighted sum even when its sum and sum of squares do not."""
+#: elements per float64 chunk: the checksums never hold more than 128 MB of float64 at once
+_CHUNK = 1 << 24
+_PHI = 0.6180339887498949
+
+
+def _steps(n: int, device: torch.device, cache: dict) -> torch.Tensor:
+    """``i * phi`` for i < n (float64, cached per size and device)."""
     w = cache.get((n, device))
     if w is None:
-        w = torch.arange(n, dtype=torch.float64, device=device) * 0.6180339887498949
-        w = cache[(n, device)] = torch.remainder(w, 1.0) - 0.5
+        w = cache[(n, device)] = torch.arange(n, dtype=torch.float64, device=device) * _PHI
     return w
+
+
+def _local_sums(grad: torch.Tensor, cache: dict) -> torch.Tensor:
+    """[sum, sum of squares, position-weighted sum, 1] of a local gradient in float64, chunk by
+    chunk. The weights ``frac(i * phi) - 0.5`` (a golden-ratio sequence in [-0.5, 0.5)) make a
+    permuted gradient change the weighted sum even when its sum and sum of squares do not."""
+    g = grad.detach().flatten()
+    out = torch.zeros(_K, dtype=torch.float64, device=g.device)
+    out[3] = 1.0
+    for start in range(0, g.numel(), _CHUNK):
+        c = g[start:start + _CHUNK].to(torch.float64)
+        w = torch.remainder(_steps(c.numel(), c.device, cache) + start * _PHI, 1.0) - 0.5
+        out[0] += c.sum()
+        out[1] += c.square().sum()
+        out[2] += (c * w).sum()
+    return out
 
 
 class ReplicatedGradCheck:
@@ -106,7 +125,7 @@ class ReplicatedGradCheck:
         self.modules = [model] if isinstance(model, nn.Module) else list(model)
         self.dims = {name: mesh for name, mesh in dims.items() if mesh.size() > 1}
         self.skip, self.tol = skip, tol
-        self._weights: dict[int, torch.Tensor] = {}
+        self._weights: dict[tuple, torch.Tensor] = {}
         self._plan: dict[tuple[str, tuple[int, ...]], tuple[dist.ProcessGroup, list]] | None = None
         self.checked = 0  # (parameter, dim) pairs checked by the last call
         self.calls = 0  # checks run (steps checked)
@@ -163,11 +182,7 @@ class ReplicatedGradCheck:
             return torch.zeros(_K, dtype=torch.float64, device=device)
         if isinstance(grad, DTensor):
             grad = grad.to_local()
-        g = grad.detach().flatten().to(torch.float64)
-        w = _weights(g.numel(), g.device, self._weights)
-        sums = torch.stack([g.sum(), g.square().sum(), (g * w).sum(),
-                            torch.ones((), dtype=torch.float64, device=g.device)])
-        return sums.to(device)
+        return _local_sums(grad, self._weights).to(device)
 
     def problems(self) -> list[tuple[float, str]]:
         """(relative spread, line) per mismatching (parameter, dim), worst first; one
@@ -188,7 +203,7 @@ class ReplicatedGradCheck:
             hi, lo = both[:, :_K], -both[:, _K:]
             self.checked += len(params)
             for (name, p), h, lo_ in zip(params, hi, lo):
-                rel = _spread(h, lo_, p.grad.numel() if p.grad is not None else 0)
+                rel = _spread(h, lo_, _local_numel(p.grad))
                 if rel > self.tol:
                     found.append((rel, _line(name, dim, rel, h, lo_)))
         return sorted(found, key=lambda x: -x[0])
@@ -201,6 +216,12 @@ class ReplicatedGradCheck:
             lines = [line for _, line in found]
             more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
             raise ReplicatedGradientMismatch(where + "; ".join(lines[:5]) + more)
+
+
+def _local_numel(grad: torch.Tensor | None) -> int:
+    if grad is None:
+        return 0
+    return (grad.to_local() if isinstance(grad, DTensor) else grad).numel()
 
 
 def _spread(hi: torch.Tensor, lo: torch.Tensor, numel: int) -> float:
