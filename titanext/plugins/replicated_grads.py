@@ -127,6 +127,7 @@ class ReplicatedGradCheck:
         self.skip, self.tol = skip, tol
         self._weights: dict[tuple, torch.Tensor] = {}
         self._plan: dict[tuple[str, tuple[int, ...]], tuple[dist.ProcessGroup, list]] | None = None
+        self._plan_key: list[int] = []
         self.checked = 0  # (parameter, dim) pairs checked by the last call
         self.calls = 0  # checks run (steps checked)
         self._handles: list = []  # optimizer hooks (install_replicated_grad_check)
@@ -147,10 +148,12 @@ class ReplicatedGradCheck:
         return out
 
     def _groups(self) -> dict[tuple[str, tuple[int, ...]], tuple[dist.ProcessGroup, list]]:
-        """(dim name, ranks) -> (its group, [(param name, param), ...]); built once (the
-        parameters' placements do not change after wiring)."""
-        if self._plan is not None:
+        """(dim name, ranks) -> (its group, [(param name, param), ...]); built again only when
+        the parameters are other objects (``to_empty`` or a reload after the last call)."""
+        key = [id(p) for _, p in self._named_params()]
+        if self._plan is not None and key == self._plan_key:
             return self._plan
+        self._plan_key = key
         plan: dict = {}
         world = {name: (mesh.get_group(), _ranks(mesh)) for name, mesh in self.dims.items()}
         me = dist.get_rank()
