@@ -156,6 +156,7 @@ def _body_2d(rank, world_size):
     return out
 
 
+@pytest.mark.torch_seam  # torch's global optimizer step hooks, SequenceParallel's Replicate grads
 def test_replicated_gradients_are_checked_over_tp():
     results = run_distributed(_body_tp, 2)
     for r in results:
