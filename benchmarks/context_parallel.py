@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.launch.local import run_distributed
 from titanext.plugins.context_parallel import (
     _step_slices,

@@ -55,8 +55,8 @@ def write_corpus(path: Path, megabytes: float) -> int:
 
 def child(mode: str, path: str) -> None:
     """Runs in a fresh process: read the whole corpus once, print a JSON line of figures."""
-    from titanext.components.tokenizer import ByteTokenizer
     from titanext.data import build_dataloader, load_documents, pack_documents
+    from titanext.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     base = _rss_mb()

@@ -23,7 +23,7 @@ import platform
 import torch
 from torch import nn
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.plugins.float8 import FLOAT8_RECIPES, apply_float8, has_float8_hardware
 
 logging.getLogger("titanext").setLevel(logging.ERROR)  # no per-conversion log lines in tables

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.launch.local import run_distributed
 from titanext.models.moe import GroupedExperts, MoE, MoEArgs
 from titanext.plugins.expert_parallel import apply_expert_parallel, count_comm

@@ -7,10 +7,10 @@ Four gloo ranks (pp = 2 x dp_shard = 2, ep = 2 borrowed from dp_shard) train a 4
 model through the real Trainer, two Trainers per rank: ``expert_parallel_comm_overlap`` off
 (A) and on (B), built once and stepped in turn A B A B (after one warm-up step each). Per
 variant it reports the median step time and the median time each rank waited on all-to-alls
-per step (``titanext._baton_threads.comm_waits``: time no chunk could compute because every side
-waited for its collective), their ratios B / A, and the loss of both (equal: bitwise).
+per step (``titanext.plugins._baton_threads.comm_waits``: time no chunk could compute because
+every side waited for its collective), their ratios B / A, and the loss of both (equal: bitwise).
 
-``--bandwidth-mb X`` emulates a slower link (:func:`titanext._baton_threads.emulated_link`):
+``--bandwidth-mb X`` emulates a slower link (:func:`titanext.plugins._baton_threads.emulated_link`):
 every EP all-to-all completes at the earliest ``input bytes / (X MB/s)`` after its issue, the
 same delay in both variants (0 = the plain gloo run). On the 2-core CPU machine the four
 ranks share two cores and gloo's all-to-all itself needs them, so the plain run has little to
@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.launch.local import run_distributed
 
 FLAVOR = "bench_moe4"
@@ -49,10 +49,10 @@ def _overrides(a, overlap: bool, folder: str) -> list[str]:
 
 
 def _worker(rank: int, world: int, a, folder: str) -> dict:
-    from titanext import _baton_threads
     from titanext.config import load_config
     from titanext.models import MODEL_FLAVORS
     from titanext.models.moe import MoEArgs
+    from titanext.plugins import _baton_threads
     from titanext.trainer import Trainer
 
     flavors = MODEL_FLAVORS["llama3"]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.launch.local import run_distributed
 from titanext.schedules import (
     build_schedule,

@@ -33,7 +33,7 @@ import time
 
 import torch.distributed as dist
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.components.step_table import breakdown_rows
 from titanext.launch.local import run_distributed
 

@@ -25,6 +25,8 @@ in a new torch is fixed here:
 - :data:`profiler_enabled`: whether a profiler collects (one C call, no allocation);
 - :func:`aten_op_names`: every ATen operator name (a config hint's "did you mean");
 - :func:`set_pg_timeout`: shorten the default process group's collective timeout;
+- :func:`abort_all_process_groups`, :func:`default_store`: tear every group down at once, and the
+  store the default group was started with (titanext.distributed.failsafe);
 - :func:`record_cuda_memory_history`, :func:`cuda_memory_snapshot`: CUDA's allocator history;
 - :data:`pytree`: torch's pytree utilities.
 
@@ -43,7 +45,8 @@ import torch.utils._pytree as pytree
 __all__ = ["aten_op_names", "cuda_memory_snapshot", "flash_attention_cpu",
            "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
            "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
-           "reduce_scatter_single", "set_pg_timeout", "trunc_normal_"]
+           "reduce_scatter_single", "set_pg_timeout", "trunc_normal_",
+           "abort_all_process_groups", "default_store"]
 
 #: ``torch._grouped_mm(a, b, offs=...)`` where this torch has it (CPU from 2.9), else None.
 grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -98,6 +101,24 @@ def set_pg_timeout(seconds: float) -> bool:
         return False
     _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
     return True
+
+
+def abort_all_process_groups() -> bool:
+    """Abort every process group of this process now, without waiting for peers (gloo closes
+    its sockets, NCCL aborts its communicators); False where this torch has no such call."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        return False
+    abort()
+    return True
+
+
+def default_store():
+    """The key-value store the default process group was started with (None if there is none)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    return getter()
 
 
 def record_cuda_memory_history(on: bool, max_entries: int) -> None:

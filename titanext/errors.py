@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "CheckpointNotFound",
+    "CheckpointUnsafe",
     "ConfigError",
     "TrainingDiverged",
 ]
@@ -59,3 +60,9 @@ class CheckpointCorrupt(CheckpointError):
 
 class CheckpointMismatch(CheckpointError):
     """The checkpoint was saved for another model (flavor or tensor shapes differ)."""
+
+
+class CheckpointUnsafe(CheckpointError):
+    """A checkpoint file that needs code to load (a pickled class or call that
+    ``torch.load(weights_only=True)`` refuses), or state that cannot be stored as plain data;
+    names the file or the object and the fix. Nothing in the file runs."""

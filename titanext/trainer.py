@@ -33,10 +33,11 @@ from titanext.components.checkpoint import CheckpointManager, manifest_info
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.profiling import PipelineShape, StepProfiler
-from titanext.components.tokenizer import build_tokenizer
 from titanext.components.validation import Validator
-from titanext.config import JobConfig, gradient_accumulation_steps, model_args, ulysses_degree
+from titanext.config import JobConfig, resolve_job_layout
 from titanext.data import dataloader_from_config
+from titanext.data.tokenizer import build_tokenizer
+from titanext.distributed.faults import inject_test_fault
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import (
     cp_layout,
@@ -54,7 +55,6 @@ from titanext.distributed.utils import (
 )
 from titanext.errors import TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
-from titanext.launch.faults import inject_test_fault
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
@@ -76,13 +76,11 @@ class Trainer:
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         set_determinism(t.seed, t.deterministic)
-        self.dims = dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size,
-            cp_ulysses=ulysses_degree(p))
+        # the job resolved once: degrees, accumulation, model args, the pipeline's plan
+        self.layout = layout = resolve_job_layout(cfg, world_size)
+        self.dims = dims = ParallelDims.from_layout(layout)
         dims.build_mesh(self.device.type)
-        self.grad_accum_steps = gradient_accumulation_steps(cfg, world_size)
+        self.grad_accum_steps = layout.accumulation_steps
         self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
         self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
         self._autocast = self._autocast_context(cfg, dims, self.device)
@@ -91,7 +89,7 @@ class Trainer:
             self.compute_loss = torch.compile(self.token_loss_sum, backend=cfg.compile.backend)
 
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
-        self.model_args = model_args(cfg)  # the flavor's, with the [moe] overrides
+        self.model_args = layout.model_args  # the flavor's, with the [moe] overrides
         model = build_model(cfg.model.name, self.model_args, device="meta")
         self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
         if f8.enable:  # converters run first, on the meta model
@@ -112,8 +110,8 @@ class Trainer:
             positions = torch.arange(t.seq_len, device=self.device)
             if dims.cp_enabled:
                 positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
-            self.pipeline = PipelineRunner.from_config(
-                model, dims, p, local_batch_size=t.local_batch_size, device=self.device,
+            self.pipeline = PipelineRunner(
+                model, dims, plan=layout.pipeline, device=self.device,
                 loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
                 position_ids=positions, parallelize_stage=parallelize_part,
                 reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
@@ -347,12 +345,8 @@ class Trainer:
         """The ``[profiling]`` driver of a training loop starting at the current step."""
         pipe, shape = self.pipeline, None
         if pipe is not None:
-            shape = PipelineShape(
-                schedule=self.cfg.parallelism.pipeline_parallel_schedule, pp=self.dims.pp,
-                pp_rank=self.dims.pp_mesh.get_local_rank(), microbatches=pipe.microbatches,
-                stages_per_rank=len(pipe.stage_ids), group=pipe.pp_group,
-                max_pending_weight_grads=getattr(pipe.schedule_class, "max_pending_weight_grads",
-                                                 0))
+            shape = PipelineShape(plan=self.layout.pipeline,
+                                  pp_rank=self.dims.pp_mesh.get_local_rank(), group=pipe.pp_group)
         return StepProfiler(self.cfg.profiling, dump_folder=self.cfg.job.dump_folder,
                             rank=self.rank, device=self.device, start_step=self.step,
                             parts=self.model_parts, optimizer=self.optimizer, pipeline=shape,

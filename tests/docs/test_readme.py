@@ -1,8 +1,8 @@
 """The README stays a short guide that matches the tree, and the docs pages stay true.
 
 - README.md has at most 450 lines, and its test command is the one CI runs.
-- Its Layout block names only paths that exist, and every module and package of titanext/ at
-  every depth.
+- docs/INTERFACES.md's module map names only paths that exist, and every module and package of
+  titanext/ at every depth.
 - Every relative link in README.md and docs/*.md points to an existing file (and heading).
 - docs/configuration.md holds the reference generated from ``--help``, so every config key is
   documented; the own-model page shows the shipped example script.
@@ -55,9 +55,12 @@ def _blocks(page, heading: str) -> list[str]:
     return blocks
 
 
+INTERFACES = ROOT / "docs" / "INTERFACES.md"
+
+
 def _layout_paths() -> list[str]:
-    """The paths README's Layout lists."""
-    blocks = _blocks(README, "Layout")
+    """The paths docs/INTERFACES.md's module map lists."""
+    blocks = _blocks(INTERFACES, "Module map")
     return [line.split()[0] for block in blocks for line in block.splitlines()
             if line.startswith("titanext/")]
 
@@ -76,7 +79,8 @@ def test_readme_test_command_is_what_ci_runs():
 def test_layout_paths_exist():
     missing = [p for p in _layout_paths() if not (ROOT / p).exists()
                or p.endswith("/") != (ROOT / p).is_dir()]
-    assert not missing, f"README.md's Layout names paths that are not in the tree: {missing}"
+    assert not missing, ("docs/INTERFACES.md's module map names paths that are not in the tree: "
+                         f"{missing}")
 
 
 def test_layout_lists_every_module_and_package():
@@ -88,9 +92,9 @@ def test_layout_lists_every_module_and_package():
                and (p.is_dir() or (p.suffix == ".py" and
                                    (p.name != "__init__.py" or p.parent == package)))}
     absent = sorted(present - listed)
-    assert not absent, ("README.md's Layout misses these (add one line each to its code block): "
+    assert not absent, ("docs/INTERFACES.md's module map misses these (add one line each): "
                         f"{absent}")
-    assert len(listed) == len(_layout_paths()), "README.md's Layout lists a path twice"
+    assert len(listed) == len(_layout_paths()), "docs/INTERFACES.md's module map lists a path twice"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -81,7 +81,7 @@ def test_bad_fake_world_exits_2_with_one_line():
 def test_fake_world_rules():
     cfg = load_config(None, ["--comm.mode=fake_backend", "--parallelism.tensor_parallel_degree=2",
                              "--parallelism.pipeline_parallel_degree=2"], world_size=1)
-    from titanext.config.rules import fake_world_size
+    from titanext.config.layout import fake_world_size
 
     assert fake_world_size(cfg) == 4  # the degrees' product, dp_shard = -1 counting 1
     with pytest.raises(ConfigError) as e:

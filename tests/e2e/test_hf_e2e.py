@@ -57,7 +57,7 @@ def job(tmp_path_factory):
 
 
 def _probe_batch(hf: str) -> torch.Tensor:
-    from titanext.components.tokenizer import build_tokenizer
+    from titanext.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("hf", hf)
     ids = tok.encode("ROMEO: But, soft! what light through yonder window breaks? " * 6,
@@ -114,8 +114,8 @@ def _train_and_probe(rank: int, world_size: int, overrides: list[str], dirs: dic
 def test_hf_start_train_export_reload(job):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from titanext.components.tokenizer import build_tokenizer
     from titanext.data import build_dataloader
+    from titanext.data.tokenizer import build_tokenizer
 
     (losses, ours, others), _ = run_distributed(_train_and_probe, world_size=2,
                                         args=(job["overrides"], job), timeout_s=180)
@@ -133,7 +133,7 @@ def test_hf_start_train_export_reload(job):
     # The same step's DCP checkpoint converted offline gives the same safetensors, bitwise.
     from safetensors.torch import load_file
 
-    from titanext.hf.convert import main as convert_main
+    from titanext.launch.convert import main as convert_main
 
     offline = os.path.join(job["root"], "offline")
     assert convert_main(["dcp-to-hf", os.path.join(job["root"], "run", "checkpoint",

@@ -1,7 +1,7 @@
 """The trainer under faults, as a user runs it: a raising rank, unwritable folders, checkpoint
 errors, a changed config on resume, the pipeline banner, and torchrun's elastic restarts.
 
-Fault injection is the test-only ``TITANEXT_TEST_FAULT`` variable (titanext.launch.faults).
+Fault injection is the test-only ``TITANEXT_TEST_FAULT`` variable (titanext.distributed.faults).
 """
 
 from __future__ import annotations

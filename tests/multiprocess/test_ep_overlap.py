@@ -5,7 +5,8 @@ shards the stages too), debugmoe with 4 blocks (1-3 MoE, so every rank holds one
 placement), with activation checkpointing.
 Each case trains the same steps with the overlap off and on, in ONE 4-rank spawn, and asserts
 ``torch.equal`` on every step's loss and every final parameter: one side computes at a time
-(titanext._baton_threads), so every op sees the inputs and the summation order of the plain run.
+(titanext.plugins._baton_threads), so every op sees the inputs and the summation order of the
+plain run.
 The plain runs themselves follow one process (tests/multiprocess/test_composition.py).
 """
 
@@ -50,7 +51,7 @@ def _with_flavor(rank: int, world_size: int, runs: list[list[str]], dump_folder:
 
     flavors = MODEL_FLAVORS["llama3"]
     flavors[FLAVOR] = dataclasses.replace(flavors["debugmoe"], n_layers=4)
-    from titanext._baton_threads import comm_waits
+    from titanext.plugins._baton_threads import comm_waits
 
     out = []
     for i, run in enumerate(runs):

@@ -20,7 +20,7 @@ ROOT = REPO_ROOT
 # Rank 0 raises while rank 1 waits in an all-reduce (the TensorBoard-writer case of the issue).
 WORKER = """
 import datetime, sys, torch, torch.distributed as dist
-from titanext.launch.faults import exit_process, run_guarded
+from titanext.distributed.faults import exit_process, run_guarded
 
 def body():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -13,8 +13,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from titanext.components.tokenizer import ByteTokenizer
 from titanext.data import build_dataloader, load_documents, pack_documents
+from titanext.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_id

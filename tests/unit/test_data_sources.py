@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from titanext.components.tokenizer import ByteTokenizer
 from titanext.data import (
     build_dataloader,
     check_dataset,
@@ -22,10 +21,11 @@ from titanext.data import (
     load_documents,
     readers,
 )
-from titanext.data.__main__ import main
 from titanext.data.pretokenize import tokenize_corpus
+from titanext.data.tokenizer import ByteTokenizer
 from titanext.data.tokens import permute
 from titanext.errors import ConfigError
+from titanext.launch.data import main
 
 TOK = ByteTokenizer()
 EOS, BOS = TOK.eos_id, TOK.bos_id

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from titanext import _baton_threads
 from titanext.config import ConfigError, load_config
+from titanext.plugins import _baton_threads
 from titanext.schedules import simulate
 from titanext.schedules.overlap import combined_order, overlap_problems
 

@@ -8,13 +8,8 @@ import random
 
 import pytest
 
-from titanext.plugins.expert_replication import (
-    SLACK,
-    max_replicas,
-    nominal_plan,
-    plan_replicas,
-    rank_routing,
-)
+from titanext.plugins.expert_replication import SLACK, nominal_plan, plan_replicas, rank_routing
+from titanext.plugins.options import max_replicas
 
 
 def _table(rng: random.Random, world: int, n_exp: int) -> list[list[int]]:

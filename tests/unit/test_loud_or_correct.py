@@ -67,9 +67,9 @@ def test_float8_converts_linear_subclasses_that_keep_forward(caplog):
 
 def test_float8_on_own_forward_linears_only_raises_or_is_included_by_the_filter():
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match=r"no linear of SubclassMLP converts.*gate \(overrides"):
+    with pytest.raises(ValueError, match=r"no matmul of SubclassMLP converts.*gate \(overrides"):
         apply_float8(SubclassMLP(own_forward_only=True), emulate=True)
-    with pytest.raises(ValueError, match="no nn.Linear at all"):
+    with pytest.raises(ValueError, match="no matmul module at all"):
         apply_float8(nn.Sequential(nn.ReLU()), emulate=True)
     model = SubclassMLP(own_forward_only=True)
     got = apply_float8(model, emulate=True, module_filter_fn=lambda m, fqn: fqn != "gate")

@@ -11,12 +11,8 @@ import pytest
 import torch
 
 import titanext.components.metrics as metrics_mod
-from titanext.components.metrics import (
-    MetricsLogger,
-    device_peak_flops,
-    format_table,
-    peak_flops_for_name,
-)
+from titanext._text import format_table
+from titanext.components.metrics import MetricsLogger, device_peak_flops, peak_flops_for_name
 
 CPU = torch.device("cpu")
 

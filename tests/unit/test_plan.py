@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from tests import REPO_ROOT
 from titanext.config import ConfigError, gradient_accumulation_steps, load_config
+from titanext.config.layout import pipeline_plan
 from titanext.planning.cli import (
     DEVICES,
     advise,
@@ -303,7 +304,7 @@ def test_pipeline_bubble_and_in_flight_are_the_simulators(schedule):
     cfg = load_config(path, over, world_size=64)
     plan = plan_config(cfg, 64)
     f, i, w = plan.time["microbatch_f_i_w_s"]
-    layout = pipeline_layout(schedule, pp=4, microbatches=8, n_layers=32)
+    layout = pipeline_layout(pipeline_plan(schedule, pp=4, microbatches=8, n_layers=32))
     sim = simulate(schedule, pp=4, microbatches=8, f=1.0, b=round(i / f, 2), w=round(w / f, 2),
                    comm=round(plan.time["pp_p2p_s"] / f, 2),
                    stages_per_rank=layout.stages_per_rank, runtime_order=True)
@@ -321,7 +322,7 @@ def test_planner_pipeline_matches_the_simulator_closed_forms(schedule, closed_fo
     from titanext.planning.stages import pipeline_layout, simulate_times
 
     for p, m in ((4, 8), (4, 16), (8, 16)):
-        layout = pipeline_layout(schedule, pp=p, microbatches=m, n_layers=2 * p)
+        layout = pipeline_layout(pipeline_plan(schedule, pp=p, microbatches=m, n_layers=2 * p))
         _, sim = simulate_times(layout, f=1.0, i=1.0, w=1.0, comm=0.0)
         assert sim.bubble_ratio == pytest.approx(closed_form(p, m), abs=1e-9)
 

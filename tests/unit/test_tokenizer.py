@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanext.components.tokenizer import ByteTokenizer, build_tokenizer
+from titanext.data.tokenizer import ByteTokenizer, build_tokenizer
 
 TEXTS = ["", "hello, world", "héllo wörld", "日本語のテキスト", "emoji 🙂 and tabs\t\n", "\x00\x7f"]
 

@@ -5,7 +5,7 @@
   :mod:`~titanext.components.checkpoint_manifest` names what a checkpoint was trained with.
 - :mod:`~titanext.components.optim`: optimizer and learning-rate schedule.
 - :mod:`~titanext.components.metrics`: console and TensorBoard metrics, tables.
-- :mod:`~titanext.components.tokenizer`: the byte tokenizer and ``build_tokenizer``.
+- :mod:`~titanext.data.tokenizer`: the byte tokenizer and ``build_tokenizer``.
 - :mod:`~titanext.components.validation`: held-out loss (``[validation]``).
 
 Importing this package imports none of them.

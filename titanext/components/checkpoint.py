@@ -9,6 +9,15 @@ Layout of one checkpoint, ``<folder>/step-<N>/``:
   another (FSDP 4 -> FSDP 2 x TP 2, a different number of param groups, ...).
 - ``trainer_state.pt`` (rank 0, ``torch.save``): step, world size, LR scheduler, data loader
   and ``extra_states``. These are small, plain and the same on every rank.
+
+Nothing a resume reads runs code (:mod:`titanext._safe_load`): the ``.pt`` files hold
+plain data only (tensors, numbers, strings, lists, dicts; other state refuses to save) and are
+read with ``torch.load(weights_only=True)``, DCP's ``.metadata`` pickle is read by an unpickler
+that builds only DCP's metadata classes, and DCP's non-tensor entries with
+``weights_only=True``. A file that asks for anything else raises
+:class:`~titanext.errors.CheckpointUnsafe` before anything is loaded, and its payload never
+runs. Checkpoints written before this rule load unchanged when they hold plain data (titanext's
+own state always did).
 - ``rng-<rank>.pt``: each rank's CPU (and CUDA) RNG state; restored only under the same world
   size.
 - ``zero1_optimizer.pt``: with a ``ZeroRedundancyOptimizer`` (ZeRO-1), whose state DCP's
@@ -65,6 +74,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titanext._safe_load import (
+    PlainBytesLoadPlanner,
+    check_dcp_metadata,
+    load_plain,
+    plain_state,
+)
 from titanext.components.checkpoint_manifest import (
     _ERRORS,
     _MANIFEST,
@@ -84,6 +99,7 @@ from titanext.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMismatch,
+    CheckpointUnsafe,
 )
 
 __all__ = ["CheckpointManager", "config_changes", "manifest_info", "read_manifest",
@@ -143,9 +159,8 @@ def _local_tensor(t: Any) -> Any:
 
 
 def _load_file(path: str) -> Any:
-    # weights_only=False: these files are written by this manager and hold arbitrary picklable
-    # scheduler / data loader / extra state, not only tensors.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # Plain data only (plain_state at save): a file that needs code raises CheckpointUnsafe.
+    return load_plain(path)
 
 
 def _follow_current_schedule(scheduler: Any, optimizer: Any, current_lrs: list[float]) -> None:
@@ -294,12 +309,18 @@ class CheckpointManager:
         return state, original_keys
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
+        """Plain data (CheckpointUnsafe naming the object otherwise), so that a resume reads it
+        with ``torch.load(weights_only=True)``."""
+        def state(obj, name: str):
+            return None if obj is None else plain_state(obj.state_dict(), f"{name}.state_dict()")
+
         return {
             "step": step,
             "world_size": self._world_size(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "dataloader": None if self.dataloader is None else self.dataloader.state_dict(),
-            "extra": {name: obj.state_dict() for name, obj in self.extra_states.items()},
+            "lr_scheduler": state(self.lr_scheduler, "lr_scheduler"),
+            "dataloader": state(self.dataloader, "dataloader"),
+            "extra": {name: state(obj, f"extra_states[{name!r}]")
+                      for name, obj in self.extra_states.items()},
         }
 
     @staticmethod
@@ -333,6 +354,9 @@ class CheckpointManager:
         os.makedirs(tmp, exist_ok=True)
 
         zero1 = _is_zero1(self.optimizer)
+        # Every rank checks the trainer state is plain data before anything is written: state
+        # that would need code to load raises alike on every rank (CheckpointUnsafe).
+        trainer_state = self._trainer_state(step)
         state: dict[str, Any] = {"model": self._model_state()}
         if not zero1:
             state["optimizer"] = self._optimizer_state()[0]
@@ -341,10 +365,11 @@ class CheckpointManager:
         if zero1:
             self.optimizer.consolidate_state_dict(to=0)  # collective over the ZeRO group
             if dist.get_rank(self.optimizer.process_group) == 0:
-                _save_file(self.optimizer.state_dict(), os.path.join(tmp, _ZERO1_OPTIMIZER))
+                _save_file(plain_state(self.optimizer.state_dict(), "the ZeRO-1 optimizer"),
+                           os.path.join(tmp, _ZERO1_OPTIMIZER))
         _save_file(self._rng_state(), os.path.join(tmp, f"rng-{rank}.pt"))
         if rank == 0:
-            _save_file(self._trainer_state(step), os.path.join(tmp, _TRAINER_STATE))
+            _save_file(trainer_state, os.path.join(tmp, _TRAINER_STATE))
 
         self._barrier()  # every rank's files are in tmp: commit
         if rank == 0:
@@ -472,6 +497,7 @@ class CheckpointManager:
         if step is None:
             return 0
         path = self._path(step)
+        check_dcp_metadata(os.path.join(path, ".metadata"))  # before anything unpickles it
         self._check_shapes(path, manifest)
         try:
             step = self._load(path)
@@ -493,6 +519,7 @@ class CheckpointManager:
 
     def _load(self, path: str) -> int:
         trainer = _load_file(os.path.join(path, _TRAINER_STATE))
+        rng = self._read_rng(path, trainer["world_size"])  # before anything is loaded
         # The current config's peak LRs, before the saved scheduler and param groups overwrite them.
         current_lrs = list(getattr(self.lr_scheduler, "base_lrs", []))
 
@@ -503,7 +530,8 @@ class CheckpointManager:
         if not zero1:
             state["optimizer"], original_keys = self._optimizer_state()
         with _single_process_is_intended():
-            dcp.load(state, checkpoint_id=path, process_group=self.process_group)
+            dcp.load(state, checkpoint_id=path, process_group=self.process_group,
+                     planner=PlainBytesLoadPlanner())
         for part in self.model_parts:
             names = get_model_state_dict(part).keys()
             set_model_state_dict(part, {name: state["model"][name] for name in names})
@@ -530,14 +558,39 @@ class CheckpointManager:
             elif self._rank() == 0:
                 logger.warning("checkpoint %s has no state for %r; it keeps its current state",
                                path, name)
-        self._load_rng(path, trainer["world_size"])
+        self._load_rng(path, trainer["world_size"], rng)
         if self._rank() == 0:
             print(f"titanext: resumed from {path} (step {trainer['step']})", flush=True)
         return trainer["step"]
 
-    def _load_rng(self, path: str, saved_world_size: int) -> None:
+    def _read_rng(self, path: str, saved_world_size: int) -> dict | None:
+        """This rank's saved RNG state (None where it is not restored), read as plain data; a
+        rank's file that needs code raises CheckpointUnsafe on every rank alike."""
         rng_file = os.path.join(path, f"rng-{self._rank()}.pt")
-        if saved_world_size != self._world_size() or not os.path.exists(rng_file):
+        if saved_world_size != self._world_size():  # alike on every rank
+            return None
+        rng = unsafe = None
+        try:
+            rng = _load_file(rng_file) if os.path.exists(rng_file) else None
+        except CheckpointUnsafe as e:
+            unsafe = e
+        if not self._distributed():
+            if unsafe is not None:
+                raise unsafe
+            return rng
+        bad: list = [None] * self._world_size()
+        dist.all_gather_object(bad, unsafe is not None, group=self.process_group)
+        if any(bad):
+            files = ", ".join(f"rng-{r}.pt" for r, b in enumerate(bad) if b)
+            raise CheckpointUnsafe(f"checkpoint {path!r}: {files} need code to load "
+                                   "(torch.load(weights_only=True) refused them); titanext never "
+                                   "runs code from a checkpoint: resume from another step "
+                                   "(--checkpoint.load_step=<step>) or start fresh "
+                                   "(--checkpoint.load_step=none)")
+        return rng
+
+    def _load_rng(self, path: str, saved_world_size: int, rng: dict | None) -> None:
+        if rng is None:
             # Rank r of another layout is not the same worker, so its stream would be wrong
             # anyway; data order does not depend on the RNG, so the loss curve continues.
             if self._rank() == 0:
@@ -545,7 +598,6 @@ class CheckpointManager:
                                "state is not restored (model, optimizer, scheduler and data "
                                "position are)", path, saved_world_size, self._world_size())
             return
-        rng = _load_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

@@ -25,12 +25,12 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Mapping
+from typing import IO
 
 import torch
 
-__all__ = ["MetricsLogger", "device_peak_flops", "format_table", "peak_flops_for_name"]
+__all__ = ["MetricsLogger", "device_peak_flops", "peak_flops_for_name"]
 
 _GIB = 1024**3
 
@@ -102,62 +102,6 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
-
-
-# -- formatting ---------------------------------------------------------------------------------
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _fmt_number(v: Any) -> str:
-    """Integers as they are; floats with about 4 significant digits, no exponent in 1e-3..1e9."""
-    if not isinstance(v, float):
-        return str(v)
-    if not math.isfinite(v) or v == 0:
-        return str(v) if v else "0"
-    mag = abs(v)
-    if mag >= 1e9 or mag < 1e-3:
-        return f"{v:.3e}"
-    if mag >= 1000:
-        return f"{v:.0f}"
-    return f"{v:.{max(0, 3 - math.floor(math.log10(mag)))}f}"
-
-
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, *,
-                 markdown: bool = False) -> str:
-    """Render ``rows`` as an aligned text table: numeric columns right-aligned, text left-aligned.
-
-    ``columns`` picks and orders the columns (default: every key, in order of first appearance);
-    a missing value is an empty cell. ``markdown=True`` gives a GitHub-flavoured Markdown table.
-
-    >>> print(format_table([{"name": "fsdp", "tps": 1234.56}, {"name": "fsdp+tp", "tps": 98.7654}]))
-    name       tps
-    -------  -----
-    fsdp      1235
-    fsdp+tp  98.77
-    """
-    if columns is None:
-        columns = list(dict.fromkeys(k for row in rows for k in row))
-    columns = list(columns)
-    if not columns:
-        return ""
-    cells = [["" if row.get(c) is None else _fmt_number(row.get(c)) for c in columns]
-             for row in rows]
-    numeric = [any(_is_number(r.get(c)) for r in rows)
-               and all(_is_number(r.get(c)) or r.get(c) is None for r in rows) for c in columns]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        padded = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
-        return ("| " + " | ".join(padded) + " |") if markdown else "  ".join(padded).rstrip()
-
-    if markdown:
-        rule = "|" + "|".join(("-" * (w + 1) + ":") if num else (":" + "-" * (w + 1))
-                              for w, num in zip(widths, numeric)) + "|"
-    else:
-        rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(columns), rule, *(line(row) for row in cells)])
 
 
 def _fmt_value(x: float) -> str:

@@ -22,7 +22,7 @@
 
 Profiling changes no numerics: the profiler and the tracker only observe the ops.
 
->>> from titanext.config import Profiling
+>>> from titanext.config import PipelinePlan, Profiling
 >>> window_steps(Profiling(profile_freq=5, profiler_warmup=1, profiler_active=2), 12)
 [[4, 5], [9, 10]]
 """
@@ -44,10 +44,10 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from titanext._compat import cuda_memory_snapshot, record_cuda_memory_history
 from titanext._fake_backend import mem_tracker
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.components.step_table import breakdown_rows, simulated_idle, step_breakdown
 from titanext.components.trace_svg import write_timeline
-from titanext.config import Profiling
+from titanext.config import PipelinePlan, Profiling
 
 __all__ = ["PipelineShape", "StepProfiler", "memory_svg", "window_steps"]
 
@@ -58,15 +58,12 @@ TIMELINE_RANKS = 32  # rank 0 draws the first 32 ranks' traces of each window
 
 @dataclass
 class PipelineShape:
-    """What the step table needs to replay this rank's pipeline schedule."""
+    """What the step table needs to replay this rank's pipeline schedule: the job's resolved
+    :class:`~titanext.config.layout.PipelinePlan`, this rank and the pp process group."""
 
-    schedule: str
-    pp: int
+    plan: PipelinePlan
     pp_rank: int
-    microbatches: int
-    stages_per_rank: int
     group: Any  # the pp process group
-    max_pending_weight_grads: int = 0  # the schedule's cap (titanext.schedules.memory_cap)
 
 
 def window_steps(cfg: Profiling, total_steps: int) -> list[list[int]]:
@@ -236,15 +233,13 @@ class StepProfiler:
         if p is None or "pipeline" not in table:
             return
         chunks: list[Any] = [table["chunks"]]
-        if p.pp > 1:
-            chunks = [None] * p.pp
+        if p.plan.pp > 1:
+            chunks = [None] * p.plan.pp
             dist.all_gather_object(chunks, table["chunks"], group=p.group)
         merged = {int(s): c for part in chunks for s, c in part.items()}
         try:
-            table["pipeline"]["idle_simulated"] = simulated_idle(
-                p.schedule, pp=p.pp, microbatches=p.microbatches,
-                stages_per_rank=p.stages_per_rank, pp_rank=p.pp_rank, chunks=merged,
-                max_pending_weight_grads=p.max_pending_weight_grads)
+            table["pipeline"]["idle_simulated"] = simulated_idle(p.plan, pp_rank=p.pp_rank,
+                                                                 chunks=merged)
         except (ValueError, KeyError, ZeroDivisionError) as e:  # shown as a note, not a crash
             table["pipeline"]["idle_simulated_error"] = f"{type(e).__name__}: {e}"
 

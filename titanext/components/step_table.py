@@ -34,7 +34,10 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from titanext.config.layout import PipelinePlan
 
 from titanext._profiler_ranges import CP, EP_ALL_TO_ALL, LOSS, OPTIMIZER, PHASES, PIPELINE, PREFIX
 
@@ -167,24 +170,16 @@ def step_number(event: Mapping[str, Any]) -> int:
     return int(_STEP.fullmatch(event["name"]).group(1)) + 1
 
 
-def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
-                   pp_rank: int, chunks: Mapping[int, Mapping[str, Mapping[str, float]]],
-                   max_pending_weight_grads: int = 0) -> float:
+def simulated_idle(plan: PipelinePlan, *, pp_rank: int,
+                   chunks: Mapping[int, Mapping[str, Mapping[str, float]]]) -> float:
     """This pp rank's idle fraction of one schedule step as the simulator predicts it from the
     measured per-stage chunk costs (``chunks``: every stage's, as :func:`step_breakdown`
-    gives them; a full B stands for I + W where the schedule does not split), on the lists
-    capped at ``max_pending_weight_grads`` pending W's as the trainer ran them."""
-    from titanext.schedules import (
-        get_schedule_class,
-        num_stages_for,
-        resolved_stages_per_rank,
-        schedule_order,
-    )
+    gives them; a full B stands for I + W where the schedule does not split), on the lists of
+    the job's resolved pipeline ``plan`` (capped as the trainer ran them)."""
+    from titanext.schedules import schedule_order
     from titanext.schedules.simulator import replay
 
-    cls = get_schedule_class(schedule)
-    spr = resolved_stages_per_rank(cls, stages_per_rank)
-    chain = num_stages_for(cls.placement, pp, spr)
+    chain = plan.num_stages
 
     def cost(stage: int, kind: str) -> float:
         c = chunks.get(stage, {})
@@ -195,8 +190,8 @@ def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank
         return c["I"]["ms"] + c.get("W", {"ms": 0.0})["ms"] if kind == "B" and "I" in c else 0.0
 
     costs = {k: [cost(s, k) for s in range(chain)] for k in "FIWB"}
-    order = schedule_order(schedule, pp=pp, microbatches=microbatches, stages_per_rank=spr,
-                           max_pending_weight_grads=max_pending_weight_grads)
+    order = schedule_order(plan.schedule, pp=plan.pp, microbatches=plan.microbatches,
+                           stages_per_rank=plan.stages_per_rank)
     sim = replay(order, num_stages=chain, f=costs["F"], b=costs["I"], w=costs["W"],
                  full_b=costs["B"])
     busy = sum(e.end - e.start for e in sim.events if e.rank == pp_rank)
@@ -205,7 +200,7 @@ def simulated_idle(schedule: str, *, pp: int, microbatches: int, stages_per_rank
 
 def breakdown_rows(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Table rows (phase, then one ms column per rank; min / median / max over more than 8
-    ranks) for :func:`titanext.components.metrics.format_table`."""
+    ranks) for :func:`titanext._text.format_table`."""
     names: list[tuple[str, Any]] = [("step", lambda b: b["step_ms"])]
     keys = list(dict.fromkeys(k for b in per_rank for k in b["phases"]))
     names += [(k, lambda b, k=k: b["phases"].get(k)) for k in keys]

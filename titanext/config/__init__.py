@@ -1,14 +1,25 @@
 """Typed job configuration: TOML files + CLI overrides -> :class:`JobConfig`.
 
-The package has three parts, each with one job:
+The package has four parts, each with one job:
 
 - :mod:`~titanext.config.schema`: one documented dataclass per TOML section; every key's
   attribute docstring is its ``--help`` text, and its own constraints sit next to it.
 - :mod:`~titanext.config.loader`: TOML reading with ``[job] extends``, command-line overrides,
   ``--help`` (:func:`config_help`) and ``--print-config`` (:func:`to_toml`).
-- :mod:`~titanext.config.rules`: every cross-field rule, one owner per rule;
-  :class:`~titanext.distributed.parallel_dims.ParallelDims`, the pipeline and the planner
-  call the same functions.
+- :mod:`~titanext.config.layout`: the job resolved once (:func:`resolve_job_layout`: degrees,
+  mesh dims, accumulation, the pipeline's :class:`PipelinePlan`, EP, recompute), the one object
+  the trainer, the pipeline, the planner and the dry run read.
+- :mod:`~titanext.config.rules`: the cross-cutting rules, and the collecting of every problem
+  into one report (:func:`collect_problems`, :func:`check_config`).
+
+Where a rule lives: a rule about one package's own options sits in that package, torch-free,
+taking plain values, and the config calls it: ``plugins/options.py`` (float8, hot-expert
+replication, whose bound is the plugin's own :func:`~titanext.plugins.options.max_replicas`),
+``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/checks.py``
+(datasets, token shards), ``hf/checks.py`` (HF assets, vocab, initial load), ``config/degrees.py``
+(the plain-int layout arithmetic). What stays here involves several sections at once (degrees,
+batch, pipeline composition, MTP against the layout: ``mtp_rules.py``) or guards code that sits
+above the config and so cannot hold it (``[profiling]``: ``profiling_rules.py``).
 
 Importing the package does not import torch.
 
@@ -21,15 +32,17 @@ Importing the package does not import torch.
 
 from __future__ import annotations
 
-from titanext.config.loader import config_help, field_docs, load_config, parse_cli, to_toml
-from titanext.config.rules import (
-    check_config,
+from titanext.config.layout import (
+    JobLayout,
+    PipelinePlan,
     gradient_accumulation_steps,
     model_args,
+    resolve_job_layout,
     resolved_dp_shard,
     ulysses_degree,
-    validate,
 )
+from titanext.config.loader import config_help, field_docs, load_config, parse_cli, to_toml
+from titanext.config.rules import check_config
 from titanext.config.schema import (
     SECTIONS,
     ActivationCheckpoint,
@@ -60,12 +73,14 @@ __all__ = [
     "Float8",
     "Job",
     "JobConfig",
+    "JobLayout",
     "LRSchedulerConfig",
     "Metrics",
     "MoEConfig",
     "Model",
     "OptimizerConfig",
     "Parallelism",
+    "PipelinePlan",
     "Profiling",
     "Training",
     "config_help",
@@ -74,9 +89,9 @@ __all__ = [
     "load_config",
     "model_args",
     "parse_cli",
+    "resolve_job_layout",
     "resolved_dp_shard",
     "to_toml",
     "ulysses_degree",
     "check_config",
-    "validate",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from titanext.errors import ConfigError
 
 __all__ = ["accumulation_steps", "batch_problem", "degree_problems", "ep_layout_problem",
-           "layers_per_stage", "resolve_dp_shard", "resolve_microbatches"]
+           "layers_per_stage", "mesh_dims", "resolve_dp_shard", "resolve_microbatches"]
 
 
 # -- parallel degrees (plain ints: ParallelDims calls these too) ----------------------------------
@@ -52,6 +52,29 @@ def resolve_dp_shard(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: 
             f"{world_size}: {spelled(dp_shard)} = {dp_shard * others}; set "
             "data_parallel_shard_degree = -1 to fill the rest"])
     return dp_shard
+
+
+def mesh_dims(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int = 1,
+              cp_ulysses: int = 1) -> tuple[tuple[str, int], ...]:
+    """The world mesh's named dims and their sizes, outermost first (size-1 dims kept):
+    ``pp, dp_replicate, dp_shard, cp, tp``. Expert parallelism splits ``dp_shard`` into
+    ``dp_shard_mod_ep x dp_shard_in_ep`` (it borrows ``dp_shard_in_ep x cp`` ranks); hybrid
+    Ulysses splits ``cp`` into ``cp_ring x cp_ulysses``. ``dp_shard`` resolved.
+
+    >>> [n for n, _ in mesh_dims(pp=1, dp_replicate=1, dp_shard=4, cp=2, tp=1, ep=4)]
+    ['pp', 'dp_replicate', 'dp_shard_mod_ep', 'dp_shard_in_ep', 'cp', 'tp']
+    """
+    cp_dims = ((("cp_ring", cp // cp_ulysses), ("cp_ulysses", cp_ulysses)) if cp_ulysses > 1
+               else (("cp", cp),))
+    if ep > 1:
+        problem = ep_layout_problem(ep=ep, cp=cp, dp_shard=dp_shard)
+        if problem:
+            raise ValueError(problem)
+        in_ep = ep // cp
+        shard_dims = (("dp_shard_mod_ep", dp_shard // in_ep), ("dp_shard_in_ep", in_ep))
+    else:
+        shard_dims = (("dp_shard", dp_shard),)
+    return (("pp", pp), ("dp_replicate", dp_replicate), *shard_dims, *cp_dims, ("tp", tp))
 
 
 def ep_layout_problem(*, ep: int, cp: int, dp_shard: int) -> str | None:

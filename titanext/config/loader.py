@@ -29,8 +29,9 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from titanext._hints import did_you_mean as _did_you_mean
+from titanext._text import did_you_mean as _did_you_mean
 from titanext.config import schema
+from titanext.config._fields import field_rule
 from titanext.config._values import (
     _coerce,
     _hints,
@@ -40,7 +41,7 @@ from titanext.config._values import (
     _value_type_name,
 )
 from titanext.config.rules import collect_problems
-from titanext.config.schema import SECTIONS, JobConfig, field_rule
+from titanext.config.schema import SECTIONS, JobConfig
 from titanext.errors import ConfigError
 
 if sys.version_info >= (3, 11):

@@ -1,13 +1,11 @@
-"""Every cross-field rule of the config, one owner per rule.
+"""The cross-cutting rules of the config, and the collecting of every problem into one report.
 
-The layout arithmetic (degree product, EP layout, batch and gradient accumulation, pipeline
-micro-batches) is plain-int functions in :mod:`titanext.config.degrees`, re-exported here, so
-the runtime calls the same rule the config checks at load:
-:class:`titanext.distributed.parallel_dims.ParallelDims` validates its degrees with
-:func:`degree_problems`, the planner counts gradient accumulation with
-:func:`accumulation_steps` and pipeline micro-batches with :func:`resolve_microbatches`.
 :func:`collect_problems` runs every rule over a :class:`~titanext.config.schema.JobConfig` and
 returns one line per problem; :func:`check_config` raises them as one :class:`ConfigError`.
+Rules about one package's own options live in that package and are called from here (see
+:mod:`titanext.config`); the layout arithmetic is :mod:`titanext.config.degrees`, and the
+pipeline is checked on the :class:`~titanext.config.layout.PipelinePlan` that
+:func:`~titanext.config.layout.pipeline_plan` resolves, the one the trainer and the planner run.
 
 >>> check_config(JobConfig(), world_size=4)
 
@@ -18,50 +16,28 @@ that need them, so that ``import titanext.config`` stays light (no torch).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from titanext._hints import did_you_mean as _did_you_mean
-from titanext.config.degrees import (
-    accumulation_steps,
-    batch_problem,
-    degree_problems,
-    ep_layout_problem,
-    layers_per_stage,
-    resolve_dp_shard,
-    resolve_microbatches,
+from titanext._text import did_you_mean as _did_you_mean
+from titanext.config.degrees import batch_problem, ep_layout_problem
+from titanext.config.layout import (
+    PipelinePlan,
+    PipelinePlanError,
+    _moe_overrides,
+    _resolve_shard,
+    config_pipeline_plan,
+    fake_world_size,
+    model_args,
+    ulysses_degree,
 )
 from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
-from titanext.config.replication_rules import MOE_RUNTIME_KEYS, replication_problems
-from titanext.config.schema import JobConfig, MoEConfig, field_problems
+from titanext.config.schema import JobConfig, field_problems
+from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
-from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES
+from titanext.plugins.options import float8_problems, replication_problems
 
-if TYPE_CHECKING:
-    from titanext.models import ModelArgs
-
-__all__ = ["accumulation_steps", "batch_problem", "collect_problems", "degree_problems",
-           "ep_layout_problem", "fake_world_size", "gradient_accumulation_steps", "model_args",
-           "pipeline_config_problems", "resolve_dp_shard", "resolve_microbatches",
-           "resolved_dp_shard", "check_config", "validate"]
-
-
-# -- parallel degrees ---------------------------------------------------------------------------
-
-def _resolve_shard(p: Any, world_size: int | None) -> tuple[int, str | None]:
-    """(dp_shard with -1 resolved, the problem if the degrees do not fit ``world_size``)."""
-    try:
-        shard = resolve_dp_shard(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree, world_size=world_size)
-    except ConfigError as e:
-        fallback = 1 if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree
-        return fallback, e.problems[0]
-    return shard, None
-
+__all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
 
 
 # -- pipeline -------------------------------------------------------------------------------------
@@ -72,34 +48,43 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
     The schedule's own rules (micro-batch counts, stage counts, compile) are
     :func:`titanext.schedules.schedule_problems`; this adds what involves other sections.
     """
+    return _pipeline_problems(cfg)[0]
+
+
+def _pipeline_problems(cfg: JobConfig) -> tuple[list[str], PipelinePlan | None]:
+    """(the pipeline's problems, its :class:`~titanext.config.layout.PipelinePlan` where one can
+    be resolved), through the one resolution the trainer and the planner run."""
     from titanext.models import MODEL_FLAVORS, get_model_args
-    from titanext.schedules import (
-        get_schedule_class,
-        num_stages_for,
-        resolved_stages_per_rank,
-        schedule_problems,
-        stage_owners,
-    )
+    from titanext.schedules import schedule_problems
 
     p, t, m = cfg.parallelism, cfg.training, cfg.model
     pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
     key = "parallelism.pipeline_parallel_"
-    try:
-        n_per_rank = resolved_stages_per_rank(name, p.pipeline_parallel_stages_per_rank)
-    except ValueError as e:
-        return [f"{key}stages_per_rank = {p.pipeline_parallel_stages_per_rank}: {e}"]
-    mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
-    cls = get_schedule_class(name)
-    # DualPipe: two copies of a pp-stage model, the others pp x stages_per_rank stages
-    n_stages = num_stages_for(cls.placement, pp, n_per_rank)
+    n_layers = (get_model_args(m.name, m.flavor).n_layers
+                if m.name in MODEL_FLAVORS and m.flavor in MODEL_FLAVORS[m.name] else None)
+    layer_problem, cap = None, p.pipeline_parallel_max_pending_weight_grads
+    plan = None
+    while plan is None:
+        try:
+            plan = config_pipeline_plan(cfg, n_layers, max_pending_weight_grads=cap)
+        except PipelinePlanError as e:
+            if e.key == "stages_per_rank":
+                return [f"{key}stages_per_rank = {p.pipeline_parallel_stages_per_rank}: {e}"], None
+            if e.key == "layers":  # reported below; the rest of the plan still holds
+                layer_problem = (f"{key}degree = {pp} x stages_per_rank = {e.stages_per_rank}: "
+                                 f"{e.num_stages} stages: {e}")
+                n_layers = None
+            else:  # a cap the schedule cannot take: schedule_problems names it
+                cap = 0
+    cls, mb = plan.schedule, plan.microbatches
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     # torch's split walks the autograd graph (not on compiled stages); deferral needs no walk
-    autograd_split = getattr(p, "pipeline_parallel_split_backward", "deferred") == "autograd"
+    autograd_split = p.pipeline_parallel_split_backward == "autograd"
     problems = list(schedule_problems(
         name, pp=pp, microbatches=mb, compiled=compiled and autograd_split,
-        stages_per_rank=n_per_rank,
-        max_pending_weight_grads=getattr(p, "pipeline_parallel_max_pending_weight_grads", 0)))
-    if compiled and cls.placement == "v" and not hasattr(cls, "generate") \
+        stages_per_rank=plan.stages_per_rank,
+        max_pending_weight_grads=p.pipeline_parallel_max_pending_weight_grads))
+    if compiled and plan.placement == "v" and not hasattr(cls, "generate") \
             and not any("compile" in q for q in problems):
         problems.append(f"{key}schedule = {name!r} (torch's) refuses torch.compile'd stages; use "
                         "'ZBV' or set compile.enable = false")
@@ -107,28 +92,20 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
         problems.append(f"parallelism.zero_stage = 1 with {key}degree = {pp} is not supported (the "
                         "stages are not wrapped in DDP, so gradients would not be reduced over "
                         "data parallel ranks); use zero_stage 2 or 3")
-    if cls.placement == "dualpipe" and p.tensor_parallel_degree > 1:
+    if plan.mirrored and p.tensor_parallel_degree > 1:
         problems.append(f"{key}schedule = {name!r} with parallelism.tensor_parallel_degree = "
                         f"{p.tensor_parallel_degree} is not supported yet (the mirrored-copy "
                         "gradient sum is untested under TP); use 'DualPipeV' or tp = 1")
     if t.local_batch_size % mb:
         problems.append(f"training.local_batch_size = {t.local_batch_size} must be divisible by "
                         f"{key}microbatches = {mb} (each micro-batch is a slice of the batch)")
-    if m.name in MODEL_FLAVORS and m.flavor in MODEL_FLAVORS[m.name]:
-        n_layers = get_model_args(m.name, m.flavor).n_layers
-        try:
-            layers_per_stage(n_layers, n_stages,
-                             first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                             last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                             explicit=p.pipeline_parallel_layers_per_stage,
-                             stage_ranks=stage_owners(cls.placement, pp, n_per_rank))
-        except ValueError as e:
-            problems.append(f"{key}degree = {pp} x stages_per_rank = {n_per_rank}: {n_stages} "
-                            f"stages: {e}")
-    return problems
+    if layer_problem:
+        problems.append(layer_problem)
+    return problems, plan
 
 
-def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+def _pipeline_composition_problems(cfg: JobConfig, skip: set[str],
+                                   plan: PipelinePlan | None) -> list[str]:
     """Features that cannot run inside pipeline stages (checked only with pp > 1).
 
     Everything else composes with PP: FSDP/HSDP, TP/SP with loss parallel, CP (the stages get
@@ -137,17 +114,10 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     ZeRO-1 and DualPipe x TP are rejected by :func:`pipeline_config_problems`.
     """
     p, ac = cfg.parallelism, cfg.activation_checkpoint
-    pp = p.pipeline_parallel_degree
-    if pp == 1:
+    if plan is None:  # no pipeline, or one whose own rules failed
         return []
-    from titanext.schedules import get_schedule_class
-
     problems = []
-    try:
-        cls = get_schedule_class(p.pipeline_parallel_schedule)
-        splits = getattr(cls, "splits_backward", False)
-    except ValueError:  # an unknown schedule is reported by its own check
-        splits = False
+    splits = getattr(plan.schedule, "splits_backward", False)
     ac_keys = {"activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"}
     # deferred weight gradients run one backward per micro-batch (W never touches the graph)
     splits = splits and p.pipeline_parallel_split_backward == "autograd"
@@ -165,12 +135,6 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
 
 
 # -- model, MoE, expert parallelism, float8 -------------------------------------------------------
-
-def _tokenizer_vocab(name: str) -> int:
-    from titanext.components.tokenizer import build_tokenizer
-
-    return build_tokenizer(name).vocab_size
-
 
 def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[str]:
     """Name and flavor against the registry, then the rules that need the model's shape."""
@@ -193,7 +157,7 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if m.flavor == "hf":
         if problems or not m.hf_assets_path:
             return problems
-        from titanext.models.hf import model_args_from_hf
+        from titanext.hf.configs import model_args_from_hf
 
         args = model_args_from_hf(m.hf_assets_path)
     else:
@@ -221,20 +185,14 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
                         f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
     if "model.tokenizer" not in skip and m.tokenizer != "hf":  # 'hf': in _hf_rule_problems
-        vocab = _tokenizer_vocab(m.tokenizer)
+        from titanext.data.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(m.tokenizer).vocab_size
         if args.vocab_size < vocab:
             problems.append(f"model.tokenizer = {m.tokenizer!r} produces {vocab} token ids but "
                             f"the model's vocab_size = {args.vocab_size} ({which}); pick a flavor "
                             f"with vocab_size >= {vocab}")
     return problems
-
-
-def ulysses_degree(p: Any) -> int:
-    """The Ulysses degree CP runs with: context_parallel_degree for comm = 'alltoall' (pure
-    Ulysses), else context_parallel_ulysses_degree (1 = ring only)."""
-    if p.context_parallel_comm == "alltoall":
-        return p.context_parallel_degree
-    return p.context_parallel_ulysses_degree
 
 
 def _ulysses_key(p: Any) -> str:
@@ -283,9 +241,9 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
-    from titanext.config.hf_rules import hf_problems
+    from titanext.hf.checks import hf_problems
+    from titanext.hf.configs import hf_config_from_model_args
     from titanext.models import get_model_args
-    from titanext.models.hf import hf_config_from_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -309,31 +267,6 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
         except ValueError as e:
             problems.append(f"checkpoint.last_save_in_hf = true: {e}")
     return problems
-
-
-def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
-    return {f.name: getattr(cfg.moe, f.name) for f in dataclasses.fields(MoEConfig)
-            if getattr(cfg.moe, f.name) is not None and f.name not in MOE_RUNTIME_KEYS}
-
-
-def model_args(cfg: JobConfig) -> ModelArgs:
-    """The :class:`~titanext.models.ModelArgs` the job trains: the flavor's, with the [moe]
-    overrides applied (call on a validated config).
-
-    >>> from titanext.config import load_config
-    >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
-    1
-    """
-    from titanext.models import get_model_args, with_moe_overrides
-    from titanext.models.hf import model_args_from_hf
-
-    if cfg.model.flavor == "hf":
-        base = model_args_from_hf(cfg.model.hf_assets_path)
-    else:
-        base = get_model_args(cfg.model.name, cfg.model.flavor)
-    if cfg.model.num_mtp_layers >= 0:
-        base = dataclasses.replace(base, num_mtp_layers=cfg.model.num_mtp_layers)
-    return with_moe_overrides(base, **_moe_overrides(cfg))
 
 
 def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
@@ -411,7 +344,7 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
     return problems
 
 
-def ep_overlap_problems(cfg: JobConfig) -> list[str]:
+def ep_overlap_problems(cfg: JobConfig, plan: PipelinePlan | None) -> list[str]:
     """``expert_parallel_comm_overlap``: expert parallelism, and a pipeline schedule whose
     paired forward/backward chunks can run (:func:`titanext.schedules.overlap.overlap_problems`)."""
     p = cfg.parallelism
@@ -426,47 +359,14 @@ def ep_overlap_problems(cfg: JobConfig) -> list[str]:
         return [f"{key} overlaps the paired forward/backward chunks of a pipeline schedule, but "
                 "parallelism.pipeline_parallel_degree = 1 has none; use pp > 1 with DualPipeV, "
                 "DualPipe, 1F1B or Interleaved1F1B, or set it false"]
-    from titanext.schedules import get_schedule_class, resolved_stages_per_rank
     from titanext.schedules.overlap import overlap_problems
 
-    try:
-        canonical = get_schedule_class(name).__name__
-        spr = resolved_stages_per_rank(name, p.pipeline_parallel_stages_per_rank)
-    except ValueError:  # reported by the pipeline rules
+    if plan is None:  # reported by the pipeline rules
         return []
-    if name.lower() == "torchdualpipev":
-        canonical = "TorchDualPipeV"
-    mb = resolve_microbatches(pp, p.pipeline_parallel_microbatches, cfg.training.local_batch_size)
-    return overlap_problems(canonical, pp=pp, microbatches=mb, stages_per_rank=spr)
-
-
-def _float8_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
-    """[float8] combinations that cannot work (checked only with float8.enable)."""
-    f, p = cfg.float8, cfg.parallelism
-    if not f.enable or skip & {"float8.recipe", "float8.enable_fsdp_float8_all_gather"}:
-        return []
-    problems = []
-    if f.enable_fsdp_float8_all_gather and f.recipe not in FLOAT8_ALL_GATHER_RECIPES:
-        problems.append(f"float8.enable_fsdp_float8_all_gather = true needs one scale per weight "
-                        f"tensor, which recipe = {f.recipe!r} does not have; use recipe = "
-                        "'tensorwise' or set enable_fsdp_float8_all_gather = false")
-    if f.precompute_scale and not f.enable_fsdp_float8_all_gather:
-        problems.append("float8.precompute_scale = true only precomputes the scales of float8 "
-                        "all-gathered weights; set enable_fsdp_float8_all_gather = true too, or "
-                        "precompute_scale = false")
-    if f.enable_fsdp_float8_all_gather and p.zero_stage == 1:
-        problems.append("float8.enable_fsdp_float8_all_gather = true needs FSDP, but "
-                        "parallelism.zero_stage = 1 replicates parameters (DDP); use zero_stage "
-                        "2 or 3")
-    if f.recipe != "blockwise" and importlib.util.find_spec("torchao") is None:
-        problems.append(f"float8.recipe = {f.recipe!r} needs torchao >= 0.17, which is not "
-                        "installed here (pip install torchao); recipe = 'blockwise' runs "
-                        "without it")
-    if f.recipe == "blockwise" and p.tensor_parallel_degree > 1:
-        problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
-                        f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
-                        "or 'rowwise' with TP")
-    return problems
+    # torch's DualPipeV class is named like titanext's: tell them apart by the config's name
+    canonical = "TorchDualPipeV" if name.lower() == "torchdualpipev" else plan.schedule.__name__
+    return overlap_problems(canonical, pp=pp, microbatches=plan.microbatches,
+                            stages_per_rank=plan.stages_per_rank)
 
 
 # -- all rules -------------------------------------------------------------------------------------
@@ -536,16 +436,18 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     if degrees_ok and ok("context_parallel_ulysses_degree", "context_parallel_comm"):
         problems += _ulysses_degree_problems(p)
     problems += _model_problems(cfg, skip, degrees_ok)
+    plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
     if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
-        problems += pipeline_config_problems(cfg)
-    problems += _float8_problems(cfg, skip)
+        found, plan = _pipeline_problems(cfg)
+        problems += found
+    problems += float8_problems(cfg.float8, cfg.parallelism, skip)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)
     if degrees_ok and ok("expert_parallel_degree", "pipeline_parallel_schedule"):
-        problems += ep_overlap_problems(cfg)
+        problems += ep_overlap_problems(cfg, plan)
     if degrees_ok:
-        problems += _pipeline_composition_problems(cfg, skip)
+        problems += _pipeline_composition_problems(cfg, skip, plan)
 
     if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
         problem = batch_problem(global_batch_size=t.global_batch_size,
@@ -567,70 +469,15 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
             "with zero_stage = 2, which never reshards after forward; leave it 'default' or use "
             "zero_stage = 3")
 
-    problems += _data_problems(cfg, skip)
+    sections = [("training", cfg.training)] + ([("validation", cfg.validation)]
+                                               if cfg.validation.enable else [])
+    problems += data_problems(
+        [(name, sec.dataset, sec.dataset_path) for name, sec in sections
+         if not {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip],
+        text_field=cfg.training.dataset_text_field, tokenizer=cfg.model.tokenizer,
+        hf_assets_path=cfg.model.hf_assets_path)
     problems += profiling_problems(cfg, skip)
     return problems
-
-
-def _data_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
-    """training's and (when enabled) validation's dataset and files: the path exists, parquet
-    and jsonl files have the text field, token shards' dtype holds the tokenizer's ids
-    (titanext.data.checks; file headers only)."""
-    from titanext.data.checks import check_dataset
-
-    problems: list[str] = []
-    sections = [("training", cfg.training)]
-    if cfg.validation.enable:
-        sections.append(("validation", cfg.validation))
-    vocab: tuple[int | None, int | None] | None = None
-    for name, sec in sections:
-        if {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip:
-            continue
-        if sec.dataset in ("text", "tokens"):
-            if not sec.dataset_path:
-                what = (".txt, .jsonl, .parquet or .arrow file, or a folder of them"
-                        if sec.dataset == "text"
-                        else "folder of .npy shards from python -m titanext.data tokenize")
-                problems.append(f"{name}.dataset = {sec.dataset!r} needs {name}.dataset_path (a "
-                                f"{what}), which is unset")
-                continue
-            if not os.path.exists(sec.dataset_path):
-                problems.append(f"{name}.dataset_path = {sec.dataset_path!r} does not exist "
-                                f"(relative paths start at {os.getcwd()!r})")
-                continue
-            if sec.dataset == "tokens" and vocab is None:
-                vocab = _tokenizer_ids(cfg)
-            problems += check_dataset(sec.dataset, sec.dataset_path,
-                                      text_field=cfg.training.dataset_text_field,
-                                      vocab_size=vocab[0] if vocab else None,
-                                      eos_id=vocab[1] if vocab else None, section=name)
-        elif sec.dataset_path:
-            problems.append(f"{name}.dataset_path = {sec.dataset_path!r} is only read with "
-                            f"dataset = 'text' or 'tokens', but {name}.dataset = "
-                            f"{sec.dataset!r}; set dataset = 'text' or dataset_path = \"\"")
-    return problems
-
-
-def _tokenizer_ids(cfg: JobConfig) -> tuple[int | None, int | None]:
-    """(vocab size, EOS id) of the configured tokenizer, or Nones when it cannot be built (its
-    own rule reports why)."""
-    from titanext.components.tokenizer import build_tokenizer
-
-    try:
-        tok = build_tokenizer(cfg.model.tokenizer, cfg.model.hf_assets_path)
-    except (ConfigError, ValueError):
-        return None, None
-    return tok.vocab_size, tok.eos_id
-
-
-def fake_world_size(cfg: JobConfig) -> int:
-    """The world size of a ``comm.mode = "fake_backend"`` dry run: ``comm.fake_world_size``, or
-    the product of the parallel degrees (data_parallel_shard_degree = -1 counting 1)."""
-    if cfg.comm.fake_world_size:
-        return cfg.comm.fake_world_size
-    p = cfg.parallelism
-    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
-            * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
 def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
@@ -645,38 +492,3 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
     found = collect_problems(cfg, world_size)
     if found:
         raise ConfigError(found)
-
-
-#: The old name of :func:`check_config` (``titanext.config.validate`` keeps working).
-validate = check_config
-
-
-def resolved_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
-    """``data_parallel_shard_degree`` with -1 resolved to the rest of the world (1 without one).
-
-    Raises :class:`ConfigError` when the degrees cannot fit ``world_size``.
-
-    >>> from titanext.config import load_config
-    >>> resolved_dp_shard(load_config(None, ["--parallelism.tensor_parallel_degree=2"]), 8)
-    4
-    """
-    shard, problem = _resolve_shard(cfg.parallelism, world_size)
-    if problem:
-        raise ConfigError([problem])
-    return shard
-
-
-def gradient_accumulation_steps(cfg: JobConfig, world_size: int | None) -> int:
-    """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp).
-
-    1 when ``global_batch_size = -1``. Raises :class:`ConfigError` when it is not a whole number.
-
-    >>> from titanext.config import load_config
-    >>> gradient_accumulation_steps(load_config(None, ["--training.global_batch_size=64"]), 4)
-    2
-    """
-    t, p = cfg.training, cfg.parallelism
-    return accumulation_steps(global_batch_size=t.global_batch_size,
-                              local_batch_size=t.local_batch_size,
-                              dp_replicate=p.data_parallel_replicate_degree,
-                              dp_shard=resolved_dp_shard(cfg, world_size))

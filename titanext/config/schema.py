@@ -19,52 +19,20 @@ shadow a runtime class (``MoEConfig`` is ``[moe]``, not :class:`titanext.models.
 from __future__ import annotations
 
 import dataclasses
-import operator
-import typing
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
 
-from titanext._hints import did_you_mean as _did_you_mean
+from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
+from titanext.config._fields import _field, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
 from titanext.plugins.options import DEFAULT_SAVE_OPS, FLOAT8_RECIPES
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
-           "Parallelism", "Profiling", "Training", "Validation", "field_problems", "field_rule"]
+           "Parallelism", "Profiling", "Training", "Validation", "field_problems"]
 
 
-# -- per-field constraints live next to the field ------------------------------------------------
-
-# A custom check returns None when the value is fine, else what is allowed (for the message).
-_Check = Callable[[Any], Union[str, None]]
-
-
-def _field(
-    default: Any,
-    *,
-    choices: Sequence[Any] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    check: _Check | None = None,
-    rule: str | None = None,
-    aliases: dict[str, str] | None = None,
-) -> Any:
-    """A dataclass field whose constraints are stored in its metadata for :func:`field_problems`.
-
-    ``rule`` describes a custom ``check`` for ``--help``; choices and bounds describe themselves.
-    ``aliases`` maps other accepted spellings to a choice; the loader replaces them while reading
-    TOML and command-line values, so code only ever sees the canonical choice.
-    """
-    meta = {"choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "check": check,
-            "rule": rule, "aliases": aliases or {}}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
+# -- per-field constraints live next to the field (titanext.config._fields) ----------------------
 
 def _minus_one_or_positive(value: int) -> str | None:
     return None if value == -1 or value >= 1 else "-1 or an integer >= 1"
@@ -156,7 +124,7 @@ class Training:
     """Use deterministic algorithms only (slower; bitwise-repeatable runs)."""
     dataset: str = _field("shakespeare", choices=_DATASETS)
     """Data source: the built-in Shakespeare corpus, your own files streamed and tokenized as
-    they are read ('text'), pre-tokenized .npy shards ('tokens', from python -m titanext.data
+    they are read ('text'), pre-tokenized .npy shards ('tokens', from titanext-data
     tokenize), or synthetic random tokens (for benchmarks and parity tests). See docs/data.md."""
     dataset_path: str | None = _field(None)
     """For dataset = 'text': a .txt, .jsonl, .parquet or .arrow file, or a folder of them
@@ -579,24 +547,6 @@ SECTIONS: dict[str, type] = {
 
 # -- per-field validation -------------------------------------------------------------------------
 
-_BOUND_OPS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
-_BOUND_WORDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-
-
-def _bounds_rule(meta: typing.Mapping[str, Any]) -> str:
-    return " and ".join(f"{_BOUND_WORDS[k]} {meta[k]:g}" for k in _BOUND_WORDS
-                        if meta.get(k) is not None)
-
-
-def field_rule(f: dataclasses.Field) -> str:
-    """What a field allows, in words ("" when any value of its type is fine)."""
-    m = f.metadata
-    if m.get("choices") is not None:
-        aliases = "".join(f" ({_show(a)} means {_show(c)})" for a, c in m["aliases"].items())
-        return "one of " + ", ".join(_show(c) for c in m["choices"]) + aliases
-    return m.get("rule") or _bounds_rule(m)
-
-
 def field_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """Type, enum, range and custom checks of each field on its own; failed keys join ``skip``."""
     problems: list[str] = []
@@ -615,33 +565,8 @@ def field_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
                                 f"{_type_name(hints[f.name])}, got {_value_type_name(value)}")
                 skip.add(key)
                 continue
-            problem = _constraint_problem(f, value)
+            problem = constraint_problem(f, value)
             if problem:
                 problems.append(f"{key} = {_show(value)} {problem}")
                 skip.add(key)
     return problems
-
-
-def _constraint_problem(f: dataclasses.Field, value: Any) -> str | None:
-    """What is wrong with a well-typed ``value`` of field ``f`` and what it allows, or None."""
-    m = f.metadata
-    if value is None:  # an unset optional key has nothing to check
-        return None
-    if m.get("choices") is not None:
-        if value in m["choices"]:  # types are already checked, so True never passes for 1
-            return None
-        if value in m["aliases"]:  # the loader translates aliases; code built in Python must not
-            return (f"is an alias that only TOML files and the command line accept; set "
-                    f"{_show(m['aliases'][value])}")
-        hint = (_did_you_mean(value, m["choices"], fallback=False)
-                if isinstance(value, str) and all(isinstance(c, str) for c in m["choices"]) else "")
-        return f"is not allowed; choose {field_rule(f)}{hint}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if any(m.get(k) is not None and not op(value, m[k]) for k, op in _BOUND_OPS.items()):
-            return f"is out of range; it must be {_bounds_rule(m)}"
-    if m.get("check") is not None:
-        allowed = m["check"](value)
-        if allowed:
-            return f"is not allowed; allowed: {allowed}"
-    return None
-

@@ -8,7 +8,7 @@ Sources (``[training] dataset``):
   tokenized as the windows are needed, with memory bounded by one block
   (:mod:`titanext.data.streaming`).
 - ``"tokens"``: pre-tokenized ``.npy`` shards read through a memmap (:mod:`titanext.data.tokens`),
-  written by ``python -m titanext.data tokenize`` (:mod:`titanext.data.pretokenize`).
+  written by ``titanext-data tokenize`` (:mod:`titanext.data.pretokenize`).
 - ``"synthetic"``: infinite learnable random windows.
 
 Documents are packed into one token stream with EOS after each and cut into windows of
@@ -29,7 +29,7 @@ every EOS and at every BOS) and :func:`document_positions` turns them into posit
 restart at 0 at each document. Labels are unchanged.
 
 >>> from titanext.data import build_dataloader
->>> from titanext.components.tokenizer import ByteTokenizer
+>>> from titanext.data.tokenizer import ByteTokenizer
 >>> loader = build_dataloader(dataset="shakespeare", dataset_path=None, tokenizer=ByteTokenizer(),
 ...                           seq_len=64, local_batch_size=2, dp_rank=0, dp_degree=1)
 >>> inputs, labels = loader.next_batch()

@@ -200,7 +200,7 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
     if dataset in ("text", "tokens") and not dataset_path:
         what = ("a .txt, .jsonl (field training.dataset_text_field), .parquet or .arrow "
                 "file, or a folder of them" if dataset == "text" else
-                "a folder of .npy token shards from python -m titanext.data tokenize")
+                "a folder of .npy token shards from titanext-data tokenize")
         raise ConfigError(f"{section}.dataset = {dataset!r} needs {key}: {what}")
 
     source: Source
@@ -234,7 +234,7 @@ def dataloader_from_config(training: Any, tokenizer: Tokenizer, dp_rank: int, dp
     ``[validation]`` section) the held-out one, read unshuffled with its own batch size.
 
     >>> from titanext.config import load_config
-    >>> from titanext.components.tokenizer import ByteTokenizer
+    >>> from titanext.data.tokenizer import ByteTokenizer
     >>> t = load_config(None, ["--training.seq_len=32"]).training
     >>> dataloader_from_config(t, ByteTokenizer(), 0, 1).next_batch()[0].shape
     torch.Size([8, 32])

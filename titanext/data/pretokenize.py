@@ -1,6 +1,6 @@
 """Pre-tokenize a text corpus into ``.npy`` shards, in parallel over files.
 
-``python -m titanext.data tokenize (--config FILE | --tokenizer SPEC) SRC DST`` reads every
+``titanext-data tokenize (--config FILE | --tokenizer SPEC) SRC DST`` reads every
 .txt/.jsonl/.parquet/.arrow file under SRC in the streaming loader's order, writes one shard per
 file (``DST/00000.npy``, ...: each document's ids followed by EOS, uint16 or uint32 by vocab) and
 ``DST/tokens.json`` (tokenizer vocab, EOS, BOS, per-shard counts). ``dataset = "tokens"`` with
@@ -42,21 +42,17 @@ _worker_counter: Any = None
 
 
 def load_tokenizer(spec: tuple[str, ...]) -> Any:
-    """The tokenizer for ``spec``: ``("name", "byte")``, ``("path", DIR_OR_JSON)`` (a Hugging
-    Face tokenizer.json or the directory holding it) or ``("config", FILE, *overrides)`` (the
-    config's ``[model] tokenizer`` and ``hf_assets_path``)."""
-    from titanext.components.tokenizer import build_tokenizer
+    """The tokenizer for ``spec``: ``("name", NAME[, HF_ASSETS])`` (a ``[model] tokenizer``
+    name such as ``"byte"``, with the ``hf_assets_path`` it reads) or ``("path", DIR_OR_JSON)``
+    (a Hugging Face tokenizer.json or the directory holding it). A spec is plain strings, so
+    that every worker process builds its own."""
+    from titanext.data.tokenizer import build_tokenizer
     from titanext.hf.tokenizer import HFTokenizer
 
     kind, *rest = spec
-    if kind == "config":
-        from titanext.config import load_config
-
-        cfg = load_config(rest[0], list(rest[1:]))
-        return build_tokenizer(cfg.model.tokenizer, getattr(cfg.model, "hf_assets_path", None))
     if kind == "path":
         return HFTokenizer(rest[0])
-    return build_tokenizer(rest[0])
+    return build_tokenizer(*rest)
 
 
 def _npy_header(dtype: np.dtype, length: int) -> bytes:

@@ -50,7 +50,7 @@ def pack_documents(docs: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     Stored as int16 when the vocabulary fits (byte tokens do), int32 otherwise, to keep a big
     corpus small in memory; windows are widened to ``torch.long`` only when batched.
 
-    >>> from titanext.components.tokenizer import ByteTokenizer
+    >>> from titanext.data.tokenizer import ByteTokenizer
     >>> pack_documents(["ab", "c"], ByteTokenizer()).tolist()
     [97, 98, 257, 99, 257]
     """

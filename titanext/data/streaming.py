@@ -15,10 +15,10 @@ jsonl line, tokens to skip]`` (see :mod:`titanext.data.readers`): a resume opens
 seeks to the unit, re-tokenizes it and drops ``skip`` tokens, so it continues exactly without
 reading anything before. Every data-parallel rank reads the whole stream and keeps its own
 windows, which is what makes the stream independent of the dp layout (ranks tokenize the same
-text; pre-tokenize with ``python -m titanext.data tokenize`` when that costs too much).
+text; pre-tokenize with ``titanext-data tokenize`` when that costs too much).
 
 >>> import tempfile, os
->>> from titanext.components.tokenizer import ByteTokenizer
+>>> from titanext.data.tokenizer import ByteTokenizer
 >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "a.txt"), "w").write("abcdefg")
 >>> src = StreamingTextWindows.open(d, tokenizer=ByteTokenizer(), seq_len=3, seed=0,
 ...                                 shuffle=False)

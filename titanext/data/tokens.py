@@ -1,6 +1,6 @@
 """Pre-tokenized shards: ``.npy`` token arrays read through a numpy memmap.
 
-A tokens folder (written by ``python -m titanext.data tokenize``) holds ``00000.npy``,
+A tokens folder (written by ``titanext-data tokenize``) holds ``00000.npy``,
 ``00001.npy``, ... (uint16 when the vocabulary has at most 65536 ids, else uint32; each document
 followed by EOS) and ``tokens.json``, which records the tokenizer's vocab size, EOS and BOS. Any
 folder of 1-D integer ``.npy`` files works too; ``tokens.json`` is then not checked.
@@ -94,7 +94,7 @@ def _open_shard(path: Path, vocab_size: int) -> np.ndarray:
     if np.iinfo(shard.dtype).max < vocab_size - 1:
         raise ConfigError(f"tokens shard {str(path)!r} has dtype {shard.dtype}, which cannot hold "
                           f"the tokenizer's ids up to {vocab_size - 1} (vocab {vocab_size}); "
-                          f"re-tokenize it (python -m titanext.data tokenize writes "
+                          f"re-tokenize it (titanext-data tokenize writes "
                           f"{token_dtype(vocab_size)})")
     return shard
 

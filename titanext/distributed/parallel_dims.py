@@ -32,13 +32,17 @@ of the data-parallel shard ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanext._fake_backend import real_tensors
-from titanext.config.degrees import degree_problems, resolve_dp_shard
+from titanext.config.degrees import degree_problems, mesh_dims, resolve_dp_shard
 from titanext.distributed.utils import device_type
 from titanext.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titanext.config.layout import JobLayout
 
 __all__ = ["ParallelDims", "resolve_dp_shard"]
 
@@ -63,6 +67,14 @@ class ParallelDims:
     """Ulysses ranks inside cp (hybrid CP splits cp into cp_ring x cp_ulysses); 1 = ring only."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def from_layout(cls, layout: JobLayout) -> ParallelDims:
+        """The degrees of a resolved :class:`~titanext.config.layout.JobLayout` (the trainer's
+        way in: the job's degrees are worked out once, there)."""
+        return cls(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp,
+                   tp=layout.tp, pp=layout.pp, ep=layout.ep, world_size=layout.world_size,
+                   cp_ulysses=layout.cp_ulysses)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -121,14 +133,9 @@ class ParallelDims:
     def _build_mesh(self, device: str) -> DeviceMesh:
         split_cp = self.cp_ulysses > 1
         cp_names = ["cp_ring", "cp_ulysses"] if split_cp else ["cp"]
-        cp_sizes = [self.cp // self.cp_ulysses, self.cp_ulysses] if split_cp else [self.cp]
-        if self.ep > 1:
-            in_ep = self.ep // self.cp
-            sizes = [self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, *cp_sizes, self.tp]
-            names = ["pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", *cp_names, "tp"]
-        else:
-            sizes = [self.pp, self.dp_replicate, self.dp_shard, *cp_sizes, self.tp]
-            names = ["pp", "dp_replicate", "dp_shard", *cp_names, "tp"]
+        dims = mesh_dims(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                         cp=self.cp, tp=self.tp, ep=self.ep, cp_ulysses=self.cp_ulysses)
+        names, sizes = zip(*dims)
         mesh = init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(names))
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
         cp = tuple(cp_names)

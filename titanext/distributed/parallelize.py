@@ -25,7 +25,8 @@ Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from titanext.config import ActivationCheckpoint
-    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.failsafe import guarded
+from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.utils import init_distributed
     from titanext.distributed.parallelize import parallelize
 
@@ -67,15 +68,27 @@ from torch import nn
 
 from titanext._fake_backend import real_tensors, to_empty
 from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
+from titanext.distributed.failsafe import guarded
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.plugins._blocks import find_blocks
-from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+from titanext.plugins.activation_checkpoint import (
+    apply_activation_checkpointing,
+    check_activation_checkpointing,
+)
 from titanext.plugins.compile import apply_compile
-from titanext.plugins.context_parallel import apply_context_parallel
-from titanext.plugins.expert_parallel import ExpertsLayout, apply_expert_parallel
-from titanext.plugins.fsdp import apply_ddp, apply_fsdp
+from titanext.plugins.context_parallel import (
+    apply_context_parallel,
+    attention_fn_holders,
+    check_options,
+)
+from titanext.plugins.expert_parallel import (
+    ExpertsLayout,
+    apply_expert_parallel,
+    expert_parallel_targets,
+)
+from titanext.plugins.fsdp import apply_ddp, apply_fsdp, resolve_reshard_after_forward
 from titanext.plugins.replicated_grads import install_replicated_grad_check
-from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel
+from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_targets
 
 __all__ = ["cp_layout", "loss_parallel_enabled", "mixed_precision_dtype", "parallelize",
            "zero1_enabled"]
@@ -120,6 +133,7 @@ def _install_grad_check(model: nn.Module, dims: ParallelDims, zero1: bool,
     install_replicated_grad_check(model, meshes, steps=steps, skip=skip)
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -168,7 +182,12 @@ def parallelize(
 
     Loud or correct: each plugin says what it did in one WARNING line (or raises a ValueError
     naming the model class, what it looked for and the fix when a requested degree > 1 would
-    change nothing).
+    change nothing). No rank is left waiting: an error raised on some ranks only ends every rank
+    within seconds (:mod:`titanext.distributed.failsafe`). Validate before mutating: every
+    argument that can be checked without changing ``model`` is checked first (the blocks every
+    per-block plugin needs, the TP plan, the experts, CP's attention modules, the AC mode, the
+    precisions, ZeRO-1's materialised parameters), so an error leaves ``model`` exactly as it
+    was passed.
 
     Returns the module to train: ``model`` itself (changed in place), or its DDP wrapper under
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
@@ -178,7 +197,9 @@ def parallelize(
     comp = compile or Compile()
     t = training or Training()
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
-    blocks = find_blocks(model, blocks) if blocks is not None else None  # a path too
+    blocks = _check_before_changes(model, dims, p, ac, comp, t, device, tp_plan, blocks,
+                                   experts, experts_layout, replicate_hot_experts,
+                                   init_weights is not None)
     with real_tensors():  # sharding a meta model is host work, also in a dry run's fake mode
         if dims.tp_enabled:
             apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
@@ -228,8 +249,45 @@ def parallelize(
     _install_grad_check(model, dims, zero1, expert_units, check_replicated_grads)
     if not zero1:
         return model
-    if any(q.is_meta for q in model.parameters()):
-        raise ValueError("parallelism.zero_stage = 1 wraps the model in DDP, which needs real "
-                         "parameters: pass init_weights=... or a materialised model")
     # ZeRO-1: DDP over replicated parameters (+ a sharded optimizer, titanext.components.optim).
     return apply_ddp(model, dims.loss_mesh)
+
+
+def _check_before_changes(model: nn.Module, dims: ParallelDims, p: Parallelism,
+                          ac: ActivationCheckpoint, comp: Compile, t: Training,
+                          device: torch.device, tp_plan: TPPlan | None, blocks, experts,
+                          experts_layout, replicate_hot_experts: int, materialises: bool
+                          ) -> list[nn.Module] | None:
+    """Every check :func:`parallelize` can make before it changes ``model`` (each raises the
+    error the plugin itself would raise later); returns the blocks, resolved once."""
+    zero1 = zero1_enabled(dims, p)
+    fsdp = not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1)
+    check_activation_checkpointing(ac.mode, ac.selective_ac_option, ac.selective_op_save_list)
+    per_block = [name for name, used in (("activation checkpointing", ac.mode != "none"),
+                                         ("compile", comp.enable and "model" in comp.components),
+                                         ("FSDP", fsdp)) if used]
+    if per_block or blocks is not None:  # a path, or model.layers
+        try:
+            blocks = find_blocks(model, blocks)
+        except ValueError as e:
+            raise ValueError(f"parallelize: {' and '.join(per_block)} need the model's blocks: "
+                             f"{e}") from None
+    if fsdp:
+        for name in (t.mixed_precision_param, t.mixed_precision_reduce):
+            mixed_precision_dtype(name, device)
+        resolve_reshard_after_forward(p.fsdp_reshard_after_forward, zero_stage=max(p.zero_stage, 2),
+                                      pp_enabled=dims.pp_enabled)
+    if dims.tp_enabled:
+        tp_plan_targets(model, dims.tp, tp_plan, sequence_parallel=p.enable_sequence_parallel,
+                        loss_parallel=loss_parallel_enabled(dims, p))
+    if dims.ep_enabled:
+        expert_parallel_targets(model, dims.ep, filter_fn=experts, layout=experts_layout,
+                                required=not dims.pp_enabled,
+                                replicate_hot_experts=replicate_hot_experts)
+    if dims.cp_enabled:
+        check_options(cp_layout(p), p.context_parallel_comm, "auto")
+        attention_fn_holders(model)
+    if zero1 and not materialises and any(q.is_meta for q in model.parameters()):
+        raise ValueError("parallelism.zero_stage = 1 wraps the model in DDP, which needs real "
+                         "parameters: pass init_weights=... or a materialised model")
+    return blocks

@@ -40,9 +40,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import phase, pp_chunk
-from titanext.config.degrees import layers_per_stage, resolve_microbatches  # re-exported
+from titanext.config.degrees import layers_per_stage  # re-exported
+from titanext.config.layout import PipelinePlan, pipeline_plan
+from titanext.distributed.failsafe import guarded
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
+from titanext.plugins._blocks import block_container
 from titanext.plugins.weight_grad import (
     DeferredPipelineStage,
     WeightGradQueue,
@@ -50,13 +53,7 @@ from titanext.plugins.weight_grad import (
 )
 from titanext.schedules import (  # pipeline_stage_ids is re-exported
     build_schedule,
-    capped_schedule_class,
-    get_schedule_class,
-    num_stages_for,
     pipeline_stage_ids,
-    resolved_stages_per_rank,
-    stage_ids_for_rank,
-    stage_owners,
 )
 from titanext.schedules.dualpipe import sum_mirrored_grads
 from titanext.schedules.overlap import overlap_schedule_class
@@ -120,6 +117,7 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
         add_positions, with_kwargs=True)
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
@@ -134,7 +132,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
-    Returns (stages, schedule).
+    Returns (stages, schedule). The schedule's ``step`` is guarded like this function: an
+    exception on one rank ends every rank within seconds, and the others raise
+    :class:`~titanext.distributed.failsafe.PeerFailed` naming it
+    (:mod:`titanext.distributed.failsafe`).
 
     Example (2 ranks under torchrun, ``model`` on meta as in the module docstring)::
 
@@ -156,8 +157,10 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
                    **extra)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
-    return stages, build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
-                                  scale_grads=False, **(schedule_kwargs or {}))
+    built = build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
+                           scale_grads=False, **(schedule_kwargs or {}))
+    built.step = guarded(built.step, f"{type(built).__name__}.step")  # no rank left waiting
+    return stages, built
 
 
 def ignore_shape_inference_forward(stage_modules: Sequence[nn.Module],
@@ -253,6 +256,18 @@ class StageTimer:
         return {"f": 1.0, "b": b / f, "w": w / f}
 
 
+def _first_input_name(model: nn.Module) -> str:
+    """The name of the first argument of ``model.forward`` (``input_ids``, ``idx``, ...)."""
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params or params[0].kind is params[0].POSITIONAL_ONLY:
+        raise ValueError(f"skip_missing=True: {type(model).__name__}.forward must take its "
+                         "inputs as a named first argument (every stage gets them by keyword)")
+    return params[0].name
+
+
 class PipelineRunner:
     """This rank's pipeline stages of a model and the schedule that trains them.
 
@@ -279,6 +294,11 @@ class PipelineRunner:
       Interleaved1F1B run interleaved at their expert-parallel all-to-alls
       (:mod:`titanext.schedules.overlap`).
 
+    - a model of another layout, as :func:`split_model` takes it: ``blocks`` (a dotted path),
+      ``first`` / ``last`` (the parts only the first / last stage holds) and ``skip_missing``
+      (each stage runs the model's own ``forward``, and every stage is handed the inputs by
+      the name of that forward's first argument).
+
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
 
@@ -294,52 +314,70 @@ class PipelineRunner:
     the trainer).
     """
 
-    def __init__(self, model: nn.Module, dims, *, schedule: str | type, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, stages_per_rank: int | None = None,
-                 stage_layers: Sequence[int] | None = None, first_stage_less_layers: int = 0,
-                 last_stage_less_layers: int = 0, position_ids: torch.Tensor | None = None,
+    def __init__(self, model: nn.Module, dims, *, loss_fn: Callable[[torch.Tensor, torch.Tensor],
+                                                                    torch.Tensor],
+                 device: torch.device, plan: PipelinePlan | None = None,
+                 schedule: str | type | None = None, microbatches: int | None = None,
+                 stages_per_rank: int | None = None, stage_layers: Sequence[int] | None = None,
+                 first_stage_less_layers: int = 0, last_stage_less_layers: int = 0,
+                 position_ids: torch.Tensor | None = None,
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 split_backward: str = "deferred", comm_overlap: bool = False):
-        cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-        if comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
+                 split_backward: str = "deferred", comm_overlap: bool = False,
+                 blocks: str = "layers", skip_missing: bool = False,
+                 first: Sequence[str] | None = None, last: Sequence[str] | None = None):
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                             f"{', '.join(SPLIT_BACKWARD)}")
+        # split_model's protocol: blocks at a dotted path; skip_missing runs the model's own
+        # forward on every stage, which then takes the inputs by keyword (see step)
+        n_blocks = len(block_container(model, blocks))
+        if plan is None:  # the same one resolution a job's layout runs
+            if schedule is None or microbatches is None:
+                raise ValueError("PipelineRunner needs plan= (a resolved PipelinePlan, e.g. "
+                                 "trainer.layout.pipeline) or schedule= and microbatches=")
+            plan = pipeline_plan(schedule, pp=dims.pp, microbatches=microbatches,
+                                 n_layers=n_blocks, stages_per_rank=stages_per_rank,
+                                 first_stage_less_layers=first_stage_less_layers,
+                                 last_stage_less_layers=last_stage_less_layers,
+                                 stage_layers=stage_layers, split_backward=split_backward,
+                                 comm_overlap=comm_overlap)
+        elif plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != n_blocks:
+            raise ValueError(f"plan for pp = {plan.pp} and {sum(plan.layers_per_stage or ())} "
+                             f"blocks does not fit pp = {dims.pp} and a model of "
+                             f"{n_blocks} blocks at {blocks!r}")
+        self.plan = plan
+        cls = plan.schedule
+        if plan.comm_overlap:  # paired F&B chunks interleaved at their EP all-to-alls
             cls = overlap_schedule_class(cls)
-        self.schedule_class, self.device, self.microbatches = cls, device, microbatches
+        self.schedule_class, self.device, self.microbatches = cls, device, plan.microbatches
         self.pp_group, pp_rank = dims.pp_mesh.get_group(), dims.pp_mesh.get_local_rank()
-        pp = dims.pp
-        per_rank = resolved_stages_per_rank(cls, stages_per_rank)
         # DualPipe runs two mirrored copies of a pp-stage model: rank r holds stage r of the
         # down copy and stage pp-1-r of the up copy, both initialised alike (FQN-keyed init)
-        self.mirrored = cls.placement == "dualpipe"
+        self.mirrored = plan.mirrored
         self._mirror_summed = False  # step() summed them (clip_grad_norm must not again)
-        self.num_stages = num_stages_for(cls.placement, pp, per_rank)
+        self.num_stages = plan.num_stages
         # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
-        self._loss_copies = sum(self.num_stages - 1 in stage_ids_for_rank(cls.placement, r, pp,
-                                                                          per_rank)
-                                for r in range(pp))
-        counts = layers_per_stage(len(model.layers), self.num_stages,
-                                  first_stage_less_layers=first_stage_less_layers,
-                                  last_stage_less_layers=last_stage_less_layers,
-                                  explicit=stage_layers,
-                                  stage_ranks=stage_owners(cls.placement, pp, per_rank))
-        self.stage_ids = pipeline_stage_ids(cls, pp_rank=pp_rank, pp=pp, stages_per_rank=per_rank)
+        self._loss_copies = plan.loss_copies
+        self._input_kwarg = _first_input_name(model) if skip_missing else None
+        counts = plan.layers_per_stage
+        self.stage_ids = list(plan.stage_ids(pp_rank))
         if parallelize_stage is None:
             from titanext.distributed.parallelize import parallelize
 
             def parallelize_stage(m: nn.Module) -> nn.Module:
-                return parallelize(m, dims, device=device, init_weights=lambda s: s.init_weights())
+                return parallelize(m, dims, device=device, blocks=blocks,
+                                   init_weights=lambda s: s.init_weights())
 
-        if split_backward not in SPLIT_BACKWARD:
-            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
-                             f"{', '.join(SPLIT_BACKWARD)}")
         # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
         # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
         self.weight_grad_queue = None
-        parts = [split_model(model, counts, i, **stage_parts(model, i, self.num_stages))
+        ends = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
+        parts = [split_model(model, counts, i, blocks=blocks, skip_missing=skip_missing,
+                             **{**stage_parts(model, i, self.num_stages), **ends})
                  for i in self.stage_ids]
-        owners = stage_owners(cls.placement, pp, per_rank)
+        owners = plan.stage_owners
         # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
         # gradient is summed with the first stage's (here, or with the rank that holds it)
         self._embedding_peer = None
@@ -347,7 +385,7 @@ class PipelineRunner:
                 owners[0] != owners[-1] and pp_rank in (owners[0], owners[-1]):
             peer = owners[-1] if pp_rank == owners[0] else owners[0]
             self._embedding_peer = dist.get_global_rank(self.pp_group, peer)
-        if split_backward == "deferred" and cls.splits_backward:
+        if plan.split_backward == "deferred" and cls.splits_backward:
             self.weight_grad_queue = WeightGradQueue()
             for part in parts:  # a converter: before TP / FSDP, on the meta stage
                 defer_weight_grads(part)
@@ -363,24 +401,6 @@ class PipelineRunner:
         self._build()
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
-
-    @classmethod
-    def from_config(cls, model: nn.Module, dims, parallelism, *, local_batch_size: int,
-                    **kwargs) -> PipelineRunner:
-        """The runner a config's ``[parallelism]`` section describes (its ``pipeline_parallel_*``
-        keys, micro-batches resolved as at config load); ``kwargs`` as for the constructor."""
-        p = parallelism
-        cap = getattr(p, "pipeline_parallel_max_pending_weight_grads", 0)  # W's pending at most
-        schedule = capped_schedule_class(get_schedule_class(p.pipeline_parallel_schedule), cap)
-        return cls(model, dims, schedule=schedule,
-                   split_backward=getattr(p, "pipeline_parallel_split_backward", "deferred"),
-                   comm_overlap=getattr(p, "expert_parallel_comm_overlap", False),
-                   microbatches=resolve_microbatches(dims.pp, p.pipeline_parallel_microbatches,
-                                                     local_batch_size),
-                   stages_per_rank=p.pipeline_parallel_stages_per_rank,
-                   stage_layers=p.pipeline_parallel_layers_per_stage,
-                   first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                   last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers, **kwargs)
 
     def _build(self) -> None:
         self.stages, self.schedule = build_pipeline(
@@ -416,9 +436,11 @@ class PipelineRunner:
         for i, (inputs, labels, *extra) in enumerate(batches):
             if self.mirrored:  # DualPipe sums the copies' gradients in the last step, early
                 self.schedule.sum_mirrored_grads = self._mirror_summed = i == len(batches) - 1
-            args = (inputs.to(self.device),) if first else ()
+            args = (inputs.to(self.device),) if first and self._input_kwarg is None else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device), "losses": losses} if last else {}
+            if self._input_kwarg is not None:  # skip_missing: every stage takes the inputs
+                kwargs[self._input_kwarg] = inputs.to(self.device)
             # torch splits step's keyword tensors along dim 0 like the inputs and passes
             # micro-batch j's slice to every stage's forward of j (first or not)
             kwargs.update(self.stage_kwargs(*extra))

@@ -10,16 +10,18 @@ model's own forward unchanged (``skip_missing=True``: :func:`run_own_forward`). 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from titanext.distributed.failsafe import guarded
 from titanext.plugins._blocks import block_container
 
-__all__ = ["split_model", "StageModuleList", "run_own_forward"]
+__all__ = ["split_model", "StageModuleList", "pass_on", "run_own_forward"]
 
 
+@guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
                 blocks: str = "layers", first: Sequence[str] = ("tok_embeddings",),
                 last: Sequence[str] = ("norm", "output"), skip_missing: bool = False
@@ -46,6 +48,14 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
       ``schedule.step(target=..., losses=..., idx=tokens)`` on every rank (torch hands the
       keywords of ``step`` to every stage). Blocks must take the hidden state as their first
       positional argument, and every stage needs at least one block.
+
+    What a stage passes on is one tensor: the last block's output on a stage before the last,
+    the model's output on the last. A ``ModelOutput`` (Hugging Face) gives its ``logits`` (or
+    its one tensor), a tuple its one tensor (``(hidden, None)``, a block's ``(hidden, cache)``);
+    an output holding several tensors raises a ValueError naming them, on the first step's
+    forward, which runs before any backward. A parameter shared by parts that land on
+    different stages (tied input and output embeddings) raises here: its copies would train
+    apart.
 
     >>> from torch import nn
     >>> class GPT(nn.Module):  # a forward that does not skip missing parts
@@ -80,6 +90,7 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
     if skip_missing and 0 in counts:
         raise ValueError(f"skip_missing=True needs at least one block on every stage; layer "
                          f"counts {counts} leave stage {counts.index(0)} without one")
+    _refuse_split_ties(model, src, blocks, counts, first, last)
     start = sum(counts[:stage_index])
     keep = range(start, start + counts[stage_index])
     # Copy without the blocks, then attach the kept ones (deepcopy of a meta model is cheap).
@@ -101,6 +112,33 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
     if skip_missing:
         run_own_forward(stage, blocks, is_first=is_first, is_last=is_last)
     return stage
+
+
+def _refuse_split_ties(model: nn.Module, src: nn.Module, blocks: str, counts: list[int],
+                       first: Sequence[str], last: Sequence[str]) -> None:
+    """A ValueError if one parameter (tied weights) sits under parts on different stages."""
+    if len(counts) < 2:
+        return
+    names, owner, start = list(src._modules), {}, 0
+    for stage, n in enumerate(counts):
+        owner.update({f"{blocks}.{name}.": stage for name in names[start:start + n]})
+        start += n
+    owner.update({f"{name}.": 0 for name in first})
+    owner.update({f"{name}.": len(counts) - 1 for name in last})
+
+    def stage_of(fqn: str) -> str:
+        return next((str(st) for pre, st in owner.items() if fqn.startswith(pre)), "every")
+
+    fqns: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        fqns.setdefault(id(p), []).append(fqn)
+    for tied in (names for names in fqns.values() if len(names) > 1):
+        if len({stage_of(n) for n in tied}) > 1:
+            where = ", ".join(f"{n} (stage {stage_of(n)})" for n in tied)
+            raise ValueError(f"{where} are one tied parameter, but the split puts them on "
+                             "different stages, where their copies would train apart; untie "
+                             "them (e.g. tie_word_embeddings=False) or keep those parts on one "
+                             "stage")
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module | None) -> None:
@@ -213,12 +251,44 @@ class _OwnForwardStage:
                 raise _StageOutput(out)
             handles.append(kept[-1].register_forward_hook(done))
         try:
-            return spec["forward"](self, *args, **kwargs)
+            return pass_on(spec["forward"](self, *args, **kwargs),
+                           f"{type(self).__mro__[2].__name__}.forward", last=True)
         except _StageOutput as stop:
-            return stop.output
+            return pass_on(stop.output, f"the last block of {spec['blocks']} on this stage",
+                           last=False)
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def pass_on(output, where: str, *, last: bool) -> torch.Tensor:
+    """The one tensor a pipeline stage sends on (or the loss reads) from what ``where`` returned:
+    a tensor as it is; a ``ModelOutput`` (any mapping) its ``logits`` on the last stage, else its
+    one tensor; a tuple or list its one tensor (``None`` and non-tensor entries, such as a
+    cache, are dropped). Several tensors raise a ValueError naming them and the fix.
+
+    >>> pass_on((torch.ones(2), None), "block", last=False).shape
+    torch.Size([2])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        logits = output.get("logits") if last else None
+        if isinstance(logits, torch.Tensor):
+            return logits
+        found = [(str(k), v) for k, v in output.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(output, tuple | list):
+        found = [(f"[{i}]", v) for i, v in enumerate(output) if isinstance(v, torch.Tensor)]
+    else:
+        found = []
+    if len(found) == 1:
+        return found[0][1]
+    role = "the logits (the loss reads them)" if last else "the hidden state to the next stage"
+    held = ", ".join(f"{k} {tuple(v.shape)}" for k, v in found) or "no tensor"
+    raise ValueError(f"pipeline stage: {where} returned a {type(output).__name__} holding {held}; "
+                     f"a stage passes on one tensor, {role}. Make it return that tensor (or a "
+                     "ModelOutput with .logits on the last stage), e.g. with a small wrapper "
+                     "module around the blocks or the model")
 
 
 def run_own_forward(stage: nn.Module, blocks: str, *, is_first: bool, is_last: bool) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.gpucheck import ROWS, Row, run_gpucheck
 
 

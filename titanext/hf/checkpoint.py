@@ -361,8 +361,8 @@ def write_hf_assets(out: str, args: ModelArgs, *, dtype: torch.dtype,
                     tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
     """config.json (from ``args``; the source config.json's other fields kept) and the
     tokenizer files (those of ``tokenizer.asset_files()``, or of ``hf_assets_path``)."""
+    from titanext.hf.configs import hf_config_from_model_args
     from titanext.hf.tokenizer import TOKENIZER_FILES
-    from titanext.models.hf import hf_config_from_model_args
 
     base = None
     if hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "config.json")):
@@ -459,6 +459,9 @@ def check_dcp_checkpoint(path: str, args: ModelArgs) -> None:
         raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint (no "
                           ".metadata file); for a Hugging Face directory set "
                           "checkpoint.initial_load_in_hf = true")
+    from titanext._safe_load import check_dcp_metadata
+
+    check_dcp_metadata(os.path.join(path, ".metadata"))  # a pickle: nothing in it may run
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     for fqn, t in build_model("llama3", args, device="meta").state_dict().items():
         meta = saved.get(f"model.{fqn}")
@@ -486,12 +489,14 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
         if _rank() == 0:
             print(f"titanext: initial weights from the Hugging Face checkpoint {path}", flush=True)
         return
+    from titanext._safe_load import PlainBytesLoadPlanner
+
     check_dcp_checkpoint(path, args)
     states = [get_model_state_dict(part) for part in model_parts]
     merged = {fqn: t for state in states for fqn, t in state.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
-        dcp.load({"model": merged}, checkpoint_id=path)
+        dcp.load({"model": merged}, checkpoint_id=path, planner=PlainBytesLoadPlanner())
     for part, state in zip(model_parts, states):
         set_model_state_dict(part, {fqn: merged[fqn] for fqn in state})
         if hasattr(part, "tie_weights"):

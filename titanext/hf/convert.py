@@ -11,8 +11,8 @@
   directory's config.json), or SRC/config.json, in that order. Tensors are converted a few
   at a time (``--max-shard-gb``), so memory stays near one shard.
 
-A round trip HF -> DCP -> HF is bitwise (same names, dtypes and values). The console script
-``titanext-convert`` is also ``python -m titanext.hf``.
+A round trip HF -> DCP -> HF is bitwise (same names, dtypes and values). The command line is
+:mod:`titanext.launch.convert` (``titanext-convert``, or ``python -m titanext.launch.convert``).
 
     titanext-convert hf-to-dcp ./tiny_hf ./tiny_dcp
     titanext-convert dcp-to-hf ./tiny_dcp ./tiny_hf_again
@@ -20,14 +20,12 @@ A round trip HF -> DCP -> HF is bitwise (same names, dtypes and values). The con
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 
 import torch
 
@@ -43,7 +41,7 @@ from titanext.hf.checkpoint import (
 from titanext.hf.tokenizer import TOKENIZER_FILES
 from titanext.models.args import ModelArgs
 
-__all__ = ["dcp_to_hf", "hf_to_dcp", "main"]
+__all__ = ["dcp_to_hf", "hf_to_dcp"]
 
 
 class Progress:
@@ -83,7 +81,7 @@ def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from titanext.models.hf import model_args_from_hf
+    from titanext.hf.configs import model_args_from_hf
 
     args = model_args_from_hf(src)
     index = check_hf_checkpoint(src, args)
@@ -115,16 +113,13 @@ def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
     return len(state)
 
 
-def _args_for(src: str, config: str | None, hf_assets: str | None) -> tuple[ModelArgs, str | None]:
+def _args_for(src: str, model_args: ModelArgs | None,
+              hf_assets: str | None) -> tuple[ModelArgs, str | None]:
     """(model args, directory with config.json / tokenizer files or None) for dcp-to-hf."""
-    from titanext.models.hf import model_args_from_hf
+    from titanext.hf.configs import model_args_from_hf
 
-    if config is not None:
-        from titanext.config import load_config, model_args
-
-        cfg = load_config(config)
-        assets = getattr(cfg.model, "hf_assets_path", None) or None
-        return model_args(cfg), assets
+    if model_args is not None:
+        return model_args, hf_assets
     for directory in (hf_assets, src):
         if directory and os.path.isfile(os.path.join(directory, "config.json")):
             return model_args_from_hf(directory), directory
@@ -133,17 +128,23 @@ def _args_for(src: str, config: str | None, hf_assets: str | None) -> tuple[Mode
                       "with the model's config.json)")
 
 
-def dcp_to_hf(src: str, dst: str, *, config: str | None = None, hf_assets: str | None = None,
-              max_shard_gb: float = 5.0, progress: bool = True) -> int:
+def dcp_to_hf(src: str, dst: str, *, model_args: ModelArgs | None = None,
+              hf_assets: str | None = None, max_shard_gb: float = 5.0,
+              progress: bool = True) -> int:
     """Convert the titanext DCP checkpoint ``src`` into the HF directory ``dst``; returns the
-    number of HF tensors written."""
+    number of HF tensors written. The model's shape is ``model_args`` (a training config's:
+    ``titanext.config.model_args(cfg)``, with ``hf_assets`` its ``[model] hf_assets_path``),
+    else ``hf_assets/config.json``, else ``src/config.json``."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    args, assets = _args_for(src, config, hf_assets)
+    args, assets = _args_for(src, model_args, hf_assets)
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise ConfigError(f"dcp-to-hf: {src!r} is not a DCP checkpoint (no .metadata file)")
+    from titanext._safe_load import PlainBytesLoadPlanner, check_dcp_metadata
+
+    check_dcp_metadata(os.path.join(src, ".metadata"))  # a pickle: nothing in it may run
     meta = FileSystemReader(src).read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
     wanted = [(fqn, shape) for fqn, shape in _model_shapes(args) if hf_names(fqn, args)]
@@ -176,7 +177,7 @@ def dcp_to_hf(src: str, dst: str, *, config: str | None = None, hf_assets: str |
                  for fqn in fqns}
         ctx = _quiet_dcp()
         try:
-            dcp.load({"model": state}, checkpoint_id=src)
+            dcp.load({"model": state}, checkpoint_id=src, planner=PlainBytesLoadPlanner())
         finally:
             ctx.__exit__(None, None, None)
         fname = ("model.safetensors" if len(shards) == 1
@@ -206,37 +207,3 @@ def _model_shapes(args: ModelArgs) -> list[tuple[str, list[int]]]:
 
     model = build_model("llama3", args, device="meta")
     return [(fqn, list(t.shape)) for fqn, t in model.state_dict().items()]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; exit code 2 on bad input (message names the file)."""
-    parser = argparse.ArgumentParser(prog="titanext-convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("hf-to-dcp", help="HF safetensors directory -> titanext DCP checkpoint")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p = sub.add_parser("dcp-to-hf", help="titanext DCP checkpoint -> HF safetensors directory")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--config", help="the training config (model flavor, hf_assets_path)")
-    p.add_argument("--hf-assets", help="HF directory whose config.json describes the model")
-    p.add_argument("--max-shard-gb", type=float, default=5.0,
-                   help="largest safetensors file to write (default 5)")
-    ns = parser.parse_args(argv)
-    try:
-        if ns.command == "hf-to-dcp":
-            n = hf_to_dcp(ns.src, ns.dst)
-        else:
-            n = dcp_to_hf(ns.src, ns.dst, config=ns.config, hf_assets=ns.hf_assets,
-                          max_shard_gb=ns.max_shard_gb)
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"titanext-convert: error: {problem}", file=sys.stderr)
-        return 2
-    print(f"titanext-convert: wrote {n} tensors to {ns.dst}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Hugging Face tokenizer files: ``tokenizer.json`` through the ``tokenizers`` library.
 
 :class:`HFTokenizer` is ``[model] tokenizer = "hf"`` (built by
-:func:`titanext.components.tokenizer.build_tokenizer`); :func:`read_json` reads the JSON files of
+:func:`titanext.data.tokenizer.build_tokenizer`); :func:`read_json` reads the JSON files of
 an HF model directory (config.json, tokenizer_config.json) with errors that name the file.
 Importing this module does not import torch (the config checks a tokenizer's vocabulary).
 

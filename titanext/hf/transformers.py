@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from titanext.distributed.split import pass_on, split_model
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -344,17 +345,29 @@ class HFCausalLMStage(nn.Module):
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
                                   past_key_values=None, position_ids=position_ids)
         cos_sin = m.rotary_emb(h, position_ids=position_ids)
-        for layer in m.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=cos_sin,
-                      position_ids=position_ids)
+        for name, layer in m.layers.items():  # a tuple output (older transformers): its hidden
+            h = pass_on(layer(h, attention_mask=mask, position_embeddings=cos_sin,
+                              position_ids=position_ids), f"model.layers.{name}", last=False)
         if m.norm is not None:
             h = m.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
 
 
-def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int) -> HFCausalLMStage:
+def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int, *,
+                      blocks: str | None = None) -> nn.Module:
     """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
     decoder layers each (see :func:`titanext.distributed.pipeline.layers_per_stage`).
+
+    A model of the Llama family's layout (``model.layers``, ``model.embed_tokens``,
+    ``model.norm``, ``model.rotary_emb``, ``lm_head``) gives an :class:`HFCausalLMStage`. Any
+    other causal LM needs ``blocks=``, the dotted path of its block list (``"transformer.h"``
+    for GPT-2): the stage is then :func:`titanext.distributed.split.split_model`'s with
+    ``skip_missing=True``, running the model's own ``forward`` (take its inputs by keyword on
+    every stage: ``schedule.step(input_ids=tokens, ...)``). The parts holding parameters that
+    the model registers before the blocks stay on the first stage, those after them on the
+    last (the order transformers' models define them in); parameter-free parts (dropout, a
+    rotary embedding) run on every stage. The last stage passes on the ``ModelOutput``'s
+    logits, the others their last block's hidden state.
 
     The stage shares its modules with ``model`` (no copy): build the model on the meta device,
     cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
@@ -368,6 +381,13 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int)
     >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)  # torchrun  # doctest: +SKIP
     """
     counts = list(counts)
+    if blocks is not None and not (blocks == "model.layers" and _llama_layout(model)):
+        return _own_forward_stage(model, counts, stage_index, blocks)
+    if not _llama_layout(model):
+        raise ValueError(f"{type(model).__name__} does not have the Llama family's layout "
+                         "(model.layers, model.embed_tokens, model.norm, model.rotary_emb, "
+                         "lm_head); pass blocks= as the dotted path of its block list, e.g. "
+                         "blocks='transformer.h'")
     n_layers = len(hf_blocks(model))
     if sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's "
@@ -380,6 +400,38 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int)
     start = sum(counts[:stage_index])
     return HFCausalLMStage(model, range(start, start + counts[stage_index]),
                            first=stage_index == 0, last=stage_index == len(counts) - 1)
+
+
+def _llama_layout(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return isinstance(getattr(inner, "layers", None), nn.ModuleList) and hasattr(
+        model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb"))
+
+
+def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[str], list[str]]:
+    """The parameter-holding parts registered before and after the block list at ``path``."""
+    before: list[str] = []
+    after: list[str] = []
+    seen = False
+    for name, child in module.named_children():
+        if name == path[0]:
+            if len(path) > 1:
+                inner_before, inner_after = _ends(child, path[1:], f"{prefix}{name}.")
+                before, after = before + inner_before, after + inner_after
+            seen = True
+        elif any(True for _ in child.parameters()):
+            (after if seen else before).append(prefix + name)
+    if not seen:
+        raise ValueError(f"{type(module).__name__} has no submodule {path[0]!r}; pass blocks= as "
+                         "the dotted path of the block list")
+    return before, after
+
+
+def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
+                       blocks: str) -> nn.Module:
+    first, last = _ends(model, blocks.split("."))
+    return split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
+                       skip_missing=True)
 
 
 class HFExpertParallel(ExpertParallelExperts):

@@ -42,7 +42,7 @@ from titanext._fake_backend import (
     tree_leaves,
 )
 from titanext.config import JobConfig
-from titanext.config.rules import fake_world_size
+from titanext.config.layout import fake_world_size
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
 
 __all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
@@ -130,11 +130,10 @@ def stage_activation(trainer) -> torch.Tensor:
     decoder: ``[micro-batch, sequence / cp (/ tp under SP), dim]``, in the compute dtype (FSDP's
     param dtype, else float32), requiring grad."""
     from titanext.distributed.parallelize import mixed_precision_dtype
-    from titanext.schedules._torch_ir import microbatch_count
 
     cfg, dims = trainer.cfg, trainer.dims
     t, p = cfg.training, cfg.parallelism
-    mb = t.local_batch_size // microbatch_count(trainer.pipeline.schedule)
+    mb = t.local_batch_size // trainer.layout.pipeline.microbatches
     seq = t.seq_len // dims.cp // (dims.tp if dims.tp_enabled and p.enable_sequence_parallel else 1)
     fsdp = dims.fsdp_enabled or dims.dp_replicate > 1
     dtype = mixed_precision_dtype(t.mixed_precision_param, "cuda") if fsdp else torch.float32
@@ -274,7 +273,7 @@ def measure_real(cfg: JobConfig) -> DryRunResult:
 
 def dry_run(cfg: JobConfig) -> int:
     """``python -m titanext.train`` in fake_backend mode: measure, print the table, return 0."""
-    from titanext.components.metrics import format_table
+    from titanext._text import format_table
 
     result = measure(cfg)
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]

@@ -58,10 +58,11 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir):
         )
         raise
     finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        if dist.is_initialized():  # (titanext's fail-safe may have aborted the group)
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
     # Done and saved: leave without the interpreter's teardown, where gloo's threads can race
     # C++ static destructors and abort a finished rank ("terminate called without an active
     # exception", seen about once in tens of runs on 2 busy cores), failing a passing run.
@@ -82,6 +83,9 @@ def run_distributed(
     ``fn`` must be a module-level function. Returns the per-rank results; any rank's
     exception is re-raised here with its traceback.
     """
+    # The result files are full pickles (any picklable result), read with weights_only=False:
+    # safe because the folder is mkdtemp's (mode 0700, a fresh random name) and only this
+    # function's own children write into it, so nobody but this user could plant a file there.
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.spawn(

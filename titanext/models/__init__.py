@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from titanext._hints import did_you_mean
+from titanext._text import did_you_mean
 from titanext.models.args import DEEPSEEK_FLAVORS, LLAMA3_FLAVORS, MOE_FLAVORS, ModelArgs
 
 if TYPE_CHECKING:  # the registry stays torch-free: the config reads it while loading
@@ -30,13 +30,10 @@ def _choices(value: str, choices) -> str:
     return f"choose one of {', '.join(map(repr, choices))}{hint}"
 
 
-def get_model_args(name: str, flavor: str, hf_assets_path: str | None = None) -> ModelArgs:
-    """The :class:`ModelArgs` of a named flavor; KeyError lists the choices. Flavor ``"hf"``
-    reads ``hf_assets_path/config.json`` (:func:`titanext.models.hf.model_args_from_hf`)."""
-    if flavor == "hf" and name in MODEL_FLAVORS:
-        from titanext.models.hf import model_args_from_hf
-
-        return model_args_from_hf(hf_assets_path or "")
+def get_model_args(name: str, flavor: str) -> ModelArgs:
+    """The :class:`ModelArgs` of a named flavor; KeyError lists the choices. (Flavor ``"hf"``,
+    a Hugging Face ``config.json``, is read by :func:`titanext.hf.configs.model_args_from_hf`;
+    :func:`titanext.config.model_args` picks the one a job config names.)"""
     if name not in MODEL_FLAVORS:
         raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     flavors = MODEL_FLAVORS[name]

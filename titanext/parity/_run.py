@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from titanext.distributed.failsafe import settle_failure
 from titanext.parity.context import DATA_DIMS, ParityContext
 from titanext.plugins import context_parallel as cp_plugin
 from titanext.plugins import expert_parallel as ep_plugin
@@ -265,6 +266,12 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
         stage = "gathering"
         final = full_params(modules, names)
     except Exception as e:  # reported, not raised: the check fails with the wiring's error
+        # An error on some ranks only ends the process group (no rank waits out the timeout);
+        # a rank stopped that way reports the error of the rank that failed first.
+        peer = settle_failure(f"the parity check's {stage}", e)
+        if peer is not None:
+            return {"error": f"{stage} failed on rank {peer.rank} (in {peer.where}): "
+                             f"{peer.error}", "traceback": traceback.format_exc()}
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"error": f"{stage} failed on rank {rank}: {last}",
                 "traceback": traceback.format_exc()}
@@ -289,9 +296,18 @@ def _global_loss(loss: torch.Tensor | None) -> float | None:
 
 
 def run_ranks(rank: int, world_size: int, specs: list[RunSpec]) -> list[dict]:
-    """Every spec in turn on this rank (one process group for all: one spawn)."""
+    """Every spec in turn on this rank (one process group for all: one spawn). A spec that
+    failed on some ranks only ends the process group; the specs after it are marked
+    ``"rerun"`` (``check_all`` runs them in new processes)."""
     torch.set_num_threads(1)
-    return [run_rank(rank, world_size, spec) for spec in specs]
+    out = []
+    for spec in specs:
+        if not dist.is_initialized():
+            out.append({"error": "not run: the process group ended when an earlier check "
+                                 "failed on some ranks only", "rerun": True})
+            continue
+        out.append(run_rank(rank, world_size, spec))
+    return out
 
 
 def run_reference(spec: RunSpec, reference_loss) -> dict:

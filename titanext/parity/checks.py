@@ -116,6 +116,14 @@ def check_all(checks: Sequence[ParityCheck], *, timeout_s: float = 120.0) -> lis
     refs = [run_reference(s, c.reference_loss) for s, c in zip(specs, checks)]
     per_rank = run_distributed(run_ranks, checks[0].world_size, args=(specs,),
                                timeout_s=timeout_s)
+    # A check that failed on some ranks only ended the process group (no rank left waiting):
+    # the checks after it run again in new processes.
+    while rerun := [i for i, r in enumerate(per_rank[0]) if r.get("rerun")]:
+        again = run_distributed(run_ranks, checks[0].world_size,
+                                args=([specs[i] for i in rerun],), timeout_s=timeout_s)
+        for rank, results in enumerate(again):
+            for i, result in zip(rerun, results):
+                per_rank[rank][i] = result
     return [build_report([r[i] for r in per_rank], ref, tol=c.tol,
                          mesh=dict(zip(c.mesh_names, c.shape)), expect=c.expect)
             for i, (c, ref) in enumerate(zip(checks, refs))]

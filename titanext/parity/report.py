@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 
 __all__ = ["ParityReport", "build_report", "update_error"]
 

@@ -44,7 +44,7 @@ __all__ = ["DEVICES", "Device", "ModelShape", "Plan", "activation_bytes_per_toke
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from titanext.components.metrics import format_table
+    from titanext._text import format_table
 
     ap = argparse.ArgumentParser(prog="titanext-plan",
                                  description=__doc__.splitlines()[0], add_help=True)

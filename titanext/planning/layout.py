@@ -2,7 +2,8 @@
 
 :func:`resolve_layout` turns a validated :class:`~titanext.config.JobConfig` and a world size
 into a :class:`Layout`: the degrees, dtypes, micro-batches (gradient accumulation by the
-config's own rule, :func:`titanext.config.rules.accumulation_steps`), the pipeline split, the
+trainer's rule), the pipeline split (all read from the job's one resolved
+:class:`~titanext.config.layout.JobLayout`, as the trainer reads it), the
 tokens one micro-batch puts through a rank, and the float8 and FSDP choices. The estimate
 pieces (:mod:`~titanext.planning.memory`, :mod:`~titanext.planning.comm`,
 :mod:`~titanext.planning.estimate`) take a Layout and add nothing of their own to it.
@@ -18,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titanext.config import JobConfig, resolved_dp_shard, ulysses_degree
-from titanext.config.degrees import accumulation_steps, resolve_microbatches
+from titanext.config import JobConfig, JobLayout, resolve_job_layout
 from titanext.planning.moe import with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
@@ -69,6 +69,7 @@ class Layout:
     gathered_per_element: float
     gpus_per_node: int
     ulysses: int = 1  # CP's Ulysses degree: cp = ulysses x ring (cp for "alltoall", 1 = ring)
+    job: JobLayout | None = None  # the resolved job every figure above is read from
 
     @property
     def dp(self) -> int:
@@ -104,32 +105,21 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
 
     p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
     shape = model_shape(cfg)
-    rep, tp, cp, pp, ep = (p.data_parallel_replicate_degree, p.tensor_parallel_degree,
-                           p.context_parallel_degree, p.pipeline_parallel_degree,
-                           p.expert_parallel_degree)
+    # the job as the trainer resolves it: degrees, accumulation (the trainer's own rule, a
+    # ConfigError where it is not whole), micro-batches, the pipeline's placement and split
+    job = resolve_job_layout(cfg, world_size)
+    rep, tp, cp, pp, ep = job.dp_replicate, job.tp, job.cp, job.pp, job.ep
     moe = shape.moe
-    shard = resolved_dp_shard(cfg, world_size)
+    shard = job.dp_shard
     dp, n_fsdp = rep * shard, shard * cp
     # FSDP / HSDP apply the mixed-precision param dtype; without them (one rank, ZeRO-1's DDP)
     # the trainer's forward runs under autocast to it, except in pipeline stages (float32)
     zero1 = p.zero_stage == 1 and dp * cp > 1
     fsdp = not zero1 and (n_fsdp > 1 or rep > 1)
     a = dtype_bytes(t.mixed_precision_param, True) if fsdp or pp == 1 else 4
-    # the trainer's own rule: global / (local x dp), and a ConfigError where it is not whole
-    accum = accumulation_steps(global_batch_size=t.global_batch_size,
-                               local_batch_size=t.local_batch_size, dp_replicate=rep,
-                               dp_shard=shard)
-    pp_mb = (resolve_microbatches(pp, p.pipeline_parallel_microbatches, t.local_batch_size)
-             if pp > 1 else 1)
-    spr = p.pipeline_parallel_stages_per_rank
-    pipe = pipeline_layout(p.pipeline_parallel_schedule if pp > 1 else "1F1B", pp=pp,
-                           microbatches=pp_mb, n_layers=shape.n_layers,
-                           stages_per_rank=spr if spr > 0 else None,
-                           first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                           last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                           layers_per_stage_explicit=tuple(p.pipeline_parallel_layers_per_stage),
-                           max_pending_weight_grads=(
-                               p.pipeline_parallel_max_pending_weight_grads if pp > 1 else 0))
+    accum = job.accumulation_steps
+    pp_mb = job.pipeline.microbatches
+    pipe = pipeline_layout(job.pipeline)
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head = (float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
                                       tuple(f8.filter_fqns), f8.auto_filter,
@@ -155,6 +145,6 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
         zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
-        gpus_per_node=gpus_per_node, ulysses=ulysses_degree(p) if cp > 1 else 1)
+        gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job)
 
 

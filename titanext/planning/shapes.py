@@ -72,9 +72,11 @@ def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None, mtp: 
     """The model on the meta device; ``mtp`` >= 0 replaces the flavor's MTP depth."""
     import dataclasses
 
-    from titanext.models import build_model, get_model_args
+    from titanext.hf.configs import model_args_from_hf
+    from titanext.models import MODEL_FLAVORS, build_model, get_model_args
 
-    args = get_model_args(name, flavor, hf_assets_path)
+    args = (model_args_from_hf(hf_assets_path or "") if flavor == "hf" and name in MODEL_FLAVORS
+            else get_model_args(name, flavor))
     if mtp >= 0:
         args = dataclasses.replace(args, num_mtp_layers=mtp)
     return build_model(name, args, device="meta")

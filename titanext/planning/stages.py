@@ -1,12 +1,13 @@
 """What the configured pipeline schedule means for each pp rank.
 
-The stages a rank holds, and the layers in them, come from the same functions the trainer
-uses (:func:`titanext.config.degrees.layers_per_stage`,
-:func:`titanext.schedules.pipeline_stage_ids`); micro-batches in flight and the bubble come from
-replaying the schedule's own action lists in the simulator (:func:`titanext.schedules.simulate`),
-with the micro-batch's forward, input-gradient and weight-gradient times as costs.
+The stages a rank holds, and the layers in them, are the job's resolved
+:class:`~titanext.config.layout.PipelinePlan`, the one the trainer runs; micro-batches in flight
+and the bubble come from replaying the schedule's own action lists in the simulator
+(:func:`titanext.schedules.simulate`), with the micro-batch's forward, input-gradient and
+weight-gradient times as costs.
 
->>> pl = pipeline_layout("1F1B", pp=4, microbatches=8, n_layers=8)
+>>> from titanext.config.layout import pipeline_plan
+>>> pl = pipeline_layout(pipeline_plan("1F1B", pp=4, microbatches=8, n_layers=8))
 >>> [r.layers for r in pl.ranks], pl.ranks[0].embedding, pl.ranks[3].head
 ([2, 2, 2, 2], True, True)
 >>> sim = simulate_schedule("1F1B", pp=4, microbatches=8, stages_per_rank=1)
@@ -20,8 +21,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from titanext.config.degrees import layers_per_stage
-from titanext.schedules import pipeline_stage_ids, resolved_stages_per_rank
+from titanext.config.layout import PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -49,30 +49,17 @@ class PipelineLayout:
     max_pending_weight_grads: int = 0
 
 
-def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
-                    stages_per_rank: int | None = None, first_stage_less_layers: int = 0,
-                    last_stage_less_layers: int = 0,
-                    layers_per_stage_explicit: tuple[int, ...] = (),
-                   max_pending_weight_grads: int = 0) -> PipelineLayout:
-    """Stages, blocks and sends of every pp rank under ``schedule`` (the trainer's placement)."""
-    from titanext.schedules import get_schedule_class, num_stages_for, stage_owners
-
-    spr = resolved_stages_per_rank(schedule, stages_per_rank) if pp > 1 else 1
-    placement = get_schedule_class(schedule).placement if pp > 1 else "loop"
-    # DualPipe's two copies each have pp stages (rank r holds r of one and pp-1-r of the other)
-    n_stages = num_stages_for(placement, pp, spr)
-    owner = stage_owners(placement, pp, spr)
-    counts = layers_per_stage(n_layers, n_stages, first_stage_less_layers=first_stage_less_layers,
-                              last_stage_less_layers=last_stage_less_layers,
-                              explicit=list(layers_per_stage_explicit) or None,
-                              stage_ranks=owner)
-    ids = [pipeline_stage_ids(schedule, pp_rank=r, pp=pp, stages_per_rank=spr) if pp > 1 else [0]
-           for r in range(pp)]
+def pipeline_layout(plan: PipelinePlan) -> PipelineLayout:
+    """Stages, blocks and sends of every pp rank of the job's resolved pipeline ``plan``
+    (:func:`titanext.config.layout.pipeline_plan`: the trainer's placement and split)."""
+    n_stages, owner, pp = plan.num_stages, plan.stage_owners, plan.pp
+    counts = plan.layers_per_stage
     # DualPipe: a copy's neighbouring stages always live on other ranks
-    mirrored = placement == "dualpipe"
+    mirrored = plan.mirrored
     starts = [sum(counts[:s]) for s in range(n_stages)]
     ranks = []
-    for r, stages in enumerate(ids):
+    for r in range(pp):
+        stages = plan.stage_ids(r)
         # a stage sends forward to the next stage and backward to the previous one, unless the
         # neighbour lives on the same rank (the V's turn)
         sends = sum((s + 1 < n_stages and (mirrored or owner[s + 1] != r))
@@ -81,8 +68,9 @@ def pipeline_layout(schedule: str, *, pp: int, microbatches: int, n_layers: int,
         layer_ids = tuple(i for ids_s in per_stage for i in ids_s)
         ranks.append(RankStages(tuple(stages), len(layer_ids), 0 in stages,
                                 n_stages - 1 in stages, sends, layer_ids, per_stage))
-    return PipelineLayout(schedule, pp, spr, microbatches, tuple(ranks),
-                          max_pending_weight_grads)
+    # one stage without a pipeline: simulated as 1F1B over one rank
+    return PipelineLayout(plan.name if pp > 1 else "1F1B", pp, plan.stages_per_rank,
+                          plan.microbatches, tuple(ranks), plan.max_pending_weight_grads)
 
 
 @functools.lru_cache(maxsize=1024)

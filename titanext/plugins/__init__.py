@@ -5,7 +5,8 @@
 module                                      entry points
 ==========================================  ================================================
 :mod:`~titanext.plugins.fsdp`               ``apply_fsdp`` (FSDP2 / HSDP), ``apply_ddp``
-:mod:`~titanext.plugins.tensor_parallel`    ``apply_tensor_parallel``, ``llama_tp_plan``
+:mod:`~titanext.plugins.tensor_parallel`    ``apply_tensor_parallel``, ``llama_tp_plan``,
+                                            ``Conv1DColwiseParallel`` / ``Conv1DRowwiseParallel``
 :mod:`~titanext.plugins.tp_coverage`        ``unruled_parameters`` (weights a TP plan misses)
 :mod:`~titanext.plugins.replicated_grads`   ``ReplicatedGradCheck``,
                                             ``install_replicated_grad_check`` (an invariant)
@@ -14,7 +15,8 @@ module                                      entry points
                                             ``apply_context_parallel``
 :mod:`~titanext.plugins.expert_parallel`    ``apply_expert_parallel``
 :mod:`~titanext.plugins.moe_balancing`      ``MoEBalancing`` (bias and aux-loss balancing)
-:mod:`~titanext.plugins.float8`             ``apply_float8`` (torchao; a converter)
+:mod:`~titanext.plugins.float8`             ``apply_float8`` (torchao; a converter; Linear
+                                            and transformers' Conv1D)
 :mod:`~titanext.plugins.float8_blockwise`   DeepSeek-style blockwise float8 linears
 :mod:`~titanext.plugins.weight_grad`        ``defer_weight_grads`` (zero-bubble I/W split)
 :mod:`~titanext.plugins.activation_checkpoint`  ``apply_activation_checkpointing``

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanext._baton_threads import comm_point
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
+from titanext.plugins._baton_threads import comm_point
 from titanext.plugins._counting import Counters
 
 __all__ = ["CommCounter", "count_comm"]

@@ -13,16 +13,33 @@ for and the fix. Converters pick linears by what they compute, not by their exac
 ...         return 2 * F.linear(x, self.weight, self.bias)
 >>> linear_kind(MyLinear(2, 2)), linear_kind(Scaled(2, 2)), linear_kind(nn.ReLU())
 ('linear', 'own_forward', None)
+
+Every matmul is accounted for: :func:`matmul_kind` also sees transformers' ``Conv1D`` (weight
+``[in, out]``, ``y = x W + b``: float8 and deferral convert it, TP has Conv1D styles) and any
+other module whose forward multiplies by a 2-D parameter of its own (``F.linear(x, self.w)``,
+``x @ self.w``): nothing converts that from outside, so it is named with the fix.
+
+>>> class OwnParam(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.w = nn.Parameter(torch.zeros(4, 4))
+...     def forward(self, x):
+...         return F.linear(x, self.w)
+>>> matmul_kind(OwnParam()), matmul_kind(nn.Embedding(3, 2)), matmul_kind(MyLinear(2, 2))
+('param_matmul', None, 'linear')
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["linear_kind", "log_rank0", "own_forward_line"]
+__all__ = ["is_conv1d", "linear_kind", "log_rank0", "matmul_kind", "matmul_params",
+           "own_forward_line", "param_matmul_reason", "unconverted_line"]
 
 logger = logging.getLogger("titanext")
 
@@ -56,3 +73,63 @@ def own_forward_line(plugin: str, modules: list[tuple[str, nn.Module]], included
     return (f"{plugin}: {len(modules)} nn.Linear subclass(es) override forward: {names}. "
             "Excluded ones keep their own forward in high precision; to convert one anyway "
             "(its forward becomes nn.Linear's), pass module_filter_fn=... returning True for it")
+
+
+# -- every matmul accounted for -------------------------------------------------------------------
+
+#: what a forward's source shows when it multiplies by a parameter
+_MATMUL_MARKS = ("linear(", "matmul(", "@", "mm(", "einsum(", "bmm(")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (or a subclass): weight ``[in, out]``,
+    ``forward(x) = x @ weight + bias``. Detected by class, without importing transformers."""
+    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
+
+
+def matmul_params(module: nn.Module) -> list[str]:
+    """Names of ``module``'s own floating 2-D parameters."""
+    return [n for n, p in module.named_parameters(recurse=False)
+            if p.dim() == 2 and torch.is_floating_point(p)]
+
+
+def _forward_multiplies(module: nn.Module) -> bool:
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (built at run time): assume it may
+        return True
+    return any(mark in src for mark in _MATMUL_MARKS)
+
+
+def matmul_kind(module: nn.Module) -> str | None:
+    """How a converter sees ``module``: :func:`~titanext.plugins._loud.linear_kind`'s
+    "linear" / "own_forward" / "kept" for ``nn.Linear``; "conv1d" for transformers' Conv1D
+    ("kept" once converted: its class sets ``titanext_convert = False``); "param_matmul" for
+    another module (not an embedding) that holds a 2-D parameter and whose forward multiplies;
+    else None."""
+    kind = linear_kind(module)
+    if kind is not None:
+        return kind
+    if is_conv1d(module):
+        return "kept" if getattr(type(module), "titanext_convert", True) is False else "conv1d"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or not matmul_params(module):
+        return None
+    return "param_matmul" if _forward_multiplies(module) else None
+
+
+def param_matmul_reason(module: nn.Module, plugin: str) -> str:
+    """Why a "param_matmul" module stays as it is, and the fix."""
+    names = "/".join(matmul_params(module))
+    return (f"{type(module).__name__} multiplies by its own 2-D parameter {names} outside "
+            f"nn.Linear, which {plugin} cannot convert; hold it in an nn.Linear (or subclass) "
+            "to convert it")
+
+
+def unconverted_line(plugin: str, modules: list[tuple[str, nn.Module]]) -> str | None:
+    """The one WARNING line naming matmul modules a plugin leaves as they are, or None."""
+    if not modules:
+        return None
+    names = "; ".join(f"{fqn or '<root>'} ({param_matmul_reason(m, plugin)})"
+                      for fqn, m in modules)
+    return f"{plugin}: {len(modules)} matmul module(s) not converted: {names}"

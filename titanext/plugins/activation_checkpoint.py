@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
 from titanext.plugins._blocks import find_blocks
 from titanext.plugins.options import DEFAULT_SAVE_OPS
 
-__all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing"]
+__all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing"]
 
 
 def _resolve_ops(names: Iterable[str]) -> set:
@@ -43,6 +43,23 @@ def _resolve_ops(names: Iterable[str]) -> set:
             )
         ops.add(packet.default if hasattr(packet, "default") else packet)
     return ops
+
+
+def check_activation_checkpointing(mode: str, option: str = "op",
+                                   save_ops: Sequence[str] = DEFAULT_SAVE_OPS) -> None:
+    """The ValueError :func:`apply_activation_checkpointing` would raise for these options,
+    raised without touching a model (a recipe checks before it mutates)."""
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, selective")
+    if mode != "selective":
+        return
+    if option == "op":
+        _resolve_ops(save_ops)
+    elif not str(option).isdigit() or int(option) < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option = {option!r}; "
+            "allowed: 'op' or a positive integer"
+        )
 
 
 def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
@@ -67,10 +84,9 @@ def apply_activation_checkpointing(
     blocks: Iterable[nn.Module] | str | None = None,
 ) -> nn.Module:
     """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place."""
+    check_activation_checkpointing(mode, option, save_ops)
     if mode == "none":
         return model
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, selective")
     block_list = find_blocks(model, blocks)
     if mode == "full":
         for block in block_list:
@@ -86,11 +102,6 @@ def apply_activation_checkpointing(
         for block in block_list:
             _checkpoint_forward(block, context_fn)
         return model
-    if not str(option).isdigit() or int(option) < 1:
-        raise ValueError(
-            f"activation_checkpoint.selective_ac_option = {option!r}; "
-            "allowed: 'op' or a positive integer"
-        )
     every = int(option)
     for i, block in enumerate(block_list):
         if i % every == 0:

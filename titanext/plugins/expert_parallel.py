@@ -5,7 +5,9 @@
 parameters becomes a DTensor ``Shard(0)`` over ``ep_mesh`` (rank r of W holds experts
 ``r*E/W .. (r+1)*E/W - 1``) and its call is wrapped in dispatch / combine.
 
-The experts-module protocol (``titanext.models.moe.GroupedExperts`` follows it; so can yours):
+The experts-module protocol (``titanext.models.moe.GroupedExperts`` follows it, so does
+torchtitan's ``GroupedExperts`` inside its router / reorderer MoE, found by its call:
+:mod:`titanext.plugins._ep_layouts`; so can yours):
 
 - every parameter has the expert index as its first dimension (e.g. w1/w2/w3 of shape
   [num_experts, ...]);
@@ -55,23 +57,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titanext._baton_threads import comm_point
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
+from titanext.plugins._baton_threads import comm_point
 from titanext.plugins._ep_comm import COUNTERS as _COUNTERS
 from titanext.plugins._ep_comm import AllToAll as _AllToAll
 from titanext.plugins._ep_comm import CommCounter, count_comm
-from titanext.plugins.expert_replication import (
-    ReplicationPlan,
-    copy_experts,
-    dispatch_replicated,
-    max_replicas,
-)
+from titanext.plugins._ep_layouts import follows_experts_protocol
+from titanext.plugins.expert_replication import ReplicationPlan, copy_experts, dispatch_replicated
+from titanext.plugins.options import max_replicas
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
     "CommCounter", "count_comm", "is_grouped_experts", "ExpertsLayout", "StackedExperts",
     "ModuleListExperts", "ExpertParallelExperts", "call_experts", "detect_experts_layout",
+    "expert_parallel_targets",
 ]
 
 # -- dispatch / combine ----------------------------------------------------------------------------
@@ -307,11 +307,14 @@ _STACKED_NAMES = (("gate_up_proj", None, "down_proj"), ("w1", "w3", "w2"),
 
 def detect_experts_layout(fqn: str, module: nn.Module) -> ExpertsLayout | str | None:
     """The layout of ``module`` if it is an experts module titanext knows: "protocol" for
-    :class:`~titanext.models.moe.GroupedExperts`, a :class:`StackedExperts` for 3-D
+    :class:`~titanext.models.moe.GroupedExperts` and any module called as ``forward(x,
+    num_tokens_per_expert)`` that holds its stacked expert weights directly (torchtitan's
+    ``GroupedExperts``: :func:`~titanext.plugins._ep_layouts.follows_experts_protocol`), a
+    :class:`StackedExperts` for 3-D
     ``gate_up_proj``/``down_proj`` (``is_transposed`` read from the module),
     ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
     :class:`ModuleListExperts` for an ``nn.ModuleList`` named ``experts``; else None."""
-    if is_grouped_experts(fqn, module):
+    if is_grouped_experts(fqn, module) or follows_experts_protocol(module):
         return "protocol"
     if isinstance(module, ExpertParallelExperts):
         return None
@@ -469,6 +472,37 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
     """
     _group(ep_mesh)
     world = ep_mesh.size()
+    chosen = expert_parallel_targets(model, world, filter_fn=filter_fn, layout=layout,
+                                     required=required,
+                                     replicate_hot_experts=replicate_hot_experts)
+    if not chosen or world == 1:
+        return []
+    for fqn, m, found in chosen:
+        if found == "protocol":
+            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
+        else:
+            parent, _, child = fqn.rpartition(".")
+            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
+            model.get_submodule(parent).register_module(child, m)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logging.getLogger("titanext").warning(
+            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
+            type(model).__name__, len(chosen), world,
+            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+            if replicate_hot_experts else "",
+            ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
+    return [fqn for fqn, _, _ in chosen]
+
+
+def expert_parallel_targets(model: nn.Module, ep: int, *,
+                            filter_fn: Callable[[str, nn.Module], bool] | None = None,
+                            layout: ExpertsLayout | None = None, required: bool = True,
+                            replicate_hot_experts: int = 0
+                            ) -> list[tuple[str, nn.Module, ExpertsLayout | str]]:
+    """The experts modules :func:`apply_expert_parallel` would split over ``ep`` ranks, as
+    (fqn, module, layout), found and checked without changing ``model``: it raises the same
+    ``ValueError`` (no experts found, an unknown layout, an expert count ``ep`` does not divide,
+    too many hot-expert copies), so a recipe can check before it mutates anything."""
     if replicate_hot_experts < 0:
         raise ValueError(f"replicate_hot_experts = {replicate_hot_experts} must be >= 0")
     chosen = []
@@ -479,37 +513,22 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
         if found is None and filter_fn is None:
             continue
         if found is None or found == "protocol":
-            found = _check_protocol(fqn, m, world)
+            found = _check_protocol(fqn, m, ep)
         chosen.append((fqn, m, found))
-    if not chosen:
-        if world > 1 and required:
-            raise ValueError(_none_found(model, filter_fn))
-        return []
-    if world == 1:
-        return []
-    for fqn, m, found in chosen:
-        if found == "protocol":
-            n_exp = next(m.parameters()).shape[0]
-        else:
-            parent, _, child = fqn.rpartition(".")
-            m = ExpertParallelExperts(m, found, ep_mesh, replicate_hot_experts)
-            n_exp = m.num_experts
-        if replicate_hot_experts > max_replicas(n_exp, world):
+    if not chosen and ep > 1 and required:
+        raise ValueError(_none_found(model, filter_fn))
+    for fqn, m, found in chosen if ep > 1 else ():
+        n_exp = (next(m.parameters()).shape[0] if found == "protocol" else len(m)
+                 if isinstance(found, ModuleListExperts) else
+                 next(iter(found.weights(m).values())).shape[0])
+        if n_exp % ep:
+            raise ValueError(f"{fqn}: {n_exp} experts cannot be split over ep = {ep} ranks; the "
+                             "ep degree must divide the number of experts")
+        if replicate_hot_experts > max_replicas(n_exp, ep):
             raise ValueError(f"{fqn}: replicate_hot_experts = {replicate_hot_experts} is more than "
-                             f"the {max_replicas(n_exp, world)} experts of {n_exp} a rank can host "
-                             f"as copies at ep = {world} (num_experts - num_experts / ep)")
-        if found == "protocol":
-            ExpertParallel(replicate_hot_experts)._apply(m, ep_mesh)
-        else:
-            model.get_submodule(parent).register_module(child, m)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logging.getLogger("titanext").warning(
-            "expert parallel: %s: %d experts module(s) split over ep = %d%s: %s",
-            type(model).__name__, len(chosen), world,
-            f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
-            if replicate_hot_experts else "",
-            ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
-    return [fqn for fqn, _, _ in chosen]
+                             f"the {max_replicas(n_exp, ep)} experts of {n_exp} a rank can host "
+                             f"as copies at ep = {ep} (num_experts - num_experts / ep)")
+    return chosen
 
 
 def _kind(layout: ExpertsLayout | str) -> str:
@@ -541,7 +560,8 @@ def _none_found(model: nn.Module, filter_fn) -> str:
              if "expert" in fqn.rsplit(".", 1)[-1].lower()]
     return (f"apply_expert_parallel: ep > 1 but {type(model).__name__} has no experts module "
             + ("that filter_fn selects" if filter_fn else
-               "titanext knows. Looked for GroupedExperts, modules with 3-D stacked "
+               "titanext knows. Looked for GroupedExperts, modules called as forward(x, "
+               "num_tokens_per_expert) holding [experts, ...] weights, modules with 3-D stacked "
                + " / ".join("/".join(n for n in names if n) for names in _STACKED_NAMES)
                + " weights, and an nn.ModuleList named experts")
             + (f"; modules named like experts, of an unknown layout: {', '.join(named)}"

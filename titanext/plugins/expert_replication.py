@@ -40,12 +40,12 @@ import torch.distributed as dist
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, AllToAll
-from titanext.plugins.options import REPLICATION_SLACK
+from titanext.plugins.options import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
 
 __all__ = ["Replica", "ReplicationPlan", "plan_replicas", "nominal_plan", "RankRouting",
-           "rank_routing", "copy_experts", "max_replicas", "exchange_counts",
+           "rank_routing", "copy_experts", "exchange_counts",
            "dispatch_replicated"]
 
 
@@ -77,11 +77,6 @@ class ReplicationPlan:
         """The copies of ``rank``'s experts, in sending order (by rank, then planning order)."""
         return sorted((r for r in self.replicas if r.home == rank),
                       key=lambda r: (r.rank, self.replicas.index(r)))
-
-
-def max_replicas(num_experts: int, ep: int) -> int:
-    """The largest useful ``replicate_hot_experts``: the experts a rank does not hold."""
-    return num_experts - num_experts // ep
 
 
 def plan_replicas(counts: list[list[int]], max_copies: int,

@@ -25,6 +25,15 @@ torch.Size([32, 10])
 With FSDP2 and ``enable_fsdp_float8_all_gather=True``, call :func:`precompute_float8_scales`
 after each optimizer step (one all-reduce for all weight scales instead of one per layer).
 gloo has no float8 collectives: there the float8 weight bytes travel as uint8.
+
+transformers' ``Conv1D`` (weight ``[in, out]``, ``y = x W + b``) converts too. torchao's
+``Float8Linear`` runs ``matmul_with_hp_or_float8_args(x, weight.t())``: a Conv1D's weight *is*
+that transposed operand, so a converted Conv1D runs torchao's own float8 matmul on its weight as
+it is (blockwise: :func:`~titanext.plugins.float8_blockwise.float8_blockwise_linear` on its
+transpose), with the numerics of ``Float8Linear`` on ``nn.Linear(weight.t())``. Only its class
+changes (a subclass of its own, so ``isinstance(m, Conv1D)`` holds): parameters, names, shapes,
+state dict, FSDP's and the optimizer's view stay. FSDP's float8 all-gather wraps ``nn.Linear``
+weights only; a Conv1D's weight is all-gathered in high precision (one WARNING line says so).
 """
 
 from __future__ import annotations
@@ -38,12 +47,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
+from titanext.plugins._loud import (
+    log_rank0,
+    matmul_kind,
+    own_forward_line,
+    param_matmul_reason,
+    unconverted_line,
+)
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
 
 __all__ = [
     "FLOAT8_ALL_GATHER_RECIPES",
     "FLOAT8_RECIPES",
+    "Float8Conv1DMixin",
     "apply_float8",
     "auto_filter_keeps",
     "float8_linear_fqns",
@@ -107,15 +123,17 @@ def _fqn_matches(fqn: str, pattern: str) -> bool:
 def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence[str],
                  auto_filter: bool) -> str | None:
     """Why ``module`` stays in high precision, or None to convert it."""
-    kind = linear_kind(module)
+    kind = matmul_kind(module)
     if kind is None:
-        return "not an nn.Linear"
+        return "not a matmul module"
     if kind == "kept":
         return f"{type(module).__name__} sets titanext_convert = False"
+    if kind == "param_matmul":
+        return param_matmul_reason(module, "float8")
     for pattern in filter_fqns:
         if _fqn_matches(fqn, pattern):
             return f"in filter_fqns ({pattern!r})"
-    n, k = module.weight.shape
+    n, k = module.weight.shape if kind != "conv1d" else module.weight.shape[::-1]
     if n % 16 or k % 16:
         return f"dims {k}x{n} not divisible by 16"
     if auto_filter and not auto_filter_keeps(recipe, n, k):
@@ -137,7 +155,7 @@ def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[st
 
 def _check_args(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
     if recipe not in FLOAT8_RECIPES:
-        from titanext._hints import did_you_mean
+        from titanext._text import did_you_mean
 
         raise ValueError(f"apply_float8: recipe = {recipe!r}; allowed: {', '.join(FLOAT8_RECIPES)}"
                          f"{did_you_mean(recipe, FLOAT8_RECIPES, fallback=False)}")
@@ -175,10 +193,14 @@ def apply_float8(
         device: the device the model will train on, for ``emulate="auto"``.
         module_filter_fn: an extra ``(module, fqn) -> bool``; False keeps a linear as it is.
 
-    Linears are picked by behaviour: ``nn.Linear`` and its subclasses that keep
-    ``nn.Linear.forward`` convert; subclasses with their own forward are listed in one WARNING
-    line and convert only when ``module_filter_fn`` returns True for them (their forward is then
-    replaced by float8's linear); classes with ``titanext_convert = False`` stay as they are.
+    Every matmul module is converted or named (``titanext.plugins._loud``): ``nn.Linear``
+    and its subclasses that keep ``nn.Linear.forward`` convert; so does transformers' ``Conv1D``
+    (weight ``[in, out]``: torchao's float8 matmul on that weight as it is, parameters and
+    state dict unchanged); subclasses with their own forward are listed in one WARNING line and
+    convert only when ``module_filter_fn`` returns True for them (their forward is then
+    replaced by float8's linear); modules that multiply by their own 2-D parameter
+    (``F.linear(x, self.w)``) are named in one WARNING line; classes with
+    ``titanext_convert = False`` stay as they are.
 
     Returns:
         The FQNs of the converted linears. Layers that stay in high precision are logged
@@ -193,8 +215,8 @@ def apply_float8(
     emulated = resolve_emulate(emulate, device)
     chosen, skipped = _choose(model, recipe, tuple(filter_fqns), auto_filter, module_filter_fn)
     if emulated and emulate == "auto":
-        _log(logging.WARNING, "float8: %d linear(s) converted; %s has no float8 hardware, so "
-             "float8 matmuls are emulated (float8 numerics at high-precision speed); set "
+        _log(logging.WARNING, "float8: %d matmul module(s) converted; %s has no float8 hardware, "
+             "so float8 matmuls are emulated (float8 numerics at high-precision speed); set "
              "emulate = false to insist", len(chosen), device)
     wanted = set(chosen)
 
@@ -216,7 +238,13 @@ def apply_float8(
         convert_to_float8_training(model, config=config, module_filter_fn=keep)
         if enable_fsdp_float8_all_gather:
             _use_byte_all_gather_weights(model)
-    _log(logging.INFO, "float8 (%s%s): converted %d linear(s); kept in high precision: %s",
+    conv1d = _convert_conv1d(model, wanted, recipe, None if recipe == "blockwise" else config,
+                             emulated)
+    if conv1d and enable_fsdp_float8_all_gather:
+        _log(logging.WARNING, "float8: the weights of %d Conv1D module(s) are all-gathered by "
+             "FSDP in high precision (enable_fsdp_float8_all_gather wraps nn.Linear weights "
+             "only); their matmuls still run in float8", conv1d)
+    _log(logging.INFO, "float8 (%s%s): converted %d matmul module(s); kept in high precision: %s",
          recipe, ", emulated" if emulated else "", len(chosen), ", ".join(skipped) or "none")
     return chosen
 
@@ -231,9 +259,13 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
     chosen: list[str] = []
     skipped: list[str] = []
     own: list[tuple[str, nn.Module]] = []
+    outside: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
-        if linear_kind(module) is None:
+        kind = matmul_kind(module)
+        if kind is None:
             continue
+        if kind == "param_matmul":
+            outside.append((fqn, module))
         reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter)
         wanted = module_filter_fn(module, fqn) if module_filter_fn is not None else None
         if reason == OWN_FORWARD:
@@ -245,18 +277,35 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
             chosen.append(fqn)
         else:
             skipped.append(f"{fqn or '<root>'} ({reason})")
-    line = own_forward_line("float8", own, set(chosen))
-    if line:
-        _log(logging.WARNING, "%s", line)
+    for line in (own_forward_line("float8", own, set(chosen)), unconverted_line("float8", outside)):
+        if line:
+            _log(logging.WARNING, "%s", line)
     if not chosen:
+        fixes = ["loosen filter_fqns / module_filter_fn / auto_filter"]
+        if own:
+            fixes.append("return True from module_filter_fn for the nn.Linear subclasses that "
+                         "override forward (their forward becomes float8's linear)")
+        if outside:
+            fixes.append("hold the weights multiplied outside nn.Linear in nn.Linear modules")
         raise ValueError(
-            f"apply_float8: no linear of {type(model).__name__} converts to float8. Looked for "
-            "nn.Linear modules (subclasses too) with both dims divisible by 16, not named by "
-            "filter_fqns, accepted by module_filter_fn and auto_filter; found: "
-            f"{', '.join(skipped) or 'no nn.Linear at all'}. Fix: loosen filter_fqns / "
-            "module_filter_fn / auto_filter, return True from module_filter_fn for subclasses "
-            "that override forward, or leave float8 off for this model (docs/float8.md)")
+            f"apply_float8: no matmul of {type(model).__name__} converts to float8. Looked for "
+            "nn.Linear modules (subclasses too) and transformers Conv1D with both dims "
+            "divisible by 16, not named by filter_fqns, accepted by module_filter_fn and "
+            f"auto_filter; found: {'; '.join(skipped) or 'no matmul module at all'}. Fix: "
+            + ", ".join(fixes) + ", or leave float8 off for this model (docs/float8.md)")
     return chosen, skipped
+
+
+def _convert_conv1d(model: nn.Module, fqns: set[str], recipe: str, config, emulate: bool
+                    ) -> int:
+    """Convert the chosen transformers Conv1D modules; how many."""
+    count = 0
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        if matmul_kind(module) == "conv1d":
+            _float8_conv1d(module, recipe, config, emulate)
+            count += 1
+    return count
 
 
 def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
@@ -268,17 +317,20 @@ def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
     for fqn in fqns:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child), nn.Linear):  # a Conv1D: converted apart
+            continue
         parent.register_module(child, Float8BlockwiseLinear.from_float(getattr(parent, child),
                                                                        emulate=emulate))
 
 
 def float8_linear_fqns(model: nn.Module) -> list[str]:
-    """FQNs of the float8 linears in ``model`` (torchao's and blockwise)."""
+    """FQNs of the float8 matmul modules in ``model`` (torchao's, blockwise, Conv1D)."""
     from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
 
     names = []
     for fqn, m in model.named_modules():
-        if isinstance(m, Float8BlockwiseLinear) or type(m).__name__ == "Float8Linear":
+        if (isinstance(m, (Float8BlockwiseLinear, Float8Conv1DMixin))
+                or type(m).__name__ == "Float8Linear"):
             names.append(fqn)
     return names
 
@@ -310,6 +362,56 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# -- transformers' Conv1D ------------------------------------------------------------------------
+
+_CONV1D_CLASSES: dict[type, type] = {}
+
+
+class Float8Conv1DMixin(nn.Module):
+    """The forward of a float8 transformers Conv1D (see the module docstring)."""
+
+    titanext_convert = False  # already converted
+    float8_recipe: str = "tensorwise"
+    emulate: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8_recipe == "blockwise":
+            from titanext.plugins.float8_blockwise import float8_blockwise_linear
+
+            y = float8_blockwise_linear(x, self.weight.t().contiguous(), emulate=self.emulate)
+        else:
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+            if torch.is_autocast_enabled():  # as Float8Linear: keep the autocast dtype
+                x = x.to(torch.get_autocast_gpu_dtype())
+            y = matmul_with_hp_or_float8_args.apply(x, self.weight, self.linear_mm_config,
+                                                    self.config)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _float8_conv1d_class(cls: type) -> type:
+    if cls not in _CONV1D_CLASSES:
+        _CONV1D_CLASSES[cls] = type(f"Float8{cls.__name__}", (Float8Conv1DMixin, cls),
+                                    {"__module__": cls.__module__})
+    return _CONV1D_CLASSES[cls]
+
+
+def _float8_conv1d(module: nn.Module, recipe: str, config=None, emulate: bool = False) -> None:
+    """Make the Conv1D ``module`` compute in float8, in place (``config``: torchao's
+    ``Float8LinearConfig`` for the torchao recipes, None for ``"blockwise"``)."""
+    module.__class__ = _float8_conv1d_class(type(module))
+    module.float8_recipe, module.emulate = recipe, emulate
+    if config is not None:
+        from torchao.float8.float8_linear import Float8Linear
+
+        # torchao's per-GEMM settings (emulation, fast accumulation, padding) as Float8Linear
+        # builds them; a meta Float8Linear of the same shape lends them.
+        with torch.device("meta"):
+            donor = Float8Linear(module.weight.shape[0], module.weight.shape[1], bias=False,
+                                 config=config)
+        module.config, module.linear_mm_config = donor.config, donor.linear_mm_config
 
 
 # -- FSDP2 float8 all-gather over gloo ------------------------------------------------------------

@@ -11,7 +11,12 @@ import and re-export them.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK"]
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK",
+           "float8_problems", "max_replicas", "replication_problems"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -33,3 +38,74 @@ DEFAULT_SAVE_OPS = (
 #: Hot-expert replication makes no new copy while the busiest ep rank is within this fraction
 #: of the mean rows (a copy would cost more than the rows it moves).
 REPLICATION_SLACK = 0.05
+
+
+def max_replicas(num_experts: int, ep: int) -> int:
+    """The largest useful ``replicate_hot_experts``: the experts a rank does not hold."""
+    return num_experts - num_experts // ep
+
+
+def replication_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]
+                         ) -> list[str]:
+    """One line per problem of ``[moe] replicate_hot_experts`` (its sign is a field check): it
+    needs expert parallelism, and at most :func:`max_replicas` copies, the bound
+    ``apply_expert_parallel`` enforces at run time. ``model_args(cfg)`` gives the job's model.
+
+    >>> from titanext.config import ConfigError, load_config
+    >>> try:
+    ...     load_config(None, ["--model.flavor=debugmoe", "--moe.replicate_hot_experts=2"])
+    ... except ConfigError as e:
+    ...     print(e.problems[0][:64])
+    moe.replicate_hot_experts = 2 needs expert parallelism: parallel
+    """
+    n = cfg.moe.replicate_hot_experts
+    if not n or n < 0 or skip & {"moe.replicate_hot_experts", "model.name", "model.flavor",
+                                 "parallelism.expert_parallel_degree"}:
+        return []
+    key = f"moe.replicate_hot_experts = {n}"
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep == 1:
+        return [f"{key} needs expert parallelism: parallelism.expert_parallel_degree = 1 (copies "
+                "go from one ep rank to another); set expert_parallel_degree > 1 or "
+                "replicate_hot_experts = 0"]
+    try:
+        args = model_args(cfg)
+    except (KeyError, ValueError):  # a bad name, flavor or [moe] value: reported elsewhere
+        return []
+    if args.moe is None or args.moe.num_experts % ep:
+        return []  # reported by the expert-parallel rules
+    most = max_replicas(args.moe.num_experts, ep)
+    if n > most:
+        return [f"{key} is more than the experts there are to copy: at most num_experts - "
+                f"num_experts / expert_parallel_degree = {args.moe.num_experts} - "
+                f"{args.moe.num_experts // ep} = {most} (the experts a rank does not hold)"]
+    return []
+
+
+def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
+    """``[float8]`` (``f``) combinations that cannot work against ``[parallelism]`` (``p``),
+    one line each; checked only with ``float8.enable``."""
+    if not f.enable or skip & {"float8.recipe", "float8.enable_fsdp_float8_all_gather"}:
+        return []
+    problems = []
+    if f.enable_fsdp_float8_all_gather and f.recipe not in FLOAT8_ALL_GATHER_RECIPES:
+        problems.append(f"float8.enable_fsdp_float8_all_gather = true needs one scale per weight "
+                        f"tensor, which recipe = {f.recipe!r} does not have; use recipe = "
+                        "'tensorwise' or set enable_fsdp_float8_all_gather = false")
+    if f.precompute_scale and not f.enable_fsdp_float8_all_gather:
+        problems.append("float8.precompute_scale = true only precomputes the scales of float8 "
+                        "all-gathered weights; set enable_fsdp_float8_all_gather = true too, or "
+                        "precompute_scale = false")
+    if f.enable_fsdp_float8_all_gather and p.zero_stage == 1:
+        problems.append("float8.enable_fsdp_float8_all_gather = true needs FSDP, but "
+                        "parallelism.zero_stage = 1 replicates parameters (DDP); use zero_stage "
+                        "2 or 3")
+    if f.recipe != "blockwise" and importlib.util.find_spec("torchao") is None:
+        problems.append(f"float8.recipe = {f.recipe!r} needs torchao >= 0.17, which is not "
+                        "installed here (pip install torchao); recipe = 'blockwise' runs "
+                        "without it")
+    if f.recipe == "blockwise" and p.tensor_parallel_degree > 1:
+        problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
+                        f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
+                        "or 'rowwise' with TP")
+    return problems

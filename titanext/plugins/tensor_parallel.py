@@ -50,11 +50,18 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanext.plugins._loud import matmul_kind
+from titanext.plugins._tp_conv1d import (
+    Conv1DColwiseParallel,
+    Conv1DRowwiseParallel,
+    check_conv1d_styles,
+)
 from titanext.plugins.tp_coverage import unruled_parameters
 
-__all__ = ["FusedColwiseParallel", "ReplicatedOverTP", "VocabParallelEmbedding",
-           "apply_tensor_parallel", "default_plan_problems", "llama_tp_plan", "mla_rope_dim",
-           "tp_plan_matches"]
+__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "FusedColwiseParallel",
+           "ReplicatedOverTP", "VocabParallelEmbedding", "apply_tensor_parallel",
+           "default_plan_problems", "llama_tp_plan", "mla_rope_dim", "tp_plan_matches",
+           "tp_plan_targets"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -263,9 +270,34 @@ def apply_tensor_parallel(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
-    default = plan is None
-    if default:
-        float8 = float8 and _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
+    if plan is None and float8:
+        float8 = _float8_comm_possible(model, tp_mesh, sequence_parallel, loss_parallel)
+    plan, matches, kept = tp_plan_targets(model, tp_mesh.size(), plan,
+                                          sequence_parallel=sequence_parallel,
+                                          loss_parallel=loss_parallel, float8=float8)
+    shared = _shared_parameters(model)
+    unruled = unruled_parameters(model, kept)  # before sharding: what the plan leaves alone
+    parallelize_module(model, tp_mesh, kept)
+    _retie(model, shared)
+    _report(model, tp_mesh, matches, replicated=_unsharded_matmuls(model, kept),
+            unruled=unruled)
+    return model
+
+
+def _unsharded_matmuls(model: nn.Module, kept: TPPlan) -> list[str]:
+    """Matmul modules (``titanext.plugins._loud``) no rule matched: replicated over tp."""
+    return [f"{fqn} ({type(m).__name__})" for fqn, m in model.named_modules()
+            if fqn not in kept and matmul_kind(m) is not None]
+
+
+def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
+                    sequence_parallel: bool = True, loss_parallel: bool = True,
+                    float8: bool = False) -> tuple[TPPlan, dict[str, list[str]], TPPlan]:
+    """What :func:`apply_tensor_parallel` would do, checked without changing ``model``:
+    (the plan, the modules each rule matches, {module FQN: style}). Raises the same
+    ``ValueError`` it would (no plan for an unknown layout, no rule matching, a style that
+    cannot take the module it matches), so a recipe can check before it mutates anything."""
+    if plan is None:
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                              float8=float8, mla_rope=mla_rope_dim(model))
         problems = default_plan_problems(model, plan)
@@ -284,18 +316,14 @@ def apply_tensor_parallel(
         raise ValueError(
             f"apply_tensor_parallel: no rule of the tp plan matches a module of "
             f"{type(model).__name__} (rules: {', '.join(plan) or 'none'}), so tp = "
-            f"{tp_mesh.size()} would shard nothing. Fix: write the plan's keys as the model's "
+            f"{tp} would shard nothing. Fix: write the plan's keys as the model's "
             "module FQNs (print [n for n, _ in model.named_modules()]), '*' for one component")
-    shared = _shared_parameters(model)
-    unruled = unruled_parameters(model, kept)  # before sharding: what the plan leaves alone
-    parallelize_module(model, tp_mesh, kept)
-    _retie(model, shared)
-    _report(model, tp_mesh, matches, unruled)
-    return model
+    check_conv1d_styles(model, kept)
+    return plan, matches, kept
 
 
 def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]],
-            unruled: Sequence[str] = ()) -> None:
+            replicated: Sequence[str] = (), unruled: Sequence[str] = ()) -> None:
     """One WARNING line saying what TP did; ValueError when it sharded no parameter."""
     params = dict(model.named_parameters())
     sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
@@ -308,9 +336,12 @@ def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]
             "ColwiseParallel / RowwiseParallel (or other parameter-sharding styles)")
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s%s",
-            name, len(sharded), len(params), tp_mesh.size(), len(matches) - len(unused),
+            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) "
+            "matched%s%s%s", name, len(sharded), len(params), tp_mesh.size(),
+            len(matches) - len(unused),
             f"; matching no module (skipped): {', '.join(unused)}" if unused else "",
+            f"; matmul modules no rule names (replicated over tp): {', '.join(replicated[:6])}"
+            + (f", ... ({len(replicated)})" if len(replicated) > 6 else "") if replicated else "",
             f"; NO RULE inside a split attention / MLP, kept replicated (each rank would get its "
             f"heads' gradient only; the replicated-gradient check tests it at the first steps): "
             f"{', '.join(unruled[:6])}{' ...' if len(unruled) > 6 else ''}" if unruled else "")
@@ -353,8 +384,9 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
 
     It fits when the blocks are at ``layers.*`` and every block rule matches in every block
     (QK-norm rules optional; a block has its ``feed_forward`` rules or a replicated ``moe``),
-    and every ``nn.Linear`` / ``nn.Embedding`` is named by a rule or sits in a ``moe``. A
-    pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
+    and every matmul module (``titanext.plugins._loud.matmul_kind``: ``nn.Linear``, Conv1D, a
+    module multiplying by its own 2-D parameter) and ``nn.Embedding`` is named by a rule or sits
+    in a ``moe``. A pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
     """
     plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
     modules = dict(model.named_modules())
@@ -373,8 +405,8 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
             if f"{b}.{rule}" not in targets:
                 problems.append(f"rule layers.*.{rule} matches nothing in {b}")
     for n, m in modules.items():
-        if isinstance(m, (nn.Linear, nn.Embedding)) and n not in targets and ".moe." not in (
-                f".{n}."):
+        if (isinstance(m, nn.Embedding) or matmul_kind(m) is not None) and n not in targets \
+                and ".moe." not in f".{n}.":
             problems.append(f"{n} ({type(m).__name__}) is named by no rule")
     return problems
 

@@ -69,10 +69,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from titanext._baton_threads import register_side_state
 from titanext._compat import grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
-from titanext.plugins._loud import linear_kind, log_rank0, own_forward_line
+from titanext.plugins._baton_threads import register_side_state
+from titanext.plugins._loud import log_rank0, matmul_kind, own_forward_line, unconverted_line
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
            "has_deferred_modules", "weight_grad_deferral"]
@@ -96,7 +96,7 @@ def _put_state(saved: tuple) -> None:
     _STATE.recording, _STATE.queue = saved
 
 
-# an overlapped forward/backward pair (titanext._baton_threads) keeps one switch per side
+# an overlapped forward/backward pair (titanext.plugins._baton_threads) keeps one switch per side
 register_side_state(lambda: (_STATE.recording, _STATE.queue), _put_state)
 
 
@@ -217,18 +217,24 @@ class _DeferredLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        dx = dy.matmul(weight) if need_x else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
-        dw = None
-        if need_w:
-            queue = _STATE.queue
-            if queue is None or not ctx.param.is_leaf:
-                dw = _linear_weight_grad(x, dy, ctx.param, None)
-            else:
-                queue.append(_linear_weight_grad, ctx.param, x, dy)
-        return dx, dw, db
+        return _deferring_backward(ctx, dy, dy.matmul, _linear_weight_grad)
+
+
+def _deferring_backward(ctx, dy, input_grad, weight_grad):
+    """(dX, dW, db) of a matmul module: dX = ``input_grad(weight)`` and db now, and dW =
+    ``weight_grad(x, dy, ...)`` queued when a queue is active (else computed now)."""
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    dx = input_grad(weight) if need_x else None
+    db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
+    dw = None
+    if need_w:
+        queue = _STATE.queue
+        if queue is None or not ctx.param.is_leaf:
+            dw = weight_grad(x, dy, ctx.param, None)
+        else:
+            queue.append(weight_grad, ctx.param, x, dy)
+    return dx, dw, db
 
 
 @torch.compiler.disable
@@ -246,6 +252,57 @@ class DeferredLinear(nn.Linear):
                 input.requires_grad or self.weight.requires_grad):
             return _deferred_linear(input, self.weight, self.bias)
         return F.linear(input, self.weight, self.bias)
+
+
+# -- transformers' Conv1D: weight [in, out], y = x @ W + b ----------------------------------------
+
+def _conv1d_weight_grad(x: torch.Tensor, dy: torch.Tensor, param, extra) -> torch.Tensor:
+    # dW = X^T dY over all leading dims: [in, T] @ [T, out]
+    return x.reshape(-1, x.shape[-1]).t().mm(dy.reshape(-1, dy.shape[-1]))
+
+
+def _conv1d_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
+    grad.addmm_(x.reshape(-1, x.shape[-1]).t(), dy.reshape(-1, dy.shape[-1]))
+
+
+_conv1d_weight_grad.into = _conv1d_weight_grad_into
+
+
+def _conv1d(x, weight, bias):
+    """transformers' Conv1D forward: ``addmm`` over the flattened tokens."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, x2, weight) if bias is not None else x2.mm(weight)
+    return y.view(*x.shape[:-1], weight.shape[-1])
+
+
+class _DeferredConv1DFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.param = weight
+        return _conv1d(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _deferring_backward(ctx, dy, lambda w: dy.matmul(w.t()), _conv1d_weight_grad)
+
+
+@torch.compiler.disable
+def _deferred_conv1d(x, weight, bias):
+    return _DeferredConv1DFn.apply(x, weight, bias)
+
+
+class DeferredConv1DMixin(nn.Module):
+    """The forward of a converted transformers ``Conv1D``: outside a deferral context its own;
+    inside, dX now and dW = X^T dY queued."""
+
+    titanext_convert = False  # already converted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _STATE.recording and torch.is_grad_enabled() and (
+                x.requires_grad or self.weight.requires_grad):
+            return _deferred_conv1d(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 # -- MoE grouped experts ----------------------------------------------------------------------
@@ -336,13 +393,16 @@ class DeferredGroupedExperts(GroupedExperts):
 _LINEAR_CLASSES: dict[type, type] = {nn.Linear: DeferredLinear}
 
 
-def _deferred_class(cls: type) -> type:
-    """``DeferredLinear``'s forward on top of ``cls`` (an ``nn.Linear`` subclass): isinstance
-    checks against ``cls`` and its attributes stay."""
+def _deferred_class(cls: type, mixin: type = DeferredLinear) -> type:
+    """``mixin``'s forward on top of ``cls`` (an ``nn.Linear`` subclass, or a Conv1D with
+    :class:`DeferredConv1DMixin`): isinstance checks against ``cls`` and its attributes stay."""
     if cls not in _LINEAR_CLASSES:
-        _LINEAR_CLASSES[cls] = type(f"Deferred{cls.__name__}", (DeferredLinear, cls),
+        _LINEAR_CLASSES[cls] = type(f"Deferred{cls.__name__}", (mixin, cls),
                                     {"__module__": cls.__module__})
     return _LINEAR_CLASSES[cls]
+
+
+_CONVERTED = (DeferredLinear, DeferredGroupedExperts, DeferredConv1DMixin)
 
 
 def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | None = None
@@ -350,12 +410,15 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
     """Convert ``model``'s linears and ``GroupedExperts`` modules, in place, so their weight
     gradients can be deferred; returns the converted FQNs.
 
-    Linears are picked by behaviour (as :func:`titanext.plugins.float8.apply_float8` does):
-    ``nn.Linear`` and subclasses that keep ``nn.Linear.forward`` convert (the class becomes a
-    subclass of both, so ``isinstance`` checks, TP plans and FSDP apply as before); subclasses
+    Matmul modules are picked by behaviour (as :func:`titanext.plugins.float8.apply_float8`
+    does): ``nn.Linear`` and subclasses that keep ``nn.Linear.forward`` convert (the class becomes
+    a subclass of both, so ``isinstance`` checks, TP plans and FSDP apply as before), and so does
+    transformers' ``Conv1D`` (weight ``[in, out]``: its dW = X^T dY is queued); subclasses
     with their own forward are listed in one WARNING line and convert only when
     ``module_filter_fn(module, fqn)`` returns True for them (their forward is then a plain
-    linear's); any other module it returns False for stays unconverted. Classes with
+    linear's); modules that multiply by their own 2-D parameter (``F.linear(x, self.w)``) are
+    named in one WARNING line (nothing can split their backward from outside); any other
+    module ``module_filter_fn`` returns False for stays unconverted. Classes with
     ``titanext_convert = False`` (the MoE router gate, torchao's ``Float8Linear``) keep their
     own backward. Run converters such as float8 first. Idempotent.
 
@@ -363,43 +426,61 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
     """
     converted, float8, already = [], 0, 0
     own: list[tuple[str, nn.Module]] = []
+    outside: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
-        kind = linear_kind(module)
-        float8 += type(module).__name__ == "Float8Linear"
-        already += isinstance(module, (DeferredLinear, DeferredGroupedExperts))
-        candidate = kind in ("linear", "own_forward") or type(module) is GroupedExperts
+        kind = matmul_kind(module)
+        float8 += kind == "kept" and type(module).__name__.startswith("Float8")
+        already += isinstance(module, _CONVERTED)
+        candidate = kind in ("linear", "own_forward", "conv1d") or type(module) is GroupedExperts
         wanted = module_filter_fn(module, fqn) if module_filter_fn and candidate else None
         target = DeferredGroupedExperts if type(module) is GroupedExperts else None
         if kind == "linear" or (kind == "own_forward" and wanted):
             target = _deferred_class(type(module))
+        elif kind == "conv1d":
+            target = _deferred_class(type(module), DeferredConv1DMixin)
         if kind == "own_forward":
             own.append((fqn, module))
+        if kind == "param_matmul":
+            outside.append((fqn, module))
         if target is None or wanted is False:
             continue
         module.__class__ = target
         converted.append(fqn)
-    line = own_forward_line("weight_grad", own, set(converted))
-    if line:
-        log_rank0(logging.WARNING, "%s", line)
+    for line in (own_forward_line("weight_grad", own, set(converted)),
+                 unconverted_line("weight_grad", outside)):
+        if line:
+            log_rank0(logging.WARNING, "%s", line)
     if float8:
         log_rank0(logging.WARNING if not converted else logging.INFO,
-                  "weight_grad: %d Float8Linear module(s) keep torchao's backward: their weight "
+                  "weight_grad: %d float8 module(s) keep their own backward: their weight "
                   "gradients are computed in the input-gradient step, not deferred", float8)
     if not converted and not float8 and not already:
+        found = [f"{fqn or '<root>'} ({type(m).__name__}, {why})"
+                 for group, why in ((own, "overrides forward"),
+                                    (outside, "multiplies by its own 2-D parameter"))
+                 for fqn, m in group]
+        fixes = []
+        if own:
+            fixes.append("return True from module_filter_fn for the nn.Linear subclasses that "
+                         "override forward (their forward becomes nn.Linear's)")
+        if outside:
+            fixes.append("hold the weights multiplied outside nn.Linear in nn.Linear modules")
+        if module_filter_fn:
+            fixes.append("let module_filter_fn accept the linears it excluded")
         raise ValueError(
             f"defer_weight_grads: nothing of {type(model).__name__} converts. Looked for "
             "nn.Linear modules (subclasses that keep nn.Linear.forward, or that module_filter_fn "
-            "returns True for) and titanext GroupedExperts; found none"
-            f"{' (module_filter_fn excluded them)' if module_filter_fn else ''}. Fix: pass "
-            "module_filter_fn returning True for your linear-like modules, or use "
-            "split_backward = 'autograd' for this model (docs/pipeline.md)")
+            "returns True for), transformers Conv1D and titanext GroupedExperts; found "
+            + ("; ".join(found) if found else "no matmul module") + ". Fix: "
+            + ", ".join([*fixes, "or use split_backward = 'autograd' for this model "
+                         "(docs/pipeline.md)"]))
     return converted
 
 
 def has_deferred_modules(model: nn.Module) -> bool:
     """Whether ``model`` holds modules converted by :func:`defer_weight_grads` (their forward
     inside a deferral context is a graph break: compile such blocks without ``fullgraph``)."""
-    return any(isinstance(m, (DeferredLinear, DeferredGroupedExperts)) for m in model.modules())
+    return any(isinstance(m, _CONVERTED) for m in model.modules())
 
 
 # -- pipeline stages ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.schedules import schedule_problems, simulate
 from titanext.schedules.memory_cap import CAPPABLE
 from titanext.schedules.registry import _SIMULATED

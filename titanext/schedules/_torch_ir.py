@@ -16,8 +16,8 @@ Two runtime subclasses live here:
   backward runs (and the backward's gradient receive, posted earlier, lands while the forward
   runs). With ``comm_overlap`` set (``[parallelism] expert_parallel_comm_overlap``), the two
   chunks run interleaved at their collectives instead
-  (:func:`titanext._baton_threads.run_interleaved`): each chunk's expert-parallel all-to-alls
-  travel while the other chunk computes.
+  (:func:`titanext.plugins._baton_threads.run_interleaved`): each chunk's expert-parallel
+  all-to-alls travel while the other chunk computes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _s
 
-from titanext._baton_threads import run_interleaved
+from titanext.plugins._baton_threads import run_interleaved
 
 Action = _s._Action
 Kind = _s._ComputationType

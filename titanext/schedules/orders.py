@@ -24,16 +24,19 @@ def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbat
              num_stages, microbatches)
 
 
-def schedule_order(name: str, *, pp: int, microbatches: int, stages_per_rank: int | None = None,
-                   max_pending_weight_grads: int = 0, **costs: float) -> dict[int, list]:
-    """The compute action lists schedule ``name`` runs on each rank (what executes).
+def schedule_order(name: str | type, *, pp: int, microbatches: int,
+                   stages_per_rank: int | None = None, max_pending_weight_grads: int = 0,
+                   **costs: float) -> dict[int, list]:
+    """The compute action lists schedule ``name`` (a name, or a resolved class such as a
+    :class:`~titanext.config.layout.PipelinePlan`'s) runs on each rank (what executes).
 
     Ours come from their generators (``costs`` feed Auto), torch's multi-stage ones from the
     ``pipeline_order`` torch builds; GPipe and 1F1B (single-stage runtimes without action
     lists) use their textbook orders. ``max_pending_weight_grads`` > 0 caps the deferred W's
     (:mod:`titanext.schedules.memory_cap`).
     """
-    cls = capped_schedule_class(get_schedule_class(name), max_pending_weight_grads)
+    cls = get_schedule_class(name) if isinstance(name, str) else name
+    cls = capped_schedule_class(cls, max_pending_weight_grads)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     if hasattr(cls, "textbook_order"):
         return cls.textbook_order(pp, microbatches)

@@ -1,8 +1,8 @@
 """Expert-parallel all-to-all overlap: which schedules pair a forward with a backward chunk.
 
 With ``[parallelism] expert_parallel_comm_overlap = true`` a rank runs the two chunks of every
-overlapped pair interleaved (:mod:`titanext._baton_threads`): each side's dispatch and combine
-all-to-alls travel while the other side computes.
+overlapped pair interleaved (:mod:`titanext.plugins._baton_threads`): each side's dispatch and
+combine all-to-alls travel while the other side computes.
 
 - **DualPipe, DualPipeV**: their steady state is made of such pairs already (OVERLAP_F_B
   actions); overlap switches their handler to the interleaved one.

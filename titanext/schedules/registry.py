@@ -7,7 +7,7 @@ declares its stage placement, and the one schedule factory (:func:`build_schedul
 
 from __future__ import annotations
 
-from titanext._hints import did_you_mean
+from titanext._text import did_you_mean
 from titanext.schedules import dualpipe, zero_bubble
 from titanext.schedules._torch_ir import is_single_stage, no_self_warmup, torch_schedule_class
 from titanext.schedules.zero_bubble import GeneratedSchedule, one_f_one_b

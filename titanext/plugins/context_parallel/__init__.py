@@ -58,6 +58,7 @@ from titanext.plugins.context_parallel._models import (
     MODEL_COMMS,
     RingAttentionFn,
     apply_context_parallel,
+    attention_fn_holders,
     check_options,
     cp_attention_fn,
     ring_attention_sdpa,
@@ -82,5 +83,5 @@ __all__ = [
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
     "RingPlan", "plan_work", "ulysses_order", "_step_slices", "MODEL_COMMS", "cp_attention_fn",
-    "cp_rank", "cp_world_size", "prepare_batch", "POSITIONS_SHAPES",
+    "cp_rank", "cp_world_size", "prepare_batch", "POSITIONS_SHAPES", "attention_fn_holders",
 ]

@@ -101,18 +101,23 @@ def apply_context_parallel(model: nn.Module, cp_mesh: Group, *, layout: str = "z
     """
     fn = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
                          ulysses_degree=ulysses_degree)
-    count = 0
-    for module in model.modules():
-        current = getattr(module, attr, None)
-        if callable(current) and not isinstance(current, nn.Module):
-            setattr(module, attr, fn)
-            count += 1
-    if count == 0:
+    holders = attention_fn_holders(model, attr)
+    for module in holders:
+        setattr(module, attr, fn)
+    return len(holders)
+
+
+def attention_fn_holders(model: nn.Module, attr: str = "attn_fn") -> list[nn.Module]:
+    """The modules of ``model`` that expose an attention function ``attr`` (what
+    :func:`apply_context_parallel` switches); ValueError naming the fix when there is none."""
+    holders = [m for m in model.modules()
+               if callable(getattr(m, attr, None)) and not isinstance(getattr(m, attr), nn.Module)]
+    if not holders:
         raise ValueError(f"apply_context_parallel: no module of {type(model).__name__} has an "
                          f"attention function attribute {attr!r}; expose one (called as "
                          f"{attr}(q, k, v, causal=..., scale=...)) or wrap the forward in "
                          "ring_attention_sdpa(cp_mesh)")
-    return count
+    return holders
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 :func:`hf_problems` checks ``[model] hf_assets_path`` (config.json and tokenizer.json parse and
 describe something titanext implements), the tokenizer's vocabulary against the model, tied
 embeddings against pipeline stages, and ``[checkpoint] initial_load_path`` against the model
-(shapes read from file headers only). :mod:`titanext.config.rules` calls it while loading.
+(shapes read from file headers only). The config calls it while loading
+(:func:`titanext.config.rules.collect_problems`); it takes plain values, not the config.
 
 >>> hf_problems(flavor="hf", tokenizer="byte", hf_assets_path=None, model_vocab=None)[0][:46]
 "model.flavor = 'hf' needs model.hf_assets_path"
@@ -14,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 from titanext.errors import ConfigError
+from titanext.hf.configs import model_args_from_hf
 from titanext.hf.tokenizer import HFTokenizer
 from titanext.models.args import ModelArgs
-from titanext.models.hf import model_args_from_hf
 
 __all__ = ["hf_problems"]
 

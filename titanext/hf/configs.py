@@ -13,11 +13,11 @@ window, ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim), and the MoE models
 ``route_norm``; dense layers from ``mlp_only_layers`` / ``decoder_sparse_step`` when they
 form titanext's "first k dense, then every n-th" pattern), and ``DeepseekV3ForCausalLM``
 (multi-head latent attention, DeepSeek-V3 routing, multi-token prediction:
-:mod:`titanext.models.hf_deepseek`). The model uses HF's RoPE pairing
+:mod:`titanext.hf.deepseek`). The model uses HF's RoPE pairing
 (``rope_layout="half"``; DeepSeek-V3: its ``rope_interleave``), so HF weights load without any
 permutation.
 
->>> from titanext.models.hf import model_args_from_hf
+>>> from titanext.hf.configs import model_args_from_hf
 >>> args = model_args_from_hf("path/to/hf_dir")   # an HF model directory  # doctest: +SKIP
 """
 
@@ -27,9 +27,9 @@ import os
 from typing import Any
 
 from titanext.errors import ConfigError
+from titanext.hf.deepseek import DEEPSEEK_V3, deepseek_v3_args, deepseek_v3_config
 from titanext.hf.tokenizer import read_json
 from titanext.models.args import ModelArgs, MoEArgs, RopeScaling
-from titanext.models.hf_deepseek import DEEPSEEK_V3, deepseek_v3_args, deepseek_v3_config
 
 __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "load_hf_config",
            "model_args_from_hf"]
@@ -90,7 +90,7 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
             f"{where}: architectures = {archs} (model_type {model_type!r}) is not supported by "
             f"flavor 'hf'; supported: {', '.join(HF_ARCHITECTURES)}")
     model_type = model_type or HF_ARCHITECTURES[arch]
-    if model_type == "deepseek_v3":  # MLA, DeepSeek routing, MTP: titanext.models.hf_deepseek
+    if model_type == "deepseek_v3":  # MLA, DeepSeek routing, MTP: titanext.hf.deepseek
         return deepseek_v3_args(cfg, where)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size")

@@ -9,6 +9,9 @@
   the process group is aborted all the same, so a rank that raised alone never blocks.
 - A clean run ends with a barrier and ``destroy_process_group``.
 
+The abort itself, and the guard that gives library calls the same behaviour, live in
+:mod:`titanext.distributed.failsafe` (the trainer's build and step run inside those guards too).
+
 >>> run_guarded(lambda: None)   # no process group: nothing to tear down
 0
 """
@@ -23,18 +26,15 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from titanext.distributed.failsafe import PEER_GONE, PeerFailed, abort_process_group
 from titanext.errors import CheckpointError, ConfigError, TrainingDiverged
 
-__all__ = ["abort_process_group", "exit_process", "inject_test_fault",
+__all__ = ["exit_process", "inject_test_fault",
            "print_output", "report_once", "run_guarded"]
 
 # Under torchrun the first worker to exit non-zero gets the others SIGTERMed: ranks that stay
 # silent wait this long, so that rank 0 (slower to start, say) prints the shared error first.
 _QUIET_RANK_GRACE_S = 3.0
-
-# Errors raised by a collective because a peer is gone: the peer has printed its own error.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "Socket closed", "NCCL communicator was aborted", "Connection refused")
 
 
 def _rank() -> int:
@@ -45,26 +45,6 @@ def _initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def abort_process_group() -> None:
-    """Tear the default process group down now, without a barrier.
-
-    torch has no public abort in every version we support; the private
-    ``distributed_c10d._abort_process_group`` (torch >= 2.5) closes gloo's sockets and aborts
-    NCCL communicators, so peers blocked in a collective fail within a second. Without it the
-    caller's :func:`exit_process` closes the sockets just the same when the process ends.
-    """
-    if not _initialized():
-        return
-    import torch.distributed as dist
-
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    try:
-        if abort is not None:
-            abort()
-    except Exception:  # noqa: BLE001 - best effort: exiting closes the connections anyway
-        pass
 
 
 def exit_process(code: int) -> NoReturn:
@@ -140,7 +120,7 @@ def run_guarded(body: Callable[[], object]) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - any other error must not leave the peers waiting
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if any(marker in str(e) for marker in _PEER_GONE):
+        if isinstance(e, PeerFailed) or any(marker in str(e) for marker in PEER_GONE):
             _say(f"titanext: rank {_rank()}: stopping, another rank failed ({first[:160]})",
                  everyone=True)
         else:

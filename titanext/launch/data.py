@@ -1,9 +1,12 @@
-"""``python -m titanext.data tokenize``: pre-tokenize a corpus into ``.npy`` shards.
+"""``titanext-data tokenize`` (also ``python -m titanext.launch.data tokenize``): pre-tokenize a
+corpus into ``.npy`` shards (:mod:`titanext.data.pretokenize`).
 
-    python -m titanext.data tokenize --tokenizer byte corpus/ tokens/
-    python -m titanext.data tokenize --config train_configs/debug_model.toml corpus/ tokens/
+    titanext-data tokenize --tokenizer byte corpus/ tokens/
+    titanext-data tokenize --config train_configs/debug_model.toml corpus/ tokens/
 
 Exit status 2 on bad input (a missing SRC, a file without the text field, a non-empty DST).
+It sits here, above the config, because ``--config FILE`` reads the tokenizer and the text
+field from a training config.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import sys
 from titanext.data.pretokenize import tokenize_corpus
 from titanext.errors import ConfigError
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanext.data",
+    parser = argparse.ArgumentParser(prog="titanext-data",
                                      description="Data tools for titanext.")
     sub = parser.add_subparsers(dest="command", required=True)
     tok = sub.add_parser("tokenize", help="pre-tokenize .txt/.jsonl/.parquet/.arrow files into "
@@ -39,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         field = args.text_field
         if args.config:
-            spec: tuple[str, ...] = ("config", args.config, *overrides)
-            if field is None:
-                from titanext.config import load_config
+            from titanext.config import load_config
 
-                cfg = load_config(args.config, overrides)
-                field = getattr(cfg.training, "dataset_text_field", "text")
+            cfg = load_config(args.config, overrides)
+            spec: tuple[str, ...] = ("name", cfg.model.tokenizer, cfg.model.hf_assets_path)
+            if field is None:
+                field = cfg.training.dataset_text_field
         else:
             if overrides:
                 parser.error(f"unrecognized arguments: {' '.join(overrides)}")

@@ -26,9 +26,9 @@ if TYPE_CHECKING:  # the config builds a tokenizer to check its vocabulary; keep
     import torch
 
 from titanext.errors import ConfigError
-from titanext.hf.tokenizer import TOKENIZER_FILES, HFTokenizer  # re-exported
+from titanext.hf.tokenizer import HFTokenizer
 
-__all__ = ["TOKENIZERS", "ByteTokenizer", "HFTokenizer", "build_tokenizer", "TOKENIZER_FILES"]
+__all__ = ["TOKENIZERS", "ByteTokenizer", "build_tokenizer"]
 
 
 class ByteTokenizer:
