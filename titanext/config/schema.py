@@ -283,6 +283,12 @@ class Parallelism:
     their experts by all-to-all). Needs a MoE flavor and FSDP (zero_stage 2 or 3); must divide
     moe.num_experts and dp_shard x cp, and be a multiple of context_parallel_degree."""
 
+    check_replicated_grads_steps: int = _field(2, ge=0)
+    """Before each of the first this many optimizer steps, check that every parameter replicated
+    over tp or cp (or, under ZeRO-1, the data-parallel ranks) has the same gradient on all of
+    them, and stop naming the parameter, the dim and the difference if not (a replicated weight
+    inside a tensor-parallel region without a TP rule, say). One small all-reduce per dim, in
+    the checked steps only; 0 = off (titanext.plugins.replicated_grads)."""
     expert_parallel_comm_overlap: bool = _field(False)
     """Hide the expert-parallel all-to-alls of one micro-batch behind another's compute: the
     paired forward and backward chunks of DualPipe, DualPipeV, 1F1B and Interleaved1F1B (their

@@ -87,6 +87,7 @@ from titanext.plugins.expert_parallel import (
     expert_parallel_targets,
 )
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp, resolve_reshard_after_forward
+from titanext.plugins.replicated_grads import install_replicated_grad_check
 from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_targets
 
 __all__ = ["cp_layout", "loss_parallel_enabled", "mixed_precision_dtype", "parallelize",
@@ -116,6 +117,22 @@ def mixed_precision_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def _install_grad_check(model: nn.Module, dims: ParallelDims, zero1: bool,
+                        expert_units: list[nn.Module], steps: int) -> None:
+    """The replicated-gradient check over tp, cp and (ZeRO-1's DDP) the loss ranks; experts
+    split over ep (which may take cp's ranks) are checked over tp only."""
+    meshes = {"tp": dims.tp_mesh if dims.tp_enabled else None,
+              "cp": dims.cp_mesh if dims.cp_enabled else None,
+              "dp": dims.loss_mesh if zero1 else None}
+    meshes = {name: mesh for name, mesh in meshes.items() if mesh is not None}
+    experts = {f"{name}." for name, m in model.named_modules() if m in expert_units}
+
+    def skip(param: str, dim: str) -> bool:
+        return dim != "tp" and any(param.startswith(e) for e in experts)
+
+    install_replicated_grad_check(model, meshes, steps=steps, skip=skip)
+
+
 @guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def parallelize(
     model: nn.Module,
@@ -133,6 +150,7 @@ def parallelize(
     experts: Callable[[str, nn.Module], bool] | None = None,
     experts_layout: ExpertsLayout | None = None,
     replicate_hot_experts: int = 0,
+    check_replicated_grads: int = 2,
 ) -> nn.Module:
     """Apply TP -> EP -> CP -> AC -> compile -> FSDP/HSDP (or DDP for ZeRO-1) to ``model``.
 
@@ -156,6 +174,11 @@ def parallelize(
             modules it detects; none found is a ValueError, except in a pipeline stage).
         replicate_hot_experts: under ep > 1, hot experts copied per dispatch
             (``[moe] replicate_hot_experts``; see ``apply_expert_parallel``).
+        check_replicated_grads: before each of the first this many optimizer steps over the
+            model's parameters, check that every parameter replicated over tp / cp (and, under
+            ZeRO-1, the data-parallel ranks) has the same gradient on every rank of it, and
+            raise naming the parameter and the dim if not
+            (``titanext.plugins.replicated_grads``; one small all-reduce per dim); 0 = off.
 
     Loud or correct: each plugin says what it did in one WARNING line (or raises a ValueError
     naming the model class, what it looked for and the fix when a requested degree > 1 would
@@ -226,6 +249,7 @@ def parallelize(
     if init_weights is not None:
         to_empty(model, device)  # (a dry run: fake parameters)
         init_weights(model)
+    _install_grad_check(model, dims, zero1, expert_units, check_replicated_grads)
     if not zero1:
         return model
     # ZeRO-1: DDP over replicated parameters (+ a sharded optimizer, titanext.components.optim).

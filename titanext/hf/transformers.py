@@ -8,8 +8,9 @@ dependency (the ``dev`` extra); nothing else in titanext imports this module.
 Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallelized model):
 
 - FSDP2: ``apply_fsdp(model, mesh, blocks=hf_blocks(model))``.
-- TP: ``apply_tensor_parallel(model, tp_mesh, plan=hf_llama_tp_plan())`` (Llama, Mistral,
-  Qwen2 and other models with the same module names).
+- TP: ``apply_tensor_parallel(model, tp_mesh, plan=hf_tp_plan(model))`` (Llama, Mistral,
+  Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3; tests/multiprocess/test_hf_tp_families.py), or the
+  fixed ``hf_llama_tp_plan()`` for the Llama family's module names (QK-norm included).
 - CP: ``apply_hf_context_parallel(model, cp_mesh)`` registers a ``transformers`` attention
   function that calls :func:`titanext.plugins.context_parallel.ring_attention` and records the
   layout on the model; shard the batch with ``hf_shard_batch(model, input_ids, labels)`` (the
@@ -40,7 +41,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from titanext.distributed.split import pass_on, split_model
 from titanext.plugins.context_parallel import (
@@ -56,10 +62,12 @@ from titanext.plugins.expert_parallel import (
     apply_expert_parallel,
     detect_experts_layout,
 )
-from titanext.plugins.tensor_parallel import VocabParallelEmbedding
+from titanext.plugins.tensor_parallel import ReplicatedOverTP, VocabParallelEmbedding
+from titanext.plugins.tp_coverage import fqn_matches, unruled_parameters
 
-__all__ = ["hf_blocks", "hf_llama_tp_plan", "apply_hf_context_parallel", "hf_shard_batch",
-           "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel", "apply_hf_expert_parallel"]
+__all__ = ["hf_blocks", "hf_llama_tp_plan", "hf_tp_plan", "apply_hf_context_parallel",
+           "hf_shard_batch", "HFCausalLMStage", "hf_pipeline_stage", "HFExpertParallel",
+           "apply_hf_expert_parallel"]
 
 _ids = itertools.count()
 
@@ -81,20 +89,110 @@ def hf_llama_tp_plan() -> dict[str, ParallelStyle]:
     row-parallel out); the embedding is split over the vocabulary (its gradient too:
     :class:`~titanext.plugins.tensor_parallel.VocabParallelEmbedding`) and the LM head's logits are
     gathered, so ``transformers``' own loss sees full logits. The attention code reshapes with
-    ``-1`` heads, so each rank runs its local heads unchanged. Needs heads, KV heads,
-    intermediate size and vocabulary divisible by the TP degree.
+    ``-1`` heads, so each rank runs its local heads unchanged. QK-norm (Qwen3, Qwen3-MoE)
+    normalises each rank's own heads (``SequenceParallel`` on dim 2 of [b, s, heads, hd]: the
+    weight stays replicated and its gradient is summed over tp); these two rules match nothing on
+    Llama or Mistral. Needs heads, KV heads, intermediate size and vocabulary divisible by the TP
+    degree. :func:`hf_tp_plan` builds the plan for a given model (MLA too) and refuses a weight
+    it has no rule for.
     """
     return {
         "model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate()),
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+        **_gqa_rules(qk_norm=True),
+        **_mlp_rules("model.layers.*.mlp"),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
+
+
+def _gqa_rules(qk_norm: bool) -> dict[str, ParallelStyle]:
+    a = "model.layers.*.self_attn"
+    rules = {f"{a}.q_proj": ColwiseParallel(), f"{a}.k_proj": ColwiseParallel(),
+             f"{a}.v_proj": ColwiseParallel(), f"{a}.o_proj": RowwiseParallel()}
+    if qk_norm:  # q / k viewed as [b, s, local heads, hd] before the norm
+        for name in ("q_norm", "k_norm"):
+            rules[f"{a}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return rules
+
+
+def _mla_rules(rope_dim: int, q_lora: bool) -> dict[str, ParallelStyle]:
+    """DeepSeek-V3's multi-head latent attention: heads split (q_b_proj / q_proj and kv_b_proj
+    column-wise, o_proj row-wise); the latents are computed replicated from the full input. The
+    RoPE key (the last ``rope_dim`` outputs of kv_a_proj_with_mqa) is shared by every head and
+    meets only the rank's heads, so its gradient is summed over tp."""
+    a = "model.layers.*.self_attn"
+    rules: dict[str, ParallelStyle] = {
+        f"{a}.kv_a_proj_with_mqa": ReplicatedOverTP(grad_sum_last=rope_dim),
+        f"{a}.kv_a_layernorm": ReplicatedOverTP(),
+        f"{a}.kv_b_proj": ColwiseParallel(),
+        f"{a}.o_proj": RowwiseParallel(),
+    }
+    if q_lora:
+        rules.update({f"{a}.q_a_proj": ReplicatedOverTP(), f"{a}.q_a_layernorm": ReplicatedOverTP(),
+                      f"{a}.q_b_proj": ColwiseParallel()})
+    else:
+        rules[f"{a}.q_proj"] = ColwiseParallel()
+    return rules
+
+
+def _mlp_rules(prefix: str) -> dict[str, ParallelStyle]:
+    return {f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
+            f"{prefix}.down_proj": RowwiseParallel()}
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The TP plan for a ``transformers`` decoder-only causal LM, built from its modules; checked
+    on Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE and DeepSeek-V3 (tests/multiprocess/
+    test_hf_tp_families.py, against one process).
+
+    - Attention: GQA (``q_proj`` ... ``o_proj``, plus QK-norm rules where the model has
+      ``q_norm`` / ``k_norm``) or DeepSeek's MLA (``kv_a_proj_with_mqa`` ...), heads split.
+    - Dense MLPs and DeepSeek's shared experts: SwiGLU hidden dim split.
+    - Routed experts and their router stay replicated over tp (every tp rank runs the same
+      tokens through them; their gradients are complete on every rank); split them with
+      expert parallelism (:func:`apply_hf_expert_parallel`).
+    - The embedding split over the vocabulary, the LM head's logits gathered; a tied
+      embedding and LM head stay tied (both split over the vocabulary).
+
+    Loud or correct: a parameter inside a split attention or MLP that no rule covers (a family
+    with a new per-head weight, say) raises a ValueError naming it, instead of training with a
+    per-rank partial gradient. Needs heads, KV heads, intermediate sizes and the vocabulary
+    divisible by the TP degree.
+
+    >>> plan = hf_tp_plan(model)  # your model  # doctest: +SKIP
+    >>> apply_tensor_parallel(model, mesh["tp"], plan=plan)  # torchrun  # doctest: +SKIP
+    """
+    names = {n for n, _ in model.named_modules()}
+
+    def has(suffix: str) -> bool:
+        return any(n.endswith(suffix) for n in names)
+
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate())}
+    if has("self_attn.kv_a_proj_with_mqa"):
+        cfg = model.config
+        plan.update(_mla_rules(cfg.qk_rope_head_dim, getattr(cfg, "q_lora_rank", None) is not None))
+    else:
+        plan.update(_gqa_rules(qk_norm=has("self_attn.q_norm")))
+    plan.update(_mlp_rules("model.layers.*.mlp"))
+    if has("mlp.shared_experts.down_proj"):
+        plan.update(_mlp_rules("model.layers.*.mlp.shared_experts"))
+    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    plan = {k: v for k, v in plan.items() if _any_match(k, names)}
+    unruled = unruled_parameters(model, plan)
+    if unruled:
+        raise ValueError(
+            f"hf_tp_plan: {type(model).__name__} has parameter(s) inside a tensor-parallel "
+            f"attention or MLP that the plan has no rule for: {', '.join(unruled[:4])}"
+            f"{f' (+{len(unruled) - 4})' if len(unruled) > 4 else ''}. Kept replicated there, "
+            "each rank would get the gradient of its own heads only. Fix: add a rule for them "
+            "(a per-head norm: SequenceParallel(sequence_dim=2, use_local_output=True); a "
+            "replicated weight before the split: ReplicatedOverTP()) to the returned plan and "
+            "pass it yourself, or leave tp = 1 for this model")
+    return plan
+
+
+def _any_match(pattern: str, names: set[str]) -> bool:
+    return any(fqn_matches(pattern, n) for n in names)
 
 
 def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigzag",

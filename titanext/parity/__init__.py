@@ -30,7 +30,12 @@ relative errors after step 1 and parameter errors after the last step, and what 
 applied: DTensor parameters and their placements per mesh dim, float8 and deferred-dW
 modules, and whether expert all-to-alls, ring attention or pipeline stages ran. A mesh dim of
 size > 1 named tp, dp_shard / fsdp, ep, cp or pp that changed nothing fails the check (a
-requested parallelism that silently did nothing), as does any number beyond ``tol``.
+requested parallelism that silently did nothing), as does any number beyond ``tol``, a
+converter named in ``expect`` (``float8``, ``deferred``) that converted nothing, and a
+replicated parameter whose gradient differs between the ranks of a mesh dim
+(:mod:`titanext.plugins.replicated_grads`, after every step). Parameters and gradients are read
+through ``named_parameters()`` and ``full_tensor()``, never ``state_dict()`` (hooks may rename
+entries there); train-mode dropout is switched off on both sides, and the report says so.
 
 The contract, per rank: ``build()`` returns the model (fp32, on CPU); ``wiring(model, ctx)``
 applies your parallelism and returns the module to train (or a pipeline object with

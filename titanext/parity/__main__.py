@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", default="sgd", help="sgd or adamw")
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--expect", help="comma-separated mesh dims whose parallelism must run "
+    p.add_argument("--expect", help="comma-separated mesh dims whose parallelism must run, "
+                   "and converters that must have converted a module (float8, deferred) "
                    "(default: every dim of size > 1); 'none' for no such check")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
     return p

@@ -23,6 +23,7 @@ from titanext.distributed.failsafe import settle_failure
 from titanext.parity.context import DATA_DIMS, ParityContext
 from titanext.plugins import context_parallel as cp_plugin
 from titanext.plugins import expert_parallel as ep_plugin
+from titanext.plugins.replicated_grads import ReplicatedGradCheck
 
 #: Wrapper components that change parameter names but not the model (AC, compile, DDP).
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
@@ -113,45 +114,85 @@ def applied(modules: list[nn.Module]) -> dict:
 
 # -- full values by original name --------------------------------------------------------------
 
-def _full(value: torch.Tensor) -> torch.Tensor:
+def _full(value: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
+    """The whole value of a parameter or gradient (collective over a DTensor's mesh), in the
+    original row order where the owner's TP style permuted it (FusedColwiseParallel)."""
     value = value.full_tensor() if isinstance(value, DTensor) else value
+    to_original = getattr(owner, "titanext_to_original", None)
+    if to_original is not None:
+        value = to_original(value)
     return value.detach().float().clone()
 
 
-def full_params(modules: list[nn.Module], names: set[str]) -> dict[str, torch.Tensor]:
-    """Full values of the parameters in ``names``, through ``state_dict`` (so layout hooks such
-    as FusedColwiseParallel's un-permutation apply); collective over DTensor meshes."""
-    out = {}
+def _named(modules: list[nn.Module]):
+    """(clean name, parameter, owning module) of every parameter, once each: through
+    ``named_parameters()``, never ``state_dict()`` (hooks may rename or split entries there, as
+    torchtitan's fused qkv does)."""
+    seen = set()
     for module in modules:
-        for key, value in module.state_dict().items():
-            name = clean_name(key)
-            if name in names and isinstance(value, torch.Tensor):
-                out[name] = _full(value)
-    return out
+        owners = dict(module.named_modules())
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield clean_name(name), p, owners.get(name.rpartition(".")[0])
+
+
+def full_params(modules: list[nn.Module], names: set[str]) -> dict[str, torch.Tensor]:
+    """Full values of the parameters in ``names`` (collective over DTensor meshes)."""
+    return {name: _full(p, owner) for name, p, owner in _named(modules) if name in names}
 
 
 def full_grads(modules: list[nn.Module], names: set[str]) -> tuple[dict, list[str]]:
-    """Full gradients by original name (each parameter briefly holds its gradient, so that the
-    same ``state_dict`` path maps layouts back), and the names of parameters without one."""
-    params = {id(p): (clean_name(n), p) for m in modules for n, p in m.named_parameters()}
-    missing = sorted(n for n, p in params.values() if p.grad is None)
-    saved = []
+    """Full gradients by original name, and the names of parameters without one."""
+    grads, missing = {}, []
     with torch.no_grad():
-        for _, p in params.values():
-            if p.grad is None:
-                continue
+        for name, p, owner in _named(modules):
             grad = p.grad
+            if grad is None:
+                missing.append(name)
+                continue
             if isinstance(p, DTensor) and isinstance(grad, DTensor) and (
                     grad.placements != p.placements):
                 grad = grad.redistribute(p.device_mesh, p.placements)
-            saved.append((p, p.detach().clone()))
-            p.copy_(grad)
-        try:
-            grads = full_params(modules, names - set(missing))
-        finally:
-            for p, value in saved:
-                p.copy_(value)
-    return grads, missing
+            if name in names:
+                grads[name] = _full(grad, owner)
+    return grads, sorted(missing)
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+             nn.FeatureAlphaDropout)
+
+
+def switch_off_dropout(model: nn.Module) -> list[str]:
+    """Set every train-mode dropout of ``model`` to 0: ``nn.Dropout`` modules (and the other
+    dropout kinds) and float attributes named ``*dropout*`` / ``*_pdrop`` (functional
+    dropout probabilities, as transformers' ``attention_dropout``); returns what was switched,
+    as ``name (p=...)``. Both runs draw different random masks, so they could not agree."""
+    found = []
+    for fqn, m in model.named_modules():
+        if isinstance(m, _DROPOUTS) and m.p > 0:
+            found.append(f"{fqn or type(model).__name__} (p={m.p:g})")
+            m.p = 0.0
+            continue
+        for attr, value in list(vars(m).items()):
+            if (("dropout" in attr or attr.endswith("pdrop")) and isinstance(value, float)
+                    and not isinstance(value, bool) and value > 0):
+                found.append(f"{fqn + '.' if fqn else ''}{attr} (p={value:g})")
+                setattr(m, attr, 0.0)
+    return found
+
+
+def _replicated_check(modules: list[nn.Module], mesh, names: tuple[str, ...]):
+    """The replicated-gradient invariant over every mesh dim but pp (stages differ) and ep
+    (experts differ); experts split by titanext's EP are checked over tp only."""
+    dims = {n: mesh[n] for n in names if n not in ("pp", "ep") and mesh[n].size() > 1}
+    experts = {f"{fqn}." for m in modules for fqn, sub in m.named_modules()
+               if isinstance(sub, ep_plugin.ExpertParallelExperts)}
+
+    def skip(param: str, dim: str) -> bool:
+        return dim != "tp" and any(param.startswith(e) for e in experts)
+
+    return ReplicatedGradCheck(modules, dims, skip=skip)
 
 
 # -- one check on every rank ------------------------------------------------------------------
@@ -180,6 +221,7 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
     ``{"error": ...}`` if the wiring or a step raised."""
     torch.manual_seed(spec.seed)
     model = spec.build()
+    dropout = switch_off_dropout(model)
     names = {clean_name(n) for n, _ in model.named_parameters()}
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=spec.mesh_names)
     data_dims = spec.data_dims if spec.data_dims is not None else tuple(
@@ -199,7 +241,8 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
             _count_calls(st, counts)
         params = list({id(p): p for m in modules for p in m.parameters()}.values())
         opt = make_optimizer(params, spec.optimizer, spec.lr)
-        losses, grads, no_grad = [], {}, []
+        replicated = _replicated_check(modules, mesh, spec.mesh_names)
+        losses, grads, no_grad, mismatches = [], {}, [], []
         stage = "training"
         with contextlib.ExitStack() as stack:
             ep = stack.enter_context(ep_plugin.count_comm())
@@ -213,6 +256,9 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
                     if loss is not None and loss.requires_grad:
                         loss.backward()
                 losses.append(_global_loss(loss))
+                found = replicated.problems()
+                if found and not mismatches:
+                    mismatches = [f"step {step + 1}: {line}" for _, line in found]
                 if step == 0:
                     grads, no_grad = full_grads(modules, names)
                 opt.step()
@@ -231,9 +277,11 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
                 "traceback": traceback.format_exc()}
     comm = {"ep_all_to_alls": ep.all_to_alls, "ep_rows_sent": ep.rows_sent,
             "cp_sends": cp.sends, "cp_collectives": sum(cp.collectives.values()),
-            "cp_blocks": work.blocks, "pipeline_stages": len(stages), **counts}
+            "cp_blocks": work.blocks, "pipeline_stages": len(stages),
+            "replicated_checked": replicated.checked, **counts}
     return {"losses": losses, "grads": grads, "no_grad": no_grad, "params": final,
-            "applied": what, "comm": comm, "names": sorted(names)}
+            "applied": what, "comm": comm, "names": sorted(names), "dropout": dropout,
+            "replicated": mismatches}
 
 
 def _global_loss(loss: torch.Tensor | None) -> float | None:
@@ -266,6 +314,7 @@ def run_reference(spec: RunSpec, reference_loss) -> dict:
     """The same steps in this process on the whole batch, unwired."""
     torch.manual_seed(spec.seed)
     model = spec.build()
+    switch_off_dropout(model)
     params = dict(model.named_parameters())
     start = {n: p.detach().float().clone() for n, p in params.items()}
     opt = make_optimizer(list(params.values()), spec.optimizer, spec.lr)

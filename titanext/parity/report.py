@@ -25,7 +25,10 @@ class ParityReport:
     - ``converted``: float8 and deferred-weight-gradient modules;
     - ``comm``: what ran, summed over ranks (EP all-to-alls, CP ring sends and collectives,
       attention blocks, pipeline stage forwards);
-    - ``problems``: one line per reason ``ok`` is False.
+    - ``problems``: one line per reason ``ok`` is False (a replicated parameter whose
+      gradient differs over a mesh dim's ranks among them:
+      :mod:`titanext.plugins.replicated_grads`, checked after every step's backward);
+    - ``notes``: what the check changed on both sides (train-mode dropout switched off).
     """
 
     ok: bool
@@ -39,6 +42,7 @@ class ParityReport:
     converted: dict[str, list[str]] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     error: str | None = None
 
     def __str__(self) -> str:
@@ -57,6 +61,7 @@ class ParityReport:
                 out += ["", f"worst {title}:",
                         format_table([{"parameter": n, "rel error": _e(e)} for n, e in rows])]
         out += ["", "applied:", format_table(self._applied_rows())]
+        out += [f"note: {n}" for n in self.notes]
         out += ["", "OK: matches one process" if self.ok else "FAILED:"]
         out += [f"  - {p}" for p in self.problems]
         return "\n".join(out)
@@ -73,7 +78,8 @@ class ParityReport:
                  for kind, names in self.converted.items()]
         labels = {"ep_all_to_alls": "EP all-to-alls", "cp_sends": "CP ring sends",
                   "cp_collectives": "CP collectives", "cp_blocks": "CP attention blocks",
-                  "pipeline_stages": "pipeline stages", "stage_forwards": "stage forwards"}
+                  "pipeline_stages": "pipeline stages", "stage_forwards": "stage forwards",
+                  "replicated_checked": "replicated grads checked (param x dim, per step)"}
         rows += [{"what": label, "count": self.comm.get(key, 0), "where": "all ranks"}
                  for key, label in labels.items()]
         return rows
@@ -122,12 +128,16 @@ EXPECTATIONS = {
     "ep": "expert all-to-alls",
     "cp": "ring attention traffic",
     "pp": "pipeline stage forwards",
+    "float8": "modules converted to float8",
+    "deferred": "modules converted to deferred weight gradients",
 }
 
 
-def expectation_problems(mesh: dict[str, int], expect, placements, comm) -> list[str]:
+def expectation_problems(mesh: dict[str, int], expect, placements, comm,
+                         converted: dict[str, list[str]] | None = None) -> list[str]:
     """One line per mesh dim of size > 1 (or named in ``expect``) whose parallelism did not
-    run: a requested degree that changed nothing."""
+    run, and per converter named in ``expect`` (``float8``, ``deferred``) that converted
+    nothing: a requested degree or converter that changed nothing."""
     names = [n for n, s in mesh.items() if s > 1 and n in EXPECTATIONS] if expect is None \
         else list(expect)
     problems = []
@@ -140,6 +150,11 @@ def expectation_problems(mesh: dict[str, int], expect, placements, comm) -> list
             ran = comm.get("cp_sends", 0) + comm.get("cp_collectives", 0) > 0
         elif name == "pp":
             ran = comm.get("stage_forwards", 0) > 0
+        elif name in ("float8", "deferred"):
+            if not (converted or {}).get(name):
+                problems.append(f"expect = {name!r} asks for {EXPECTATIONS[name]}, but there were "
+                                "none: the wiring converted no module (see the 'applied' table)")
+            continue
         else:
             continue
         if not ran:
@@ -162,8 +177,12 @@ def build_report(ranks: list[dict], ref: dict, *, tol: float, mesh: dict[str, in
     for par, ref_loss in zip(first["losses"], ref["losses"]):
         err = float("inf") if par is None else abs(par - ref_loss) / max(abs(ref_loss), 1e-12)
         report.losses.append((par, ref_loss, err))
-    grad_err, param_err, seen = {}, {}, set()
+    grad_err, param_err, seen, replicated = {}, {}, set(), []
     for r in ranks:
+        replicated += [line for line in r.get("replicated", ()) if line not in replicated]
+        if r.get("dropout") and not report.notes:  # the same model on every rank
+            report.notes.append(f"dropout switched off on both sides (their random masks "
+                                f"cannot agree): {len(r['dropout'])} in {_few(r['dropout'], 4)}")
         for name, g in r["grads"].items():
             e = _rel(g, ref["grads"].get(name, torch.zeros_like(g)), ref["grads"].get(name, g))
             grad_err[name] = max(grad_err.get(name, 0.0), e)
@@ -195,6 +214,10 @@ def build_report(ranks: list[dict], ref: dict, *, tol: float, mesh: dict[str, in
     if missing:
         problems.append(f"{len(missing)} parameter(s) of the model are on no rank after wiring: "
                         f"{_few(missing)}")
-    problems += expectation_problems(mesh, expect, report.placements, report.comm)
+    if replicated:
+        problems.append(f"replicated gradients differ: {replicated[0]}"
+                        f"{f' (and {len(replicated) - 1} more)' if len(replicated) > 1 else ''}")
+    problems += expectation_problems(mesh, expect, report.placements, report.comm,
+                                     report.converted)
     report.ok = not problems
     return report

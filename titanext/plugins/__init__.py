@@ -7,6 +7,9 @@ module                                      entry points
 :mod:`~titanext.plugins.fsdp`               ``apply_fsdp`` (FSDP2 / HSDP), ``apply_ddp``
 :mod:`~titanext.plugins.tensor_parallel`    ``apply_tensor_parallel``, ``llama_tp_plan``,
                                             ``Conv1DColwiseParallel`` / ``Conv1DRowwiseParallel``
+:mod:`~titanext.plugins.tp_coverage`        ``unruled_parameters`` (weights a TP plan misses)
+:mod:`~titanext.plugins.replicated_grads`   ``ReplicatedGradCheck``,
+                                            ``install_replicated_grad_check`` (an invariant)
 :mod:`~titanext.plugins.context_parallel`   ``ring_attention``, ``ulysses_attention``,
                                             ``zigzag_shard`` / ``zigzag_unshard``,
                                             ``apply_context_parallel``

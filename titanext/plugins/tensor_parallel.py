@@ -30,6 +30,7 @@ process once.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -55,6 +56,7 @@ from titanext.plugins._tp_conv1d import (
     Conv1DRowwiseParallel,
     check_conv1d_styles,
 )
+from titanext.plugins.tp_coverage import unruled_parameters
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "FusedColwiseParallel",
            "ReplicatedOverTP", "VocabParallelEmbedding", "apply_tensor_parallel",
@@ -259,10 +261,12 @@ def apply_tensor_parallel(
     communicates in high precision and says so; the linears still compute in float8. A custom
     ``plan`` is used as given (put torchao's ``Float8ColwiseParallel`` etc. in it yourself).
 
-    Loud or correct: one WARNING line says how many parameters were sharded and which rules
-    matched nothing. ``ValueError`` (naming the model class and the fix) when no plan is given
-    and :func:`default_plan_problems` finds the model unlike titanext's Llama, when no rule
-    matches any module, or when nothing was sharded. See :func:`tp_plan_matches`.
+    Loud or correct: one WARNING line says how many parameters were sharded, which rules
+    matched nothing, and which parameters inside a split attention / MLP no rule covers
+    (:func:`titanext.plugins.tp_coverage.unruled_parameters`: a QK-norm without its rule, say).
+    ``ValueError`` (naming the model class and the fix) when no plan is given and
+    :func:`default_plan_problems` finds the model unlike titanext's Llama, when no rule matches
+    any module, or when nothing was sharded. See :func:`tp_plan_matches`.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1D, got {tp_mesh.ndim}D")
@@ -272,9 +276,11 @@ def apply_tensor_parallel(
                                           sequence_parallel=sequence_parallel,
                                           loss_parallel=loss_parallel, float8=float8)
     shared = _shared_parameters(model)
+    unruled = unruled_parameters(model, kept)  # before sharding: what the plan leaves alone
     parallelize_module(model, tp_mesh, kept)
     _retie(model, shared)
-    _report(model, tp_mesh, matches, replicated=_unsharded_matmuls(model, kept))
+    _report(model, tp_mesh, matches, replicated=_unsharded_matmuls(model, kept),
+            unruled=unruled)
     return model
 
 
@@ -317,7 +323,7 @@ def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
 
 
 def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]],
-            replicated: Sequence[str] = ()) -> None:
+            replicated: Sequence[str] = (), unruled: Sequence[str] = ()) -> None:
     """One WARNING line saying what TP did; ValueError when it sharded no parameter."""
     params = dict(model.named_parameters())
     sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
@@ -330,11 +336,15 @@ def _report(model: nn.Module, tp_mesh: DeviceMesh, matches: dict[str, list[str]]
             "ColwiseParallel / RowwiseParallel (or other parameter-sharding styles)")
     if not dist.is_initialized() or dist.get_rank() == 0:
         logging.getLogger("titanext").warning(
-            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) matched%s%s",
-            name, len(sharded), len(params), tp_mesh.size(), len(matches) - len(unused),
+            "tensor parallel: %s: %d of %d parameters sharded over tp = %d; %d rule(s) "
+            "matched%s%s%s", name, len(sharded), len(params), tp_mesh.size(),
+            len(matches) - len(unused),
             f"; matching no module (skipped): {', '.join(unused)}" if unused else "",
             f"; matmul modules no rule names (replicated over tp): {', '.join(replicated[:6])}"
-            + (f", ... ({len(replicated)})" if len(replicated) > 6 else "") if replicated else "")
+            + (f", ... ({len(replicated)})" if len(replicated) > 6 else "") if replicated else "",
+            f"; NO RULE inside a split attention / MLP, kept replicated (each rank would get its "
+            f"heads' gradient only; the replicated-gradient check tests it at the first steps): "
+            f"{', '.join(unruled[:6])}{' ...' if len(unruled) > 6 else ''}" if unruled else "")
 
 
 def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
@@ -449,9 +459,9 @@ class FusedColwiseParallel(ColwiseParallel):
     the ``Shard(0)`` distribution. ``state_dict`` un-permutes (the saved weight is the plain
     ``[q; k; v]`` one, loadable by any layout, at the cost of one all-gather per fused weight)
     and ``load_state_dict`` permutes back. A parameter's or gradient's ``full_tensor()`` is in
-    rank-major order: :meth:`to_original` maps it back. Only a local output is allowed
-    (``output_layouts=Shard(-1)``, ``use_local_output=True``): a gathered output would be in
-    rank-major order too.
+    rank-major order: :meth:`to_original` (the module's ``titanext_to_original``) maps it back.
+    Only a local output is allowed (``output_layouts=Shard(-1)``, ``use_local_output=True``): a
+    gathered output would be in rank-major order too.
     """
 
     def __init__(self, split_sizes: Sequence[int], *, input_layouts=None):
@@ -510,6 +520,8 @@ class FusedColwiseParallel(ColwiseParallel):
                 module.register_parameter(name, moved)
         module.register_state_dict_post_hook(self._state_dict_hook(tp))
         module.register_load_state_dict_pre_hook(self._load_hook(tp))
+        # what reads named_parameters() (the parity check) maps full values back with it
+        module.titanext_to_original = functools.partial(self.to_original, tp=tp)
         return super()._apply(module, device_mesh)
 
     def _convert(self, value: torch.Tensor, tp: int, to_rank_major: bool) -> torch.Tensor:
