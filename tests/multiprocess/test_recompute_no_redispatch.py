@@ -100,3 +100,85 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
         got = per_rank[0][f"{layout}_keep"]
         params = {**got[2], **(per_rank[2][f"{layout}_keep"][2] if "pp2" in layout else {})}
         _assert_matches((got[0], got[1], params), moe_reference["ref"], f"{layout}_keep")
+
+
+# -- the layer: a 2-block stack of dispatch / experts / combine, on any device ---------------------
+
+class _Block(torch.nn.Module):
+    """tanh, top-1 routing, flat dispatch, one matmul per local expert, combine, weighted by the
+    router's score, residual."""
+
+    def __init__(self, dim: int, n_exp: int, group, flip: bool = False):
+        super().__init__()
+        world = torch.distributed.get_world_size(group)
+        self.router = torch.nn.Linear(dim, n_exp)
+        self.w = torch.nn.Parameter(torch.randn(n_exp // world, dim, dim) / dim ** 0.5)
+        self.group, self.n_exp, self.flip, self.calls = group, n_exp, flip, 0
+
+    def forward(self, x):
+        from titanext.plugins.expert_parallel import combine_tokens, dispatch_tokens
+
+        h = torch.tanh(x)
+        scores = self.router(h).softmax(-1)
+        ids = scores.argmax(-1)
+        self.calls += 1
+        if self.flip and self.calls > 1:  # a router that is not deterministic
+            ids = (ids + 1) % self.n_exp
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(self.n_exp, dtype=torch.int64, device=x.device).index_add_(
+            0, ids, torch.ones_like(ids))
+        rows, local, route = dispatch_tokens(h[order], counts, self.group)
+        expert = torch.repeat_interleave(torch.arange(local.numel(), device=x.device), local,
+                                         output_size=rows.shape[0])
+        y = torch.relu(torch.bmm(rows.unsqueeze(1), self.w[expert]).squeeze(1))
+        back = torch.zeros_like(h).index_copy(0, order, combine_tokens(y, route))
+        return x + back * scores.gather(1, ids.unsqueeze(1))
+
+
+def layer_run(rank: int, world_size: int, device: str = "cpu", flip: bool = False,
+              modes: tuple[str, ...] = ("none", "full", "keep")) -> dict:
+    """{mode: (loss, grads, token all-to-alls, count exchanges)} for no AC, full AC and full AC
+    with keep_all_to_all, from the same weights and tokens."""
+    from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+    from titanext.plugins.expert_parallel import count_comm
+
+    group = torch.distributed.group.WORLD
+    out = {}
+    for mode in modes:
+        keep = mode == "keep"
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(_Block(16, 4, group, flip) for _ in range(2))
+        model.to(device)
+        apply_activation_checkpointing(model, mode="none" if mode == "none" else "full",
+                                       keep_all_to_all=keep)
+        torch.manual_seed(1 + rank)
+        x = torch.randn(24, 16, device=device, requires_grad=True)
+        with count_comm() as cc:
+            for layer in model.layers:
+                x = layer(x)
+            loss = x.square().mean()
+            loss.backward()
+        out[mode] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()},
+                     cc.all_to_alls, cc.count_exchanges)
+    return out
+
+
+def assert_layer_run(out: dict) -> None:
+    """Bitwise full AC (and no AC); 6 -> 4 token all-to-alls and 2 -> 1 count exchanges per
+    MoE layer (2 here) and micro-batch."""
+    for mode in ("full", "keep"):
+        assert torch.equal(out[mode][0], out["none"][0]), (mode, out[mode][0], out["none"][0])
+        bad = [n for n, g in out[mode][1].items() if not torch.equal(g, out["none"][1][n])]
+        assert not bad, (mode, bad)
+    assert [out[m][2:] for m in ("none", "full", "keep")] == [(8, 2), (12, 4), (8, 2)], out
+
+
+def test_layer_replays_what_crossed_the_network():
+    for out in run_distributed(layer_run, 2):
+        assert_layer_run(out)
+
+
+def test_a_recompute_that_routes_otherwise_raises():
+    with pytest.raises(Exception, match="routes other rows than the forward"):
+        run_distributed(layer_run, 2, kwargs={"flip": True, "modes": ("keep",)})

@@ -145,8 +145,10 @@ class CommTape:
 
     ``session()`` wraps each run of the call: the first records, every later one replays in
     the same order. A replayed collective must be the one recorded (same kind and split sizes),
-    and a complete replay must use every record: anything else means the recompute took
-    another path than the forward, and raises instead of sending rows to the wrong tokens. The
+    and a complete replay must use every record, and the per-expert counts a replayed exchange
+    would send must be the recorded ones (checked on the device): anything else means the
+    recompute took another path than the forward, and raises instead of giving rows to the
+    wrong tokens. The
     tape lives as long as the autograd graph that holds the checkpoint (a split backward
     recomputes twice, and replays twice)."""
 
@@ -170,10 +172,11 @@ class CommTape:
                                f"{self._pos} EP collectives, the forward {len(self.records)}; "
                                "it took another path (the routing changed?)")
 
-    def take(self, key: tuple, issue: Callable[[], object]):
+    def take(self, key: tuple, issue: Callable[[], object], check: torch.Tensor | None = None):
         if self.runs == 0:
             value = issue()
-            self.records.append((key, _detach(value)))
+            kept = None if check is None or is_fake(check) else check.detach().clone()
+            self.records.append((key, (_detach(value), kept)))
             return value
         if self._pos >= len(self.records) or self.records[self._pos][0] != key:
             recorded = (self.records[self._pos][0] if self._pos < len(self.records)
@@ -181,15 +184,23 @@ class CommTape:
             raise RuntimeError(f"recompute without re-dispatch: the recomputed forward's EP "
                                f"collective #{self._pos} is {key}, the forward's was "
                                f"{recorded}; the recompute took another path than the forward")
-        value = self.records[self._pos][1]
+        value, kept = self.records[self._pos][1]
+        if kept is not None:  # the routing the recompute sends must be the forward's; checked
+            # on the device, without a sync (CUDA: a device-side assert)
+            torch._assert_async((check.detach() == kept).all(), _DIVERGED.format(key=key))
         self._pos += 1
         return _detach(value)
 
 
-def taped(key: tuple, issue: Callable[[], object]):
-    """``issue()``, recorded or replayed by the :class:`CommTape` of this thread's session."""
+_DIVERGED = ("recompute without re-dispatch: the recomputed forward routes other rows than the "
+             "forward at EP collective {key} (a nondeterministic router?)")
+
+
+def taped(key: tuple, issue: Callable[[], object], check: torch.Tensor | None = None):
+    """``issue()``, recorded or replayed by the :class:`CommTape` of this thread's session;
+    ``check`` (the counts it sends): a replay's must equal the recorded one's."""
     tape = getattr(_TAPE, "tape", None)
-    return issue() if tape is None else tape.take(key, issue)
+    return issue() if tape is None else tape.take(key, issue, check)
 
 
 def swap_counts(send: torch.Tensor, group: dist.ProcessGroup
@@ -211,7 +222,7 @@ def swap_counts(send: torch.Tensor, group: dist.ProcessGroup
             c.host_syncs += 1
         return recv, host
 
-    return taped(("counts", tuple(send.shape)), issue)
+    return taped(("counts", tuple(send.shape)), issue, check=send)
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],

@@ -244,7 +244,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
     :class:`~titanext.plugins._ep_comm.CommTape`). Under the dry run's fake tensors:
     :func:`nominal_plan`."""
     return taped(("replication plan", tuple(counts.shape), copies, rows),
-                 lambda: _exchange_counts(counts, group, copies, rows))
+                 lambda: _exchange_counts(counts, group, copies, rows), check=counts)
 
 
 def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
