@@ -8,7 +8,9 @@
   (tests/multiprocess/test_expert_parallel.py's reference and bounds);
 - the token all-to-alls per MoE layer and micro-batch fall from 6 (forward dispatch + combine,
   the recompute's two, the backward's two) to 4, and the count exchanges (each a device-to-host
-  sync) from 2 to 1 (DualPipe: fewer, counted per direction elsewhere).
+  sync) from 2 to 1 (DualPipe: fewer, counted per direction elsewhere);
+- with expert_parallel_comm_overlap (DualPipeV, pp 2 x ep 2), whose recompute runs on the other
+  side's thread: bitwise full AC, with and without the overlap.
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
             with count_comm() as cc:  # around test_expert_parallel's own counter
                 got = _ep._train(rank, world_size, {name: [*overrides, *extra]}, folder)[name]
             out[name] = (*got[:3], cc.all_to_alls, cc.count_exchanges)
+    return out, _overlap(rank, world_size, f"{folder}/overlap")
+
+
+def _overlap(rank: int, world_size: int, folder: str) -> list:
+    """expert_parallel_comm_overlap (DualPipeV, 4 micro-batches, debugmoe with 4 blocks): the
+    backward's recompute replays on the other side's thread. Full AC, then keep_all_to_all
+    without and with the overlap: (losses, params, handovers, token all-to-alls) each."""
+    from tests.multiprocess.test_ep_overlap import BASE as OVERLAP_BASE
+    from tests.multiprocess.test_ep_overlap import CASES as OVERLAP_CASES
+    from tests.multiprocess.test_ep_overlap import ON, _with_flavor
+
+    case = [a for a in OVERLAP_CASES["DualPipeV_full_ac"] if not a.startswith("--activation")]
+    from titanext.plugins.expert_parallel import count_comm
+
+    out = []
+    for i, ac in enumerate((FULL, KEEP, [*KEEP, ON])):
+        with count_comm() as cc:
+            got, = _with_flavor(rank, world_size, [[*OVERLAP_BASE, *case, *ac]], f"{folder}/{i}")
+        out.append((*got, cc.all_to_alls))
     return out
 
 
@@ -59,7 +80,16 @@ moe_reference = _ep.moe_reference  # the one-process reference runs (a module-sc
 
 @pytest.mark.slow
 def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
-    per_rank = run_distributed(_train, 4, args=(str(tmp_path),), timeout_s=240)
+    per_rank = run_distributed(_train, 4, args=(str(tmp_path),), timeout_s=300)
+    for rank, (_, (full, keep, overlapped)) in enumerate(per_rank):  # bitwise, and overlapped
+        assert full[0] == keep[0] == overlapped[0] and len(full[0]) == 2, (full[0], keep[0],
+                                                                        overlapped[0])
+        bad = [k for k in full[1] if not (torch.equal(full[1][k], keep[1][k])
+                                          and torch.equal(keep[1][k], overlapped[1][k]))]
+        assert not bad and overlapped[2] > 0 and keep[2] == 0, (rank, bad, overlapped[2])
+        assert overlapped[3] == keep[3] and 4 * full[3] == 6 * keep[3], (full[3], keep[3],
+                                                                          overlapped[3])
+    per_rank = [trained for trained, _ in per_rank]
     counts = {}
     for rank, got in enumerate(per_rank):
         for layout, (_, microbatches, n_moe) in LAYOUTS.items():
