@@ -196,3 +196,13 @@ def test_layer_replays_what_crossed_the_network():
 def test_a_recompute_that_routes_otherwise_raises():
     with pytest.raises(Exception, match="routes other rows than the forward"):
         run_distributed(layer_run, 2, kwargs={"flip": True, "modes": ("keep",)})
+
+
+def test_a_received_tensor_written_in_place_raises():
+    from titanext.plugins._ep_comm import CommTape, taped
+
+    tape, x = CommTape(), torch.ones(3)
+    with tape.session():
+        taped(("tokens",), lambda: x).mul_(2)  # the block writes what it received, in place
+    with pytest.raises(RuntimeError, match="modified in place after the forward"), tape.session():
+        taped(("tokens",), lambda: x)

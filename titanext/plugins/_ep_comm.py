@@ -132,6 +132,12 @@ _TAPE = threading.local()  # the tape of the session running on this thread (pip
 # runs two micro-batches on two threads; the autograd engine may recompute on its own thread)
 
 
+def _versions(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    return sum((_versions(v) for v in value), ()) if isinstance(value, tuple) else ()
+
+
 def _detach(value):
     if isinstance(value, torch.Tensor):
         return value.detach()  # a new tensor object: autograd sets its history, not the kept one's
@@ -176,7 +182,8 @@ class CommTape:
         if self.runs == 0:
             value = issue()
             kept = None if check is None or is_fake(check) else check.detach().clone()
-            self.records.append((key, (_detach(value), kept)))
+            kept_value = _detach(value)  # shares the version counter: in-place writes show
+            self.records.append((key, (kept_value, kept, _versions(kept_value))))
             return value
         if self._pos >= len(self.records) or self.records[self._pos][0] != key:
             recorded = (self.records[self._pos][0] if self._pos < len(self.records)
@@ -184,7 +191,11 @@ class CommTape:
             raise RuntimeError(f"recompute without re-dispatch: the recomputed forward's EP "
                                f"collective #{self._pos} is {key}, the forward's was "
                                f"{recorded}; the recompute took another path than the forward")
-        value, kept = self.records[self._pos][1]
+        value, kept, versions = self.records[self._pos][1]
+        if _versions(value) != versions:
+            raise RuntimeError(f"recompute without re-dispatch: what EP collective {key} received "
+                               "was modified in place after the forward; keep_all_to_all needs "
+                               "the block to leave it unchanged (write out of place)")
         if kept is not None:  # the routing the recompute sends must be the forward's; checked
             # on the device, without a sync (CUDA: a device-side assert)
             torch._assert_async((check.detach() == kept).all(), _DIVERGED.format(key=key))
