@@ -83,7 +83,8 @@ def test_apply_rejects_indivisible_experts():
      "parallelism.expert_parallel_degree = 2 cannot run with activation_checkpoint.mode = "
      "'selective' and selective_ac_option = 'op': with the all-to-alls and the experts' FSDP unit "
      "inside the block, the recomputation runs other profiler ops than the forward, which op-level "
-     "checkpointing refuses; use mode = 'full' or a layer-level selective_ac_option such as '2'"),
+     "checkpointing refuses; use mode = 'full' with keep_all_to_all = true (recompute without "
+     "re-dispatch) or a layer-level selective_ac_option such as '2'"),
     (["--parallelism.expert_parallel_degree=2", "--model.flavor=debugtiny"], 2,
      "parallelism.expert_parallel_degree = 2 needs a MoE model, but model.flavor = 'debugtiny' has "
      "no MoE blocks; use a MoE flavor (e.g. 'debugmoe') or set it to 1"),

@@ -36,7 +36,11 @@ from titanext.config.schema import JobConfig, field_problems
 from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
 from titanext.plugins.ep_dispatch_rules import dispatch_problems
-from titanext.plugins.options import float8_problems, replication_problems
+from titanext.plugins.options import (
+    float8_problems,
+    keep_all_to_all_problem,
+    replication_problems,
+)
 
 __all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
 
@@ -340,8 +344,9 @@ def _ep_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]
         problems.append(f"{key} cannot run with activation_checkpoint.mode = 'selective' and "
                         "selective_ac_option = 'op': with the all-to-alls and the experts' FSDP "
                         "unit inside the block, the recomputation runs other profiler ops than "
-                        "the forward, which op-level checkpointing refuses; use mode = 'full' or "
-                        "a layer-level selective_ac_option such as '2'")
+                        "the forward, which op-level checkpointing refuses; use mode = 'full' "
+                        "with keep_all_to_all = true (recompute without re-dispatch) or a "
+                        "layer-level selective_ac_option such as '2'")
     return problems
 
 
@@ -436,6 +441,11 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
 
     if degrees_ok and ok("context_parallel_ulysses_degree", "context_parallel_comm"):
         problems += _ulysses_degree_problems(p)
+    ac = cfg.activation_checkpoint
+    keep = ac.keep_all_to_all and ok("activation_checkpoint.mode",
+                                     "activation_checkpoint.selective_ac_option")
+    if keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option):
+        problems.append(keep_all_to_all_problem(ac.mode, ac.selective_ac_option))
     problems += _model_problems(cfg, skip, degrees_ok)
     plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
     if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):

@@ -78,6 +78,8 @@ ROWS: dict[str, dict[str, str]] = {
     "float8 FSDP all-gather": _f8("tensorwise", **{"float8.enable_fsdp_float8_all_gather": "true",
                                                    "float8.precompute_scale": "true"}),
     "AC full": {"activation_checkpoint.mode": "full"},
+    "AC full, keep all-to-all": {"activation_checkpoint.mode": "full",
+                                 "activation_checkpoint.keep_all_to_all": True},
     "AC selective, op level": {"activation_checkpoint.mode": "selective",
                                "activation_checkpoint.selective_ac_option": "op"},
     "AC selective, every 2nd block": {"activation_checkpoint.mode": "selective",

@@ -219,7 +219,8 @@ def parallelize(
             apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
                                    comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
         apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
-                                       save_ops=ac.selective_op_save_list, blocks=blocks)
+                                       save_ops=ac.selective_op_save_list, blocks=blocks,
+                                       keep_all_to_all=ac.keep_all_to_all)
         if comp.enable and "model" in comp.components:
             # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
             # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
@@ -265,7 +266,8 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, p: Parallelism,
     error the plugin itself would raise later); returns the blocks, resolved once."""
     zero1 = zero1_enabled(dims, p)
     fsdp = not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1)
-    check_activation_checkpointing(ac.mode, ac.selective_ac_option, ac.selective_op_save_list)
+    check_activation_checkpointing(ac.mode, ac.selective_ac_option, ac.selective_op_save_list,
+                                   ac.keep_all_to_all)
     per_block = [name for name, used in (("activation checkpointing", ac.mode != "none"),
                                          ("compile", comp.enable and "model" in comp.components),
                                          ("FSDP", fsdp)) if used]

@@ -15,6 +15,12 @@ bf16, so a second hop (two-level dispatch) re-quantizes them to the same bytes. 
 sends the gradients in their own dtype (straight-through: the quantization is treated as the
 identity), and the combine is never quantized.
 
+Recompute without re-dispatch (:class:`CommTape`): inside ``with tape.session()``, the first
+run records what every EP collective of the forward received (token rows, routing, expert
+copies, the split sizes); every later run of the same code, activation checkpointing's
+recompute, gets those results back instead of communicating. The backward's all-to-alls are
+not recorded: they run outside the session.
+
 >>> x = torch.randn(3, 256)
 >>> payload = quantize_rows(x)
 >>> payload.dtype, tuple(payload.shape)
@@ -26,16 +32,20 @@ True
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._baton_threads import comm_point
 from titanext.plugins._counting import Counters
 
-__all__ = ["PLAIN", "CommCounter", "Wire", "count_comm", "dequantize_rows", "quantize_rows"]
+__all__ = ["PLAIN", "CommCounter", "CommTape", "Wire", "count_comm", "dequantize_rows",
+           "quantize_rows", "swap_counts", "taped"]
 
 FLOAT8_BLOCK = 128  # values per scale along a row (DeepSeek-V3's 1 x 128 activation tiles)
 _F8 = torch.float8_e4m3fn
@@ -116,11 +126,129 @@ def dequantize_rows(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torc
     return (q * torch.exp2(exponent).unsqueeze(-1)).view(rows, -1)[:, :dim].to(dtype)
 
 
+# -- recompute without re-dispatch ---------------------------------------------------------------
+
+_TAPE = threading.local()  # the tape of the session running on this thread (pipeline overlap
+# runs two micro-batches on two threads; the autograd engine may recompute on its own thread)
+
+
+def _versions(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    return sum((_versions(v) for v in value), ()) if isinstance(value, tuple) else ()
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()  # a new tensor object: autograd sets its history, not the kept one's
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    return value
+
+
+class CommTape:
+    """What the EP collectives of one checkpointed call received, replayed in its recompute.
+
+    ``session()`` wraps each run of the call: the first records, every later one replays in
+    the same order. A replayed collective must be the one recorded (same kind and split sizes),
+    and a complete replay must use every record, and the per-expert counts a replayed exchange
+    would send must be the recorded ones (checked on the device): anything else means the
+    recompute took another path than the forward, and raises instead of giving rows to the
+    wrong tokens. The
+    tape lives as long as the autograd graph that holds the checkpoint (a split backward
+    recomputes twice, and replays twice)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[tuple, object]] = []
+        self.runs = 0
+        self._pos = 0
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[CommTape]:
+        previous, self._pos = getattr(_TAPE, "tape", None), 0
+        _TAPE.tape = self
+        try:
+            yield self
+        finally:
+            _TAPE.tape = previous
+            self.runs += 1
+        # reached only without an exception (checkpoint's early stop raises through here)
+        if self.runs > 1 and self._pos != len(self.records):
+            raise RuntimeError(f"recompute without re-dispatch: the recomputed forward issued "
+                               f"{self._pos} EP collectives, the forward {len(self.records)}; "
+                               "it took another path (the routing changed?)")
+
+    def take(self, key: tuple, issue: Callable[[], object], check: torch.Tensor | None = None):
+        if self.runs == 0:
+            value = issue()
+            kept = None if check is None or is_fake(check) else check.detach().clone()
+            kept_value = _detach(value)  # shares the version counter: in-place writes show
+            self.records.append((key, (kept_value, kept, _versions(kept_value))))
+            return value
+        if self._pos >= len(self.records) or self.records[self._pos][0] != key:
+            recorded = (self.records[self._pos][0] if self._pos < len(self.records)
+                        else "nothing more")
+            raise RuntimeError(f"recompute without re-dispatch: the recomputed forward's EP "
+                               f"collective #{self._pos} is {key}, the forward's was "
+                               f"{recorded}; the recompute took another path than the forward")
+        value, kept, versions = self.records[self._pos][1]
+        if _versions(value) != versions:
+            raise RuntimeError(f"recompute without re-dispatch: what EP collective {key} received "
+                               "was modified in place after the forward; keep_all_to_all needs "
+                               "the block to leave it unchanged (write out of place)")
+        if kept is not None:  # the routing the recompute sends must be the forward's; checked
+            # on the device, without a sync (CUDA: a device-side assert)
+            torch._assert_async((check.detach() == kept).all(), _DIVERGED.format(key=key))
+        self._pos += 1
+        return _detach(value)
+
+
+_DIVERGED = ("recompute without re-dispatch: the recomputed forward routes other rows than the "
+             "forward at EP collective {key} (a nondeterministic router?)")
+
+
+def taped(key: tuple, issue: Callable[[], object], check: torch.Tensor | None = None):
+    """``issue()``, recorded or replayed by the :class:`CommTape` of this thread's session;
+    ``check`` (the counts it sends): a replay's must equal the recorded one's."""
+    tape = getattr(_TAPE, "tape", None)
+    return issue() if tape is None else tape.take(key, issue, check)
+
+
+def swap_counts(send: torch.Tensor, group: dist.ProcessGroup
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``recv``, the host copy of ``send`` and ``recv`` flattened, or None in a dry run):
+    ``all_to_all_single`` of equal splits of ``send`` along dim 0, then the one device-to-host
+    sync of a dispatch. Replayed by a :class:`CommTape`."""
+    def issue():
+        recv = torch.empty_like(send)
+        with phase(EP_ALL_TO_ALL):
+            comm_point(lambda async_op: dist.all_to_all_single(recv, send, group=group,
+                                                               async_op=async_op),
+                       hand_over=False)
+        if is_fake(send):  # a dry run has no counts
+            return recv, None
+        host = torch.cat([send.reshape(-1), recv.reshape(-1)]).cpu()  # the sync
+        for c in COUNTERS:
+            c.count_exchanges += 1
+            c.host_syncs += 1
+        return recv, host
+
+    return taped(("counts", tuple(send.shape)), issue, check=send)
+
+
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                group: dist.ProcessGroup, kind: str = "tokens", wire: Wire = PLAIN
                ) -> torch.Tensor:
     """``all_to_all_single`` of rows (not differentiable). ``kind`` says how it is counted:
-    "dispatch" (forward token rows), "tokens" (other token rows), "routing" or "weights"."""
+    "dispatch" (forward token rows), "tokens" (other token rows), "routing" or "weights".
+    Inside a :class:`CommTape` session it is recorded (its output, on the wire's dtype) or
+    replayed."""
+    key = (kind, tuple(out_splits), tuple(in_splits), tuple(x.shape[1:]), x.dtype)
+    return taped(key, lambda: _all_to_all(x, out_splits, in_splits, group, kind, wire))
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup, kind: str, wire: Wire) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     with phase(EP_ALL_TO_ALL):  # forward and backward; overlapped inside run_interleaved

@@ -41,10 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanext._fake_backend import is_fake
-from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._baton_threads import comm_point
-from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire
+from titanext.plugins._ep_comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins.expert_replication import ReplicationPlan, dispatch_replicated
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
@@ -106,20 +103,12 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
         rows, local, send_order, send, recv_splits, order, plan = dispatch_replicated(
             x, counts, pg, replicate_hot_experts, wire)
         return rows, local, Route(send, recv_splits, order, pg, send_order, plan, wire)
-    recv = torch.empty_like(counts)
-    counts = counts.contiguous()
-    with phase(EP_ALL_TO_ALL):  # recv[s*L + e]: from s for e
-        comm_point(lambda async_op: dist.all_to_all_single(recv, counts, group=pg,
-                                                           async_op=async_op), hand_over=False)
-    if is_fake(counts):  # a dry run has no counts: perfectly balanced routing, an estimate
+    recv, host = swap_counts(counts.contiguous(), pg)  # recv[s*L + e]: from s for e
+    if host is None:  # a dry run has no counts: perfectly balanced routing, an estimate
         rows = x.shape[0]
         send_splits = [rows // world + (r < rows % world) for r in range(world)]
         recv_splits = list(send_splits)
-    else:
-        host = torch.cat([counts, recv]).cpu()  # the one sync
-        for c in COUNTERS:
-            c.count_exchanges += 1
-            c.host_syncs += 1
+    else:  # the one sync, in swap_counts
         send_splits = host[:n_exp].view(world, n_local).sum(1).tolist()
         recv_splits = host[n_exp:].view(world, n_local).sum(1).tolist()
     if sum(send_splits) != x.shape[0]:
@@ -214,20 +203,16 @@ def _exchange_counts(x: torch.Tensor, ids: torch.Tensor, groups: NodeGroups, e_n
     per_expert = torch.zeros(n * e_node, dtype=torch.int64, device=x.device).index_add_(
         0, flat, torch.ones_like(flat)).view(n, e_node)
     send = torch.cat([hit.sum(1, keepdim=True), per_expert], 1).contiguous()  # [nodes, 1 + e]
-    recv = torch.empty_like(send)
-    with phase(EP_ALL_TO_ALL):  # recv[s]: rows from node s, then its assignments per expert
-        comm_point(lambda async_op: dist.all_to_all_single(recv, send, group=groups.inter,
-                                                           async_op=async_op), hand_over=False)
-    if is_fake(send):  # a dry run has no routing: balanced, each token on min(k, nodes) nodes
+    recv, host = swap_counts(send, groups.inter)  # recv[s]: rows from node s, then its
+    # assignments per expert
+    if host is None:  # a dry run has no routing: balanced, each token on min(k, nodes) nodes
         rows = t * min(ids.shape[1], n)
         splits = [rows // n + (r < rows % n) for r in range(n)]
         counts = torch.full((e_node,), t * ids.shape[1] // e_node, device=x.device)
         return splits, list(splits), t * ids.shape[1], counts, hit
-    host = torch.cat([send[:, 0], recv[:, 0], recv[:, 1:].sum().view(1)]).cpu()  # the sync
-    for c in COUNTERS:
-        c.count_exchanges += 1
-        c.host_syncs += 1
-    return (host[:n].tolist(), host[n:2 * n].tolist(), int(host[-1]), recv[:, 1:].sum(0), hit)
+    host_send, host_recv = host.view(2, n, 1 + e_node)  # the sync, in swap_counts
+    return (host_send[:, 0].tolist(), host_recv[:, 0].tolist(), int(host_recv[:, 1:].sum()),
+            recv[:, 1:].sum(0), hit)
 
 
 def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

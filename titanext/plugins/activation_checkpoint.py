@@ -5,6 +5,13 @@
 - selective, op level (``option="op"``): inside every block, the outputs of the ops in
   ``save_ops`` (matmuls and attention by default: the expensive ones) are kept, everything
   else (norms, activations, elementwise) is recomputed.
+- ``keep_all_to_all=True`` (with full or layer-level AC): recompute without re-dispatch. Each
+  checkpointed call also keeps what its expert-parallel collectives received (the dispatched
+  token rows, the expert outputs as they come back before the combine's weighted sum, the
+  routing and split sizes, hot-expert copies), and its recompute replays them instead of
+  communicating (:class:`~titanext.plugins._ep_comm.CommTape`): no all-to-all and no
+  device-to-host sync runs twice, and the recompute is bitwise the forward. Without expert
+  parallelism in the block it is plain full AC.
 
 The block's ``forward`` is replaced in place instead of wrapping the module, so parameter
 names (and therefore checkpoints) are the same with and without AC.
@@ -28,7 +35,8 @@ from torch.utils.checkpoint import (
 )
 
 from titanext.plugins._blocks import find_blocks
-from titanext.plugins.options import DEFAULT_SAVE_OPS
+from titanext.plugins._ep_comm import CommTape
+from titanext.plugins.options import DEFAULT_SAVE_OPS, keep_all_to_all_problem
 
 __all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing"]
 
@@ -46,11 +54,15 @@ def _resolve_ops(names: Iterable[str]) -> set:
 
 
 def check_activation_checkpointing(mode: str, option: str = "op",
-                                   save_ops: Sequence[str] = DEFAULT_SAVE_OPS) -> None:
+                                   save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
+                                   keep_all_to_all: bool = False) -> None:
     """The ValueError :func:`apply_activation_checkpointing` would raise for these options,
     raised without touching a model (a recipe checks before it mutates)."""
     if mode not in ("none", "full", "selective"):
         raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, selective")
+    problem = keep_all_to_all_problem(mode, option) if keep_all_to_all else None
+    if problem:
+        raise ValueError(problem)
     if mode != "selective":
         return
     if option == "op":
@@ -62,14 +74,22 @@ def check_activation_checkpointing(mode: str, option: str = "op",
         )
 
 
-def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
+def _checkpoint_forward(block: nn.Module, context_fn=None, keep_all_to_all: bool = False
+                        ) -> None:
     inner = block.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         extra = {"context_fn": context_fn} if context_fn is not None else {}
+        run = inner
+        if keep_all_to_all:  # one tape per call: each micro-batch replays its own
+            tape = CommTape()
+
+            def run(*a, **k):
+                with tape.session():
+                    return inner(*a, **k)
         return checkpoint(
-            inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+            run, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
         )
 
     block.forward = forward
@@ -82,15 +102,17 @@ def apply_activation_checkpointing(
     option: str = "op",
     save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
     blocks: Iterable[nn.Module] | str | None = None,
+    keep_all_to_all: bool = False,
 ) -> nn.Module:
-    """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place."""
-    check_activation_checkpointing(mode, option, save_ops)
+    """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place.
+    ``keep_all_to_all``: recompute without re-dispatch (see the module docstring)."""
+    check_activation_checkpointing(mode, option, save_ops, keep_all_to_all)
     if mode == "none":
         return model
     block_list = find_blocks(model, blocks)
     if mode == "full":
         for block in block_list:
-            _checkpoint_forward(block)
+            _checkpoint_forward(block, keep_all_to_all=keep_all_to_all)
         return model
     if option == "op":
         ops = _resolve_ops(save_ops)
@@ -105,5 +127,5 @@ def apply_activation_checkpointing(
     every = int(option)
     for i, block in enumerate(block_list):
         if i % every == 0:
-            _checkpoint_forward(block)
+            _checkpoint_forward(block, keep_all_to_all=keep_all_to_all)
     return model

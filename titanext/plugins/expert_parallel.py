@@ -32,7 +32,8 @@ Combine (forward hook) is the exact inverse: inverse permutation, then the rever
 ``all_to_all_single`` with the two split lists swapped. Backward of each all-to-all is the
 all-to-all with swapped splits, and reuses the host lists kept from the forward: the backward
 has no sync at all. Where syncs remain: one per dispatch (step 2), once more when activation
-checkpointing recomputes the layer, and inside the experts module if it needs host counts
+checkpointing recomputes the layer (not with ``keep_all_to_all``, which replays the forward's
+collectives: :mod:`titanext.plugins.activation_checkpoint`), and inside the experts module if it needs host counts
 (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path does not).
 
 Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire
+from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire, taped
 from titanext.plugins.options import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
@@ -240,7 +240,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
                     rows: int) -> ReplicationPlan:
     """All-gather every ep rank's per-expert counts ``[E]`` and plan the copies (the dispatch's
-    one device-to-host sync). Under the dry run's fake tensors: :func:`nominal_plan`."""
+    one device-to-host sync; replayed in a recompute, see
+    :class:`~titanext.plugins._ep_comm.CommTape`). Under the dry run's fake tensors:
+    :func:`nominal_plan`."""
+    return taped(("replication plan", tuple(counts.shape), copies, rows),
+                 lambda: _exchange_counts(counts, group, copies, rows), check=counts)
+
+
+def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
+                     rows: int) -> ReplicationPlan:
     world = dist.get_world_size(group)
     gathered = counts.new_empty(world * counts.numel())
     with phase(EP_ALL_TO_ALL):

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES",
-           "REPLICATION_SLACK", "float8_problems", "max_replicas", "replication_problems"]
+           "REPLICATION_SLACK", "float8_problems", "keep_all_to_all_problem", "max_replicas",
+           "replication_problems"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -113,3 +114,16 @@ def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
                         f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
                         "or 'rowwise' with TP")
     return problems
+
+
+def keep_all_to_all_problem(mode: str, option: str) -> str | None:
+    """Why ``[activation_checkpoint] keep_all_to_all = true`` cannot run with this ``mode`` /
+    ``selective_ac_option`` (it keeps what a *fully* checkpointed block's collectives received),
+    or None."""
+    if mode in ("full", "selective") and not (mode == "selective" and option == "op"):
+        return None
+    return (f"activation_checkpoint.keep_all_to_all = true needs whole checkpointed blocks, but "
+            f"mode = {mode!r}" + (f" with selective_ac_option = {option!r}"
+                                  if mode == "selective" else "")
+            + " checkpoints none; use mode = 'full' or a layer-level selective_ac_option "
+            "such as '2'")

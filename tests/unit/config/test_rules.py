@@ -273,6 +273,23 @@ def test_compile_with_selective_op_ac_is_allowed():
                         "--activation_checkpoint.selective_ac_option=op"], world_size=4) == []
 
 
+@pytest.mark.parametrize("ac", [[], ["--activation_checkpoint.mode=selective"]])
+def test_keep_all_to_all_needs_whole_checkpointed_blocks(ac):
+    problem = the_problem(["--activation_checkpoint.keep_all_to_all=true", *ac])
+    assert problem.startswith("activation_checkpoint.keep_all_to_all = true needs whole "
+                              "checkpointed blocks, but mode = "), problem
+    assert "use mode = 'full' or a layer-level selective_ac_option" in problem
+
+
+def test_keep_all_to_all_runs_with_expert_parallelism_and_full_or_layer_ac():
+    for ac in (["--activation_checkpoint.mode=full"],
+               ["--activation_checkpoint.mode=selective",
+                "--activation_checkpoint.selective_ac_option=2"]):
+        assert problems_of(["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=2",
+                            "--activation_checkpoint.keep_all_to_all=true", *ac],
+                           world_size=2) == []
+
+
 # -- reporting ----------------------------------------------------------------------------------
 
 def test_a_wrongly_typed_key_is_not_reasoned_about_by_other_rules(tmp_path):
