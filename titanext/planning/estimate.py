@@ -189,8 +189,11 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
     pass_time, sim = simulate_times(lo.pipe, f=costs.f, i=costs.i, w=costs.w, comm=p2p,
                                     a2a=af, a2a_i=ai, overlap=overlap)
     exposed = max(sim.a2a_exposed)
-    # the bubble is idle time: an exposed all-to-all is communication, not bubble
-    bubble = max(0.0, sim.bubble_ratio - exposed / pass_time)
+    # the bubble is the idle time of the rank with the most work (stages differ: the others
+    # wait more); an exposed all-to-all is communication, not bubble
+    busy = [a + sum(e.end - e.start for e in sim.events if e.rank == r)
+            for r, a in enumerate(sim.a2a_exposed)]
+    bubble = max(0.0, 1.0 - max(busy) / pass_time)
     return pass_time, bubble, sim.peak_activations, sim.events, exposed
 
 
