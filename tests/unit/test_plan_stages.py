@@ -126,3 +126,40 @@ def test_a_block_moved_off_the_last_stage_changes_the_step():
     assert f_even[1] > f_even[0]  # 3 blocks each, plus the head and loss on the last
     assert f_lighter[1] < f_even[1] and f_lighter[0] > f_even[0]
     assert lighter.time["step_s"] > even.time["step_s"] * 1.05
+
+
+# -- calibration against DeepSeek-V3's report (docs/deepseek_v3.md, "Calibration") ----------
+
+#: the report's setting as titanext runs it: PP16 DualPipe x EP64 over 8 nodes, node-limited
+#: two-level dispatch in float8, 15360 x 4096 tokens per step (120 micro-batches of 1 sequence)
+REPORT = ["--training.global_batch_size=15360", "--training.local_batch_size=120",
+          "--parallelism.pipeline_parallel_microbatches=120",
+          "--parallelism.expert_parallel_dispatch=two_level",
+          "--parallelism.expert_parallel_ranks_per_node=8",
+          "--parallelism.expert_parallel_float8_dispatch=true"]
+#: (device, activation checkpointing) -> tokens/s/GPU with expert_parallel_comm_overlap off, on
+#: (the table in docs/deepseek_v3.md); "none" is the what-if nearest the report's recompute of
+#: norms and up-projections only, which titanext does not run
+CALIBRATION = {("h800", "full"): (886, 1131), ("h800", "none"): (1237, 1703),
+               ("h100", "full"): (970, 1235), ("h100", "none"): (1346, 1773)}
+REPORT_TOKENS_PER_GPU = 1543  # 180K H800 GPU hours per trillion tokens
+
+
+@pytest.mark.parametrize("device,ac", list(CALIBRATION))
+def test_calibration_table_against_the_deepseek_v3_report(device, ac):
+    """The documented calibration rows are what the planner gives, and where they stand
+    against the report's 1,543 tokens/s/GPU: titanext's full AC re-runs every block's forward
+    and its all-to-alls (57-73% of the report on H800); with no recompute (a what-if) the
+    planner overshoots the report by 10% (it models no FP8 GEMMs, no recompute at all and
+    balanced routing)."""
+    from pathlib import Path
+
+    path = str(Path(__file__).parents[2] / "train_configs" / "deepseek_v3_671b.toml")
+    cfg = load_config(path, [*REPORT, f"--activation_checkpoint.mode={ac}"], world_size=2048)
+    ep = plan_config(cfg, 2048, device=DEVICES[device]).time["ep_all_to_all"]
+    per_gpu = 15360 * 4096 / 2048
+    got = (per_gpu / ep["step_off_s"], per_gpu / ep["step_on_s"])
+    assert got == pytest.approx(CALIBRATION[device, ac], rel=0.01)
+    if device == "h800":
+        low, high = (0.5, 0.8) if ac == "full" else (1.0, 1.2)
+        assert low < got[1] / REPORT_TOKENS_PER_GPU < high
