@@ -108,6 +108,9 @@ def test_dualpipe_charges_one_stage_per_microbatch():
     per_rank = [m // 2 * sum(stages[s].total for s in rk.stages) for rk in lo.pipe.ranks]
     assert plan.time["compute_s"] == pytest.approx(lo.accum * max(per_rank), rel=1e-9)
     assert len(plan.time["stage_f_i_w_s"]) == 4
+    # and a step's traffic: each stage's sends for half the micro-batches
+    p2p = next(c for c in plan.comm if c["parallelism"].startswith("PP p2p"))
+    assert p2p["collectives"] == lo.accum * m // 2 * lo.pipe.ranks[1].sends
 
 
 def test_a_block_moved_off_the_last_stage_changes_the_step():
