@@ -95,15 +95,12 @@ def test_dualpipe_charges_one_stage_per_microbatch():
     """DualPipe: rank r holds stages r and pp-1-r, each seeing half the micro-batches; a step's
     compute is half the micro-batches through each (not every micro-batch through both)."""
     m = 8
-    plan = _plan("--model.flavor=debugmodel", f"--training.local_batch_size={m}",
-                 "--parallelism.pipeline_parallel_degree=4",
-                 "--parallelism.pipeline_parallel_schedule=DualPipe",
-                 f"--parallelism.pipeline_parallel_microbatches={m}")
-    cfg = load_config(None, ["--model.flavor=debugmodel", f"--training.local_batch_size={m}",
-                             "--parallelism.pipeline_parallel_degree=4",
-                             "--parallelism.pipeline_parallel_schedule=DualPipe",
-                             f"--parallelism.pipeline_parallel_microbatches={m}"], world_size=4)
-    lo = resolve_layout(cfg, 4)
+    over = ["--model.flavor=debugmodel", f"--training.local_batch_size={m}",
+            "--parallelism.pipeline_parallel_degree=4",
+            "--parallelism.pipeline_parallel_schedule=DualPipe",
+            f"--parallelism.pipeline_parallel_microbatches={m}"]
+    plan = _plan(*over)
+    lo = resolve_layout(load_config(None, over, world_size=4), 4)
     stages = stage_times(lo, DEVICES["h100"], 0.6)
     per_rank = [m // 2 * sum(stages[s].total for s in rk.stages) for rk in lo.pipe.ranks]
     assert plan.time["compute_s"] == pytest.approx(lo.accum * max(per_rank), rel=1e-9)
