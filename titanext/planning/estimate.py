@@ -4,12 +4,13 @@ The estimate is assembled from named pieces, each in its own module:
 
 1. the layout (:func:`~titanext.planning.layout.resolve_layout`): degrees, dtypes, micro-batches
    and gradient accumulation (the config's rule), the pipeline split;
-2. compute of one micro-batch on each pp rank (:func:`microbatch_times`, a roofline from
-   :mod:`~titanext.planning.roofline`);
+2. compute of one micro-batch through each pipeline stage (:func:`stage_times`, a roofline from
+   :mod:`~titanext.planning.roofline`: the blocks, the first stage's embedding, the last
+   stage's head, loss and MTP modules) and each pp rank's sum (:func:`microbatch_times`);
 3. model-parallel communication on the busiest rank's critical path
    (:func:`~titanext.planning.comm.model_parallel_comm`);
 4. the pipeline bubble and the micro-batches in flight (:func:`pipeline_pass`, replaying the
-   schedule in the simulator);
+   schedule in the simulator with each stage's own costs, :func:`stage_costs`);
 5. memory of each pp rank: parameters, gradients, optimizer state, gathered units and
    activations (:func:`~titanext.planning.memory.memory_per_pp_rank`);
 6. data-parallel communication (:func:`~titanext.planning.comm.data_parallel_comm`) and the
