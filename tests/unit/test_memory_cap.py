@@ -81,12 +81,14 @@ def test_capped_class_generates_capped_lists_and_refuses_torchs():
 def test_planner_reads_the_capped_lists():
     """Under full AC the planner's middle-rank activations fall with the cap (each pending W
     holds the matmul inputs and output gradients of the rank's blocks for one micro-batch),
-    and its step time rises."""
+    and its step time rises (micro-batches of 4 sequences: compute, not the p2p latency, sets
+    the pace; with 1 sequence the debug model's p2p latency equals a stage's forward and the
+    capped Ws fit in the waits)."""
     from titanext.config import load_config
     from titanext.planning.estimate import plan_config
 
     def peaks(cap):
-        cfg = load_config(None, ["--model.flavor=debugmodel", "--training.local_batch_size=8",
+        cfg = load_config(None, ["--model.flavor=debugmodel", "--training.local_batch_size=32",
                                  "--parallelism.pipeline_parallel_degree=4",
                                  "--parallelism.pipeline_parallel_schedule=DualPipe",
                                  "--parallelism.pipeline_parallel_microbatches=8",

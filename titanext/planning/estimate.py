@@ -4,12 +4,13 @@ The estimate is assembled from named pieces, each in its own module:
 
 1. the layout (:func:`~titanext.planning.layout.resolve_layout`): degrees, dtypes, micro-batches
    and gradient accumulation (the config's rule), the pipeline split;
-2. compute of one micro-batch on each pp rank (:func:`microbatch_times`, a roofline from
-   :mod:`~titanext.planning.roofline`);
+2. compute of one micro-batch through each pipeline stage (:func:`stage_times`, a roofline from
+   :mod:`~titanext.planning.roofline`: the blocks, the first stage's embedding, the last
+   stage's head, loss and MTP modules) and each pp rank's sum (:func:`microbatch_times`);
 3. model-parallel communication on the busiest rank's critical path
    (:func:`~titanext.planning.comm.model_parallel_comm`);
 4. the pipeline bubble and the micro-batches in flight (:func:`pipeline_pass`, replaying the
-   schedule in the simulator);
+   schedule in the simulator with each stage's own costs, :func:`stage_costs`);
 5. memory of each pp rank: parameters, gradients, optimizer state, gathered units and
    activations (:func:`~titanext.planning.memory.memory_per_pp_rank`);
 6. data-parallel communication (:func:`~titanext.planning.comm.data_parallel_comm`) and the
@@ -26,12 +27,18 @@ from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel
 from titanext.planning.hardware import DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, state_elements
-from titanext.planning.roofline import MicrobatchTime, microbatch_time, optimizer_time
-from titanext.planning.stages import simulate_times
+from titanext.planning.roofline import (
+    MEMORY_EFFICIENCY,
+    MicrobatchTime,
+    matmul_seconds,
+    microbatch_time,
+    optimizer_time,
+)
+from titanext.planning.stages import RankStages, simulate_times
 from titanext.plugins.options import REPLICATION_SLACK
 
-__all__ = ["Plan", "ep_overlap_times", "microbatch_times", "pipeline_pass", "plan_config",
-           "step_time"]
+__all__ = ["Plan", "StageCosts", "busy_compute", "ep_overlap_times", "microbatch_times",
+           "mtp_time", "pipeline_pass", "plan_config", "stage_costs", "stage_times", "step_time"]
 
 
 @dataclass
@@ -50,65 +57,176 @@ class Plan:
         return sum(self.memory.values())
 
 
-def microbatch_times(lo: Layout, device: Device, efficiency: float, *,
-                     imbalance: float = 1.0) -> list[MicrobatchTime]:
-    """Compute time (F, I, W) of one micro-batch through each pp rank's blocks, no comm.
-    ``imbalance`` (max / mean routed rows per ep rank) scales the routed experts' work: the
-    busiest ep rank sets the pace."""
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds of one micro-batch through each pipeline stage, by stage index: F and I
+    without the expert-parallel all-to-all, W, and the all-to-all of F and of I."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    a2a_f: tuple[float, ...]
+    a2a_i: tuple[float, ...]
+
+
+def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, moe_blocks: int,
+                 imbalance: float, embedding: bool = False, head: bool = False
+                 ) -> MicrobatchTime:
+    """Roofline of one micro-batch through ``dense`` + ``moe_blocks`` blocks (and the
+    embedding / the final norm, head and loss)."""
     shape, moe = lo.shape, lo.shape.moe
     common = dict(tokens=lo.tokens, seq_len=lo.cfg.training.seq_len, dim=shape.dim,
                   kv_dim=shape.kv_dim, vocab=shape.vocab, tp=lo.tp, sp=lo.sp, a=lo.a, ac=lo.ac,
                   efficiency=efficiency)
-    per_rank = []
+    mt = microbatch_time(device, ffn=shape.ffn, linears=lo.linears, layers=dense,
+                         embedding=embedding, head=head, head_float8=lo.head_float8, **common)
+    if moe_blocks:
+        linears = [dataclasses.replace(lin, token_factor=lin.token_factor * imbalance)
+                   if lin.name.startswith("moe.experts.") else lin for lin in lo.moe_linears]
+        routed = moe.top_k * moe.hidden * imbalance
+        mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=moe_blocks,
+                                  ffn_replicated=routed + moe.shared_hidden, **common)
+    return mt
+
+
+def mtp_time(lo: Layout, device: Device, efficiency: float, *,
+             imbalance: float = 1.0) -> MicrobatchTime:
+    """One micro-batch through the MTP modules (on the last stage, after the head): each runs
+    ``enorm`` and ``hnorm`` on the shifted tokens' embedding and the hidden state,
+    ``eh_proj`` (2 h -> h, replicated over tp), its block (a MoE block in DeepSeek-V3) and
+    the final norm, the shared head and the loss again (checked against FlopCounterMode on
+    the module, tests/unit/test_plan_stages.py)."""
+    shape = lo.shape
+    out = MicrobatchTime(0.0, 0.0, 0.0, 0.0)
+    if not shape.mtp_layers:
+        return out
+    moe = bool(shape.mtp_moe and shape.moe)
+    bw = device.hbm_bw * MEMORY_EFFICIENCY
+    mm = matmul_seconds(lo.tokens, 2 * shape.dim, shape.dim, rate=device.bf16_flops * efficiency,
+                        bw=bw, weight_bytes=lo.a, io_bytes=lo.a)
+    norms = 6 * lo.a * shape.dim * lo.tokens / bw  # two norms and the concat: read, write
+    own = MicrobatchTime(mm + norms, mm + 2 * norms + (mm + norms if lo.ac == "full" else 0.0),
+                         mm, 0.0)
+    one = own + _blocks_time(lo, device, efficiency, dense=int(not moe), moe_blocks=int(moe),
+                             imbalance=imbalance, embedding=True, head=True)
+    for _ in range(shape.mtp_layers):
+        out = out + one
+    return out
+
+
+def stage_times(lo: Layout, device: Device, efficiency: float, *,
+                imbalance: float = 1.0) -> list[MicrobatchTime]:
+    """Compute time (F, I, W) of one micro-batch through each pipeline stage, by stage index,
+    no comm: its blocks, the first stage's embedding, the last stage's final norm, head and
+    loss and the MTP modules (:func:`mtp_time`). ``imbalance`` (max / mean routed rows per ep
+    rank) scales the routed experts' work: the busiest ep rank sets the pace."""
+    moe = lo.shape.moe
+    ids = {s: set(layer_ids) for rk in lo.pipe.ranks
+           for s, layer_ids in zip(rk.stages, rk.stage_layer_ids)}
+    last = max(ids)
+    out = []
+    for s in range(last + 1):
+        n_moe = len(moe.layer_ids & ids[s]) if moe else 0
+        mt = _blocks_time(lo, device, efficiency, dense=len(ids[s]) - n_moe, moe_blocks=n_moe,
+                          imbalance=imbalance, embedding=s == 0, head=s == last)
+        out.append(mt + mtp_time(lo, device, efficiency, imbalance=imbalance) if s == last else mt)
+    return out
+
+
+def microbatch_times(lo: Layout, device: Device, efficiency: float, *,
+                     imbalance: float = 1.0) -> list[MicrobatchTime]:
+    """Compute time (F, I, W) of one micro-batch through each of a pp rank's stages (summed
+    over the rank's stages: DualPipe's two mirrored ones each see half the micro-batches), no
+    comm (:func:`stage_times`)."""
+    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
+    out = []
     for rank in lo.pipe.ranks:
-        n_moe = lo.n_moe(rank)
-        mt = microbatch_time(device, ffn=shape.ffn, linears=lo.linears,
-                             layers=rank.layers - n_moe, embedding=rank.embedding,
-                             head=rank.head, head_float8=lo.head_float8, **common)
-        if n_moe:
-            linears = [dataclasses.replace(lin, token_factor=lin.token_factor * imbalance)
-                       if lin.name.startswith("moe.experts.") else lin for lin in lo.moe_linears]
-            routed = moe.top_k * moe.hidden * imbalance
-            mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=n_moe,
-                                      ffn_replicated=routed + moe.shared_hidden, **common)
-        per_rank.append(mt)
-    return per_rank
+        mt = MicrobatchTime(0.0, 0.0, 0.0, 0.0)
+        for s in rank.stages:
+            mt = mt + per_stage[s]
+        out.append(mt)
+    return out
 
 
-def pipeline_pass(lo: Layout, mt: MicrobatchTime, p2p: float, *,
-                  a2a: tuple[float, float] = (0.0, 0.0), overlap: bool = False
-                  ) -> tuple[float, float, list[int], list | None, float]:
+def stage_costs(lo: Layout, per_stage: list[MicrobatchTime], rank: RankStages,
+                raw: MicrobatchTime, with_comm: MicrobatchTime, a2a: tuple[float, float]
+                ) -> StageCosts:
+    """Each stage's seconds with its communication: the busiest ``rank``'s per-block
+    model-parallel comm (``with_comm`` - ``raw`` - ``a2a``: TP, CP, expert copies) and its
+    all-to-all per MoE block (``a2a``), applied to every stage's blocks (the MTP block too)."""
+    shape, moe = lo.shape, lo.shape.moe
+    blocks = max(1, rank.layers)
+    n_moe_rank = lo.n_moe(rank)
+    per_block_f = (with_comm.f - raw.f - a2a[0]) / blocks
+    per_block_i = (with_comm.i - raw.i - a2a[1]) / blocks
+    last = len(per_stage) - 1
+    ids = {s: set(layer_ids) for rk in lo.pipe.ranks
+           for s, layer_ids in zip(rk.stages, rk.stage_layer_ids)}
+    f, i, af, ai = [], [], [], []
+    for s, mt in enumerate(per_stage):
+        n = len(ids[s]) + (shape.mtp_layers if s == last else 0)
+        n_moe = (len(moe.layer_ids & ids[s]) + (shape.mtp_layers * shape.mtp_moe
+                                                if s == last else 0)) if moe else 0
+        share = n_moe / n_moe_rank if n_moe_rank else 0.0
+        af.append(a2a[0] * share)
+        ai.append(a2a[1] * share)
+        f.append(mt.f + n * per_block_f)
+        i.append(mt.i + n * per_block_i)
+    return StageCosts(tuple(f), tuple(i), tuple(mt.w for mt in per_stage), tuple(af), tuple(ai))
+
+
+def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = False,
+                  a2a: bool = True) -> tuple[float, float, list[int], list | None, float]:
     """(time of one pass: a pipeline flush or one micro-batch, bubble ratio, micro-batches in
-    flight on each pp rank at its peak, the simulated actions (None without pp), the
-    all-to-all seconds the busiest rank waits per pass). ``mt`` includes the expert-parallel
-    all-to-all time ``a2a`` (in F, in I); with ``overlap`` the schedule's paired chunks hide
-    it behind each other."""
+    flight on each pp rank at its peak, the simulated actions in seconds (None without pp),
+    the all-to-all seconds the busiest rank waits per pass). Each stage costs its own
+    ``costs``; with ``overlap`` the schedule's paired chunks hide the all-to-all behind each
+    other (``a2a=False``: none)."""
+    zero = tuple(0.0 for _ in costs.f)
+    af, ai = (costs.a2a_f, costs.a2a_i) if a2a else (zero, zero)
     if lo.pp == 1:
-        return mt.total, 0.0, [1], None, a2a[0] + a2a[1]
-    pass_time, sim = simulate_times(lo.pipe, f=mt.f - a2a[0], i=mt.i - a2a[1], w=mt.w, comm=p2p,
-                                    a2a=a2a[0], a2a_i=a2a[1], overlap=overlap)
+        return (costs.f[0] + costs.i[0] + costs.w[0] + af[0] + ai[0], 0.0, [1], None,
+                af[0] + ai[0])
+    pass_time, sim = simulate_times(lo.pipe, f=costs.f, i=costs.i, w=costs.w, comm=p2p,
+                                    a2a=af, a2a_i=ai, overlap=overlap)
     exposed = max(sim.a2a_exposed)
-    # the bubble is idle time: an exposed all-to-all is communication, not bubble
-    bubble = max(0.0, sim.bubble_ratio - exposed / pass_time)
+    # the bubble is the idle time of the rank with the most work (stages differ: the others
+    # wait more); an exposed all-to-all is communication, not bubble
+    busy = [a + sum(e.end - e.start for e in sim.events if e.rank == r)
+            for r, a in enumerate(sim.a2a_exposed)]
+    bubble = max(0.0, 1.0 - max(busy) / pass_time)
     return pass_time, bubble, sim.peak_activations, sim.events, exposed
 
 
-def ep_overlap_times(lo: Layout, mt: MicrobatchTime, p2p: float, a2a: tuple[float, float],
+def busy_compute(lo: Layout, per_stage: list[MicrobatchTime], events: list | None) -> float:
+    """Compute seconds per pass of the busiest pp rank: every F, I, W (B = I + W) it runs, at
+    its stage's cost (DualPipe: each of a rank's two stages sees half the micro-batches)."""
+    if events is None:
+        return lo.pp_microbatches * per_stage[0].total
+    busy = [0.0] * lo.pp
+    for e in events:
+        mt = per_stage[e.stage]
+        busy[e.rank] += {"F": mt.f, "I": mt.i, "W": mt.w, "B": mt.i + mt.w}[e.kind]
+    return max(busy)
+
+
+def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
                      step: float, pass_time: float, imbalance: float) -> dict:
-    """The expert-parallel all-to-all of a step: its total, what the busiest rank waits for
-    with ``expert_parallel_comm_overlap`` off and on (on: None where the schedule has no
-    paired chunks) and the step time of each, at this routing ``imbalance`` (max / mean rows
-    per ep rank; replicating hot experts brings it towards 1)."""
+    """The expert-parallel all-to-all of a step: its total (``per_step`` seconds on the
+    busiest rank), what the busiest rank waits for with ``expert_parallel_comm_overlap`` off
+    and on (on: None where the schedule has no paired chunks) and the step time of each, at
+    this routing ``imbalance`` (max / mean rows per ep rank; replicating hot experts brings it
+    towards 1)."""
     from titanext.schedules.overlap import OVERLAP_SCHEDULES
 
-    out = {"imbalance": imbalance, "per_step_s": lo.passes * (a2a[0] + a2a[1])}
+    out = {"imbalance": imbalance, "per_step_s": per_step}
     mine = lo.cfg.parallelism.expert_parallel_comm_overlap
     can = lo.pp > 1 and lo.pipe.schedule in OVERLAP_SCHEDULES
     for on in (False, True):
         if on and not can:
             out["exposed_on_s"] = out["step_on_s"] = None
             continue
-        p, *_, exposed = pipeline_pass(lo, mt, p2p, a2a=a2a, overlap=on)
+        p, *_, exposed = pipeline_pass(lo, costs, p2p, overlap=on)
         key = "on" if on else "off"
         out[f"exposed_{key}_s"] = lo.accum * exposed
         out[f"step_{key}_s"] = step + lo.accum * (p - pass_time) if on != mine else step
@@ -166,16 +284,25 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     if cfg.moe.replicate_hot_experts and cfg.parallelism.expert_parallel_degree > 1:
         imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
     lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
+    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
     per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
-    busiest = max(range(lo.pp), key=lambda r: per_rank[r].total)
+    # the rank with the most blocks (MoE blocks first) carries the most model-parallel
+    # traffic: its rows are the per-step comm, its per-block rates every stage's
+    busiest = max(range(lo.pp), key=lambda r: (lo.n_moe(lo.pipe.ranks[r]),
+                                               lo.pipe.ranks[r].layers, per_rank[r].total))
     rank = lo.pipe.ranks[busiest]
-    comm, mt, p2p = model_parallel_comm(lo, device, rank, per_rank[busiest], imbalance=imbalance)
+    # DualPipe: each of a rank's two mirrored stages sees half the micro-batches, so a step's
+    # traffic is half the micro-batches through both stages
+    lo_comm = (dataclasses.replace(lo, pp_microbatches=lo.pp_microbatches // 2)
+               if lo.job is not None and lo.job.pipeline.mirrored else lo)
+    comm, mt, p2p = model_parallel_comm(lo_comm, device, rank, per_rank[busiest],
+                                        imbalance=imbalance)
     ep_row = next((c for c in comm if c["parallelism"] == "EP all-to-all"), None)
     a2a = (ep_row["a2a_f_s"], ep_row["a2a_i_s"]) if ep_row else (0.0, 0.0)
+    costs = stage_costs(lo, per_stage, rank, per_rank[busiest], mt, a2a)
     overlap = cfg.parallelism.expert_parallel_comm_overlap
-    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, mt, p2p, a2a=a2a,
-                                                            overlap=overlap)
-    compute = lo.passes * sum((per_rank[busiest].f, per_rank[busiest].i, per_rank[busiest].w))
+    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, costs, p2p, overlap=overlap)
+    compute = lo.accum * busy_compute(lo, per_stage, events)
     memories, psis = memory_per_pp_rank(lo, in_flight, events)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
     psi_dense, psi_experts = psis[busiest]
@@ -185,10 +312,12 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
                      optimizer_elements=state_elements(lo, psi_dense, psi_experts, lo.zero_n))
     for c in comm:
         c["time_s"] = comm_time(c, device)
-    time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p})
+    time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p,
+                 "stage_f_i_w_s": [[f, i, w] for f, i, w in zip(costs.f, costs.i, costs.w)]})
     if ep_row and ep_overlap:
-        time["ep_all_to_all"] = ep_overlap_times(lo, mt, p2p, a2a, time["step_s"], pass_time,
-                                                 imbalance)
+        time["ep_all_to_all"] = ep_overlap_times(
+            lo, costs, p2p, lo_comm.passes * (a2a[0] + a2a[1]), time["step_s"], pass_time,
+            imbalance)
     if ep_row and compare_replication:
         time["ep_replication"] = replication_comparison(
             cfg, world_size, device=device, gpus_per_node=gpus_per_node, efficiency=efficiency,

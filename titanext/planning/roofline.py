@@ -76,8 +76,9 @@ class MicrobatchTime:
                               self.attention_f + other.attention_f)
 
 
-def _matmul(tokens: float, k: float, n: float, *, rate: float, bw: float, weight_bytes: float,
-            io_bytes: float, weights: float = 1.0) -> float:
+def matmul_seconds(tokens: float, k: float, n: float, *, rate: float, bw: float,
+                   weight_bytes: float, io_bytes: float, weights: float = 1.0) -> float:
+    """Seconds of a ``tokens`` x ``k`` -> ``n`` matmul at whichever roof it hits first."""
     flops = 2 * tokens * k * n
     moved = weight_bytes * k * n * weights + io_bytes * tokens * (k + n)
     return max(flops / rate, moved / bw)
@@ -112,12 +113,12 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
             lin.in_features, lin.out_features / split)
         rows = tokens * lin.token_factor
         if lin.float8:
-            fwd_mm += _matmul(rows, k, n, rate=fp8_rate, bw=bw, weight_bytes=1, io_bytes=1,
+            fwd_mm += matmul_seconds(rows, k, n, rate=fp8_rate, bw=bw, weight_bytes=1, io_bytes=1,
                               weights=lin.weights)
             # casting the input and the weight: amax read, read, 1-byte write (per pass)
             cast += (2 * a + 1) * (rows * k + k * n * lin.weights)
         else:
-            fwd_mm += _matmul(rows, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a,
+            fwd_mm += matmul_seconds(rows, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a,
                               weights=lin.weights)
     fwd_mm *= layers
     cast *= layers
@@ -141,7 +142,8 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
         out = vocab / tp
         weight_bytes = io = 1 if head_float8 else a
         rate = fp8_rate if head_float8 else bf16_rate
-        mm = _matmul(tokens, dim, out, rate=rate, bw=bw, weight_bytes=weight_bytes, io_bytes=io)
+        mm = matmul_seconds(tokens, dim, out, rate=rate, bw=bw, weight_bytes=weight_bytes,
+                            io_bytes=io)
         # logits (a) -> fp32 log-softmax (4) forward; its gradient back (4 + a)
         f += mm + tokens * out * (a + 4) / bw + 3 * a * tokens * dim / sp_div / bw
         i += mm + tokens * out * (a + 4) / bw

@@ -90,23 +90,34 @@ def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_r
                     overlap=overlap)
 
 
-def simulate_times(layout: PipelineLayout, *, f: float, i: float, w: float, comm: float,
-                   a2a: float = 0.0, a2a_i: float = 0.0, overlap: bool = False):
-    """Replay ``layout``'s schedule with these per-micro-batch seconds (one rank's share;
-    ``f`` and ``i`` without the expert-parallel all-to-all, which is ``a2a`` in F and
-    ``a2a_i`` in I, hidden behind the paired chunk with ``overlap``).
+def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a_i=0.0,
+                   overlap: bool = False):
+    """Replay ``layout``'s schedule with these per-micro-batch seconds: one figure for every
+    rank's share, or a tuple of each stage's own seconds by stage index (the first stage
+    with the embedding, the last with the head, loss and MTP); ``f`` and ``i`` without the
+    expert-parallel all-to-all, which is ``a2a`` in F and ``a2a_i`` in I, hidden behind the
+    paired chunk with ``overlap``.
 
-    Returns (seconds of one pass of all micro-batches, the simulator's result, with
-    ``a2a_exposed`` in seconds). Costs are normalised by ``f`` and rounded to 1% before
-    simulating, so that similar layouts share a cached simulation.
+    Returns (seconds of one pass of all micro-batches, the simulator's result, its events and
+    ``a2a_exposed`` in seconds). Costs are normalised by the largest F and rounded to 1%
+    before simulating, so that similar layouts share a cached simulation.
     """
-    def q(x: float) -> float:
-        return round(x / f, 2)
+    unit = max(f) if isinstance(f, tuple) else f
+
+    def q(x, floor: float = 0.0):
+        if isinstance(x, tuple):
+            return tuple(max(round(v / unit, 2), floor) for v in x)
+        return max(round(x / unit, 2), floor)
 
     sim = simulate_schedule(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
-                            stages_per_rank=layout.stages_per_rank, f=1.0, b=max(q(i), 0.01),
-                            w=max(q(w), 0.01), comm=q(comm), a2a=q(a2a), a2a_b=q(a2a_i),
+                            stages_per_rank=layout.stages_per_rank, f=q(f), b=q(i, 0.01),
+                            w=q(w, 0.01), comm=q(comm), a2a=q(a2a), a2a_b=q(a2a_i),
                             overlap=overlap,
                             max_pending_weight_grads=layout.max_pending_weight_grads)
-    exposed = [x * f for x in sim.a2a_exposed]
-    return sim.makespan * f, dataclasses.replace(sim, a2a_exposed=exposed)
+
+    def secs(events):
+        return [dataclasses.replace(e, start=e.start * unit, end=e.end * unit) for e in events]
+
+    return sim.makespan * unit, dataclasses.replace(
+        sim, a2a_exposed=[x * unit for x in sim.a2a_exposed], events=secs(sim.events),
+        comm_events=secs(sim.comm_events))

@@ -60,7 +60,9 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     lists are generated for these costs; with ``runtime_order`` they are the lists the trainer
     runs instead (generated for equal costs, except Auto's, which the trainer measures).
     ``max_pending_weight_grads`` > 0: the lists capped as the trainer runs them
-    (:func:`titanext.schedules.memory_cap.cap_pending_weight_grads`).
+    (:func:`titanext.schedules.memory_cap.cap_pending_weight_grads`). ``f``, ``b``, ``w``,
+    ``a2a`` and ``a2a_b`` may also be tuples of each stage's own cost, by stage index (the
+    planner's stages: the first with the embedding, the last with the head, loss and MTP).
 
     ``a2a`` (``a2a_b``) is the expert-parallel all-to-all time of one micro-batch's F (I or B;
     default ``a2a``) through 1/pp of the model, exposed unless ``overlap`` runs the schedule as
@@ -78,10 +80,12 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     cls = get_schedule_class(name)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
-    costs = dict(f=f * share, b=b * share, w=w * share, comm=comm, a2a=a2a * share,
-                 a2a_b=None if a2a_b is None else a2a_b * share)
+    def part(c):  # one figure is 1/pp of the model; a tuple is each stage's own cost
+        return c if c is None or isinstance(c, tuple) else c * share
+
+    costs = dict(f=part(f), b=part(b), w=part(w), comm=comm, a2a=part(a2a), a2a_b=part(a2a_b))
     order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
-                   else dict(f=f, b=b, w=w, comm=comm))
+                   else dict(f=_mean(f), b=_mean(b), w=_mean(w), comm=comm))
     if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
         order = combined_order(cls.__name__, pp, microbatches, spr)
     elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
@@ -94,6 +98,10 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
     return replay(order, num_stages=chain, stage_size=share, overlap=overlap, **costs)
+
+
+def _mean(c) -> float:
+    return sum(c) / len(c) if isinstance(c, tuple) else c
 
 
 def schedule_problems(name: str, *, pp: int, microbatches: int,
