@@ -46,7 +46,7 @@ __all__ = ["aten_op_names", "cuda_memory_snapshot", "flash_attention_cpu",
            "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
            "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
            "reduce_scatter_single", "set_pg_timeout", "trunc_normal_",
-           "abort_all_process_groups", "default_store"]
+           "abort_all_process_groups", "assert_on_device", "default_store"]
 
 #: ``torch._grouped_mm(a, b, offs=...)`` where this torch has it (CPU from 2.9), else None.
 grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -178,3 +178,9 @@ def trunc_normal_(t: torch.Tensor, mean: float, std: float, a: float, b: float,
     if result is not t:
         t.copy_(result)
     return t
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Fail where ``condition`` (a 0-dim bool tensor) is False, checked on its device without a
+    host sync (a device-side assert on CUDA): torch's private ``_assert_async``."""
+    torch._assert_async(condition, message)

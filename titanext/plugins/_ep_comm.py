@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanext._compat import assert_on_device
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._baton_threads import comm_point
@@ -198,7 +199,7 @@ class CommTape:
                                "the block to leave it unchanged (write out of place)")
         if kept is not None:  # the routing the recompute sends must be the forward's; checked
             # on the device, without a sync (CUDA: a device-side assert)
-            torch._assert_async((check.detach() == kept).all(), _DIVERGED.format(key=key))
+            assert_on_device((check.detach() == kept).all(), _DIVERGED.format(key=key))
         self._pos += 1
         return _detach(value)
 

@@ -33,8 +33,9 @@ Combine (forward hook) is the exact inverse: inverse permutation, then the rever
 all-to-all with swapped splits, and reuses the host lists kept from the forward: the backward
 has no sync at all. Where syncs remain: one per dispatch (step 2), once more when activation
 checkpointing recomputes the layer (not with ``keep_all_to_all``, which replays the forward's
-collectives: :mod:`titanext.plugins.activation_checkpoint`), and inside the experts module if it needs host counts
-(``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path does not).
+collectives: :mod:`titanext.plugins.activation_checkpoint`), and inside the experts module if it
+needs host counts (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path
+does not).
 
 Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``
 sends each token once to every node holding one of its experts, then to the experts inside it,
