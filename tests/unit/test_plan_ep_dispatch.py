@@ -73,3 +73,31 @@ def test_h800_computes_as_the_h100_with_a_slower_nvlink():
     assert (h800.bf16_flops, h800.fp8_flops, h800.hbm_bytes) == (
         h100.bf16_flops, h100.fp8_flops, h100.hbm_bytes)
     assert (h800.intra_bw, h800.inter_bw) == (200e9, 50e9)  # 400 GB/s both ways together
+
+
+def test_keep_all_to_all_drops_the_recomputed_all_to_alls_and_keeps_their_rows():
+    """[activation_checkpoint] keep_all_to_all under full AC: the recompute replays what the
+    forward received, so the EP all-to-alls per MoE block and micro-batch go from 6 to 4 (plus
+    their count exchanges: 2 -> 1), and each token keeps top_k dispatched rows and top_k expert
+    outputs (the dry run measures the same 16 -> 10 calls and +0.0156 GiB on this config)."""
+    from titanext.planning.layout import resolve_layout
+
+    base = ["--parallelism.expert_parallel_degree=4", "--activation_checkpoint.mode=full",
+            "--training.local_batch_size=8", "--training.seq_len=2048"]
+    plans, layouts = {}, {}
+    for keep in (False, True):
+        cfg = load_config("train_configs/debug_moe.toml",
+                          [*base, f"--activation_checkpoint.keep_all_to_all={str(keep).lower()}"],
+                          world_size=8)
+        plans[keep] = plan_config(cfg, 8, device=DEVICES["h100"])
+        layouts[keep] = resolve_layout(cfg, 8)
+    rows = {k: next(c for c in p.comm if c["parallelism"] == "EP all-to-all")
+            for k, p in plans.items()}
+    assert (rows[False]["collectives"], rows[True]["collectives"]) == (16, 10)
+    assert rows[True]["bytes"] == pytest.approx(rows[False]["bytes"] * 2 / 3)
+    lo = layouts[True]
+    shape = lo.shape
+    kept = shape.moe.top_k * 2 * shape.dim * lo.a
+    assert lo.kept_all_to_all_per_token == kept and layouts[False].kept_all_to_all_per_token == 0
+    grew = plans[True].memory_total - plans[False].memory_total
+    assert grew == pytest.approx(kept * lo.tokens * shape.n_moe_layers)

@@ -73,9 +73,9 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         # dispatch + combine forward, again backward (and in the recompute); one count exchange
         # per dispatch; on the critical path (the MoE waits for its tokens)
         n_f = 2 * lo.n_moe(rank)
-        n_i = n_f * (2 if ac == "full" else 1)
+        n_i = n_f * (2 if lo.recomputes_all_to_all else 1)
         one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a) * imbalance
-        counts = lo.n_moe(rank) * (2 if ac == "full" else 1)  # split sizes, once per dispatch
+        counts = lo.n_moe(rank) * (2 if lo.recomputes_all_to_all else 1)  # once per dispatch
         overlapped = lo.cfg.parallelism.expert_parallel_comm_overlap
         c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
              "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep),
@@ -112,7 +112,7 @@ def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: Micro
     fan-out to the experts inside the node), both on the critical path; the first carries the
     micro-batch's all-to-all seconds of both (``a2a_f_s``, ``a2a_i_s``)."""
     p, shape, moe, a, tp, ep = lo.cfg.parallelism, lo.shape, lo.shape.moe, lo.a, lo.tp, lo.ep
-    n_moe, full, passes = lo.n_moe(rank), lo.ac == "full", lo.passes
+    n_moe, full, passes = lo.n_moe(rank), lo.recomputes_all_to_all, lo.passes
     row = row_bytes(shape.dim, a)
     disp_row = row_bytes(shape.dim, a, p.expert_parallel_float8_dispatch)
     if p.expert_parallel_dispatch == "flat":  # one level; one all-to-all each
@@ -168,7 +168,7 @@ def expert_copies_comm(lo: Layout, device: Device, rank: RankStages, mt: Microba
     """
     moe, a, passes = lo.shape.moe, lo.a, lo.passes
     one = expert_copy_bytes(moe.experts, moe.num_experts, copies=copies, a=a)
-    n_f = lo.n_moe(rank) * (2 if lo.ac == "full" else 1)  # forwards (and recomputes)
+    n_f = lo.n_moe(rank) * (2 if lo.recomputes_all_to_all else 1)  # forwards (and recomputes)
     n_i = lo.n_moe(rank)
     c = {"parallelism": f"EP expert copies (replicate_hot_experts = {copies})",
          "collectives": (n_f + n_i) * passes, "bytes": (n_f + n_i) * one * passes,

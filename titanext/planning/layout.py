@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanext.config import JobConfig, JobLayout, resolve_job_layout
-from titanext.planning.moe import with_ep
+from titanext.planning.moe import row_bytes, with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
 from titanext.planning.stages import PipelineLayout, RankStages, pipeline_layout
@@ -92,6 +92,23 @@ class Layout:
 
     def level(self, stride: int, size: int) -> str:
         return level(stride, size, self.gpus_per_node)
+
+    @property
+    def recomputes_all_to_all(self) -> bool:
+        """Full AC's recompute runs the EP all-to-alls (and copies) again, unless
+        ``[activation_checkpoint] keep_all_to_all`` replays what the forward received."""
+        return self.ac == "full" and not self.cfg.activation_checkpoint.keep_all_to_all
+
+    @property
+    def kept_all_to_all_per_token(self) -> float:
+        """Bytes per token and MoE block that ``keep_all_to_all`` keeps from the forward for the
+        recompute: the dispatched rows (float8 where the dispatch is) and the expert outputs
+        before the combine, ``top_k`` of each (balanced routing: a rank receives what it sends)."""
+        moe = self.shape.moe
+        if moe is None or self.ac != "full" or not self.cfg.activation_checkpoint.keep_all_to_all:
+            return 0.0
+        f8 = self.cfg.parallelism.expert_parallel_float8_dispatch
+        return moe.top_k * (row_bytes(self.shape.dim, self.a, f8) + self.shape.dim * self.a)
 
     def n_moe(self, rank: RankStages) -> int:
         """MoE blocks among a pp rank's blocks."""

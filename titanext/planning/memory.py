@@ -196,7 +196,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
     loss_backward = lo.tokens * (a + (8 if _compiled(lo, "loss") else 12)) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses)
-                     if moe else 0.0)
+                     + lo.kept_all_to_all_per_token if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
