@@ -101,7 +101,7 @@ class Trainer:
         parallelize_part = functools.partial(  # the recipe, for the model or each stage
             parallelize, dims=dims, parallelism=p, compile=cfg.compile, float8=f8, training=t,
             activation_checkpoint=cfg.activation_checkpoint, device=self.device,
-            replicate_hot_experts=cfg.moe.replicate_hot_experts,
+            replicate_hot_experts=layout.expert_replicas,
             check_replicated_grads=p.check_replicated_grads_steps if cfg.comm.mode == "real" else 0,
             init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
             else (lambda m: m.init_weights(seed=t.seed)))

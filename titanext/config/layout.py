@@ -7,8 +7,8 @@ part of titanext needs, from the config alone (no process group, device or model
 - gradient accumulation and the model's arguments (the flavor's, with ``[moe]`` overrides);
 - the pipeline (:class:`PipelinePlan`): the schedule *class*, its placement, the stages per
   rank and the rank that owns each stage, the blocks per stage and the micro-batches;
-- the EP layout (the ``dp_shard`` ranks it borrows), hot-expert replication and the recompute
-  mode.
+- the EP layout (the ``dp_shard_in_ep`` dim it borrows, in ``mesh_dims``), hot-expert
+  replication and the recompute mode.
 
 Every consumer reads this object and recomputes none of it: the config rules (through
 :func:`pipeline_plan`, the one function that resolves a pipeline), ``ParallelDims``
@@ -215,14 +215,6 @@ class JobLayout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
-
-    @property
-    def ep_borrowed_dims(self) -> tuple[str, ...]:
-        """The mesh dims expert parallelism spans (``dp_shard_in_ep`` x cp), outermost first."""
-        if self.ep == 1:
-            return ()
-        return tuple(n for n, _ in self.mesh_dims if n in ("dp_shard_in_ep", "cp", "cp_ring",
-                                                            "cp_ulysses"))
 
 
 def resolve_job_layout(cfg: JobConfig, world_size: int) -> JobLayout:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext.plugins._ep_comm import PLAIN, AllToAll, Wire, swap_counts
+from titanext.plugins._mesh import one_dim_group
 from titanext.plugins.expert_replication import ReplicationPlan, dispatch_replicated
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
@@ -69,12 +70,8 @@ class Route:
 
 
 def ep_group(ep: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
-    if isinstance(ep, DeviceMesh):
-        if ep.ndim != 1:
-            raise ValueError(f"expert parallelism needs a 1D ep mesh, got {ep.ndim}D "
-                             f"{ep.mesh_dim_names}; pass a flattened view such as dims.ep_mesh")
-        return ep.get_group()
-    return ep
+    return one_dim_group(ep, "expert parallelism needs a 1D ep mesh, got {ndim}D {names}; pass a "
+                             "flattened view such as dims.ep_mesh")
 
 
 def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,

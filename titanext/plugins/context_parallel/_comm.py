@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanext._compat import reduce_scatter_single
 from titanext._profiler_ranges import CP, phase
 from titanext.plugins._counting import Counters
+from titanext.plugins._mesh import one_dim_group
 
 Group = dist.ProcessGroup | DeviceMesh
 
@@ -84,12 +85,8 @@ def record_collective(name: str, t: torch.Tensor, fraction: float = 1.0) -> None
 # -- groups and the ring --------------------------------------------------------------------------
 
 def as_group(group: Group | None) -> dist.ProcessGroup | None:
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"context parallel attention needs a 1D mesh, got a {group.ndim}D "
-                             f"mesh {group.mesh_dim_names}; pass mesh['cp'] (or its sub-axes)")
-        return group.get_group()
-    return group
+    return one_dim_group(group, "context parallel attention needs a 1D mesh, got a {ndim}D "
+                                "mesh {names}; pass mesh['cp'] (or its sub-axes)")
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
