@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from titanext.plugins.options import EP_DISPATCH_MODES
+from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas_within
 
 __all__ = ["EP_DISPATCH_MODES", "dispatch_problems"]
 
@@ -69,7 +69,7 @@ def dispatch_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]
                         "'flat'")
     n = cfg.moe.replicate_hot_experts
     nodes, e = ep // rpn, args.moe.num_experts
-    most = e // nodes - e // ep
+    most = max_replicas_within(e, ep, copies_within=rpn)  # apply_expert_parallel's own bound
     if n > most:
         problems.append(f"moe.replicate_hot_experts = {n} with {two}: copies stay inside a node; "
                         f"allowed: at most num_experts / nodes - num_experts / ep = {e // nodes} "

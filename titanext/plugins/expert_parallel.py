@@ -78,7 +78,7 @@ from titanext.plugins._ep_dispatch import (
 from titanext.plugins._ep_dispatch import ep_group as _group
 from titanext.plugins._ep_layouts import follows_experts_protocol
 from titanext.plugins.expert_replication import copy_experts
-from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas
+from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas_within
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
@@ -508,11 +508,11 @@ def expert_parallel_targets(model: nn.Module, ep: int, *,
         if n_exp % ep:
             raise ValueError(f"{fqn}: {n_exp} experts cannot be split over ep = {ep} ranks; the "
                              "ep degree must divide the number of experts")
-        homes = copies_within or ep
-        pool = n_exp * homes // ep  # the experts of the ranks a copy can go to
-        if replicate_hot_experts > max_replicas(pool, homes):
+        pool = n_exp * (copies_within or ep) // ep  # the experts of the ranks a copy can go to
+        most = max_replicas_within(n_exp, ep, copies_within)
+        if replicate_hot_experts > most:
             raise ValueError(f"{fqn}: replicate_hot_experts = {replicate_hot_experts} is more than "
-                             f"the {max_replicas(pool, homes)} experts of {pool} a rank can host "
+                             f"the {most} experts of {pool} a rank can host "
                              f"as copies at ep = {ep}" + (
                                  " (num_experts - num_experts / ep)" if not copies_within else
                                  f" with two-level dispatch over nodes of {copies_within} ranks "

@@ -50,6 +50,18 @@ def max_replicas(num_experts: int, ep: int) -> int:
     return num_experts - num_experts // ep
 
 
+def max_replicas_within(num_experts: int, ep: int, copies_within: int = 0) -> int:
+    """:func:`max_replicas` where a copy can only go to ``copies_within`` ranks (two-level
+    dispatch keeps copies inside a node of that many ep ranks; 0: any of the ``ep``): the experts
+    of those ranks that a rank does not hold, ``num_experts / nodes - num_experts / ep``.
+
+    >>> max_replicas_within(64, 8), max_replicas_within(64, 8, copies_within=4)
+    (56, 24)
+    """
+    homes = copies_within or ep
+    return max_replicas(num_experts * homes // ep, homes)
+
+
 def replication_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]
                          ) -> list[str]:
     """One line per problem of ``[moe] replicate_hot_experts`` (its sign is a field check): it
