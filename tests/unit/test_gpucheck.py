@@ -12,7 +12,8 @@ import torch
 from titanext.gpucheck import ROWS, kernels, run_gpucheck
 from titanext.gpucheck import __main__ as cli
 
-CPU_GROUPS = ["ring", "deferred", "grouped", "float8", "split", "float8_speed", "throughput"]
+CPU_GROUPS = ["ring", "deferred", "grouped", "float8", "split", "float8_speed", "throughput",
+              "ranks"]
 
 
 def test_every_group_is_known_and_ordered():
@@ -62,3 +63,17 @@ def test_cli_writes_json_and_exit_codes(tmp_path, capsys):
     assert bad.value.code == 2
     if not torch.cuda.is_available():
         assert cli.main(["--device", "cuda"]) == 2
+
+
+def test_ranks_share_a_gpu_only_when_nccl_is_told(monkeypatch):
+    from titanext.distributed import utils
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 1, but 1 GPU"):
+        utils.local_cuda_index()
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert utils.local_cuda_index() == 0
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert utils.local_cuda_index() == 0

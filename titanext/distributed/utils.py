@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from titanext._compat import foreach_mul_, set_pg_timeout
 
 __all__ = ["clip_grad_norm_", "clip_mirrored_grads", "device_type", "elastic_store",
-           "init_distributed", "set_determinism", "set_process_group_timeout"]
+           "init_distributed", "local_cuda_index", "set_determinism", "set_process_group_timeout"]
 
 
 def device_type() -> str:
@@ -41,9 +41,8 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """
     dev = device_type()
     if dev == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_cuda_index())
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
@@ -59,6 +58,20 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
                                          "world_size": int(os.environ["WORLD_SIZE"])}),
         )
     return device
+
+
+def local_cuda_index() -> int:
+    """This rank's GPU: ``LOCAL_RANK``, or with ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (NCCL 2.28+:
+    several ranks of one communicator on one GPU) ``LOCAL_RANK`` modulo the GPUs visible."""
+    local_rank, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
+        return local_rank % count
+    raise RuntimeError(
+        f"LOCAL_RANK {local_rank}, but {count} GPU(s) are visible: start at most {count} "
+        "processes per node (torchrun --nproc_per_node), or set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+        "to let ranks share a GPU (NCCL 2.28 or newer)")
 
 
 def elastic_store(timeout: datetime.timedelta):

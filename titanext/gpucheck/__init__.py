@@ -19,8 +19,9 @@ It prints one table and writes it as JSON (``--json``). Without CUDA every row r
 CPU sizes and the rows that need a GPU say "skipped" (the tests run it so); without torchao the
 torchao recipes say "skipped: torchao missing". Exit code 0 when nothing failed, 1 otherwise.
 
-On one GPU every run is single-rank: NCCL collectives between ranks (FSDP, TP, CP's ring sends,
-EP's all-to-all, pipeline p2p) are not exercised here; the CPU suite checks them on gloo.
+The ``ranks`` group runs 2 ranks on the one GPU where NCCL allows it
+(``NCCL_MULTI_RANK_GPU_ENABLE=1``, NCCL 2.28+): FSDP, TP, the CP ring, the EP all-to-all and the
+pipeline's send/recv against one process (:mod:`titanext.gpucheck.ranks`).
 
 >>> from titanext.gpucheck import run_gpucheck
 >>> rows = run_gpucheck("cpu", quick=True, only=["grouped"])
@@ -40,7 +41,7 @@ __all__ = ["ROWS", "Row", "run_gpucheck"]
 
 
 def _rows() -> dict[str, tuple[str, Callable]]:
-    from titanext.gpucheck import kernels, speed, training
+    from titanext.gpucheck import kernels, ranks, speed, training
 
     return {
         "ring": ("check", kernels.check_ring_kernels),
@@ -51,11 +52,13 @@ def _rows() -> dict[str, tuple[str, Callable]]:
         "float8_speed": ("measure", speed.measure_float8),
         "split": ("measure", speed.measure_deferred_split),
         "throughput": ("measure", training.measure_trainer),
+        "ranks": ("check", ranks.check_multi_rank),
     }
 
 
 #: the row groups, in the order they run (``--only`` takes these names)
-ROWS = ("ring", "deferred", "grouped", "float8", "split", "float8_speed", "throughput", "trainer")
+ROWS = ("ring", "deferred", "grouped", "float8", "split", "float8_speed", "throughput", "trainer",
+        "ranks")
 
 
 def run_gpucheck(device: str | None = None, *, quick: bool | None = None,

@@ -33,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir):
+def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir, backend="gloo"):
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -43,11 +43,18 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir):
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    device_id = None
+    if backend == "nccl":  # (several ranks may share one GPU: see local_cuda_index)
+        from titanext.distributed.utils import local_cuda_index
+
+        device_id = torch.device("cuda", local_cuda_index())
+        torch.cuda.set_device(device_id)
     dist.init_process_group(
-        "gloo",
+        backend,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
     )
     try:
         result = fn(rank, world_size, *args, **kwargs)
@@ -77,8 +84,10 @@ def run_distributed(
     args: tuple = (),
     kwargs: dict | None = None,
     timeout_s: float = 60.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` gloo processes.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` gloo processes (or
+    ``backend="nccl"``: one GPU per ``LOCAL_RANK``, see ``local_cuda_index``).
 
     ``fn`` must be a module-level function. Returns the per-rank results; any rank's
     exception is re-raised here with its traceback.
@@ -90,7 +99,7 @@ def run_distributed(
         try:
             mp.spawn(
                 _worker,
-                args=(world_size, free_port(), fn, args, kwargs or {}, timeout_s, out_dir),
+                args=(world_size, free_port(), fn, args, kwargs or {}, timeout_s, out_dir, backend),
                 nprocs=world_size,
                 join=True,
             )

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU machine, everything that needs a GPU in one go (about 8
+# minutes on one H200): the wheels fetched by benchmarks/gpu_wheels.sh, the machine's NCCL, then
+# python -m titanext.gpucheck with every row group (its JSON and log under $OUT, or ./gpu_out).
+#   here:  bash benchmarks/gpu_wheels.sh
+#   there: bash benchmarks/gpu_session.sh         (carry .whl)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/titanext-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/titanext-site"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv | tee "$out/machine.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version())" \
+  | tee -a "$out/machine.txt"
+timeout "${GPUCHECK_TIMEOUT:-480}" python3 -m titanext.gpucheck --json "$out/gpucheck.json" \
+  --markdown "$@" 2>&1 | tee "$out/gpucheck.log"
