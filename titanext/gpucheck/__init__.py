@@ -7,8 +7,8 @@ Checks, each against an fp32 (or CPU) reference with a stated tolerance:
 - deferred weight gradients (linears, grouped experts) against one autograd backward;
 - grouped GEMM (``torch._grouped_mm``) against the per-expert loop;
 - every float8 recipe's linear (SQNR of output and gradients);
-- the trainer for a few steps on the debug and 1B flavors: compile + selective AC, and full AC
-  + float8, against fp32 eager.
+- the trainer for a few steps on the debug, debugdeepseek (MLA + MoE + MTP) and 1B flavors:
+  compile + selective AC, full AC + float8, and bf16 autocast, against fp32 eager.
 
 Measurements, variants side by side in turns (medians and ratios): float8 against bf16 for one
 linear and one 1B block (against torchao's published 1.39x); the deferred split's (I+W)/B;

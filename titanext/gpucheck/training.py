@@ -22,14 +22,17 @@ __all__ = ["FLAVORS", "check_trainer", "measure_trainer", "trainer_overrides"]
 SECTION_CHECK, SECTION_MEASURE = "check", "measure"
 
 #: flavor: (local batch, seq_len, steps) on a GPU; the CPU run (quick) uses the debug flavor only
-FLAVORS = {"debugmodel": (8, 256, 5), "1B": (2, 2048, 3)}
+FLAVORS = {"debugmodel": (8, 256, 5), "debugdeepseek": (8, 256, 5), "1B": (2, 2048, 3)}
+#: what a flavor's check runs with besides its name: debugdeepseek is MLA + MoE, here with MTP
+FLAVOR_OVERRIDES = {"debugdeepseek": ["--model.num_mtp_layers=1"]}
 
 
 def trainer_overrides(flavor: str, batch: int, seq: int, steps: int, *, fp32: bool,
                       compile_: bool, ac: str, float8: str | None) -> list[str]:
     """Command-line overrides of one single-device run on synthetic tokens."""
     return [
-        f"--model.flavor={flavor}", "--training.dataset=synthetic",
+        f"--model.flavor={flavor}", *FLAVOR_OVERRIDES.get(flavor, []),
+        "--training.dataset=synthetic",
         f"--training.local_batch_size={batch}", f"--training.seq_len={seq}",
         f"--training.steps={steps}", "--training.seed=7", "--optimizer.lr=3e-4",
         "--lr_scheduler.warmup_steps=1", "--metrics.enable_tensorboard=false",
@@ -88,10 +91,12 @@ def _float8_recipe(ctx: Ctx) -> str | None:
 
 
 def check_trainer(ctx: Ctx) -> list[Row]:
-    """Per flavor: fp32 eager against fp32 with compile + selective AC + float8, step by step."""
+    """Per flavor (debug, debugdeepseek with MTP, 1B): fp32 eager against fp32 with compile +
+    selective AC, full AC + float8, and bf16 autocast (the one-device mixed-precision path),
+    step by step."""
     rows = []
     logging.getLogger("titanext").setLevel(logging.ERROR)
-    for flavor in (("debugmodel",) if ctx.quick else FLAVORS):
+    for flavor in (("debugmodel", "debugdeepseek") if ctx.quick else FLAVORS):
         batch, seq, steps = (4, 64, 3) if ctx.quick else FLAVORS[flavor]
         recipe = _float8_recipe(ctx)
         ref = _run(trainer_overrides(flavor, batch, seq, steps, fp32=True, compile_=False,
@@ -99,15 +104,18 @@ def check_trainer(ctx: Ctx) -> list[Row]:
         # (CPU-sized runs leave compile out: it is the slow part there, and the suite tests it)
         variants = {("AC(selective)" if ctx.quick else "compile + AC(selective)"):
                     dict(compile_=not ctx.quick, ac="selective", float8=None),
-                    "AC(full) + float8": dict(compile_=False, ac="full", float8=recipe)}
+                    "AC(full) + float8": dict(compile_=False, ac="full", float8=recipe),
+                    "bf16 autocast": dict(compile_=False, ac="none", float8=None, fp32=False)}
         for what, kw in variants.items():
             if kw["float8"] is None and "float8" in what:
                 rows.append(Row(SECTION_CHECK, f"trainer {flavor}: {what}", "skipped",
                                 note="skipped: torchao missing (pip install torchao)"))
                 continue
-            got = _run(trainer_overrides(flavor, batch, seq, steps, fp32=True, **kw), steps, ctx)
+            low = kw["float8"] or kw.get("fp32") is False  # float8 or bf16: their rounding
+            got = _run(trainer_overrides(flavor, batch, seq, steps, **{"fp32": True, **kw}),
+                       steps, ctx)
             err = rel_err(torch.tensor(got.losses), torch.tensor(ref.losses))
-            tol = 2e-2 if kw["float8"] else 1e-4
+            tol = 2e-2 if low else 1e-4
             rows.append(Row(
                 SECTION_CHECK, f"trainer {flavor}: {what}", "pass" if err <= tol else "FAIL",
                 value=f"{err:.1e}", target=f"<= {tol:g} (losses vs fp32 eager)",
