@@ -1,5 +1,6 @@
 """Multi-token prediction under tensor parallelism follows one fp32 process (4 CPU ranks, one
-spawn): TP 2 x FSDP 2, and PP 2 (1F1B, the MTP module on the last stage) x TP 2, both with
+spawn): TP 2 x FSDP 2 (also with EP 2), and PP 2 (1F1B, the MTP module on the last stage) x
+TP 2, all with
 sequence parallelism and loss parallelism (the defaults), on the debug DeepSeek flavor (MLA,
 MoE, one MTP module).
 
@@ -19,6 +20,8 @@ from tests.spawn import run_distributed
 TP2 = [P + "tensor_parallel_degree=2"]
 CASES = {
     "tp2_x_fsdp2": [*DEBUG, *FSDP2, *TP2],
+    # the MTP block's MoE: replicated over tp as the blocks' are, its experts split over ep
+    "tp2_x_fsdp2ep2": [*DEBUG, *FSDP2, *TP2, P + "expert_parallel_degree=2"],
     "1F1B_pp2_x_tp2": [*DEBUG, "--training.local_batch_size=8", *TP2, *_pp("1F1B", 2)],
 }
 
