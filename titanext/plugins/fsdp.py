@@ -1,7 +1,8 @@
 """FSDP2 / HSDP (ZeRO-2 and ZeRO-3) and replicated data parallelism (ZeRO-1).
 
 ``apply_fsdp`` shards every block as its own FSDP unit (and every multi-token prediction
-module after them), then the root, with a MixedPrecisionPolicy. A 2D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
+module after them), then the root, with a MixedPrecisionPolicy. A 2D mesh
+``(dp_replicate, dp_shard)`` gives HSDP.
 
 >>> from torch.distributed.device_mesh import init_device_mesh
 >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))  # torchrun  # doctest: +SKIP
