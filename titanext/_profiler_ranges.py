@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from titanext._compat import profiler_enabled
 
 __all__ = ["BACKWARD", "CP", "DATA", "EP_ALL_TO_ALL", "FORWARD", "LOG", "LOSS", "OPTIMIZER",
-           "PHASES", "PIPELINE", "PP_CHUNK", "PREFIX", "phase", "pp_chunk"]
+           "PHASES", "PIPELINE", "PP_CHUNK", "PP_WAIT", "PREFIX", "phase", "pp_chunk"]
 
 PREFIX = "titanext:"
 DATA = PREFIX + "data"  # next micro-batches, CP slicing of the batch
@@ -34,6 +34,9 @@ EP_ALL_TO_ALL = PREFIX + "ep_all_to_all"  # EP dispatch/combine exchanges, forwa
 CP = PREFIX + "cp"  # a context-parallel attention's communication (ring step, all-to-all)
 
 PP_CHUNK = PREFIX + "pp_{kind}/s{stage}"  # one pipeline stage's F, I, W or full-B chunk
+#: a rank blocked in wait() on pipeline sends / receives (the schedules' wait points): the
+#: step table's "PP send/recv" row, which the ops' lifetimes (overlapping compute) would not be
+PP_WAIT = PREFIX + "pp_wait"
 
 #: the top-level phases of one training step, in order; they do not nest in each other
 PHASES = (DATA, FORWARD, BACKWARD, PIPELINE, LOSS, OPTIMIZER, LOG)

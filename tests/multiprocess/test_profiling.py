@@ -70,7 +70,8 @@ def spawned(tmp_path_factory) -> tuple[Path, list[dict]]:
 def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
     """Every rank writes a trace per window holding titanext's ranges and a step table whose
     phases add up to the step within 10%; the losses equal an unprofiled run's bitwise; the
-    pipeline run reports its F/I/W chunks and its measured and simulated bubble."""
+    pipeline run reports its F/I/W chunks, its measured and simulated bubble, and its send/recv
+    time as the time it blocked waiting (> 0, within the pipeline phase)."""
     tmp_path, results = spawned
     problems = []
     for name, (_, ranges) in CASES.items():
@@ -100,6 +101,13 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
                     problems.append(f"pp rank {rank}: pipeline idle {pipe}")
                 if not {"F", "I", "W"} <= {k for c in table["chunks"].values() for k in c}:
                     problems.append(f"pp rank {rank}: chunks {table['chunks']}")
+                # the send/recv row is the time blocked in the waits, within the pipeline phase
+                wait, wall = table["comm"].get("PP send/recv", 0.0), table["phases"]["pipeline"]
+                print(f"pp rank {rank}: PP send/recv {wait:.2f} ms of a {wall:.2f} ms pipeline "
+                      f"phase ({table['step_ms']:.2f} ms step)")
+                if not 0 < wait <= wall <= table["step_ms"]:
+                    problems.append(f"pp rank {rank}: PP send/recv {wait} ms, pipeline phase "
+                                    f"{wall} ms, step {table['step_ms']} ms")
     assert not problems, "\n".join(problems)
 
 

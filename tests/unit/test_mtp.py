@@ -73,15 +73,8 @@ def test_the_last_pipeline_stage_holds_mtp_and_an_embedding_copy():
     assert parts[1].output is not None and parts[0].output is None
 
 
-def test_mtp_under_tensor_parallelism_is_a_config_error():
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=1",
-                           "--parallelism.tensor_parallel_degree=2"], world_size=2)
-    assert len(e.value.problems) == 1
-    line = e.value.problems[0]
-    assert "parallelism.tensor_parallel_degree = 2" in line and "num_mtp_layers = 1" in line
-    assert "allowed: tensor_parallel_degree = 1" in line
-    load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=0",
+def test_mtp_runs_under_tensor_parallelism_but_not_autograd_split_backward():
+    load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=1",
                        "--parallelism.tensor_parallel_degree=2"], world_size=2)
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--model.flavor=debugmoe", "--model.num_mtp_layers=1",
@@ -97,11 +90,12 @@ def test_the_cli_exits_2_with_one_line():
     proc = subprocess.run(
         [sys.executable, "-m", "titanext.launch", "--nproc_per_node", "2", "--config",
          "train_configs/debug_moe.toml",
-         "--model.num_mtp_layers=1", "--parallelism.tensor_parallel_degree=2"],
+         "--model.num_mtp_layers=1", "--parallelism.pipeline_parallel_degree=2",
+         "--parallelism.pipeline_parallel_split_backward=autograd"],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     lines = [x for x in proc.stderr.splitlines() + proc.stdout.splitlines() if x.strip()]
     assert proc.returncode == 2, proc
-    assert len(lines) == 1 and "tensor_parallel_degree = 2" in lines[0], lines
+    assert len(lines) == 1 and "split_backward = 'autograd'" in lines[0], lines
     assert "Traceback" not in proc.stderr
 
 

@@ -83,3 +83,25 @@ def test_window_steps_and_the_table_of_a_trace():
     assert b["steps"] == [2]
     assert b["comm"] == {"FSDP all-gather": 0.015, "FSDP reduce-scatter": 0.005}
     assert abs(b["unaccounted_ms"] - 0.01) < 1e-12
+
+
+def test_the_pipeline_send_recv_row_is_the_time_blocked_waiting():
+    """Sends and receives in flight for most of the step (their gloo lifetimes: 180 us in a
+    100 us step) count only where the rank waited in titanext:pp_wait (nested or overlapping
+    ranges once: 10 + 15 us)."""
+    from titanext.components.step_table import step_breakdown
+
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "ProfilerStep#0", "ts": 0, "dur": 100, "tid": 1},
+        {"ph": "X", "name": "titanext:pipeline", "ts": 0, "dur": 95, "tid": 1},
+        {"ph": "X", "name": "c10d::recv_", "ts": 1, "dur": 1, "tid": 1},
+        {"ph": "X", "name": "gloo:recv", "ts": 1, "dur": 90, "tid": 1},
+        {"ph": "X", "name": "titanext:pp_wait", "ts": 5, "dur": 10, "tid": 1},
+        {"ph": "X", "name": "titanext:pp_F/s0", "ts": 15, "dur": 40, "tid": 1},
+        {"ph": "X", "name": "c10d::send", "ts": 56, "dur": 1, "tid": 1},
+        {"ph": "X", "name": "gloo:send", "ts": 56, "dur": 90, "tid": 7},
+        {"ph": "X", "name": "titanext:pp_wait", "ts": 70, "dur": 15, "tid": 1},
+        {"ph": "X", "name": "titanext:pp_wait", "ts": 72, "dur": 5, "tid": 1}]}
+    b = step_breakdown(trace)
+    assert b["comm"] == {"PP send/recv": 0.025}
+    assert b["pipeline"]["busy_ms"] == 0.04

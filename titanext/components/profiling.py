@@ -115,6 +115,10 @@ class StepProfiler:
 
     def __enter__(self) -> StepProfiler:
         if self.cfg.enable_profiling:
+            if self._pipeline_schedule is not None:  # torch's schedules' P2P waits, marked
+                from titanext.schedules._torch_ir import record_p2p_waits
+
+                record_p2p_waits()
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)

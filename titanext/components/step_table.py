@@ -11,9 +11,12 @@ ranges):
   chunks, and the idle time between them (the bubble, as measured);
 - communication, by kind: each collective the backend ran (gloo's ``gloo:*`` events, NCCL's
   kernels) is put down to the innermost range open where it was issued: FSDP's all-gather or
-  reduce-scatter (FSDP's own ``FSDP::`` ranges), CP, EP all-to-all, pipeline send/recv, the
-  loss and optimizer all-reduces, and TP (DTensor's functional collectives outside those).
-  A collective's time may overlap compute, so these rows are not part of the sum.
+  reduce-scatter (FSDP's own ``FSDP::`` ranges), CP, EP all-to-all, the loss and optimizer
+  all-reduces, and TP (DTensor's functional collectives outside those). A collective's time
+  may overlap compute, so these rows are not part of the sum. Pipeline send/recv is the time
+  the rank blocked in the schedules' wait points (titanext's ``pp_wait`` ranges, merged):
+  a send or receive in flight while the rank computes costs nothing there, so this row is
+  bounded by the pipeline phase (its ops' lifetimes, issue to completion, were not).
 
 :func:`simulated_idle` replays the schedule with the measured per-stage costs
 (:func:`titanext.schedules.simulator.replay`) for the bubble the simulator predicts.
@@ -33,13 +36,22 @@ import bisect
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from titanext.config.layout import PipelinePlan
 
-from titanext._profiler_ranges import CP, EP_ALL_TO_ALL, LOSS, OPTIMIZER, PHASES, PIPELINE, PREFIX
+from titanext._profiler_ranges import (
+    CP,
+    EP_ALL_TO_ALL,
+    LOSS,
+    OPTIMIZER,
+    PHASES,
+    PIPELINE,
+    PP_WAIT,
+    PREFIX,
+)
 
 __all__ = ["TraceRanges", "breakdown_rows", "read_ranges", "simulated_idle", "step_breakdown",
            "step_number"]
@@ -48,6 +60,7 @@ _STEP = re.compile(r"ProfilerStep#(\d+)")
 _CHUNK = re.compile(re.escape(PREFIX) + r"pp_([FIWB])/s(\d+)$")
 _ISSUE = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:")
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_PP = "PP send/recv"  # the kind whose time is the rank's waiting (PP_WAIT), not its ops'
 
 
 def _kind_of_stack(stack: Sequence[str], op: str) -> str:
@@ -70,7 +83,7 @@ def _kind_of_stack(stack: Sequence[str], op: str) -> str:
             return "optimizer (grad norm, ZeRO-1)"
     bare = op.split("::")[-1].split(":")[-1].strip("_")
     if any(bare.startswith(p) for p in _P2P):
-        return "PP send/recv"
+        return _PP
     if op.startswith(("_c10d_functional::", "c10d_functional::")):
         return "TP (DTensor)"
     return "other collectives"
@@ -91,6 +104,7 @@ class TraceRanges:
     phases: list[dict]  # titanext's step-level ranges (PHASES); they do not nest
     chunks: list[tuple[dict, str, int]]  # (event, "F" / "I" / "W" / "B", stage)
     comm: list[tuple[dict, str]]  # (a collective as the backend ran it, its kind)
+    waits: list[dict] = field(default_factory=list)  # PP_WAIT ranges on the main thread
     base_us: float = 0.0  # the trace's baseTimeNanoseconds in us: ts + base_us is host time
 
 
@@ -113,6 +127,8 @@ def read_ranges(trace: Mapping[str, Any]) -> TraceRanges:
         name = e["name"]
         if name in PHASES:
             out.phases.append(e)
+        elif name == PP_WAIT:
+            out.waits.append(e)
         elif m := _CHUNK.match(name):
             out.chunks.append((e, m.group(1), int(m.group(2))))
         if name.startswith(_ISSUE):
@@ -143,7 +159,10 @@ def step_breakdown(trace: Mapping[str, Any]) -> dict[str, Any]:
         chunks[stage][kind].append(e["dur"])
     comm: dict[str, float] = defaultdict(float)
     for e, kind in r.comm:
-        comm[kind] += e["dur"]
+        if kind != _PP:
+            comm[kind] += e["dur"]
+    if r.waits:
+        comm[_PP] = _union_us(r.waits)
     ms = 1e-3 / len(r.steps)
     step_ms = sum(e["dur"] for e in r.steps) * ms
     phase_ms = {k: v * ms for k, v in phases.items()}
@@ -162,6 +181,17 @@ def step_breakdown(trace: Mapping[str, Any]) -> dict[str, Any]:
         out["pipeline"] = {"busy_ms": busy, "idle_ms": wall - busy,
                            "idle_measured": 1 - busy / wall if wall else 0.0}
     return out
+
+
+def _union_us(events: Sequence[Mapping[str, Any]]) -> float:
+    """The time covered by ``events`` (``ts``, ``dur``), nested or overlapping ones once."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        if stop > start:
+            total += stop - start
+        end = max(end, stop)
+    return total
 
 
 def step_number(event: Mapping[str, Any]) -> int:

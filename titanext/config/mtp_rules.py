@@ -6,9 +6,10 @@ the value and what is allowed; :mod:`titanext.config.rules` calls it with the mo
 
 >>> from titanext.config.schema import JobConfig
 >>> cfg = JobConfig()
->>> cfg.parallelism.tensor_parallel_degree = 2
->>> mtp_problems(cfg, flavor_depth=1)[0][:55]
-'parallelism.tensor_parallel_degree = 2: multi-token pre'
+>>> cfg.parallelism.pipeline_parallel_degree = 2
+>>> cfg.parallelism.pipeline_parallel_split_backward = "autograd"
+>>> mtp_problems(cfg, flavor_depth=1)[0][:56]
+"parallelism.pipeline_parallel_split_backward = 'autograd"
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ def mtp_depth(cfg: JobConfig, flavor_depth: int) -> int:
 def mtp_problems(cfg: JobConfig, *, flavor_depth: int) -> list[str]:
     """MTP against the layout (a model with ``flavor_depth`` MTP modules unless overridden).
 
-    MTP runs under FSDP / HSDP, CP (ring, Ulysses, hybrid), EP and every pipeline schedule
-    (its modules on the last stage) with titanext's deferred weight gradients; tensor
-    parallelism does not split the MTP modules yet, and torch's autograd split of the backward
-    (kept for comparison) is not tested with MTP's embedding copy.
+    MTP runs under FSDP / HSDP, TP / SP (its modules planned as the blocks,
+    ``titanext.plugins.tensor_parallel``), CP (ring, Ulysses, hybrid), EP and every pipeline
+    schedule (its modules on the last stage) with titanext's deferred weight gradients;
+    torch's autograd split of the backward (kept for comparison) is not tested with MTP's
+    embedding copy.
     """
     depth = mtp_depth(cfg, flavor_depth)
     if depth == 0:
@@ -37,10 +39,6 @@ def mtp_problems(cfg: JobConfig, *, flavor_depth: int) -> list[str]:
     p, problems = cfg.parallelism, []
     what = (f"multi-token prediction (model.num_mtp_layers = {depth}"
             + (", the flavor's" if cfg.model.num_mtp_layers < 0 else "") + ")")
-    if p.tensor_parallel_degree > 1:
-        problems.append(f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: "
-                        f"{what} does not run under tensor parallelism; allowed: "
-                        "tensor_parallel_degree = 1, or model.num_mtp_layers = 0")
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_split_backward != "deferred":
         problems.append(f"parallelism.pipeline_parallel_split_backward = "
                         f"{p.pipeline_parallel_split_backward!r}: {what} runs with titanext's "

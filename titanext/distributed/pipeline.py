@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from titanext._profiler_ranges import phase, pp_chunk
+from titanext._profiler_ranges import PP_WAIT, phase, pp_chunk
 from titanext.config.degrees import layers_per_stage  # re-exported
 from titanext.config.layout import PipelinePlan, pipeline_plan
 from titanext.distributed.failsafe import guarded
@@ -512,8 +512,9 @@ class PipelineRunner:
         reqs = dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, grad.contiguous(), self._embedding_peer, self.pp_group),
              dist.P2POp(dist.irecv, theirs, self._embedding_peer, self.pp_group)])
-        for req in reqs:
-            req.wait()
+        with phase(PP_WAIT):
+            for req in reqs:
+                req.wait()
         total = grad + theirs if first is not None else theirs + grad  # first + last
         if mine.grad is None:
             mine.grad = total  # (plain tensors only: FSDP always holds a gradient)

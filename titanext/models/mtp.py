@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanext.models.init import constant_, init_tensor_, normal_
 from titanext.models.layers import AddLossGradient
@@ -121,9 +122,11 @@ class MultiTokenPrediction(nn.Module):
         sums = []
         for k, mtp_logits in enumerate(self.logits(h, labels, embed, head, cos, sin,
                                                    document_ids), start=1):
-            sums.append(F.cross_entropy(mtp_logits.flatten(0, 1).float(),
-                                        labels[..., k].flatten(), reduction="sum",
-                                        ignore_index=IGNORE_INDEX))
+            ce = F.cross_entropy(mtp_logits.flatten(0, 1).float(), labels[..., k].flatten(),
+                                 reduction="sum", ignore_index=IGNORE_INDEX)
+            # under tensor parallelism with loss parallelism (the caller's loss_parallel()
+            # context) the logits are vocabulary-sharded and the sum is a DTensor
+            sums.append(ce.full_tensor() if isinstance(ce, DTensor) else ce)
         total = torch.stack(sums)
         with torch.no_grad():
             self.loss_sum.add_(total.detach().to(self.loss_sum.dtype))

@@ -137,7 +137,8 @@ def _params(lo: Layout, layer_ids, embedding: bool, head: bool) -> tuple[float, 
     if head and shape.mtp_layers:  # MTP modules after the head, and (PP) an embedding copy
         d, tp_moe = shape.mtp_layers, shape.mtp_moe and moe
         dense += d * ((moe.sharded / tp + moe.replicated) if tp_moe
-                      else shape.layer_sharded / tp + shape.layer_replicated) + d * shape.mtp_extra
+                      else shape.layer_sharded / tp + shape.layer_replicated) \
+            + d * (shape.mtp_extra + shape.mtp_eh_proj / tp)
         experts += d * moe.experts / lo.ep if tp_moe else 0.0
         tensors += d * ((moe.tensors if tp_moe else shape.layer_tensors) + 4)
         if lo.pp > 1 and not embedding:

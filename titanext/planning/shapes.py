@@ -44,10 +44,12 @@ class ModelShape:
     #: (inputs and output gradients): (not split by tp, split by tp); 0s: GQA's 2 h, 2 h + 2 h_kv
     attn_wgrad: tuple[int, int] = (0, 0)
     #: multi-token prediction: modules after the head (each one block), whether that block is
-    #: a MoE block, and each module's parameters outside its block (enorm, hnorm, eh_proj, norm)
+    #: a MoE block, and each module's parameters outside its block: the norms (enorm, hnorm,
+    #: norm; replicated over tp) and eh_proj (column-wise over tp)
     mtp_layers: int = 0
     mtp_moe: bool = False
     mtp_extra: int = 0
+    mtp_eh_proj: int = 0
 
     @property
     def n_moe_layers(self) -> int:
@@ -139,9 +141,10 @@ def _mtp_fields(model) -> dict:
     if mtp is None:
         return {}
     first = next(iter(mtp.layers.values()))
-    extra = sum(p.numel() for n, p in first.named_parameters() if not n.startswith("block."))
+    extra = sum(p.numel() for n, p in first.named_parameters()
+                if not n.startswith(("block.", "eh_proj.")))
     return {"mtp_layers": len(mtp.layers), "mtp_moe": hasattr(first.block, "moe"),
-            "mtp_extra": extra}
+            "mtp_extra": extra, "mtp_eh_proj": first.eh_proj.weight.numel()}
 
 
 def _mla_wgrad(args) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["find_blocks", "block_container"]
+__all__ = ["block_container", "find_blocks", "mtp_modules"]
 
 
 def block_container(model: nn.Module, path: str) -> nn.ModuleDict | nn.ModuleList:
@@ -56,3 +56,11 @@ def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | str | None = Non
         f"{type(model).__name__} has no 'layers' ModuleDict/ModuleList; pass blocks=[...] "
         "(the modules to treat as transformer blocks) or blocks='path.to.container'"
     )
+
+
+def mtp_modules(model: nn.Module) -> list[nn.Module]:
+    """The multi-token prediction modules of ``model`` (``model.mtp.layers``, an
+    ``nn.ModuleDict`` as :class:`titanext.models.mtp.MultiTokenPrediction` holds them; empty
+    without). They run after the blocks, each on the previous one's output."""
+    layers = getattr(getattr(model, "mtp", None), "layers", None)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else []

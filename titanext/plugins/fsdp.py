@@ -1,7 +1,8 @@
 """FSDP2 / HSDP (ZeRO-2 and ZeRO-3) and replicated data parallelism (ZeRO-1).
 
-``apply_fsdp`` shards every block as its own FSDP unit, then the root, with a
-MixedPrecisionPolicy. A 2D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
+``apply_fsdp`` shards every block as its own FSDP unit (and every multi-token prediction
+module after them), then the root, with a MixedPrecisionPolicy. A 2D mesh
+``(dp_replicate, dp_shard)`` gives HSDP.
 
 >>> from torch.distributed.device_mesh import init_device_mesh
 >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))  # torchrun  # doctest: +SKIP
@@ -24,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from titanext.plugins._blocks import find_blocks
+from titanext.plugins._blocks import find_blocks, mtp_modules
 
 __all__ = ["apply_ddp", "apply_fsdp", "resolve_reshard_after_forward", "set_gradient_divide_factor"]
 
@@ -70,7 +71,9 @@ def apply_fsdp(
     line says how many units it made.
 
     Args:
-        model: any module; its blocks come from ``blocks`` or ``model.layers``.
+        model: any module; its blocks come from ``blocks`` or ``model.layers``. Its
+            multi-token prediction modules (``model.mtp.layers``) follow them as units of their
+            own, so that each is gathered only while it runs.
         mesh: the data-parallel mesh. For HSDP pass a 2D mesh (replicate, shard).
         param_dtype / reduce_dtype: MixedPrecisionPolicy (bf16/fp32 is the usual GPU choice).
         reshard_after_forward: "default", "always", "never", or fully_shard's bool/int.
@@ -95,6 +98,7 @@ def apply_fsdp(
         if expert_gradient_divide_factor is not None:
             set_gradient_divide_factor(unit, expert_gradient_divide_factor, expert_mesh)
     units = [*extra_units, *find_blocks(model, blocks)]
+    units += [m for m in mtp_modules(model) if all(m is not u for u in units)]
     for i, unit in enumerate(units):
         # The last unit is needed again right at the start of backward: keep it gathered.
         last = i == len(units) - 1

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanext.plugins._blocks import mtp_modules
 from titanext.plugins._loud import matmul_kind
 from titanext.plugins._tp_conv1d import (
     Conv1DColwiseParallel,
@@ -60,8 +61,8 @@ from titanext.plugins.tp_coverage import unruled_parameters
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "FusedColwiseParallel",
            "ReplicatedOverTP", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "default_plan_problems", "llama_tp_plan", "mla_rope_dim", "tp_plan_matches",
-           "tp_plan_targets"]
+           "default_plan_problems", "has_mtp", "llama_tp_plan", "mla_rope_dim",
+           "tp_plan_matches", "tp_plan_targets"]
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -170,7 +171,7 @@ def _attention_plan(colwise, rowwise, seq, mla_rope: int | None) -> TPPlan:
 
 def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
                   layers_prefix: str = "layers.*", float8: bool = False,
-                  mla_rope: int | None = None) -> TPPlan:
+                  mla_rope: int | None = None, mtp: bool = False) -> TPPlan:
     """The TP/SP plan of :class:`titanext.models.llama.Transformer`.
 
     With ``sequence_parallel`` the activations between blocks stay sharded on the sequence
@@ -185,6 +186,9 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     ``mla_rope`` (:func:`mla_rope_dim`) gives the rules of multi-head latent attention
     instead of GQA's: heads split, latents replicated (:class:`ReplicatedOverTP`); its blocks
     take no ``float8`` styles.
+    With ``mtp`` (the model has multi-token prediction modules, :func:`has_mtp`), the plan
+    also covers each ``mtp.layers.*``: its ``block`` as the main blocks, its three norms as the
+    final norm, and ``eh_proj`` column-wise (see :func:`_mtp_plan`).
     """
     colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     if float8:
@@ -238,6 +242,29 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
             ),
         })
     plan.update({f"{layers_prefix}.{k}": v for k, v in block.items()})
+    if mtp:
+        plan.update(_mtp_plan(block, seq, sequence_parallel))
+    return plan
+
+
+def has_mtp(model: nn.Module) -> bool:
+    """Whether ``model`` holds multi-token prediction modules at ``mtp.layers``
+    (:class:`titanext.models.mtp.MultiTokenPrediction`)."""
+    return bool(mtp_modules(model))
+
+
+def _mtp_plan(block: TPPlan, seq, sequence_parallel: bool) -> TPPlan:
+    """The rules of every MTP module ``mtp.layers.*`` (``enorm``, ``hnorm``, ``eh_proj``,
+    ``block``, ``norm``), its input and output laid out as the main blocks' (``seq``)."""
+    plan: TPPlan = {f"mtp.layers.*.block.{k}": v for k, v in block.items()}
+    # eh_proj([enorm(emb); hnorm(h)]) column-wise: each rank computes whole output features
+    # over the full 2 x dim input, so the forward is exact (no partial sums, unlike
+    # row-wise, whose input split would also have to follow the concatenation); the input
+    # is gathered over the sequence and the output goes back to the blocks' layout (under
+    # SP an all-to-all from features to sequence). Its input gradient is summed over tp.
+    plan["mtp.layers.*.eh_proj"] = ColwiseParallel(input_layouts=seq, output_layouts=seq)
+    if sequence_parallel:  # the norms run on the rank's sequence slice, as the final norm
+        plan.update({f"mtp.layers.*.{n}": SequenceParallel() for n in ("enorm", "hnorm", "norm")})
     return plan
 
 
@@ -299,7 +326,7 @@ def tp_plan_targets(model: nn.Module, tp: int, plan: TPPlan | None = None, *,
     cannot take the module it matches), so a recipe can check before it mutates anything."""
     if plan is None:
         plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                             float8=float8, mla_rope=mla_rope_dim(model))
+                             float8=float8, mla_rope=mla_rope_dim(model), mtp=has_mtp(model))
         problems = default_plan_problems(model, plan)
         if problems:
             raise ValueError(
@@ -359,7 +386,8 @@ def tp_plan_matches(model: nn.Module, plan: TPPlan | None = None) -> list[dict]:
     ...     model, {"0": ColwiseParallel(), "*.up": ColwiseParallel()})]
     [('0', 1, '0'), ('*.up', 0, '')]
     """
-    plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
+    plan = llama_tp_plan(mla_rope=mla_rope_dim(model), mtp=has_mtp(model)) if plan is None \
+        else plan
     rows = []
     for fqn, names in _plan_matches(model, plan).items():
         shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
@@ -388,7 +416,8 @@ def default_plan_problems(model: nn.Module, plan: TPPlan | None = None) -> list[
     module multiplying by its own 2-D parameter) and ``nn.Embedding`` is named by a rule or sits
     in a ``moe``. A pipeline stage may lack ``tok_embeddings``, ``norm`` and ``output``.
     """
-    plan = llama_tp_plan(mla_rope=mla_rope_dim(model)) if plan is None else plan
+    plan = llama_tp_plan(mla_rope=mla_rope_dim(model), mtp=has_mtp(model)) if plan is None \
+        else plan
     modules = dict(model.named_modules())
     names = list(modules)
     targets = {n for key in plan for n in _matching(key, names)}
@@ -573,7 +602,8 @@ def _float8_comm_possible(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                   "gathered input (no float8 TP style for them), so TP communicates in high "
                   "precision")
     else:
-        hp_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        hp_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                mtp=has_mtp(model))
         names = [n for n, _ in model.named_modules()]
         linears = [n for key, style in hp_plan.items()
                    if isinstance(style, (ColwiseParallel, RowwiseParallel))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _s
 
+from titanext._profiler_ranges import PP_WAIT, phase
 from titanext.plugins._baton_threads import run_interleaved
 
 Action = _s._Action
@@ -299,8 +300,29 @@ def _issue(ops: list) -> list[dist.Work]:
 
 
 def _wait(works) -> None:
-    for w in works or ():
-        w.wait()
+    if not works:
+        return
+    with phase(PP_WAIT):
+        for w in works:
+            w.wait()
+
+
+def record_p2p_waits() -> None:
+    """Make torch's own schedules' P2P wait points (``schedules._wait_batch_p2p``, which every
+    built-in schedule and the runtime call before a chunk that needs a received tensor, and on
+    their sends) open a ``titanext:pp_wait`` range while a profiler collects, as titanext's own
+    runtimes do. Idempotent; without a profiler the range costs one C call. A torch without
+    that function keeps its waits unmarked (the step table then shows no PP wait)."""
+    original = getattr(_s, "_wait_batch_p2p", None)
+    if original is None or getattr(original, "_titanext_pp_wait", False):
+        return
+
+    def wait_batch_p2p(work, *args, **kwargs):
+        with phase(PP_WAIT):
+            return original(work, *args, **kwargs)
+
+    wait_batch_p2p._titanext_pp_wait = True
+    _s._wait_batch_p2p = wait_batch_p2p
 
 
 def add_comms(compute: dict[int, list], owner: Callable[[int, int], int], num_stages: int,

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from titanext._profiler_ranges import PP_WAIT, phase
 from titanext.schedules._torch_ir import (
     Action,
     B,
@@ -310,8 +311,9 @@ def _exchange(group, peer: int, send: list[torch.Tensor], recv: list[torch.Tenso
     dst = dist.get_global_rank(group, peer) if group is not None else peer
     ops = [dist.P2POp(dist.isend, t, dst, group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, dst, group) for t in recv]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
+    with phase(PP_WAIT):
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -424,9 +426,10 @@ class MirroredGradSum:
         for stage in sorted(self.stages, key=lambda s: s.stage_index):
             self.start(stage)
         pending, self.pending = self.pending, {}
-        for entry in pending.values():  # every send is done before a gradient changes
-            for w in entry.works:
-                w.wait()
+        with phase(PP_WAIT):
+            for entry in pending.values():  # every send is done before a gradient changes
+                for w in entry.works:
+                    w.wait()
         for entry in pending.values():
             for p, theirs in zip(entry.params, entry.recv, strict=True):
                 _add_partner(p, theirs)
