@@ -326,6 +326,15 @@ def _apply(raw: dict[str, Any], cfg: JobConfig, problems: list[str], bad: set[st
                                 f"{_type_name(hints[key])}, got {_value_type_name(value)}")
 
 
+def _literal(text: str) -> Any:
+    """An override of a key titanext does not have (a torchtitan key, say) read as a TOML value
+    (``4``, ``true``, ``["float8"]``), else as the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def _say_notes(notes: list[str]) -> None:
     """The INFO lines of a torchtitan file's keys, on stderr, once (rank 0 under torchrun)."""
     if os.environ.get("RANK", "0") == "0":
@@ -362,7 +371,7 @@ def load_config(path: str | None, args: Sequence[str] = (), *,
         tp = _hints(SECTIONS[section]).get(key) if section in SECTIONS else None
         table = raw.setdefault(section, {})
         if isinstance(table, dict):  # a non-table here is reported by _apply
-            table[key] = _parse_cli_value(text, tp) if tp is not None else text
+            table[key] = _parse_cli_value(text, tp) if tp is not None else _literal(text)
     raw, notes, tt_problems = translate_torchtitan(raw)
     problems += tt_problems
     _say_notes(notes)

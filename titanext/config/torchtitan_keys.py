@@ -26,7 +26,7 @@ from typing import Any, Union
 from titanext.config._values import _show
 from titanext.config.schema import SECTIONS
 
-__all__ = ["TORCHTITAN_KEYS", "Entry", "translate_torchtitan"]
+__all__ = ["TORCHTITAN_KEYS", "Entry", "is_torchtitan", "key_table_markdown", "translate_torchtitan"]
 
 # A converter gets the value and every key of the file (flattened, torchtitan spelling) and
 # returns {titanext key: value} to set (a rename or a conversion), None to ignore the key, or a
@@ -272,6 +272,8 @@ TORCHTITAN_KEYS.update({
         False, refuse="titanext has no FSDP CPU offload")),
     "training.dtype": _ignore("the parameter dtype without FSDP", _ignore_if(
         "float32", refuse="titanext keeps float32 parameters (mixed_precision_param casts)")),
+    "training.debug_moe_force_load_balance": _ignore(_OFF, _ignore_if(
+        False, refuse="titanext routes tokens by their router scores only")),
     "training.gc_freq": _ignore("when Python's garbage collector runs; no effect on results"),
     "training.gc_debug": _ignore(_OFF, _ignore_if(False, refuse="a torchtitan debugging aid")),
     "training.warmup_steps": _rename("lr_scheduler.warmup_steps"),
@@ -521,3 +523,20 @@ def translate_torchtitan(raw: dict[str, Any]
         else:
             nested[section] = value
     return nested, notes, problems
+
+
+_DOES = {"same": "same key", "rename": "read as `{}`", "convert": "converted to `{}`",
+         "ignore": "ignored, one line", "refuse": "refused (exit 2)"}
+
+
+def key_table_markdown() -> str:
+    """:data:`TORCHTITAN_KEYS` as the markdown table of docs/torchtitan.md.
+
+    >>> key_table_markdown().splitlines()[0]
+    '| torchtitan key | what titanext does | why |'
+    """
+    rows = ["| torchtitan key | what titanext does | why |", "|---|---|---|"]
+    for key, e in TORCHTITAN_KEYS.items():
+        rows.append(f"| `{key}` | {_DOES[e.kind].format(e.target)} | "
+                    f"{e.why.replace('|', '/')} |")
+    return "\n".join(rows)
