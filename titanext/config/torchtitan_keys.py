@@ -511,7 +511,7 @@ def translate_torchtitan(raw: dict[str, Any]
                                 f"keep {target}")
                 continue
             out[target], source[target] = new, key
-            if target != key:
+            if target != key or new != value:
                 shown = "" if new == value else f" = {_show(new)}"
                 verb = "is read as" if target == next(iter(result)) else "also sets"
                 notes.append(f"torchtitan's {key} {verb} {target}{shown}")
