@@ -276,12 +276,6 @@ TORCHTITAN_KEYS.update({
         False, refuse="titanext routes tokens by their router scores only")),
     "training.gc_freq": _ignore("when Python's garbage collector runs; no effect on results"),
     "training.gc_debug": _ignore(_OFF, _ignore_if(False, refuse="a torchtitan debugging aid")),
-    "training.warmup_steps": _rename("lr_scheduler.warmup_steps"),
-    "training.data_parallel_replicate_degree": _rename(
-        "parallelism.data_parallel_replicate_degree"),
-    "training.data_parallel_shard_degree": _rename("parallelism.data_parallel_shard_degree"),
-    "training.tensor_parallel_degree": _rename("parallelism.tensor_parallel_degree"),
-    "training.fsdp_reshard_after_forward": _rename("parallelism.fsdp_reshard_after_forward"),
     "training.dataloader.num_workers": _ignore("data loader worker processes; same batches"),
     "training.dataloader.persistent_workers": _ignore("data loader workers; same batches"),
     "training.dataloader.pin_memory": _ignore("host memory pinning; same batches"),
@@ -330,11 +324,7 @@ TORCHTITAN_KEYS.update({
         1, refuse="titanext's experts are not split by TP (expert_parallel_degree)")),
     "parallelism.expert_parallel_comm_backend": _ignore(_OFF, _ignore_if(
         "standard", refuse="titanext's EP all-to-alls use torch.distributed")),
-    # [experimental] (before 0.1)
-    "experimental.pipeline_parallel_degree": _rename("parallelism.pipeline_parallel_degree"),
-    "experimental.context_parallel_degree": _rename("parallelism.context_parallel_degree"),
-    "experimental.enable_async_tensor_parallel": _rename(
-        "parallelism.enable_async_tensor_parallel"),
+    # [experimental]
     "experimental.custom_import": _ignore(_OFF, _ignore_if(
         "", refuse="titanext imports no modules named in a config")),
     "experimental.custom_args_module": _ignore(_OFF, _ignore_if(

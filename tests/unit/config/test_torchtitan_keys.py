@@ -146,7 +146,6 @@ def _one(tmp_path, text: str, args=()):
 @pytest.mark.parametrize("text,attr,value", [
     ("[training]\nbatch_size = 3\n", "training.local_batch_size", 3),
     ("[training]\ncompile = true\n", "compile.components", ["model", "loss"]),
-    ("[training]\nwarmup_steps = 7\n", "lr_scheduler.warmup_steps", 7),
     ("[lr_scheduler]\nlr_min = 0.1\n", "lr_scheduler.min_lr_factor", 0.1),
     ("[parallelism]\ndisable_loss_parallel = true\n", "parallelism.enable_loss_parallel", False),
     ("[parallelism]\ncontext_parallel_rotate_method = \"alltoall\"\n",
