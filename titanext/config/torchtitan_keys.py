@@ -120,6 +120,14 @@ def _compile(v: Any, ctx: dict[str, Any]) -> _Result:
                                      and "compile.components" not in ctx else {})}
 
 
+def _hf_dataset_hint(key: str) -> str:
+    """Where this build has a Hugging Face dataset choice (another change adds one), say so."""
+    section, name = key.split(".")
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    return (f", or {key} = \"hf\" with its Hugging Face name"
+            if "hf" in (field.metadata.get("choices") or ()) else "")
+
+
 def _dataset(key: str) -> _Converter:
     def convert(v: Any, ctx: dict[str, Any]) -> _Result:
         if isinstance(v, str) and v.startswith("c4"):
@@ -128,7 +136,7 @@ def _dataset(key: str) -> _Converter:
                 return None  # validation is off: the held-out source is never read
             return (f"torchtitan's {v!r} is a Hugging Face dataset titanext does not download; "
                     f"set {key} = \"text\" and {key}_path to your copy (.jsonl, .parquet, .arrow "
-                    "or .txt; docs/data.md)")
+                    f"or .txt; docs/data.md){_hf_dataset_hint(key)}")
         return {key: v}
     return convert
 

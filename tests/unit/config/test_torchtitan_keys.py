@@ -17,6 +17,7 @@ from tests.unit.config.helpers import CONFIGS, ROOT, write
 from titanext.config import SECTIONS, ConfigError, load_config
 from titanext.config.torchtitan_keys import (
     TORCHTITAN_KEYS,
+    _hf_dataset_hint,
     is_torchtitan,
     key_table_markdown,
     translate_torchtitan,
@@ -172,7 +173,8 @@ def test_conversions(tmp_path, text, attr, value):
     ("[training]\ndataset = \"c4_test\"\n",
      "torchtitan's training.dataset = 'c4_test' is refused: torchtitan's 'c4_test' is a Hugging "
      "Face dataset titanext does not download; set training.dataset = \"text\" and "
-     "training.dataset_path to your copy (.jsonl, .parquet, .arrow or .txt; docs/data.md)"),
+     "training.dataset_path to your copy (.jsonl, .parquet, .arrow or .txt; docs/data.md)"
+     + _hf_dataset_hint("training.dataset")),  # a hint once titanext has dataset = "hf"
     ("[model]\ntokenizer_path = \"./assets/tokenizer/original/tokenizer.model\"\n",
      "torchtitan's model.tokenizer_path = './assets/tokenizer/original/tokenizer.model' is "
      "refused: titanext reads a Hugging Face tokenizer.json from a directory (tiktoken and "
