@@ -141,24 +141,40 @@ def _dataset(key: str) -> _Converter:
     return convert
 
 
+def _int(ctx: dict[str, Any], key: str, default: int) -> int:
+    """An int of the file, or torchtitan's default where it is unset or not an int (the loader
+    reports the wrong type of a key on its own)."""
+    value = ctx.get(key, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def _microbatch_size(v: Any, ctx: dict[str, Any]) -> _Result:
-    if ctx.get("parallelism.pipeline_parallel_degree", 1) == 1:
+    if _int(ctx, "parallelism.pipeline_parallel_degree", 1) == 1:
         return None
-    local = ctx.get("training.local_batch_size", ctx.get("training.batch_size", 8))
+    local = _int(ctx, "training.local_batch_size", _int(ctx, "training.batch_size", 8))
     if not isinstance(v, int) or v < 1 or local % v:
         return f"training.local_batch_size = {local} must be a multiple of it"
     return {"parallelism.pipeline_parallel_microbatches": local // v}
 
 
 def _ep_overlap(v: Any, ctx: dict[str, Any]) -> _Result:
-    if v and ctx.get("parallelism.expert_parallel_degree", 1) > 1 \
-            and ctx.get("parallelism.pipeline_parallel_degree", 1) > 1:
+    if v is True and _int(ctx, "parallelism.expert_parallel_degree", 1) > 1 \
+            and _int(ctx, "parallelism.pipeline_parallel_degree", 1) > 1:
         return {"parallelism.expert_parallel_comm_overlap": True}
     return None  # off, or on where it has no effect (no EP x PP); results are the same
 
 
 def _map(key: str, table: dict[Any, Any], refuse: str) -> _Converter:
-    return lambda v, ctx: {key: table[v]} if v in table else refuse
+    return lambda v, ctx: {key: table[v]} if isinstance(v, str) and v in table else refuse
+
+
+def _initial_load_in_hf(v: Any, ctx: dict[str, Any]) -> _Result:
+    # torchtitan 0.2 reads the HF weights from model.hf_assets_path when initial_load_path is
+    # unset; titanext reads them from initial_load_path only
+    if v is True and "checkpoint.initial_load_path" not in ctx and "model.hf_assets_path" in ctx:
+        return {"checkpoint.initial_load_in_hf": True,
+                "checkpoint.initial_load_path": ctx["model.hf_assets_path"]}
+    return {"checkpoint.initial_load_in_hf": v}
 
 
 def _validation_steps(v: Any, ctx: dict[str, Any]) -> _Result:
@@ -224,7 +240,7 @@ _SAME = [
     "parallelism.pipeline_parallel_last_stage_less_layers", "parallelism.context_parallel_degree",
     "parallelism.expert_parallel_degree",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.initial_load_path",
-    "checkpoint.initial_load_in_hf", "checkpoint.last_save_in_hf", "checkpoint.keep_latest_k",
+    "checkpoint.last_save_in_hf", "checkpoint.keep_latest_k",
     "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option",
     "compile.enable", "compile.components", "compile.backend",
     "comm.init_timeout_seconds", "comm.train_timeout_seconds",
@@ -341,6 +357,9 @@ TORCHTITAN_KEYS.update({
     "checkpoint.enable_checkpoint": _rename("checkpoint.enable"),
     "checkpoint.interval_type": _ignore("'steps' is titanext's only kind", _ignore_if(
         "steps", refuse="titanext saves every checkpoint.interval steps")),
+    "checkpoint.initial_load_in_hf": _same(
+        "same name; without initial_load_path torchtitan reads model.hf_assets_path, so that "
+        "path becomes checkpoint.initial_load_path", _initial_load_in_hf),
     "checkpoint.load_step": _same("same name; torchtitan's -1 is 'latest'", lambda v, ctx: {
         "checkpoint.load_step": "latest" if v == -1 else v}),
     "checkpoint.initial_load_model_only": _ignore("titanext reads only the model from it",

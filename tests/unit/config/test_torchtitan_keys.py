@@ -156,6 +156,8 @@ def _one(tmp_path, text: str, args=()):
     ("[checkpoint]\nload_step = -1\n", "checkpoint.load_step", "latest"),
     ("[checkpoint]\nload_step = 20\n", "checkpoint.load_step", 20),
     ("[debug]\nseed = 5\n", "training.seed", 5),
+    ("[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 2\n"
+     "[training]\nlocal_batch_size = 8\n", "parallelism.pipeline_parallel_microbatches", 4),
     ("[comm]\nmode = \"default\"\n", "comm.mode", "real"),
     ("[model]\nconverters = [\"float8\"]\n[float8]\nfilter_fqns = [\"output\", "
      "\"auto_filter_small_kn\"]\n", "float8.auto_filter", True),
@@ -252,3 +254,15 @@ def test_translation_leaves_input_alone():
 
 def test_docs_page_holds_the_whole_table():
     assert key_table_markdown() in (ROOT / "docs" / "torchtitan.md").read_text()
+
+
+def test_hf_weights_from_hf_assets_path_become_initial_load_path():
+    raw = {"model": {"hf_assets_path": "hf/Llama-3.1-8B"},
+           "checkpoint": {"enable": True, "initial_load_in_hf": True, "last_save_model_only": True}}
+    out, notes, problems = translate_torchtitan(raw)
+    assert out["checkpoint"]["initial_load_path"] == "hf/Llama-3.1-8B"
+    assert "torchtitan's checkpoint.initial_load_in_hf also sets checkpoint.initial_load_path = " \
+           "'hf/Llama-3.1-8B'" in notes
+    if not _has_key("checkpoint.model_weights_only"):  # checkpointing is on: no longer moot
+        assert problems == ["torchtitan's checkpoint.last_save_model_only = true is refused: "
+                            "titanext has no checkpoint.model_weights_only in this build"]
