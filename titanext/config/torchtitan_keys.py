@@ -224,7 +224,7 @@ _SAME = [
     "profiling.save_memory_snapshot_folder",
     "metrics.log_freq", "metrics.enable_tensorboard", "metrics.disable_color_printing",
     "metrics.save_tb_folder",
-    "model.name", "model.flavor",
+    "model.name",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
     "optimizer.weight_decay", "optimizer.implementation",
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",
@@ -266,6 +266,8 @@ TORCHTITAN_KEYS.update({
     "metrics.save_for_all_ranks": _ignore(_OFF, _ignore_if(
         False, refuse="titanext logs metrics from rank 0 only")),
     # [model]
+    "model.flavor": _same("same name; 'debugmodel' is titanext's own small model (one line says "
+                          "how it differs from torchtitan's)"),
     "model.tokenizer_path": _convert("model.hf_assets_path", _tokenizer_path,
                                      "a directory with tokenizer.json: read as hf_assets_path "
                                      "with tokenizer = 'hf'; a .model file is refused"),
@@ -459,6 +461,15 @@ for _k in ("mx.use_fp8_dim1_cast_triton_kernel", "mx.recipe_name", "mx.filter_fq
                                   "refuses in model.converters")
 
 
+#: Same-name keys whose value means something else in titanext, said in one line when read.
+_SAME_NAME_DIFFERS: dict[str, Callable[[Any], Union[str, None]]] = {
+    "model.flavor": lambda v: (
+        "titanext's debugmodel (dim 256, 6 layers as torchtitan's, but 8 heads over 4 kv heads "
+        "and a vocab of 512; torchtitan's: 16 heads, vocab 2048), so its losses are not "
+        "torchtitan's" if v == "debugmodel" else None),
+}
+
+
 # -- applying it ----------------------------------------------------------------------------------
 
 def _flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -511,6 +522,9 @@ def translate_torchtitan(raw: dict[str, Any]
             result = None
         else:
             result = {entry.target or key: value}
+        differs = _SAME_NAME_DIFFERS.get(key, lambda v: None)(value)
+        if isinstance(result, dict) and differs:
+            notes.append(f"torchtitan's {key} = {_show(value)} is {differs}")
         if isinstance(result, str):
             problems.append(f"torchtitan's {key} = {_show(value)} is refused: {result}")
             continue

@@ -93,6 +93,9 @@ def test_debug_01_prints_one_line_per_renamed_or_ignored_key(in_job_dir, capsys)
         "torchtitan's job.use_for_integration_test = true is ignored: marks torchtitan's CI "
         "configs; no effect on a run",
         *_pending_line("metrics.enable_wandb", "false"),
+        "torchtitan's model.flavor = 'debugmodel' is titanext's debugmodel (dim 256, 6 layers as "
+        "torchtitan's, but 8 heads over 4 kv heads and a vocab of 512; torchtitan's: 16 heads, "
+        "vocab 2048), so its losses are not torchtitan's",
         "torchtitan's model.tokenizer_path is read as model.hf_assets_path",
         "torchtitan's model.tokenizer_path also sets model.tokenizer = 'hf'",
         "torchtitan's lr_scheduler.lr_min is read as lr_scheduler.min_lr_factor",
