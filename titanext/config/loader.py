@@ -5,8 +5,8 @@ Loading is strict: unknown sections and keys (with a did-you-mean hint), wrong t
 outside their range or choices and the cross-field rules of :mod:`titanext.config.rules` are
 all collected and raised together as one :class:`ConfigError`, one line per problem, before any
 process group exists. A torchtitan TOML is read through :mod:`titanext.config.torchtitan_keys`
-first (its keys renamed, ignored or refused, one line each). Loading reads the TOML files and, for ``dataset = "text"``, checks that
-``dataset_path`` exists; it writes nothing.
+first (its keys renamed, ignored or refused, one line each). Loading reads the TOML files and,
+for ``dataset = "text"``, checks that ``dataset_path`` exists; it writes nothing.
 
 >>> cfg = load_config("train_configs/debug_model.toml", ["--training.steps=10"], world_size=4)
 >>> cfg.training.steps

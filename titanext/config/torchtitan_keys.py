@@ -26,7 +26,8 @@ from typing import Any, Union
 from titanext.config._values import _show
 from titanext.config.schema import SECTIONS
 
-__all__ = ["TORCHTITAN_KEYS", "Entry", "is_torchtitan", "key_table_markdown", "translate_torchtitan"]
+__all__ = ["TORCHTITAN_KEYS", "Entry", "is_torchtitan", "key_table_markdown",
+           "translate_torchtitan"]
 
 # A converter gets the value and every key of the file (flattened, torchtitan spelling) and
 # returns {titanext key: value} to set (a rename or a conversion), None to ignore the key, or a
@@ -236,7 +237,8 @@ _SAME = [
     "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
     "parallelism.fsdp_reshard_after_forward", "parallelism.tensor_parallel_degree",
     "parallelism.enable_async_tensor_parallel", "parallelism.pipeline_parallel_degree",
-    "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_first_stage_less_layers",
+    "parallelism.pipeline_parallel_schedule",
+    "parallelism.pipeline_parallel_first_stage_less_layers",
     "parallelism.pipeline_parallel_last_stage_less_layers", "parallelism.context_parallel_degree",
     "parallelism.expert_parallel_degree",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.initial_load_path",
@@ -411,7 +413,8 @@ TORCHTITAN_KEYS.update({
     "comm.save_traces_file_prefix": _ignore("NCCL flight-recorder dumps (debugging)"),
     "comm.mode": _same("same name, other values: 'default' is 'real'; 'fake_backend' is "
                        "titanext's dry run; 'local_tensor' is refused",
-                       _map("comm.mode", {"default": "real", "real": "real", "fake_backend": "fake_backend"},
+                       _map("comm.mode", {"default": "real", "real": "real",
+                                          "fake_backend": "fake_backend"},
                             "titanext has 'real' and 'fake_backend' only")),
     # [memory_estimation], [fault_tolerance]
     "memory_estimation.enabled": _ignore(_OFF, _ignore_if(

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from titanext.config.loader import tomllib  # tomli before Python 3.11
 from tests.hf_artifacts import make_bpe_tokenizer
 from tests.unit.config.helpers import CONFIGS, ROOT, write
 from titanext.config import SECTIONS, ConfigError, load_config
+from titanext.config.loader import tomllib  # tomli before Python 3.11
 from titanext.config.torchtitan_keys import (
     TORCHTITAN_KEYS,
     _hf_dataset_hint,
@@ -138,13 +138,13 @@ def test_titanext_files_are_never_reinterpreted():
 
 # -- renames, conversions and refusals, one key at a time ----------------------------------------
 
-def _one(tmp_path, text: str, args=()):
-    """(config or None, INFO lines, problems) of a torchtitan file (print_args marks it)."""
+def _one(tmp_path, text: str):
+    """(config or None, problems) of a torchtitan file (its print_args marks it as one)."""
     path = write(tmp_path, "tt.toml", "[job]\nprint_args = false\n" + text)
     try:
-        return _load(path, args), [], []
+        return _load(path), []
     except ConfigError as e:
-        return None, [], e.problems
+        return None, e.problems
 
 
 @pytest.mark.parametrize("text,attr,value", [
@@ -168,7 +168,7 @@ def _one(tmp_path, text: str, args=()):
      "float8.recipe", "rowwise"),
 ])
 def test_conversions(tmp_path, text, attr, value):
-    cfg, _, problems = _one(tmp_path, text)
+    cfg, problems = _one(tmp_path, text)
     assert problems == []
     section, key = attr.split(".")
     assert getattr(getattr(cfg, section), key) == value
@@ -206,7 +206,7 @@ def test_conversions(tmp_path, text, attr, value):
      "keep training.local_batch_size"),
 ])
 def test_refusals_are_one_line_each(tmp_path, text, line):
-    _, _, problems = _one(tmp_path, text)
+    _, problems = _one(tmp_path, text)
     assert problems == [line]
 
 
@@ -215,8 +215,8 @@ def test_refusals_are_one_line_each(tmp_path, text, line):
                                         ("checkpoint.export_dtype", '"float32"', '"bfloat16"')])
 def test_keys_added_beside_this_table_follow_the_schema(tmp_path, key, off, on):
     section, name = key.split(".")
-    assert _one(tmp_path, f"[{section}]\n{name} = {off}\n")[2] == []
-    problems = _one(tmp_path, f"[{section}]\n{name} = {on}\n")[2]
+    assert _one(tmp_path, f"[{section}]\n{name} = {off}\n")[1] == []
+    problems = _one(tmp_path, f"[{section}]\n{name} = {on}\n")[1]
     if _has_key(key):  # the key exists now: the loader checks the value as its own
         assert not any(p.startswith("torchtitan's") for p in problems)
     else:
