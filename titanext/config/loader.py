@@ -4,8 +4,9 @@
 Loading is strict: unknown sections and keys (with a did-you-mean hint), wrong types, values
 outside their range or choices and the cross-field rules of :mod:`titanext.config.rules` are
 all collected and raised together as one :class:`ConfigError`, one line per problem, before any
-process group exists. Loading reads the TOML files and, for ``dataset = "text"``, checks that
-``dataset_path`` exists; it writes nothing.
+process group exists. A torchtitan TOML is read through :mod:`titanext.config.torchtitan_keys`
+first (its keys renamed, ignored or refused, one line each). Loading reads the TOML files and,
+for ``dataset = "text"``, checks that ``dataset_path`` exists; it writes nothing.
 
 >>> cfg = load_config("train_configs/debug_model.toml", ["--training.steps=10"], world_size=4)
 >>> cfg.training.steps
@@ -42,6 +43,7 @@ from titanext.config._values import (
 )
 from titanext.config.rules import collect_problems
 from titanext.config.schema import SECTIONS, JobConfig
+from titanext.config.torchtitan_keys import translate_torchtitan
 from titanext.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -324,6 +326,22 @@ def _apply(raw: dict[str, Any], cfg: JobConfig, problems: list[str], bad: set[st
                                 f"{_type_name(hints[key])}, got {_value_type_name(value)}")
 
 
+def _literal(text: str) -> Any:
+    """An override of a key titanext does not have (a torchtitan key, say) read as a TOML value
+    (``4``, ``true``, ``["float8"]``), else as the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _say_notes(notes: list[str]) -> None:
+    """The INFO lines of a torchtitan file's keys, on stderr, once (rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"titanext: config: INFO: {note}", file=sys.stderr, flush=True)
+
+
 def load_config(path: str | None, args: Sequence[str] = (), *,
                 world_size: int | None = None) -> JobConfig:
     """Read ``path`` (and what it extends), apply ``args`` overrides, validate, return the config.
@@ -353,7 +371,10 @@ def load_config(path: str | None, args: Sequence[str] = (), *,
         tp = _hints(SECTIONS[section]).get(key) if section in SECTIONS else None
         table = raw.setdefault(section, {})
         if isinstance(table, dict):  # a non-table here is reported by _apply
-            table[key] = _parse_cli_value(text, tp) if tp is not None else text
+            table[key] = _parse_cli_value(text, tp) if tp is not None else _literal(text)
+    raw, notes, tt_problems = translate_torchtitan(raw)
+    problems += tt_problems
+    _say_notes(notes)
     cfg = JobConfig()
     bad: set[str] = set()
     _apply(raw, cfg, problems, bad)

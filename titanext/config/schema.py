@@ -60,6 +60,11 @@ def _load_step(value: int | str) -> str | None:
 _DATASETS = ("shakespeare", "text", "tokens", "synthetic")
 
 
+def _no_async_tp(value: bool) -> str | None:
+    return (None if value is False else "false (async TP needs CUDA symmetric memory and "
+            "torch.compile, which titanext cannot test; use plain TP)")
+
+
 def _non_empty(value: str) -> str | None:
     return None if value else "a non-empty name"
 
@@ -218,6 +223,10 @@ class Parallelism:
     """With TP, shard norms and residual activations along the sequence (SP)."""
     enable_loss_parallel: bool = _field(True)
     """With TP, keep logits sharded over the vocabulary and compute the loss in parallel."""
+    enable_async_tensor_parallel: bool = _field(False, check=_no_async_tp, rule="false")
+    """Async TP (torch's micro-pipelined all-gather matmuls) is not offered: it needs CUDA
+    symmetric memory and torch.compile, which no test here can check; true is refused at load.
+    Accepted as false so torchtitan configs read unchanged (docs/torchtitan.md)."""
     context_parallel_degree: int = _field(1, ge=1)
     """Ranks that split each sequence (context parallelism with exact ring attention, see
     titanext.plugins.context_parallel). CP ranks also shard parameters: FSDP runs over
