@@ -184,7 +184,8 @@ class OptimizerConfig:
     eps: float = _field(1e-8, gt=0)
     """Adam epsilon, added to the denominator for numerical stability."""
     weight_decay: float = _field(0.1, ge=0)
-    """Weight decay; norms and biases are excluded (see titanext.components.optim)."""
+    """Decoupled (AdamW) weight decay, applied to every parameter, norms and biases included,
+    as torchtitan does."""
     implementation: str = _field("foreach", choices=("for-loop", "foreach", "fused"))
     """Kernel implementation of the optimizer step: for-loop (one kernel per tensor), foreach
     (batched) or fused (one kernel, where the device supports it)."""
