@@ -396,6 +396,11 @@ class Metrics:
     """Write TensorBoard event files under job.dump_folder/save_tb_folder."""
     save_tb_folder: str = _field("tb")
     """TensorBoard folder, relative to job.dump_folder."""
+    enable_wandb: bool = _field(False)
+    """Also log the TensorBoard scalars to a Weights & Biases run, from the same rank (needs
+    pip install 'titanext[wandb]'). wandb's environment variables set the rest: WANDB_PROJECT
+    (default "titanext"), WANDB_ENTITY, WANDB_NAME (run name), WANDB_MODE=offline, WANDB_DIR
+    (default job.dump_folder). See docs/checkpoints_and_faults.md."""
     disable_color_printing: bool = _field(False)
     """Plain log lines without ANSI colours."""
     progress_bar: bool = _field(True)
