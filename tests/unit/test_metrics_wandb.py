@@ -28,13 +28,13 @@ def offline(tmp_path, monkeypatch):
     return folder
 
 
-def wandb_history(folder: Path) -> dict[int, dict[str, float]]:
-    """step -> scalars of the one offline run under ``folder``, from its .wandb file: a W&B
+def wandb_history(folder: Path, run: str = "offline-run-*") -> dict[int, dict[str, float]]:
+    """step -> scalars of the one offline ``run`` under ``folder``, from its .wandb file: a W&B
     header (7 bytes) then LevelDB-log records (crc, length, type) in 32 KiB blocks, each a
     ``Record`` protobuf."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    [path] = folder.glob("wandb/offline-run-*/run-*.wandb")
+    [path] = folder.glob(f"wandb/{run}/run-*.wandb")
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     history: dict[int, dict[str, float]] = {}
