@@ -20,13 +20,15 @@ pytest.importorskip("wandb")
 
 from tests.unit.test_metrics_wandb import tensorboard_scalars, wandb_history  # noqa: E402
 
-STEPS = 6
+STEPS = 6  # 4 windows of 32 tokens a step; blocks of 8 windows: step 3 is mid-block 2
 
 
 def _train(rank, world_size, overrides, folder, until_step=None):
     from titanext.config import load_config
+    from titanext.data import streaming
     from titanext.trainer import Trainer
 
+    block_tokens, streaming.BLOCK_TOKENS = streaming.BLOCK_TOKENS, 256  # the resume seeks
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
     saved = {k: os.environ.get(k) for k in [*env, "WANDB_DIR"]}
     os.environ.update(env)
@@ -38,6 +40,7 @@ def _train(rank, world_size, overrides, folder, until_step=None):
                           world_size=world_size)
         return Trainer(cfg).train(until_step=until_step)
     finally:
+        streaming.BLOCK_TOKENS = block_tokens
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 

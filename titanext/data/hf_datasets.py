@@ -36,6 +36,7 @@ from typing import Any
 from titanext.data.checks import FILE_BUILDERS
 from titanext.data.readers import Unit, corpus_fingerprint
 from titanext.data.sources import Tokenizer
+from titanext.data import streaming
 from titanext.data.streaming import StreamingTextWindows
 from titanext.errors import ConfigError
 
@@ -86,7 +87,7 @@ class HFStreamingWindows(StreamingTextWindows):
         self.files = [Path(dataset_path)]
         self.tokenizer, self.seq_len, self.seed, self.shuffle = tokenizer, seq_len, seed, shuffle
         self.text_field, self.key = text_field, key
-        self.block_windows = block_windows or max(1, (1 << 20) // seq_len)
+        self.block_windows = block_windows or max(1, streaming.BLOCK_TOKENS // seq_len)
         self.label = f"{key} = {dataset_path!r} (split {split!r})"
         self.fingerprint = _fingerprint(dataset_path, name, split)
         next(self._units(self.files[0], 0, 0), None)  # the text field, before any work
