@@ -102,6 +102,28 @@ def test_the_state_refuses_another_split_or_corpus(tmp_path):
             other.load_state_dict(state)
 
 
+def test_the_config_picks_the_training_and_validation_splits(tmp_path):
+    from titanext.config import load_config
+    from titanext.data import dataloader_from_config
+
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for split, docs in (("train", DOCS[:30]), ("test", DOCS[30:])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"body": d}) + "\n"
+                                                       for d in docs), encoding="utf-8")
+    cfg = load_config(None, [f"--training.seq_len={SEQ}", "--training.dataset=hf",
+                             f"--training.dataset_path={folder}", "--training.shuffle=false",
+                             "--training.dataset_text_field=body", "--validation.enable=true",
+                             "--validation.dataset=hf", f"--validation.dataset_path={folder}",
+                             "--validation.dataset_split=test", "--validation.local_batch_size=3"])
+    for docs, loader in ((DOCS[:30], dataloader_from_config(cfg.training, TOK, 0, 1)),
+                         (DOCS[30:], dataloader_from_config(cfg.training, TOK, 0, 1,
+                                                            validation=cfg.validation))):
+        stream = [t for d in docs for t in TOK.encode(d, eos=True)][:3 * SEQ + 1]
+        inputs, _ = loader.next_batch()
+        assert inputs[:3].flatten().tolist() == stream[:3 * SEQ]
+
+
 def test_a_missing_text_field_or_split_is_one_line_before_training(tmp_path):
     path = write(tmp_path, "jsonl", field="body")
     with pytest.raises(ConfigError, match=r"example 0 has no 'text' field \(it has 'body', "
