@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -31,31 +32,46 @@ def offline(tmp_path, monkeypatch):
 def wandb_history(folder: Path, run: str = "offline-run-*") -> dict[int, dict[str, float]]:
     """step -> scalars of the one offline ``run`` under ``folder``, from its .wandb file: a W&B
     header (7 bytes) then LevelDB-log records (crc, length, type) in 32 KiB blocks, each a
-    ``Record`` protobuf."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+    ``Record`` protobuf. wandb's service process may still be writing the file when
+    ``finish()`` returns (seen under load), so read until its closing ``exit`` record is there."""
     [path] = folder.glob(f"wandb/{run}/run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
+    deadline = time.monotonic() + 60
+    while True:
+        records = _records(path.read_bytes())
+        if any(r.WhichOneof("record_type") == "exit" for r in records) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     history: dict[int, dict[str, float]] = {}
-    pos, block, buf = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        buf = chunk if kind in (1, 2) else buf + chunk  # FULL / FIRST, then MIDDLE ... LAST
-        if kind not in (1, 4):
-            continue
-        record = pb.Record()
-        record.ParseFromString(buf)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                    for item in record.history.item}
             history.setdefault(int(row["_step"]), {}).update(
                 {k: v for k, v in row.items() if not k.startswith("_")})
     return history
+
+
+def _records(data: bytes) -> list:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    assert data[:4] == b":W&B"
+    records = []
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):
+            break  # a record still being written
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL / FIRST, then MIDDLE ... LAST
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+    return records
 
 
 def tensorboard_scalars(folder: Path) -> dict[int, dict[str, float]]:
