@@ -160,6 +160,10 @@ def test_config_load_names_a_missing_path_or_a_missing_datasets_package(tmp_path
     [problem] = _problems(["--training.dataset=hf"])
     assert problem.startswith("training.dataset = 'hf' needs training.dataset_path")
     assert _problems(["--training.dataset=hf", "--training.dataset_path=allenai/c4"]) == []
+    [problem] = _problems(["--training.dataset_name=en"])
+    assert problem == ("training.dataset_name = 'en' is only read with dataset = 'hf', but "
+                       "training.dataset = 'shakespeare'; set dataset = 'hf' or "
+                       'dataset_name = ""')
 
     import importlib.util
 

@@ -33,10 +33,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from titanext.data import streaming
 from titanext.data.checks import FILE_BUILDERS
 from titanext.data.readers import Unit, corpus_fingerprint
 from titanext.data.sources import Tokenizer
-from titanext.data import streaming
 from titanext.data.streaming import StreamingTextWindows
 from titanext.errors import ConfigError
 
