@@ -131,6 +131,10 @@ def test_a_missing_text_field_or_split_is_one_line_before_training(tmp_path):
         make(path)
     assert "\n" not in str(e.value)
     make(path, text_field="body")
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": null}\n{"text": 7}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"example 1 field 'text' is a int, not text"):
+        make(numbers)  # the null example 0 is skipped, as the text source skips it
     with pytest.raises(ConfigError, match=r"split 'test': datasets.load_dataset failed: .*test"
                        ) as e:
         make(path, text_field="body", dataset_split="test")

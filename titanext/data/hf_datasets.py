@@ -6,11 +6,12 @@ folder (of .parquet, .jsonl, .csv, ... files: datasets picks the builder), or on
 line), .arrow). ``dataset_name`` is the builder's config (``"en"``), ``dataset_split`` the split;
 the split is opened with ``streaming=True``, so nothing is downloaded or converted ahead.
 
-Each example's ``dataset_text_field`` is one document. The examples feed the streaming text
-source (:class:`~titanext.data.streaming.StreamingTextWindows`): the same blocks, shuffle buffer
-and layout-independent global order. A block's cursor is the index of its first example; a
-resume re-opens the split at it with ``IterableDataset.skip`` (the examples before are read
-again but not tokenized), so it continues exactly under any data-parallel layout.
+Each example's ``dataset_text_field`` is one document (null and blank ones are skipped). The
+examples feed the streaming text source (:class:`~titanext.data.streaming.StreamingTextWindows`):
+the same blocks, shuffle buffer and layout-independent global order. A block's cursor is the
+index of its first example; a resume re-opens the split at it with ``IterableDataset.skip``
+(the examples before are read again but not tokenized), so it continues exactly under any
+data-parallel layout.
 
 The ``datasets`` package is the optional ``datasets`` extra (``pip install
 'titanext[datasets]'``); without it the config names the extra at load.
@@ -102,6 +103,8 @@ class HFStreamingWindows(StreamingTextWindows):
                                   f"{', '.join(map(repr, example)) or 'none'}); set "
                                   "training.dataset_text_field")
             text = example[self.text_field]
+            if text is None:  # a null, as the parquet reader skips it
+                continue
             if not isinstance(text, str):
                 raise ConfigError(f"{self.label} example {index} field {self.text_field!r} is "
                                   f"a {type(text).__name__}, not text; set "
