@@ -16,6 +16,7 @@ that size, as one process on the whole batch. The command line is :mod:`titanext
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -293,7 +294,8 @@ class Trainer:
             tb_folder=m.save_tb_folder, device=self.device,
             flops_per_token=self.model.num_flops_per_token(t.seq_len),
             num_devices=dist.get_world_size(), color=not m.disable_color_printing,
-            progress_bar=m.progress_bar)
+            progress_bar=m.progress_bar, enable_wandb=m.enable_wandb,
+            wandb_config=dataclasses.asdict(cfg) if m.enable_wandb else None)
         d, n, mc = self.dims, self.num_params, cfg.model
         mine = sum(part.num_params() for part in self.model_parts)  # this rank's stages
         share = f", this rank's stages {mine / 1e6:.2f}M" if self.pipeline else ""

@@ -261,7 +261,7 @@ def test_path_errors_name_the_path_and_what_is_allowed(tmp_path):
                        match=r"folder with no \.txt or \.jsonl or \.parquet or \.arrow files"):
         make("text", str(folder))
     with pytest.raises(ValueError,
-                       match=r"only read with dataset = 'text' or 'tokens'.*'shakespeare'"):
+                       match=r"only read with dataset = 'text', 'tokens' or 'hf'.*'shakespeare'"):
         make("shakespeare", str(csv))
 
 

@@ -1,5 +1,5 @@
-"""Training metrics: one console line per log step, a progress bar with ETA on terminals, and
-TensorBoard event files, all on the logging rank only.
+"""Training metrics: one console line per log step, a progress bar with ETA on terminals,
+TensorBoard event files and (optionally) a Weights & Biases run, all on the logging rank only.
 
 >>> import torch
 >>> logger = MetricsLogger(job_dir=None, rank=0, is_logging_rank=True, log_freq=10,
@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from typing import IO
+from typing import IO, Any
 
 import torch
 
@@ -145,6 +145,21 @@ def _memory(device: torch.device) -> tuple[str, dict[str, float]]:
                   "memory/max_reserved_pct": 100 * reserved / total}
 
 
+def _start_wandb(job_dir: str | os.PathLike[str] | None, config: Mapping[str, Any] | None):
+    """A wandb run: the project from WANDB_PROJECT (default "titanext"), files under WANDB_DIR
+    or else ``job_dir``; every other setting from wandb's own environment variables."""
+    try:
+        import wandb  # optional: the wandb extra
+    except ImportError as e:
+        raise ImportError("[metrics] enable_wandb = true needs wandb, which is not installed; "
+                          "pip install 'titanext[wandb]'") from e
+    folder = os.environ.get("WANDB_DIR") or (os.fspath(job_dir) if job_dir is not None else None)
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "titanext"), dir=folder,
+                      config=dict(config or {}))
+
+
 # -- logger -------------------------------------------------------------------------------------
 
 _CLEAR_LINE = "\r\033[K"
@@ -167,6 +182,13 @@ class MetricsLogger:
 
     ``peak_flops`` overrides the table lookup (``device_peak_flops(device, dtype)``); ``stream``
     overrides ``sys.stdout``. Example: see the module docstring.
+
+    With ``enable_wandb`` the logging rank also starts a Weights & Biases run and logs the same
+    scalars as TensorBoard, at the same steps (``wandb_config``: the run's config, e.g. the job
+    config as a dict). wandb's own environment variables choose the rest: ``WANDB_PROJECT``
+    (default "titanext"), ``WANDB_ENTITY``, ``WANDB_NAME`` (run name), ``WANDB_RUN_GROUP``,
+    ``WANDB_TAGS``, ``WANDB_MODE`` (offline, disabled) and ``WANDB_DIR`` (default: ``job_dir``).
+    wandb drops a step lower than one already logged, so log steps in order (the trainer does).
     """
 
     def __init__(self, *, job_dir: str | os.PathLike[str] | None, rank: int, is_logging_rank: bool,
@@ -174,7 +196,8 @@ class MetricsLogger:
                  device: torch.device | None = None, flops_per_token: float | None = None,
                  num_devices: int = 1, tb_folder: str = "tb", color: bool = True,
                  progress_bar: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 peak_flops: float | None = None, stream: IO[str] | None = None):
+                 peak_flops: float | None = None, stream: IO[str] | None = None,
+                 enable_wandb: bool = False, wandb_config: Mapping[str, Any] | None = None):
         if log_freq < 1:
             raise ValueError(f"log_freq = {log_freq}: must be >= 1 (1 logs every step)")
         if num_devices < 1:
@@ -203,6 +226,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # slow import: only when used
 
             self.writer = SummaryWriter(log_dir=os.path.join(os.fspath(job_dir), tb_folder))
+        self.wandb_run = None
+        if self.active and enable_wandb:
+            self.wandb_run = _start_wandb(job_dir, wandb_config)
 
     @property
     def stream(self) -> IO[str]:
@@ -285,9 +311,7 @@ class MetricsLogger:
         self._clear_bar()
         print(self._prefix + "  ".join(parts), file=self.stream, flush=True)
 
-        if self.writer is not None:
-            for name, value in metrics.items():
-                self.writer.add_scalar(name, value, step)
+        self._write(metrics, step)
         self._tokens, self._t_window, self._last_logged_step = 0, now, step
         self._draw_bar(step, now)
         return metrics
@@ -312,10 +336,16 @@ class MetricsLogger:
         print(f"{self._prefix}validation step {step}/{self.total_steps}  loss {loss:.4f}  "
               f"perplexity {perplexity:.4g}  ({tokens:,} tokens, {seconds:.1f}s)",
               file=self.stream, flush=True)
+        self._write(scalars, step)
+        return scalars
+
+    def _write(self, scalars: dict[str, float], step: int) -> None:
+        """To TensorBoard and wandb: the same names, values and step."""
         if self.writer is not None:
             for name, value in scalars.items():
                 self.writer.add_scalar(name, value, step)
-        return scalars
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
 
     # -- progress bar ---------------------------------------------------------------------------
     def _draw_bar(self, step: int, now: float) -> None:
@@ -339,7 +369,8 @@ class MetricsLogger:
             self._bar_drawn = False
 
     def close(self) -> None:
-        """Clear the bar and flush and close the TensorBoard writer. Safe to call twice."""
+        """Clear the bar, close the TensorBoard writer and finish the wandb run. Safe to call
+        twice."""
         self._clear_bar()
         if self.active:
             self.stream.flush()
@@ -347,6 +378,9 @@ class MetricsLogger:
             self.writer.flush()
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -16,6 +16,7 @@ that need them, so that ``import titanext.config`` stays light (no torch).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 from titanext._text import did_you_mean as _did_you_mean
@@ -488,7 +489,18 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
          if not {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip],
         text_field=cfg.training.dataset_text_field, tokenizer=cfg.model.tokenizer,
         hf_assets_path=cfg.model.hf_assets_path)
+    hf_used = cfg.training.dataset == "hf" or (cfg.validation.enable
+                                                and cfg.validation.dataset == "hf")
+    if cfg.training.dataset_name and not hf_used and not {
+            "training.dataset", "validation.dataset", "validation.enable"} & skip:
+        problems.append(f"training.dataset_name = {cfg.training.dataset_name!r} is only read "
+                        f"with dataset = 'hf', but training.dataset = {cfg.training.dataset!r}; "
+                        "set dataset = 'hf' or dataset_name = \"\"")
     problems += profiling_problems(cfg, skip)
+    if cfg.metrics.enable_wandb and "metrics.enable_wandb" not in skip \
+            and importlib.util.find_spec("wandb") is None:
+        problems.append("metrics.enable_wandb = True needs the wandb package, which is not "
+                        "installed; pip install 'titanext[wandb]' or set enable_wandb = false")
     return problems
 
 

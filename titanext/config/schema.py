@@ -57,7 +57,7 @@ def _load_step(value: int | str) -> str | None:
 
 
 
-_DATASETS = ("shakespeare", "text", "tokens", "synthetic")
+_DATASETS = ("shakespeare", "text", "tokens", "synthetic", "hf")
 
 
 def _no_async_tp(value: bool) -> str | None:
@@ -130,15 +130,23 @@ class Training:
     dataset: str = _field("shakespeare", choices=_DATASETS)
     """Data source: the built-in Shakespeare corpus, your own files streamed and tokenized as
     they are read ('text'), pre-tokenized .npy shards ('tokens', from titanext-data
-    tokenize), or synthetic random tokens (for benchmarks and parity tests). See docs/data.md."""
+    tokenize), synthetic random tokens (for benchmarks and parity tests), or a Hugging Face
+    datasets split streamed through datasets.load_dataset ('hf': needs pip install
+    'titanext[datasets]'). See docs/data.md."""
     dataset_path: str | None = _field(None)
     """For dataset = 'text': a .txt, .jsonl, .parquet or .arrow file, or a folder of them
     (searched recursively; .arrow: the shards of a datasets save_to_disk split folder);
-    for 'tokens': a folder of .npy shards. Relative to the working directory.
-    Leave unset (or "") for the other datasets."""
+    for 'tokens': a folder of .npy shards; for 'hf': what datasets.load_dataset takes (a hub
+    name such as "allenai/c4", a local folder, or one .jsonl/.json/.parquet/.csv/.txt/.arrow
+    file). Relative to the working directory. Leave unset (or "") for the other datasets."""
+    dataset_name: str = _field("")
+    """For dataset = 'hf': the dataset's config name (load_dataset's second argument, e.g.
+    "en" for allenai/c4); "" for none."""
+    dataset_split: str = _field("train", check=_non_empty, rule="a non-empty split name")
+    """For dataset = 'hf': the split to stream, e.g. "train"."""
     dataset_text_field: str = _field("text", check=_non_empty, rule="a non-empty name")
-    """The field of each .jsonl record, or the column of a .parquet or .arrow file, that holds
-    the text."""
+    """The field of each .jsonl record, or the column of a .parquet or .arrow file or of a
+    dataset = 'hf' split, that holds the text."""
     shuffle: bool = _field(True)
     """Shuffle the order of sequence windows each epoch (deterministically from the seed)."""
     mtp_loss_weight: float = _field(0.3, ge=0)
@@ -162,7 +170,10 @@ class Validation:
     dataset: str = _field("text", choices=_DATASETS)
     """The held-out source, as training.dataset (read unshuffled from its start every time)."""
     dataset_path: str | None = _field(None)
-    """Its files, as training.dataset_path (the text field is training.dataset_text_field)."""
+    """Its files, as training.dataset_path (the text field is training.dataset_text_field;
+    with dataset = 'hf' the config name is training.dataset_name)."""
+    dataset_split: str = _field("validation", check=_non_empty, rule="a non-empty split name")
+    """For dataset = 'hf': the held-out split to read."""
     freq: int = _field(100, ge=1)
     """Validate after every this many training steps."""
     steps: int = _field(10, ge=1)
@@ -395,6 +406,11 @@ class Metrics:
     """Write TensorBoard event files under job.dump_folder/save_tb_folder."""
     save_tb_folder: str = _field("tb")
     """TensorBoard folder, relative to job.dump_folder."""
+    enable_wandb: bool = _field(False)
+    """Also log the TensorBoard scalars to a Weights & Biases run, from the same rank (needs
+    pip install 'titanext[wandb]'). wandb's environment variables set the rest: WANDB_PROJECT
+    (default "titanext"), WANDB_ENTITY, WANDB_NAME (run name), WANDB_MODE=offline, WANDB_DIR
+    (default job.dump_folder). See docs/checkpoints_and_faults.md."""
     disable_color_printing: bool = _field(False)
     """Plain log lines without ANSI colours."""
     progress_bar: bool = _field(True)

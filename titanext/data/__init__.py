@@ -10,6 +10,9 @@ Sources (``[training] dataset``):
 - ``"tokens"``: pre-tokenized ``.npy`` shards read through a memmap (:mod:`titanext.data.tokens`),
   written by ``titanext-data tokenize`` (:mod:`titanext.data.pretokenize`).
 - ``"synthetic"``: infinite learnable random windows.
+- ``"hf"``: a Hugging Face ``datasets`` split (hub name, local folder or file) streamed through
+  ``load_dataset(..., streaming=True)`` into the streaming text source
+  (:mod:`titanext.data.hf_datasets`).
 
 Documents are packed into one token stream with EOS after each and cut into windows of
 ``seq_len + 1`` tokens with stride ``seq_len``: inputs are ``w[:-1]``, labels ``w[1:]``. A finite
@@ -53,6 +56,7 @@ _EXPORTS = {
     "check_dataset": "checks", "TEXT_SUFFIXES": "readers", "SyntheticWindows": "sources",
     "TokenWindows": "sources", "pack_documents": "sources",
     "StreamingTextWindows": "streaming", "TokenShardWindows": "tokens",
+    "HFStreamingWindows": "hf_datasets",
 }
 
 __all__ = sorted(_EXPORTS)

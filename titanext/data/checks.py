@@ -7,14 +7,50 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from titanext.data.readers import check_text_file, list_files
 from titanext.data.tokens import check_token_shards
 from titanext.errors import ConfigError
 
-__all__ = ["check_dataset", "data_problems"]
+__all__ = ["FILE_BUILDERS", "check_dataset", "data_problems", "hf_dataset_problems"]
+
+# a single local file: its suffix -> the datasets builder that reads it
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
+                 ".txt": "text", ".arrow": "arrow"}
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user means as a file or folder here, not a hub name."""
+    return (path.startswith((".", "/", "~")) or path.count("/") > 1
+            or Path(path).suffix in FILE_BUILDERS or os.path.exists(path))
+
+
+def hf_dataset_problems(section: str, dataset_path: str | None) -> list[str]:
+    """Cheap checks at config load, one line each: ``datasets`` installed, the path set, and a
+    local path (one that starts with ``.``, ``/`` or ``~``, or has a data-file suffix) existing.
+    Hub names are not looked up here (that needs the network);
+    :func:`titanext.data.hf_datasets.open_hf_split` names a failure when the loader is built,
+    before training starts."""
+    key = f"{section}.dataset_path"
+    if importlib.util.find_spec("datasets") is None:
+        return [f"{section}.dataset = 'hf' needs the datasets package, which is not installed; "
+                "pip install 'titanext[datasets]'"]
+    if not dataset_path:
+        return [f"{section}.dataset = 'hf' needs {key} (a hub name, a local folder or a data "
+                "file for datasets.load_dataset), which is unset"]
+    if _looks_local(dataset_path) and not os.path.exists(os.path.expanduser(dataset_path)):
+        return [f"{key} = {dataset_path!r} does not exist (relative paths start at "
+                f"{os.getcwd()!r}); give a hub name, a local folder or a "
+                f"{'/'.join(FILE_BUILDERS)} file"]
+    path = Path(os.path.expanduser(dataset_path))
+    if path.is_file() and path.suffix not in FILE_BUILDERS:
+        return [f"{key} = {dataset_path!r} is a {path.suffix or 'suffix-less'} file; "
+                f"datasets reads {', '.join(FILE_BUILDERS)} files (or a folder of them)"]
+    return []
 
 
 def check_dataset(dataset: str, dataset_path: str | None, *, text_field: str = "text",
@@ -47,7 +83,9 @@ def data_problems(sections: Sequence[tuple[str, str, str | None]], *, text_field
     problems: list[str] = []
     vocab: tuple[int | None, int | None] | None = None
     for name, dataset, dataset_path in sections:
-        if dataset in ("text", "tokens"):
+        if dataset == "hf":
+            problems += hf_dataset_problems(name, dataset_path)
+        elif dataset in ("text", "tokens"):
             if not dataset_path:
                 what = (".txt, .jsonl, .parquet or .arrow file, or a folder of them"
                         if dataset == "text"
@@ -66,7 +104,7 @@ def data_problems(sections: Sequence[tuple[str, str, str | None]], *, text_field
                                       eos_id=vocab[1] if vocab else None, section=name)
         elif dataset_path:
             problems.append(f"{name}.dataset_path = {dataset_path!r} is only read with "
-                            f"dataset = 'text' or 'tokens', but {name}.dataset = "
+                            f"dataset = 'text', 'tokens' or 'hf', but {name}.dataset = "
                             f"{dataset!r}; set dataset = 'text' or dataset_path = \"\"")
     return problems
 

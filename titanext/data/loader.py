@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from titanext.data.checks import check_dataset
+from titanext.data.hf_datasets import HFStreamingWindows
 from titanext.data.readers import list_files, read_units
 from titanext.data.sources import (
     SyntheticWindows,
@@ -25,8 +26,9 @@ __all__ = ["DATASETS", "TokenDataLoader", "build_dataloader", "dataloader_from_c
            "document_ids",
            "check_dataset", "document_positions", "load_documents"]
 
-DATASETS = ("shakespeare", "text", "tokens", "synthetic")
+DATASETS = ("shakespeare", "text", "tokens", "synthetic", "hf")
 _ALLOWED_DATASETS = ", ".join(repr(d) for d in DATASETS)
+_PATH_DATASETS = ("text", "tokens", "hf")
 Source = TokenWindows | SyntheticWindows | StreamingTextWindows | TokenShardWindows
 
 
@@ -175,9 +177,12 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
                      seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                      seed: int = 0, shuffle: bool = True, text_field: str = "text",
                      document_masking: bool = False, block_tokens: int | None = None,
-                     section: str = "training") -> TokenDataLoader:
+                     section: str = "training", dataset_name: str | None = None,
+                     dataset_split: str = "train") -> TokenDataLoader:
     """A loader for ``dataset``: 'shakespeare', 'text' (streamed from ``dataset_path``),
-    'tokens' (memory-mapped shards at ``dataset_path``) or 'synthetic'.
+    'tokens' (memory-mapped shards at ``dataset_path``), 'synthetic', or 'hf' (the
+    ``datasets.load_dataset(dataset_path, dataset_name, split=dataset_split, streaming=True)``
+    split, streamed as 'text' is: :mod:`titanext.data.hf_datasets`).
 
     ``text_field``: the jsonl key / parquet column holding the text. ``document_masking``: also
     yield document ids. ``block_tokens``: the streaming source's shuffle block (tokens).
@@ -188,19 +193,21 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
     if dataset not in DATASETS:
         raise ConfigError(f"{section}.dataset = {dataset!r} is not a known dataset; allowed: "
                           f"{_ALLOWED_DATASETS}")
-    if dataset_path and dataset not in ("text", "tokens"):
-        raise ConfigError(f"{key} = {dataset_path!r} is only read with dataset = 'text' or "
-                          f"'tokens', but {section}.dataset = {dataset!r}")
+    if dataset_path and dataset not in _PATH_DATASETS:
+        raise ConfigError(f"{key} = {dataset_path!r} is only read with dataset = 'text', "
+                          f"'tokens' or 'hf', but {section}.dataset = {dataset!r}")
     _check_positive("training.seq_len", seq_len)
     _check_positive(f"{section}.local_batch_size", local_batch_size)
     _check_positive("dp_degree", dp_degree)
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
         raise ConfigError(f"dp_rank = {dp_rank!r}; expected 0 <= dp_rank < dp_degree = "
                           f"{dp_degree}")
-    if dataset in ("text", "tokens") and not dataset_path:
-        what = ("a .txt, .jsonl (field training.dataset_text_field), .parquet or .arrow "
-                "file, or a folder of them" if dataset == "text" else
-                "a folder of .npy token shards from titanext-data tokenize")
+    if dataset in _PATH_DATASETS and not dataset_path:
+        what = {"text": "a .txt, .jsonl (field training.dataset_text_field), .parquet or .arrow "
+                        "file, or a folder of them",
+                "tokens": "a folder of .npy token shards from titanext-data tokenize",
+                "hf": "a hub name, a local folder or a data file for datasets.load_dataset"}[
+                    dataset]
         raise ConfigError(f"{section}.dataset = {dataset!r} needs {key}: {what}")
 
     source: Source
@@ -211,6 +218,11 @@ def build_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Token
         source = StreamingTextWindows.open(dataset_path, tokenizer=tokenizer, seq_len=seq_len,
                                            seed=seed, shuffle=shuffle, text_field=text_field,
                                            block_windows=block, key=key)
+    elif dataset == "hf":
+        block = None if block_tokens is None else max(1, block_tokens // seq_len)
+        source = HFStreamingWindows(dataset_path, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
+                                    shuffle=shuffle, name=dataset_name, split=dataset_split,
+                                    text_field=text_field, block_windows=block, key=key)
     elif dataset == "tokens":
         source = TokenShardWindows.open(dataset_path, vocab_size=tokenizer.vocab_size,
                                         eos_id=tokenizer.eos_id, seq_len=seq_len, seed=seed,
@@ -246,4 +258,5 @@ def dataloader_from_config(training: Any, tokenizer: Tokenizer, dp_rank: int, dp
         dp_degree=dp_degree, seed=training.seed,
         shuffle=training.shuffle if validation is None else False,
         text_field=training.dataset_text_field, document_masking=document_masking,
-        section="training" if validation is None else "validation")
+        section="training" if validation is None else "validation",
+        dataset_name=training.dataset_name or None, dataset_split=src.dataset_split)

@@ -29,7 +29,7 @@ text; pre-tokenize with ``titanext-data tokenize`` when that costs too much).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,13 +37,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanext.data.readers import check_text_file, corpus_fingerprint, list_files, read_units
+from titanext.data.readers import (
+    Unit,
+    check_text_file,
+    corpus_fingerprint,
+    list_files,
+    read_units,
+)
 from titanext.data.sources import FILES, SHUFFLE, Tokenizer, mix_seed
 from titanext.errors import ConfigError
 
 __all__ = ["BLOCK_TOKENS", "StreamingTextWindows"]
 
 BLOCK_TOKENS = 1 << 20  # default tokens per block: the shuffle buffer and the resume granularity
+
+# (file, unit offset, jsonl line) -> the units from there on
+UnitReader = Callable[[Path, int, int], Iterator[Unit]]
 
 
 @dataclass
@@ -60,10 +69,9 @@ class _Segment:
 class _TokenReader:
     """The token stream of one epoch from a cursor on, read into a bounded buffer."""
 
-    def __init__(self, files: list[Path], order: list[int], field: str, tokenizer: Tokenizer,
-                 cursor: tuple[int, int, int, int], key: str):
-        self.files, self.order, self.field, self.tokenizer = files, order, field, tokenizer
-        self.key = key
+    def __init__(self, files: list[Path], order: list[int], units: UnitReader,
+                 tokenizer: Tokenizer, cursor: tuple[int, int, int, int]):
+        self.files, self.order, self.units, self.tokenizer = files, order, units, tokenizer
         self.start = cursor
         self.segments: deque[_Segment] = deque()
         self.exhausted = False
@@ -75,8 +83,7 @@ class _TokenReader:
         for pos in range(file_pos, len(self.order)):
             path = self.files[self.order[pos]]
             first = pos == file_pos
-            for unit in read_units(path, self.field, offset if first else 0,
-                                   line if first else 0, key=self.key):
+            for unit in self.units(path, offset if first else 0, line if first else 0):
                 ids = self.tokenizer.encode(unit.text, eos=unit.ends_document)
                 seg = _Segment(pos, unit.offset, unit.line, np.asarray(ids, dtype=np.int64), skip)
                 skip = 0
@@ -160,6 +167,10 @@ class StreamingTextWindows:
                    label=f"{key} = {dataset_path!r}", key=key, **kw)
 
     # -- reading -----------------------------------------------------------------------------
+    def _units(self, path: Path, offset: int, line: int) -> Iterator[Unit]:
+        """The units of one file from a cursor on (a subclass reads another kind of source)."""
+        return read_units(path, self.text_field, offset, line, key=self.key)
+
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.files)))
@@ -170,15 +181,15 @@ class StreamingTextWindows:
               cursor: tuple[int, int, int, int]) -> None:
         self.epoch, self.epoch_start, self.block_index = epoch, epoch_start, block
         self.block_first = block_first
-        self._reader = _TokenReader(self.files, self._order(epoch), self.text_field,
-                                    self.tokenizer, cursor, self.key)
+        self._reader = _TokenReader(self.files, self._order(epoch), self._units, self.tokenizer,
+                                    cursor)
         self._fill()
 
     def _new_epoch(self) -> None:
         self.epoch += 1
         self.epoch_start, self.block_index = self.block_first, 0
-        self._reader = _TokenReader(self.files, self._order(self.epoch), self.text_field,
-                                    self.tokenizer, (0, 0, 0, 0), self.key)
+        self._reader = _TokenReader(self.files, self._order(self.epoch), self._units,
+                                    self.tokenizer, (0, 0, 0, 0))
 
     def _fill(self) -> None:
         while True:

@@ -40,7 +40,7 @@ def test_every_key_has_a_docstring(section, key):
     ("--training.seed=-1", "training.seed = -1 is out of range; it must be >= 0"),
     ("--training.dataset=shakespear",
      "training.dataset = 'shakespear' is not allowed; choose one of "
-     "'shakespeare', 'text', 'tokens', 'synthetic'; did you mean 'shakespeare'?"),
+     "'shakespeare', 'text', 'tokens', 'synthetic', 'hf'; did you mean 'shakespeare'?"),
     ("--optimizer.name=adamw", "optimizer.name = 'adamw' is not allowed; choose one of 'AdamW', "
      "'Adam'; did you mean 'AdamW'?"),
     ("--optimizer.lr=0", "optimizer.lr = 0.0 is out of range; it must be > 0"),
