@@ -88,6 +88,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.float8_grouped_mm is not None:
+            mm = self.float8_grouped_mm
+            offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
+            return mm(F.silu(mm(x, w1, offs)) * mm(x, w3, offs), w2, offs)
         use = self.use_grouped_mm
         if use == "auto":
             use = grouped_mm_supported(x, w1, w2, w3)
