@@ -76,7 +76,13 @@ class GroupedExperts(nn.Module):
     ``forward(x, num_tokens_per_expert)``: x is [T, dim] with rows grouped by expert in expert
     order, ``num_tokens_per_expert`` [local experts] the rows per expert (sums to T). The local
     expert count is ``w1.shape[0]`` of the local tensor (DTensor params use their local shard).
+
+    ``float8_grouped_mm``: None (high precision), or a callable ``(x [T, in], w [E, out, in],
+    offs [E] int32) -> [T, out]`` that runs the three grouped GEMMs instead (set by
+    ``titanext.plugins.float8_experts.apply_float8_experts``).
     """
+
+    float8_grouped_mm = None
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int,
                  use_grouped_mm: bool | Literal["auto"] = "auto"):
