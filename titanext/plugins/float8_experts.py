@@ -127,9 +127,15 @@ def _counts(offs: torch.Tensor) -> list[int]:
     return torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
 
 
+def _grouped_mm_runs(a: torch.Tensor, *dims: int) -> bool:
+    """torch's grouped GEMM here: CPU float32 in eager mode, rows of 16 bytes' multiples."""
+    return (grouped_mm is not None and a.device.type == "cpu" and not torch.compiler.is_compiling()
+            and all(d % 4 == 0 for d in dims))
+
+
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of ``a`` [T, K] grouped by ``offs`` times ``b`` [E, K, N]: float32 [T, N]."""
-    if grouped_mm is not None and a.device.type == "cpu" and not torch.compiler.is_compiling():
+    if _grouped_mm_runs(a, *b.shape[1:]):
         return grouped_mm(a, b, offs=offs)
     outs = [ae @ b[e] for e, ae in enumerate(torch.split(a, _counts(offs)))]  # one host sync
     return torch.cat(outs) if outs else a.new_zeros(0, b.shape[-1])
@@ -137,7 +143,7 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 def _gmm_weight(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per group: dy_g^T x_g, float32 [E, N, K]."""
-    if grouped_mm is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+    if _grouped_mm_runs(x, dy.shape[1], x.shape[1]):
         return grouped_mm(dy.t(), x, offs=offs)
     parts = zip(torch.split(dy, _counts(offs)), torch.split(x, _counts(offs)), strict=True)
     return torch.stack([dye.t() @ xe for dye, xe in parts])
@@ -184,8 +190,9 @@ class Float8GroupedMM:
         return f"Float8GroupedMM({self.recipe!r}, emulate={self.emulate})"
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        if not self.emulate and x.is_cuda and x.dtype == torch.bfloat16:
-            return _kernel_grouped_mm(x, w, offs)
+        if (not self.emulate and x.is_cuda and x.dtype == torch.bfloat16
+                and x.shape[-1] % _KERNEL_ALIGN == 0 and w.shape[-2] % _KERNEL_ALIGN == 0):
+            return _kernel_grouped_mm(x, w, offs)  # else (fp32, odd dims): the emulation
         return _EmulatedFn.apply(x, w, offs, self)
 
     # y = x W^T
