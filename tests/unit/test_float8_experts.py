@@ -144,3 +144,19 @@ def test_config_refuses_meaningless_combinations(args, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
     assert len(e.value.problems) == 1 and needle in e.value.problems[0], e.value.problems
+
+
+@pytest.mark.parametrize("recipe", FLOAT8_EXPERT_RECIPES)
+def test_dry_run_fake_tensors(recipe):
+    """The dry run ([comm] mode = "fake_backend") runs the experts on fake tensors, whose
+    grouped-GEMM meta function takes bf16 only."""
+    from titanext._fake_backend import fake_tensor_mode
+    from titanext.plugins.float8_experts import Float8GroupedMM
+
+    with fake_tensor_mode():
+        x = torch.randn(10, 64, requires_grad=True)
+        w = torch.randn(4, 96, 64, requires_grad=True)
+        offs = torch.tensor([3, 3, 8, 10], dtype=torch.int32)
+        y = Float8GroupedMM(recipe, emulate=True)(x, w, offs)
+        y.sum().backward()
+        assert y.shape == (10, 96) and w.grad.shape == w.shape and x.grad.shape == x.shape

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanext._compat import grouped_mm
+from titanext._fake_backend import is_fake
 from titanext.plugins._loud import log_rank0
 from titanext.plugins.options import FLOAT8_EXPERT_RECIPES
 
@@ -133,8 +134,19 @@ def _grouped_mm_runs(a: torch.Tensor, *dims: int) -> bool:
             and all(d % 4 == 0 for d in dims))
 
 
+def _fake_gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
+    """The dry run's fake tensors (``[comm] mode = "fake_backend"``): only shapes matter, and the
+    grouped GEMM's meta function takes bf16 only."""
+    if grouped_mm is None or not is_fake(a):
+        return None
+    return grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).float()
+
+
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of ``a`` [T, K] grouped by ``offs`` times ``b`` [E, K, N]: float32 [T, N]."""
+    fake = _fake_gmm(a, b, offs)
+    if fake is not None:
+        return fake
     if _grouped_mm_runs(a, *b.shape[1:]):
         return grouped_mm(a, b, offs=offs)
     outs = [ae @ b[e] for e, ae in enumerate(torch.split(a, _counts(offs)))]  # one host sync
@@ -143,6 +155,9 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 def _gmm_weight(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per group: dy_g^T x_g, float32 [E, N, K]."""
+    fake = _fake_gmm(dy.t(), x, offs)
+    if fake is not None:
+        return fake
     if _grouped_mm_runs(x, dy.shape[1], x.shape[1]):
         return grouped_mm(dy.t(), x, offs=offs)
     parts = zip(torch.split(dy, _counts(offs)), torch.split(x, _counts(offs)), strict=True)
