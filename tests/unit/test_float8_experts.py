@@ -106,14 +106,18 @@ def test_deferred_weight_grads_use_the_recipe(recipe):
 
 
 def test_emulated_experts_compile():
+    """The emulation runs eagerly inside a compiled block (a graph break), so the recipe
+    compiles such blocks with fullgraph=False (has_emulated_float8_experts)."""
     from titanext.models.moe import MoE, MoEArgs
+    from titanext.plugins.float8_experts import has_emulated_float8_experts
 
     torch.manual_seed(0)
     moe = MoE(dim=32, args=MoEArgs(num_experts=4, top_k=2, hidden_dim=48))
-    moe.init_weights() if hasattr(moe, "init_weights") else None
     for p in moe.parameters():
         nn.init.normal_(p, std=0.05)
+    assert not has_emulated_float8_experts(moe)
     apply_float8_experts(moe, recipe="rowwise", emulate=True)
+    assert has_emulated_float8_experts(moe)
     x = torch.randn(2, 8, 32)
     eager = moe(x)
     compiled = torch.compile(moe, fullgraph=False)

@@ -51,7 +51,7 @@ from titanext.plugins._loud import log_rank0
 from titanext.plugins.options import FLOAT8_EXPERT_RECIPES
 
 __all__ = ["FLOAT8_EXPERT_RECIPES", "Float8GroupedMM", "apply_float8_experts",
-           "float8_experts_kernels_usable"]
+           "float8_experts_kernels_usable", "has_emulated_float8_experts"]
 
 _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = torch.finfo(_E4M3).max  # 448
@@ -208,7 +208,7 @@ class Float8GroupedMM:
         if (not self.emulate and x.is_cuda and x.dtype == torch.bfloat16
                 and x.shape[-1] % _KERNEL_ALIGN == 0 and w.shape[-2] % _KERNEL_ALIGN == 0):
             return _kernel_grouped_mm(x, w, offs)  # else (fp32, odd dims): the emulation
-        return _EmulatedFn.apply(x, w, offs, self)
+        return _emulated(x, w, offs, self)
 
     # y = x W^T
     def forward(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -249,6 +249,14 @@ class _EmulatedFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = ctx.mm.weight_grad(x, dy, offs).to(w.dtype)
         return dx, dw, None, None
+
+
+@torch.compiler.disable
+def _emulated(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, mm: Float8GroupedMM
+              ) -> torch.Tensor:
+    """Eager under torch.compile: the per-expert loop (CUDA) reads host counts, and the traced
+    float32 grouped GEMM takes bf16 only; the emulation is for numerics, not speed."""
+    return _EmulatedFn.apply(x, w, offs, mm)
 
 
 def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -317,3 +325,10 @@ def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
               recipe, "" if not mm.emulate else ", emulated: float8 numerics at high-precision "
               "speed")
     return fqns
+
+
+def has_emulated_float8_experts(model: nn.Module) -> bool:
+    """Whether ``model`` holds float8 experts that run emulated (eagerly under torch.compile: a
+    graph break, so their blocks cannot compile with ``fullgraph=True``)."""
+    return any(getattr(getattr(m, "float8_grouped_mm", None), "emulate", False)
+               for m in model.modules())
