@@ -140,7 +140,8 @@ def test_refusals():
     (["--model.flavor=debugmodel", "--float8.moe_experts=true"], "needs a MoE model"),
     (["--model.flavor=debugmoe", "--float8.moe_experts=true",
       "--float8.moe_experts_recipe=blockwise", "--float8.emulate=false"], "always runs emulated"),
-    (["--model.flavor=debugmoe", "--float8.moe_experts_recipe=tensorwise"], "'rowwise', 'blockwise'"),
+    (["--model.flavor=debugmoe", "--float8.moe_experts_recipe=tensorwise"],
+     "'rowwise', 'blockwise'"),
 ])
 def test_config_refuses_meaningless_combinations(args, needle):
     from titanext.config import ConfigError, load_config

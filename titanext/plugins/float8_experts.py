@@ -4,14 +4,11 @@
 matmuls (w1, w3, w2) with float8_e4m3fn operands in forward and backward. Recipes
 (:data:`FLOAT8_EXPERT_RECIPES`):
 
-==========  ===============================  ==============================  =========================
-recipe      y = x W^T                        dx = dy W                       dW = dy^T x (per expert)
-==========  ===============================  ==============================  =========================
-rowwise     x: a scale per token row;        dy: per token row;              dy, x: per column over
-            W: per (expert, output row)      W: per (expert, input column)   each expert's rows
-blockwise   x: 1x128 tiles along K;          dy: 1x128 tiles along N;        dy, x: 128x1 tiles along
-            W: 128x128 blocks per expert     W: 128x128 blocks per expert    each expert's rows
-==========  ===============================  ==============================  =========================
+- ``rowwise``: y = x W^T with a scale per token row of x and per (expert, output row) of W;
+  dx = dy W with a scale per row of dy and per (expert, input column) of W; dW = dy^T x per
+  expert with a scale per column of dy and of x over that expert's rows. Powers of two.
+- ``blockwise``: x and dy in 1x128 tiles along the contraction, W in 128x128 blocks per expert;
+  for dW, dy and x in 128x1 tiles along each expert's rows.
 
 ``rowwise`` is torchao's ``moe_training`` FP8 rowwise recipe (power-of-two scales); on CUDA
 GPUs of compute capability 9.0+ with torchao's ``moe_training`` (and triton) and bf16 experts

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES",
-           "FLOAT8_EXPERT_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK", "float8_experts_problems", "float8_problems", "keep_all_to_all_problem", "max_replicas",
+           "FLOAT8_EXPERT_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK",
+           "float8_experts_problems", "float8_problems", "keep_all_to_all_problem", "max_replicas",
            "replication_problems"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
