@@ -60,6 +60,7 @@ from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
+from titanext.plugins.float8_experts import apply_float8_experts
 from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
 
 __all__ = ["IGNORE_INDEX", "Trainer"]
@@ -97,6 +98,9 @@ class Trainer:
             apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
                          auto_filter=f8.auto_filter, emulate=f8.emulate, device=self.device,
                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+        if f8.moe_experts:  # the routed experts' grouped GEMMs (the rules checked it has them)
+            apply_float8_experts(model, recipe=f8.moe_experts_recipe, emulate=f8.emulate,
+                                 device=self.device)
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
         parallelize_part = functools.partial(  # the recipe, for the model or each stage

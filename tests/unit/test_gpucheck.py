@@ -30,6 +30,14 @@ def test_float8_rows_say_torchao_missing(monkeypatch):
     assert status["float8 blockwise"][0] == "pass"  # titanext's own: no torchao needed
 
 
+def test_float8_experts_rows_pass_emulated_and_the_kernels_row_says_why_not():
+    rows = {r.name: r for r in run_gpucheck("cpu", quick=True, only=["float8"])}
+    for recipe in ("rowwise", "blockwise"):
+        assert rows[f"float8 experts {recipe} emulated"].status == "pass"
+    kernels_row = rows["float8 experts rowwise kernels"]
+    assert kernels_row.status == "skipped" and "compute capability 9.0+" in kernels_row.note
+
+
 def test_a_wrong_merge_fails_the_ring_rows(monkeypatch):
     def no_rescale(out, lse, o_blk, lse_blk):  # forgets to reweigh by the log-sum-exps
         out.add_(o_blk.float())

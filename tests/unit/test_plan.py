@@ -359,3 +359,30 @@ def test_expert_parallel_memory_and_all_to_all():
     # dispatch + combine in the forward, its recompute (full AC) and the backward
     assert a2a["bytes"] == pytest.approx(6 * n_moe * per)
     assert a2a["level"] == "intra-node"
+
+
+# -- float8 routed experts ---------------------------------------------------------------------
+
+def test_float8_experts_run_at_the_float8_peak_and_keep_memory():
+    """[float8] moe_experts (rowwise): the experts' GEMMs at the float8 peak, so the step's
+    compute falls, by no more than the experts' matmul share; memory is unchanged (no float8
+    copy or scale outlives a GEMM). blockwise is emulated: planned as bf16."""
+    from titanext.planning.layout import resolve_layout
+
+    base = ["--model.flavor=deepseek_v3_16b", "--training.seq_len=4096",
+            "--training.local_batch_size=4", "--parallelism.expert_parallel_degree=8"]
+    plans = {}
+    for name, extra in (("bf16", []), ("rowwise", ["--float8.moe_experts=true"]),
+                        ("blockwise", ["--float8.moe_experts=true",
+                                       "--float8.moe_experts_recipe=blockwise"])):
+        cfg = load_config(None, [*base, *extra], world_size=8)
+        lo = resolve_layout(cfg, 8)
+        flags = {lin.name: lin.float8 for lin in lo.moe_linears}
+        plans[name] = (plan_config(cfg, 8), flags)
+    (bf16, f_bf16), (row, f_row), (blk, f_blk) = (plans[k] for k in ("bf16", "rowwise",
+                                                                     "blockwise"))
+    assert f_row["moe.experts.w1"] and f_row["moe.experts.w2"] and not f_row["moe.router.gate"]
+    assert f_blk == f_bf16 and not any(f_bf16.values())
+    assert row.time["compute_s"] < bf16.time["compute_s"] < 1.5 * row.time["compute_s"]
+    assert blk.time["compute_s"] == bf16.time["compute_s"]
+    assert row.memory == bf16.memory

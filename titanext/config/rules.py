@@ -38,6 +38,7 @@ from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
 from titanext.plugins.ep_dispatch_rules import dispatch_problems
 from titanext.plugins.options import (
+    float8_experts_problems,
     float8_problems,
     keep_all_to_all_problem,
     replication_problems,
@@ -453,6 +454,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
         found, plan = _pipeline_problems(cfg)
         problems += found
     problems += float8_problems(cfg.float8, cfg.parallelism, skip)
+    problems += float8_experts_problems(cfg, skip, model_args)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)

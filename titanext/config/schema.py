@@ -25,7 +25,12 @@ from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._fields import _field, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
-from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES, FLOAT8_RECIPES
+from titanext.plugins.options import (
+    DEFAULT_SAVE_OPS,
+    EP_DISPATCH_MODES,
+    FLOAT8_EXPERT_RECIPES,
+    FLOAT8_RECIPES,
+)
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
@@ -497,6 +502,16 @@ class Float8:
     emulate: bool | str = _field("auto", check=_emulate, rule="true, false or 'auto'")
     """Emulate float8 matmuls in high precision: 'auto' emulates where there is no float8
     hardware (CPU, GPUs before compute capability 8.9) and logs it."""
+    moe_experts: bool = _field(False)
+    """Run the MoE routed experts' grouped GEMMs (w1, w3, w2 of every GroupedExperts) in float8
+    with moe_experts_recipe, in forward and backward (deferred weight gradients too). Independent
+    of enable (which converts the linears); MoE flavors only. On CUDA compute capability 9.0+
+    with torchao's prototype.moe_training the rowwise recipe runs torchao's float8 grouped GEMMs;
+    elsewhere (and with emulate = true) it is emulated."""
+    moe_experts_recipe: str = _field("rowwise", choices=FLOAT8_EXPERT_RECIPES)
+    """Scaling of the float8 experts: rowwise (torchao's FP8 rowwise: a power-of-two scale per
+    row, per expert) or blockwise (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks
+    per expert; always emulated, torchao has no blockwise grouped GEMM)."""
 
 
 def _grouped_mm_value(value: bool | str) -> str | None:

@@ -225,10 +225,13 @@ def parallelize(
             # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
             # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
             # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
-            # Deferred weight gradients: each converted linear runs eagerly (a graph break).
+            # Deferred weight gradients: each converted linear runs eagerly (a graph break); so do
+            # emulated float8 experts.
+            from titanext.plugins.float8_experts import has_emulated_float8_experts
             from titanext.plugins.weight_grad import has_deferred_modules
 
-            fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model))
+            fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
+                             or has_emulated_float8_experts(model))
             apply_compile(model, backend=comp.backend, fullgraph=fullgraph, blocks=blocks)
         zero1 = zero1_enabled(dims, p)
         if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):

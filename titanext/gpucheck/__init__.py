@@ -6,12 +6,14 @@ Checks, each against an fp32 (or CPU) reference with a stated tolerance:
   document masks, and a value head dim different from the query's where the kernels take one;
 - deferred weight gradients (linears, grouped experts) against one autograd backward;
 - grouped GEMM (``torch._grouped_mm``) against the per-expert loop;
-- every float8 recipe's linear (SQNR of output and gradients);
+- every float8 recipe's linear (SQNR of output and gradients), and the float8 grouped experts
+  (``[float8] moe_experts``: emulated everywhere, torchao's rowwise kernels on SM90);
 - the trainer for a few steps on the debug, debugdeepseek (MLA + MoE + MTP) and 1B flavors:
   compile + selective AC, full AC + float8, and bf16 autocast, against fp32 eager.
 
 Measurements, variants side by side in turns (medians and ratios): float8 against bf16 for one
-linear and one 1B block (against torchao's published 1.39x); the deferred split's (I+W)/B;
+linear and one 1B block (against torchao's published 1.39x), and for DeepSeek-V3-shaped grouped
+experts (SM90); the deferred split's (I+W)/B;
 tokens/s and MFU of the 1B flavor through the trainer; the planner's memory against
 ``torch.cuda.max_memory_allocated``.
 

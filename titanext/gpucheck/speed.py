@@ -72,6 +72,38 @@ def measure_float8(ctx: Ctx) -> list[Row]:
         b.compile()
         variants[recipe or "bf16"] = lambda b=b: b(xb, cos, sin).sum().backward()
     rows += _speed_rows("1B block 2x4096", ctx, variants)
+    rows += _experts_speed_rows(ctx)
+    return rows
+
+
+def _experts_speed_rows(ctx: Ctx) -> list[Row]:
+    """Forward+backward of 8 grouped SwiGLU experts of DeepSeek-V3's shape (dim 7168, hidden
+    2048, 16384 rows in uneven groups), eager: bf16 grouped GEMMs against torchao's float8
+    rowwise ones ([float8] moe_experts). Needs SM90 and torchao's prototype.moe_training."""
+    from titanext.models.moe import GroupedExperts
+    from titanext.plugins.float8_experts import (
+        apply_float8_experts,
+        float8_experts_kernels_usable,
+    )
+
+    what = "MoE experts 8x(7168->2048) 16384 rows"
+    if not float8_experts_kernels_usable(ctx.device):
+        return [Row(SECTION, f"{what} float8 rowwise", "skipped",
+                    note="skipped: needs compute capability 9.0+ with triton and torchao's "
+                         "prototype.moe_training")]
+    counts = torch.tensor([2500, 1800, 2200, 1900, 2100, 2000, 1700, 2184], device=ctx.device)
+    experts = GroupedExperts(8, 7168, 2048).to(ctx.device, torch.bfloat16)
+    for w in experts.parameters():
+        nn.init.normal_(w, std=0.02)
+    f8 = copy.deepcopy(experts)
+    apply_float8_experts(f8, recipe="rowwise", emulate=False, device=ctx.device)
+    x = torch.randn(int(counts.sum()), 7168, device=ctx.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    variants = {"bf16": lambda: experts(x, counts).sum().backward(),
+                "rowwise": lambda: f8(x, counts).sum().backward()}
+    rows = _speed_rows(what, ctx, variants)
+    for r in rows:  # torchao's published figure is for linears, not grouped GEMMs
+        r.target, r.note = "> 1x bf16", "eager, median of 10 in turns"
     return rows
 
 

@@ -76,7 +76,13 @@ class GroupedExperts(nn.Module):
     ``forward(x, num_tokens_per_expert)``: x is [T, dim] with rows grouped by expert in expert
     order, ``num_tokens_per_expert`` [local experts] the rows per expert (sums to T). The local
     expert count is ``w1.shape[0]`` of the local tensor (DTensor params use their local shard).
+
+    ``float8_grouped_mm``: None (high precision), or a callable ``(x [T, in], w [E, out, in],
+    offs [E] int32) -> [T, out]`` that runs the three grouped GEMMs instead (set by
+    ``titanext.plugins.float8_experts.apply_float8_experts``).
     """
+
+    float8_grouped_mm = None
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int,
                  use_grouped_mm: bool | Literal["auto"] = "auto"):
@@ -88,6 +94,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.float8_grouped_mm is not None:
+            mm = self.float8_grouped_mm
+            offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
+            return mm(F.silu(mm(x, w1, offs)) * mm(x, w3, offs), w2, offs)
         use = self.use_grouped_mm
         if use == "auto":
             use = grouped_mm_supported(x, w1, w2, w3)

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanext.config import JobConfig, JobLayout, resolve_job_layout
-from titanext.planning.moe import row_bytes, with_ep
+from titanext.planning.moe import float8_experts, row_bytes, with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
 from titanext.planning.stages import PipelineLayout, RankStages, pipeline_layout
@@ -154,6 +154,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         gathered_layer = max(gathered_layer, a * (moe.sharded / tp + moe.replicated
                                                   + moe.experts / ep))
         moe_linears = with_ep(moe.linears, moe.num_experts, ep)
+        if f8.moe_experts:
+            moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe)
     return Layout(
         cfg=cfg, shape=shape, rep=rep, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep, a=a,
         reduce_bytes=2 if t.mixed_precision_reduce == "bfloat16" else 4,

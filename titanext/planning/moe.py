@@ -105,6 +105,27 @@ def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Line
             if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
 
+def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
+    """``[float8] moe_experts``: the routed experts' GEMMs at the float8 peak with 1-byte
+    operands and a cast of their input and weights per pass (the roofline's float8 linear), for
+    the ``rowwise`` recipe, which runs torchao's float8 grouped GEMMs. ``blockwise`` has no
+    float8 grouped GEMM (it is emulated: float8 numerics at high-precision speed), so it stays
+    at the bf16 peak. No float8 copy or scale outlives a GEMM (the kernels and the emulation
+    cast per call and save the high-precision inputs), so memory is unchanged.
+
+    >>> from titanext.planning.roofline import Linear
+    >>> [lin.float8 for lin in float8_experts([Linear("moe.experts.w1", 8, 8),
+    ...                                         Linear("moe.router.gate", 8, 4)], "rowwise")]
+    [True, False]
+    """
+    import dataclasses
+
+    if recipe != "rowwise":
+        return list(linears)
+    return [dataclasses.replace(lin, float8=True) if lin.name.startswith("moe.experts.") else lin
+            for lin in linears]
+
+
 def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> float:
     """Saved bytes per token of a MoE block's routed part, beyond its attention part (see the
     module docstring; TP replicates it, CP divides it like everything else)."""

@@ -15,12 +15,16 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_RECIPES",
-           "REPLICATION_SLACK", "float8_problems", "keep_all_to_all_problem", "max_replicas",
+__all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES",
+           "FLOAT8_EXPERT_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK",
+           "float8_experts_problems", "float8_problems", "keep_all_to_all_problem", "max_replicas",
            "replication_problems"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+#: ``[float8] moe_experts_recipe``: the routed experts' grouped GEMMs
+#: (:mod:`titanext.plugins.float8_experts`).
+FLOAT8_EXPERT_RECIPES = ("rowwise", "blockwise")
 #: Recipes whose weights FSDP2 can all-gather in float8 (one scale per weight tensor).
 FLOAT8_ALL_GATHER_RECIPES = ("tensorwise",)
 
@@ -125,6 +129,39 @@ def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
         problems.append(f"float8.recipe = 'blockwise' does not support tensor parallelism "
                         f"(tensor_parallel_degree = {p.tensor_parallel_degree}); use 'tensorwise' "
                         "or 'rowwise' with TP")
+    return problems
+
+
+def float8_experts_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]
+                            ) -> list[str]:
+    """One line per problem of ``[float8] moe_experts`` (float8 routed experts): it needs a
+    model with routed experts, and a recipe with a kernel where emulation is refused.
+
+    >>> from titanext.config import ConfigError, load_config
+    >>> try:
+    ...     load_config(None, ["--model.flavor=debugmodel", "--float8.moe_experts=true"])
+    ... except ConfigError as e:
+    ...     print(e.problems[0][:60])
+    float8.moe_experts = true needs a MoE model, but model.flavo
+    """
+    f = cfg.float8
+    if not f.moe_experts or "float8.moe_experts" in skip:
+        return []
+    problems = []
+    if not skip & {"model.name", "model.flavor"}:
+        try:
+            args = model_args(cfg)
+        except (KeyError, ValueError):  # a bad name, flavor or [moe] value: reported elsewhere
+            args = None
+        if args is not None and getattr(args, "moe", None) is None:
+            problems.append(f"float8.moe_experts = true needs a MoE model, but model.flavor = "
+                            f"{cfg.model.flavor!r} has no routed experts; use a MoE flavor (e.g. "
+                            "'debugmoe') or set moe_experts = false")
+    if (f.moe_experts_recipe == "blockwise" and f.emulate is False
+            and "float8.moe_experts_recipe" not in skip):
+        problems.append("float8.moe_experts_recipe = 'blockwise' has no float8 grouped GEMM "
+                        "(torchao has none), so it always runs emulated, but float8.emulate = "
+                        "false; use moe_experts_recipe = 'rowwise' or emulate = 'auto'")
     return problems
 
 

@@ -307,15 +307,19 @@ class DeferredConv1DMixin(nn.Module):
 
 # -- MoE grouped experts ----------------------------------------------------------------------
 
-def _grouped_linear(x, w, offs, counts):
-    """x [T, in] rows grouped by expert, w [E, out, in] -> [T, out]."""
+def _grouped_linear(x, w, offs, counts, mm=None):
+    """x [T, in] rows grouped by expert, w [E, out, in] -> [T, out] (``mm``: float8 experts)."""
+    if mm is not None:
+        return mm.forward(x, w, offs)
     if offs is not None:
         return grouped_mm(x, w.transpose(-2, -1), offs=offs)
     outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
-def _grouped_input_grad(dy, w, offs, counts):
+def _grouped_input_grad(dy, w, offs, counts, mm=None):
+    if mm is not None:
+        return mm.input_grad(dy, w, offs).to(dy.dtype)
     if offs is not None:
         return grouped_mm(dy, w, offs=offs)
     outs = [dye.mm(w[e]) for e, dye in enumerate(torch.split(dy, counts))]
@@ -323,9 +327,11 @@ def _grouped_input_grad(dy, w, offs, counts):
 
 
 def _grouped_weight_grad(x, dy, param, extra) -> torch.Tensor:
-    offs, counts = extra
+    offs, counts, mm = extra
     local = _local(param)
-    if offs is not None:
+    if mm is not None:  # the float8 recipe's dW, at the W step too
+        dw = mm.weight_grad(x, dy, offs)
+    elif offs is not None:
         dw = grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]
     else:
         dw = torch.zeros_like(local)
@@ -337,36 +343,37 @@ def _grouped_weight_grad(x, dy, param, extra) -> torch.Tensor:
 
         dw = DTensor.from_local(dw.to(local.dtype), param.device_mesh, param.placements,
                                 run_check=False, shape=param.shape, stride=param.stride())
-    return dw
+    return dw.to(local.dtype)
 
 
 class _DeferredGroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offs, counts):
+    def forward(ctx, x, weight, offs, counts, mm=None):
         ctx.save_for_backward(x)
-        ctx.param, ctx.extra = weight, (offs, counts)
-        return _grouped_linear(x, _local(weight), offs, counts)
+        ctx.param, ctx.extra = weight, (offs, counts, mm)
+        return _grouped_linear(x, _local(weight), offs, counts, mm)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         dy = dy.contiguous()
-        offs, counts = ctx.extra
-        dx = _grouped_input_grad(dy, _local(ctx.param), offs, counts) if ctx.needs_input_grad[0] \
-            else None
+        offs, counts, mm = ctx.extra
+        dx = _grouped_input_grad(dy, _local(ctx.param), offs, counts, mm) \
+            if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             if _STATE.queue is None or not ctx.param.is_leaf:
                 dw = _grouped_weight_grad(x, dy, ctx.param, ctx.extra)
             else:
                 _STATE.queue.append(_grouped_weight_grad, ctx.param, x, dy, ctx.extra)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 @torch.compiler.disable
 def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
     w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
-    use = module.use_grouped_mm
+    mm = module.float8_grouped_mm  # float8 experts: their recipe's I and W halves (emulated)
+    use = mm is not None or module.use_grouped_mm
     if use == "auto":
         use = grouped_mm_supported(x, w1, w2, w3)
     offs, counts = None, None
@@ -374,9 +381,9 @@ def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
         offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
     else:
         counts = num_tokens_per_expert.tolist()
-    h = F.silu(_DeferredGroupedFn.apply(x, module.w1, offs, counts))
-    h = h * _DeferredGroupedFn.apply(x, module.w3, offs, counts)
-    return _DeferredGroupedFn.apply(h, module.w2, offs, counts)
+    h = F.silu(_DeferredGroupedFn.apply(x, module.w1, offs, counts, mm))
+    h = h * _DeferredGroupedFn.apply(x, module.w3, offs, counts, mm)
+    return _DeferredGroupedFn.apply(h, module.w2, offs, counts, mm)
 
 
 class DeferredGroupedExperts(GroupedExperts):
