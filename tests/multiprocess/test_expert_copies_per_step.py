@@ -32,11 +32,11 @@ ORDER = ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3")  # 1F1B: backwards betw
 
 
 def _run(model, xs, cs, mine, step_microbatches: int | None):
-    """The ORDER over MICRO micro-batches (AC around each call); (grads, weight bytes sent)."""
+    """The ORDER over MICRO micro-batches (AC around each call); returns the EP counters."""
+    import contextlib
+
     from titanext.plugins.expert_parallel import count_comm
     from titanext.plugins.expert_replication import copies_per_step
-
-    import contextlib
 
     ctx = (contextlib.nullcontext() if step_microbatches is None
            else copies_per_step([model], step_microbatches))
@@ -83,7 +83,8 @@ def _layer(rank: int, world_size: int) -> dict:
     except RuntimeError as e:
         raised = str(e)
     dist.barrier(group)
-    return {"dispatch_bytes": cc_dispatch.weight_bytes_sent, "step_bytes": cc_step.weight_bytes_sent,
+    return {"dispatch_bytes": cc_dispatch.weight_bytes_sent,
+            "step_bytes": cc_step.weight_bytes_sent,
             "step_replicas": cc_step.replicas, "step_all_to_alls": cc_step.weight_all_to_alls,
             "raised": raised}
 
@@ -103,7 +104,8 @@ PP = ["--training.local_batch_size=4", P + "expert_parallel_degree=2",
       P + "pipeline_parallel_degree=2", f"--training.steps={TRAIN_STEPS}"]
 CASES = {
     "pp2_x_ep2_1F1B_ac": [*PP, P + "pipeline_parallel_schedule=1F1B",
-                          P + "pipeline_parallel_microbatches=4", "--activation_checkpoint.mode=full"],
+                          P + "pipeline_parallel_microbatches=4",
+                          "--activation_checkpoint.mode=full"],
     "pp2_dualpipe_x_ep2_keep": [*PP, P + "pipeline_parallel_schedule=DualPipe",
                                 "--activation_checkpoint.mode=full",
                                 "--activation_checkpoint.keep_all_to_all=true"],

@@ -423,8 +423,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             by :class:`ExpertParallel`; any other is replaced by :class:`ExpertParallelExperts`.
         required: raise when ``ep_mesh`` has more than one rank and no experts are found (a
             pipeline stage may legitimately have none: ``parallelize`` passes False there).
-        replicate_hot_experts: N > 0 copies, at every dispatch, up to N of the most loaded
-            experts to the least loaded ranks, so that each rank's rows come within
+        replicate_hot_experts: N > 0 copies up to N of the most loaded experts to the least
+            loaded ranks (chosen once per step inside
+            :func:`~titanext.plugins.expert_replication.copies_per_step`, which the trainer
+            uses; else at every dispatch), so that each rank's rows come within
             ``ceil(mean)`` of the mean where N copies allow (exact: the same rows meet the same
             weights; the copies' gradients are summed into the home experts'). At most
             ``num_experts - num_experts / ep``. See
@@ -476,7 +478,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             type(model).__name__, len(chosen), world,
             "" if nodes is None else f" ({nodes.nodes} nodes x {ranks_per_node}, two-level "
             "dispatch)",
-            (f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+            (f", up to {replicate_hot_experts} hot expert(s) copied"
              if replicate_hot_experts else "") + (", float8 dispatch" if float8_dispatch else ""),
             ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
     return [fqn for fqn, _, _ in chosen]

@@ -1,33 +1,47 @@
-"""Hot-expert replication: the most loaded experts copied, for one step, to the least loaded ep
-ranks, so that every rank computes about the same number of rows.
+"""Hot-expert replication: the most loaded experts copied, for one optimizer step, to the least
+loaded ep ranks, so that every rank computes about the same number of rows.
 
 Switched on by ``apply_expert_parallel(model, ep_mesh, replicate_hot_experts=N)`` (the
-trainer: ``[moe] replicate_hot_experts = N``). Each dispatch then:
+trainer: ``[moe] replicate_hot_experts = N``). In training the copies live for one step:
+``with copies_per_step(model_parts, microbatches):`` around the step's forwards and backwards
+(the trainer does it; :class:`StepCopies` holds each experts module's state). Then:
 
-1. all-gathers the per-expert counts of every ep rank (instead of the counts all-to-all: one
-   collective either way) and copies them to the host (the dispatch's one sync);
-2. runs :func:`plan_replicas` on that ``[ep, experts]`` table. Every rank computes the same plan
-   from the same table, so no further round is needed. Greedy: while the busiest rank holds
-   more than ``ceil(mean)`` rows, its expert with the most rows still at home gives rows to the
-   least loaded rank (as many as bring one of them to the target), each new (expert, rank) pair
-   being one copy, at most N per layer and dispatch;
-3. sends every row to the rank that computes it: its expert's home rank or a copy's rank (an
+1. every dispatch all-gathers the per-expert counts of every ep rank (instead of the counts
+   all-to-all: one collective either way) and copies them to the host (the dispatch's one
+   sync);
+2. the step's first dispatch of a layer chooses the step's copies with :func:`plan_replicas` on
+   that ``[ep, experts]`` table. Every rank computes the same plan from the same table, so no
+   further round is needed. Greedy: while the busiest rank holds more than ``ceil(mean)`` rows,
+   its expert with the most rows still at home gives rows to the least loaded rank (as many as
+   bring one of them to the target), each new (expert, rank) pair being one copy, at most N per
+   layer. Every dispatch of the step (later micro-batches, recomputes) re-plans its own rows
+   over those copies only (``plan_replicas(..., fixed=...)``: same slots, no new copy);
+3. every row goes to the rank that computes it: its expert's home rank or a copy's rank (an
    expert's rows are taken in (source rank, row) order: the home keeps the first ones, the
    copies the last ones);
-4. sends the copied experts' weights with one more ``all_to_all_single`` (:func:`copy_experts`).
-   It is a differentiable collective: its backward sends each copy's weight gradient back to
-   the home rank, where autograd adds it to the home expert's gradient (the copy was an
-   ``index_select`` of the home weights) before the parameter's gradient is complete, so FSDP
-   and the optimizer only ever see the summed gradient. No hook or extra reduction is needed,
-   and activation checkpointing's recomputation simply repeats the copy.
+4. the copied experts' weights travel once per step, in one more ``all_to_all_single`` at the
+   layer's first dispatch (not taped: a ``keep_all_to_all`` recompute, like any recompute and
+   later micro-batch, finds them in the step's cache; weights do not change within a step, the
+   cache ends with it, before the optimizer). Each micro-batch reads them through
+   ``_StepCopy``, whose backward adds the copies' gradients to the step's fp32 sums; the step's
+   last backward of the layer (the ``microbatches``-th: a backward runs once per micro-batch,
+   recomputes and split backward included) sends the sums home in one all-to-all and returns
+   them as the gradient of the home weights, inside that backward: autograd adds them to the
+   home experts' gradient before FSDP's reduce-scatter (or the deferred W) and the optimizer
+   see it. A step with other counts raises instead of dropping them.
+
+Outside :func:`copies_per_step` every dispatch plans its own copies and sends their weights with
+a differentiable all-to-all (:func:`copy_experts` without ``step``): its backward returns each
+copy's gradient to the home rank, where autograd adds it to the home expert's gradient.
 
 The result is exact: every routed row meets the same weights as without replication. Outputs
 match bit for bit row by row where the matmul kernel does not depend on the row count, and the
-expert weight gradients within fp32 rounding (the home and the copy each sum part of the rows).
+expert weight gradients within fp32 rounding (the home and the copies each sum part of the rows).
 
-Cost: ``N`` experts' weights per layer and dispatch forward, and their gradients backward
-(``count_comm().weight_bytes_sent``; the planner's and the dry run's "EP expert copies" row), plus
-the copies' rows computed on the receiving rank instead of the home rank.
+Cost: ``N`` experts' weights per layer and step, and their summed gradients once
+(``count_comm().weight_bytes_sent``; the planner's and the dry run's "EP expert copies" row;
+per dispatch outside a step: in every forward, recompute and backward), plus the copies' rows
+computed on the receiving rank instead of the home rank.
 """
 
 from __future__ import annotations
@@ -382,7 +396,8 @@ def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int
     else:
         with step.lock:
             if step.pairs is None:
-                step.pairs = tuple((r.expert, r.rank) for r in plan_replicas(table, copies).replicas)
+                first = plan_replicas(table, copies)  # the step's copies
+                step.pairs = tuple((r.expert, r.rank) for r in first.replicas)
                 new = len(step.pairs)
         plan = plan_replicas(table, copies, fixed=step.pairs)
     for c in COUNTERS:
