@@ -7,9 +7,11 @@ those of the layer without replication (and of one process), and the copy traffi
 the weights in every forward and recompute and the gradients in every backward). A step
 whose micro-batch count is wrong raises instead of dropping the copies' gradients.
 
-Trainer level (one 4-rank spawn, pp 2 x ep 2, debugmoe fp32): 1F1B with 4 micro-batches and
-full AC, DualPipe with keep_all_to_all: replicate_hot_experts = 2 against the same layout
-without it, after 2 steps (losses, gradient norms, parameters).
+Trainer level (one 4-rank spawn, debugmoe fp32): pp 2 x ep 2 with 1F1B (4 micro-batches, full
+AC) and DualPipe (keep_all_to_all), and ep 2 x FSDP 4 with 2 accumulation steps (FSDP
+reduce-scatters every micro-batch; the copies' gradients join the last one's):
+replicate_hot_experts = 2 against the same layout without it, after 2 steps (losses, gradient
+norms, parameters).
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ CASES = {
                                 "--activation_checkpoint.mode=full",
                                 "--activation_checkpoint.keep_all_to_all=true"],
 }
+CASES["ep2_x_fsdp4_accum2"] = ["--training.local_batch_size=1", "--training.global_batch_size=8",
+                              P + "expert_parallel_degree=2", f"--training.steps={TRAIN_STEPS}"]
 CASES.update({f"{n}_rep2": [*o, "--moe.replicate_hot_experts=2"] for n, o in list(CASES.items())})
 
 
