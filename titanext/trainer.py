@@ -59,6 +59,7 @@ from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
+from titanext.plugins.expert_replication import copies_per_step
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.float8_experts import apply_float8_experts
 from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
@@ -221,13 +222,17 @@ class Trainer:
         depth = self.model_args.num_mtp_layers
         if depth:  # the MTP loss: mtp_loss_weight / depth x its token-CE sum / global tokens
             set_mtp_grad_weight(self.model_parts, scale * self.cfg.training.mtp_loss_weight / depth)
+        # hot-expert copies: planned, sent and returned once per step (expert_replication)
+        calls = (len(microbatches) if self.pipeline is None
+                 else self.pipeline.stage_microbatches(len(microbatches)))
         if self.pipeline is not None:  # document ids and their positions reach every stage
-            with phase(PIPELINE):
+            with phase(PIPELINE), copies_per_step(self.model_parts, calls):
                 loss_sum = self.pipeline.step(microbatches, loss_scale=scale)
             with phase(OPTIMIZER):
                 grad_norm = self.pipeline.clip_grad_norm(max_norm)
         else:
-            loss_sum = self._forward_backward(microbatches, scale)
+            with copies_per_step(self.model_parts, calls):
+                loss_sum = self._forward_backward(microbatches, scale)
             with phase(OPTIMIZER):
                 grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         with phase(LOSS):

@@ -86,6 +86,24 @@ def test_planner_counts_the_copies():
     assert rows[0]["EP all-to-all"] == rows[2]["EP all-to-all"]
 
 
+def test_planner_counts_the_copies_once_per_step():
+    """4 accumulation steps under full AC: the token all-to-alls grow, the copies do not (they
+    are sent and returned once per step: expert_replication.copies_per_step)."""
+    from titanext.config import load_config
+    from titanext.planning.estimate import plan_config
+
+    base = ["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=2",
+            "--training.mixed_precision_param=bfloat16", "--moe.replicate_hot_experts=2"]
+    rows = [{c["parallelism"]: c for c in plan_config(load_config(
+        None, [*base, *extra], world_size=4), 4).comm} for extra in (
+        [], ["--training.global_batch_size=32", "--training.local_batch_size=2",
+             "--activation_checkpoint.mode=full"])]
+    name = "EP expert copies (replicate_hot_experts = 2)"
+    assert rows[1][name]["bytes"] == rows[0][name]["bytes"] == 2 * 2 * (2 * 3 * 64 * 32 * 2)
+    assert rows[1][name]["collectives"] == rows[0][name]["collectives"] == 4
+    assert rows[1]["EP all-to-all"]["collectives"] > rows[0]["EP all-to-all"]["collectives"]
+
+
 def test_planner_plans_replication_within_the_slack_and_compares_both():
     from titanext.config import load_config
     from titanext.planning.estimate import plan_config

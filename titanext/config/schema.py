@@ -561,10 +561,11 @@ class MoEConfig:
     moe_layer_interval: int | None = _field(None, ge=1)
     """After the dense ones, every this-many-th block is a MoE block (1 = all of them)."""
     replicate_hot_experts: int = _field(0, ge=0)
-    """Hot-expert replication under expert parallelism: at every dispatch up to this many of the
-    most loaded experts are copied (weights forward, gradients summed back) to the least loaded
-    ep ranks, so every rank computes about the mean number of rows; exact. 0 = off; at most
-    num_experts - num_experts / expert_parallel_degree (docs/moe_ep.md)."""
+    """Hot-expert replication under expert parallelism: up to this many of the most loaded
+    experts are copied to the least loaded ep ranks, so every rank computes about the mean
+    number of rows; exact. The copies are chosen by a step's first micro-batch and reused by
+    all of its micro-batches (weights sent once per step, gradients summed and sent back once).
+    0 = off; at most num_experts - num_experts / expert_parallel_degree (docs/moe_ep.md)."""
 
 
 @dataclass

@@ -413,6 +413,11 @@ class PipelineRunner:
             ignore_shape_inference_forward(self.parts, self._reset)
         label_chunks(self.stages)
 
+    def stage_microbatches(self, batches: int) -> int:
+        """The micro-batches each of this rank's stages runs in one :meth:`step` of ``batches``
+        batches (a DualPipe stage copy runs one direction's half)."""
+        return batches * (self.microbatches // 2 if self.mirrored else self.microbatches)
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Per micro-batch on the last stage, inside ``schedule.step`` (already in the loss
         context: a nested one would switch loss parallel off before the backward)."""

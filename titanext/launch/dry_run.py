@@ -241,7 +241,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
         notes.append(f"EP expert copies (moe.replicate_hot_experts = "
                      f"{cfg.moe.replicate_hot_experts}): {copied:.3e} GB of the alltoall bytes "
                      f"in {ep_comm.weight_all_to_alls} calls, "
-                     "every rank sending and hosting that many copies per dispatch (the bound)")
+                     "every rank sending and hosting that many copies per layer and step "
+                     "(the bound)")
     result = DryRunResult(rank, world_size, memory, peak,
                           planner_peak_bytes(cfg, world_size, rank),
                           {k: round(v * scale) for k, v in comm.bytes.items()},

@@ -161,21 +161,22 @@ def expert_copies_comm(lo: Layout, device: Device, rank: RankStages, mt: Microba
                        copies: int) -> tuple[dict, MicrobatchTime]:
     """The "EP expert copies" row of ``[moe] replicate_hot_experts`` and ``mt`` with its time.
 
-    Per MoE block and micro-batch a rank sends at most ``copies`` experts' weights forward
-    (again in the recompute under full AC) and, hosting copies, at most ``copies`` gradients
-    back in backward: the bound the dry run measures (``expert_replication.nominal_plan``). On
-    the critical path, like the token all-to-alls.
+    Per MoE block and optimizer step (the copies are fixed, sent and returned once per step:
+    :func:`~titanext.plugins.expert_replication.copies_per_step`) a rank sends at most
+    ``copies`` experts' weights (the step's first forward; recomputes and later micro-batches
+    reuse them) and, hosting copies, at most ``copies`` summed gradients back (the step's last
+    backward): the bound the dry run measures (``expert_replication.nominal_plan``). On the
+    critical path, like the token all-to-alls; its time is spread over the step's micro-batches
+    in ``mt`` (F: the weights, I: the gradients).
     """
     moe, a, passes = lo.shape.moe, lo.a, lo.passes
     one = expert_copy_bytes(moe.experts, moe.num_experts, copies=copies, a=a)
-    n_f = lo.n_moe(rank) * (2 if lo.recomputes_all_to_all else 1)  # forwards (and recomputes)
-    n_i = lo.n_moe(rank)
+    n = lo.n_moe(rank)  # one weights all-to-all and one gradients all-to-all per block and step
     c = {"parallelism": f"EP expert copies (replicate_hot_experts = {copies})",
-         "collectives": (n_f + n_i) * passes, "bytes": (n_f + n_i) * one * passes,
+         "collectives": 2 * n, "bytes": 2 * n * one,
          "level": lo.level(lo.tp, lo.ep), "overlap": "none"}
     t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
-    return c, dataclasses.replace(mt, f=mt.f + lo.n_moe(rank) * t_one,
-                                  i=mt.i + (n_f - lo.n_moe(rank) + n_i) * t_one)
+    return c, dataclasses.replace(mt, f=mt.f + n * t_one / passes, i=mt.i + n * t_one / passes)
 
 
 def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attention_f: float

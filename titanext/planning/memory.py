@@ -233,6 +233,10 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
+        copies = lo.cfg.moe.replicate_hot_experts if lo.ep > 1 and moe else 0
+        if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
+            # from the first forward to the last backward (expert_replication.copies_per_step)
+            mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis

@@ -35,8 +35,9 @@ whole expert groups, else ``min(n, top_k)``: the bound, reached by most tokens),
 bytes of routing per row, then fans it out inside the node: per all-to-all
 ``T d (n-1)/n x (row + 8 k)`` bytes cross the network and ``T k (r-1)/r x row`` stay on NVLink
 (:func:`two_level_bytes`). Hot-expert replication (``[moe] replicate_hot_experts = N``) adds at
-most ``N`` experts' weights, ``N x 3 h f_e x a``, per dispatch (and recompute), and their
-gradients in backward (:func:`expert_copy_bytes`).
+most ``N`` experts' weights, ``N x 3 h f_e x a``, per MoE block and optimizer step (not per
+micro-batch: the copies are fixed, sent and returned once per step), and their summed gradients
+once per step (:func:`expert_copy_bytes`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class CommCounter:
     (expert ids and weights) that two-level dispatch sends beside each row;
     ``weight_all_to_alls`` / ``weight_bytes_sent``: hot-expert copies (their weights forward,
     their gradients back in backward); ``replicas``: expert copies planned by this rank's
-    dispatches; ``count_exchanges`` / ``host_syncs``: per dispatch (two per two-level one).
+    dispatches (inside ``copies_per_step``: once per layer and step); ``count_exchanges`` /
+    ``host_syncs``: per dispatch (two per two-level one).
     """
 
     all_to_alls: int = 0

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titanext.plugins._ep_comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins._mesh import one_dim_group
-from titanext.plugins.expert_replication import ReplicationPlan, dispatch_replicated
+from titanext.plugins.expert_replication import ReplicationPlan, StepCopies, dispatch_replicated
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
            "dispatch_tokens", "dispatch_two_level", "ep_group", "node_groups"]
@@ -76,7 +76,8 @@ def ep_group(ep: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
 
 def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                     group: DeviceMesh | dist.ProcessGroup, replicate_hot_experts: int = 0, *,
-                    wire: Wire = PLAIN) -> tuple[torch.Tensor, torch.Tensor, Route]:
+                    wire: Wire = PLAIN, step: StepCopies | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """Send each row of ``x`` (grouped by global expert, in expert order) to the ep rank that
     holds its expert. Returns (rows for this rank's experts in local-expert order, their
     counts per local expert [L], the :class:`Route` for :func:`combine_tokens`).
@@ -87,7 +88,8 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     rows of a copy come after the rank's own experts' (counts [L + copies hosted here]), and
     ``route.plan`` says which weights :func:`~titanext.plugins.expert_replication.copy_experts`
     must fetch. ``wire``: the rows as float8 (``Wire(float8=True)``, see
-    :mod:`~titanext.plugins._ep_comm`) and the node size the counters use.
+    :mod:`~titanext.plugins._ep_comm`) and the node size the counters use. ``step``: the
+    step's copies (:func:`~titanext.plugins.expert_replication.copies_per_step`).
     """
     pg = ep_group(group)
     world = dist.get_world_size(pg)
@@ -98,7 +100,7 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     n_local = n_exp // world
     if replicate_hot_experts:
         rows, local, send_order, send, recv_splits, order, plan = dispatch_replicated(
-            x, counts, pg, replicate_hot_experts, wire)
+            x, counts, pg, replicate_hot_experts, wire, step)
         return rows, local, Route(send, recv_splits, order, pg, send_order, plan, wire)
     recv, host = swap_counts(counts.contiguous(), pg)  # recv[s*L + e]: from s for e
     if host is None:  # a dry run has no counts: perfectly balanced routing, an estimate
@@ -214,7 +216,7 @@ def _exchange_counts(x: torch.Tensor, ids: torch.Tensor, groups: NodeGroups, e_n
 
 def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        groups: NodeGroups, num_experts: int, replicate_hot_experts: int = 0,
-                       float8: bool = False
+                       float8: bool = False, step: StepCopies | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, TwoLevelRoute]:
     """Send each token of ``x`` [T, dim] once to every node holding one of its experts
     (``top_k_index`` [T, k], global expert ids), then to its experts inside the node. Returns
@@ -247,7 +249,7 @@ def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     weight = routing[:, k:].reshape(-1).index_select(0, pick)
     rows, local_counts, inner = dispatch_tokens(
         received.index_select(0, row), counts, groups.intra, replicate_hot_experts,
-        wire=Wire(groups.ranks_per_node, float8))
+        wire=Wire(groups.ranks_per_node, float8), step=step)
     route = TwoLevelRoute(token, send_splits, recv_splits, row, weight, inner, groups, t)
     return rows, local_counts, route
 

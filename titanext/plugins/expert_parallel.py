@@ -77,7 +77,7 @@ from titanext.plugins._ep_dispatch import (
 )
 from titanext.plugins._ep_dispatch import ep_group as _group
 from titanext.plugins._ep_layouts import follows_experts_protocol
-from titanext.plugins.expert_replication import copy_experts
+from titanext.plugins.expert_replication import copy_experts, step_copies
 from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas_within
 
 __all__ = [
@@ -141,16 +141,17 @@ class ExpertParallel(ParallelStyle):
             n_exp = next(module.parameters()).shape[0]
             x_local, local_counts, route = dispatch_two_level(
                 x, counts.ids, counts.weights, self.nodes, n_exp, self.replicate_hot_experts,
-                self.wire.float8)
+                self.wire.float8, step=step_copies(module))
         else:
             x_local, local_counts, route = dispatch_tokens(x, counts, mesh,
                                                            self.replicate_hot_experts,
-                                                           wire=self.wire)
+                                                           wire=self.wire,
+                                                           step=step_copies(module))
         swapped = {}
         if route.plan is not None and route.plan.replicas:  # the same on every rank
             swapped = dict(module.named_parameters(recurse=False))
             local = copy_experts({n: p.to_local() for n, p in swapped.items()}, route.plan,
-                                 dist.get_rank(route.group), route.group)
+                                 dist.get_rank(route.group), route.group, step_copies(module))
             for name, w in local.items():  # a parameter slot holding a tensor, as FSDP2 does
                 module._parameters[name] = DTensor.from_local(w, mesh, [Shard(0)],
                                                               run_check=False)
@@ -167,6 +168,7 @@ class ExpertParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _group(device_mesh)  # 1D check
         module.takes_routing = self.nodes is not None
+        module._hot_expert_copies = self.replicate_hot_experts  # found by copies_per_step
         return distribute_module(module, device_mesh, partition_fn=self._partition_fn,
                                  input_fn=self._input_fn, output_fn=self._output_fn)
 
@@ -300,6 +302,7 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.layout, self.ep_mesh = layout, ep_mesh
         self.replicate_hot_experts, self.nodes, self.wire = replicate_hot_experts, nodes, wire
+        self._hot_expert_copies = replicate_hot_experts  # found by copies_per_step
         stacked = layout.weights(experts)
         self.num_experts = next(iter(stacked.values())).shape[0]
         if self.num_experts % ep_mesh.size():
@@ -331,7 +334,8 @@ class ExpertParallelExperts(nn.Module):
                        route: Route | TwoLevelRoute) -> torch.Tensor:
         local = {n: self.get_parameter(n).to_local() for n in self._names}
         if route.plan is not None:  # hot-expert copies after the local experts
-            local = copy_experts(local, route.plan, dist.get_rank(route.group), route.group)
+            local = copy_experts(local, route.plan, dist.get_rank(route.group), route.group,
+                                 step_copies(self))
         outs = [self.layout.expert({n: w[e] for n, w in local.items()}, x)
                 for e, x in enumerate(torch.split(rows, local_counts.tolist()))]
         return torch.cat(outs)
@@ -344,12 +348,13 @@ class ExpertParallelExperts(nn.Module):
                 raise TypeError(_NEEDS_ROUTING.format(type(self).__name__))
             rows, local_counts, route = dispatch_two_level(
                 x, routing[0], routing[1], self.nodes, self.num_experts,
-                self.replicate_hot_experts, self.wire.float8)
+                self.replicate_hot_experts, self.wire.float8, step=step_copies(self))
             return combine_two_level(self._local_experts(rows, local_counts, route),
                                      route).to(x.dtype)
         if len(routing) == 1:  # the protocol: rows grouped by expert
             rows, local_counts, route = dispatch_tokens(x, routing[0], self.ep_mesh,
-                                                        self.replicate_hot_experts, wire=self.wire)
+                                                        self.replicate_hot_experts, wire=self.wire,
+                                                        step=step_copies(self))
             return combine_tokens(self._local_experts(rows, local_counts, route), route)
         if len(routing) != 2:
             raise TypeError("ExpertParallelExperts is called as experts(x, num_tokens_per_expert) "
@@ -360,7 +365,8 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat, stable=True)             # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         rows, local_counts, route = dispatch_tokens(x[order // k], counts, self.ep_mesh,
-                                                    self.replicate_hot_experts, wire=self.wire)
+                                                    self.replicate_hot_experts, wire=self.wire,
+                                                    step=step_copies(self))
         back = combine_tokens(self._local_experts(rows, local_counts, route), route)
         back = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, back.to(x.dtype))
@@ -417,8 +423,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             by :class:`ExpertParallel`; any other is replaced by :class:`ExpertParallelExperts`.
         required: raise when ``ep_mesh`` has more than one rank and no experts are found (a
             pipeline stage may legitimately have none: ``parallelize`` passes False there).
-        replicate_hot_experts: N > 0 copies, at every dispatch, up to N of the most loaded
-            experts to the least loaded ranks, so that each rank's rows come within
+        replicate_hot_experts: N > 0 copies up to N of the most loaded experts to the least
+            loaded ranks (chosen once per step inside
+            :func:`~titanext.plugins.expert_replication.copies_per_step`, which the trainer
+            uses; else at every dispatch), so that each rank's rows come within
             ``ceil(mean)`` of the mean where N copies allow (exact: the same rows meet the same
             weights; the copies' gradients are summed into the home experts'). At most
             ``num_experts - num_experts / ep``. See
@@ -470,7 +478,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             type(model).__name__, len(chosen), world,
             "" if nodes is None else f" ({nodes.nodes} nodes x {ranks_per_node}, two-level "
             "dispatch)",
-            (f", up to {replicate_hot_experts} hot expert(s) copied per dispatch"
+            (f", up to {replicate_hot_experts} hot expert(s) copied"
              if replicate_hot_experts else "") + (", float8 dispatch" if float8_dispatch else ""),
             ", ".join(f"{fqn} ({_kind(f)})" for fqn, _, f in chosen))
     return [fqn for fqn, _, _ in chosen]

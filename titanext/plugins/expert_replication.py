@@ -1,37 +1,55 @@
-"""Hot-expert replication: the most loaded experts copied, for one step, to the least loaded ep
-ranks, so that every rank computes about the same number of rows.
+"""Hot-expert replication: the most loaded experts copied, for one optimizer step, to the least
+loaded ep ranks, so that every rank computes about the same number of rows.
 
 Switched on by ``apply_expert_parallel(model, ep_mesh, replicate_hot_experts=N)`` (the
-trainer: ``[moe] replicate_hot_experts = N``). Each dispatch then:
+trainer: ``[moe] replicate_hot_experts = N``). In training the copies live for one step:
+``with copies_per_step(model_parts, microbatches):`` around the step's forwards and backwards
+(the trainer does it; :class:`StepCopies` holds each experts module's state). Then:
 
-1. all-gathers the per-expert counts of every ep rank (instead of the counts all-to-all: one
-   collective either way) and copies them to the host (the dispatch's one sync);
-2. runs :func:`plan_replicas` on that ``[ep, experts]`` table. Every rank computes the same plan
-   from the same table, so no further round is needed. Greedy: while the busiest rank holds
-   more than ``ceil(mean)`` rows, its expert with the most rows still at home gives rows to the
-   least loaded rank (as many as bring one of them to the target), each new (expert, rank) pair
-   being one copy, at most N per layer and dispatch;
-3. sends every row to the rank that computes it: its expert's home rank or a copy's rank (an
+1. every dispatch all-gathers the per-expert counts of every ep rank (instead of the counts
+   all-to-all: one collective either way) and copies them to the host (the dispatch's one
+   sync);
+2. the step's first dispatch of a layer chooses the step's copies with :func:`plan_replicas` on
+   that ``[ep, experts]`` table. Every rank computes the same plan from the same table, so no
+   further round is needed. Greedy: while the busiest rank holds more than ``ceil(mean)`` rows,
+   its expert with the most rows still at home gives rows to the least loaded rank (as many as
+   bring one of them to the target), each new (expert, rank) pair being one copy, at most N per
+   layer. Every dispatch of the step (later micro-batches, recomputes) re-plans its own rows
+   over those copies only (``plan_replicas(..., fixed=...)``: same slots, no new copy);
+3. every row goes to the rank that computes it: its expert's home rank or a copy's rank (an
    expert's rows are taken in (source rank, row) order: the home keeps the first ones, the
    copies the last ones);
-4. sends the copied experts' weights with one more ``all_to_all_single`` (:func:`copy_experts`).
-   It is a differentiable collective: its backward sends each copy's weight gradient back to
-   the home rank, where autograd adds it to the home expert's gradient (the copy was an
-   ``index_select`` of the home weights) before the parameter's gradient is complete, so FSDP
-   and the optimizer only ever see the summed gradient. No hook or extra reduction is needed,
-   and activation checkpointing's recomputation simply repeats the copy.
+4. the copied experts' weights travel once per step, in one more ``all_to_all_single`` at the
+   layer's first dispatch (not taped: a ``keep_all_to_all`` recompute, like any recompute and
+   later micro-batch, finds them in the step's cache; weights do not change within a step, the
+   cache ends with it, before the optimizer). Each micro-batch reads them through
+   ``_StepCopy``, whose backward adds the copies' gradients to the step's fp32 sums; the step's
+   last backward of the layer (the ``microbatches``-th: a backward runs once per micro-batch,
+   recomputes and split backward included) sends the sums home in one all-to-all and returns
+   them as the gradient of the home weights, inside that backward: autograd adds them to the
+   home experts' gradient before FSDP's reduce-scatter (or the deferred W) and the optimizer
+   see it. A step with other counts raises instead of dropping them.
+
+Outside :func:`copies_per_step` every dispatch plans its own copies and sends their weights with
+a differentiable all-to-all (:func:`copy_experts` without ``step``): its backward returns each
+copy's gradient to the home rank, where autograd adds it to the home expert's gradient.
 
 The result is exact: every routed row meets the same weights as without replication. Outputs
 match bit for bit row by row where the matmul kernel does not depend on the row count, and the
-expert weight gradients within fp32 rounding (the home and the copy each sum part of the rows).
+expert weight gradients within fp32 rounding (the home and the copies each sum part of the rows).
 
-Cost: ``N`` experts' weights per layer and dispatch forward, and their gradients backward
-(``count_comm().weight_bytes_sent``; the planner's and the dry run's "EP expert copies" row), plus
-the copies' rows computed on the receiving rank instead of the home rank.
+Cost: ``N`` experts' weights per layer and step, and their summed gradients once
+(``count_comm().weight_bytes_sent``; the planner's and the dry run's "EP expert copies" row;
+per dispatch outside a step: in every forward, recompute and backward), plus the copies' rows
+computed on the receiving rank instead of the home rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,14 +57,14 @@ import torch.distributed as dist
 
 from titanext._fake_backend import is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire, taped
+from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire, _all_to_all, taped
 from titanext.plugins.options import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
 
 __all__ = ["Replica", "ReplicationPlan", "plan_replicas", "nominal_plan", "RankRouting",
            "rank_routing", "copy_experts", "exchange_counts",
-           "dispatch_replicated"]
+           "dispatch_replicated", "StepCopies", "copies_per_step", "step_copies"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +97,8 @@ class ReplicationPlan:
                       key=lambda r: (r.rank, self.replicas.index(r)))
 
 
-def plan_replicas(counts: list[list[int]], max_copies: int,
-                  slack: float = SLACK) -> ReplicationPlan:
+def plan_replicas(counts: list[list[int]], max_copies: int, slack: float = SLACK,
+                  fixed: tuple[tuple[int, int], ...] | None = None) -> ReplicationPlan:
     """The copies that bring every ep rank's rows to at most ``ceil(mean)`` where ``max_copies``
     copies allow it. ``counts[s][e]``: rows ep rank s routes to global expert e (the experts
     split evenly over the ranks, rank r holding ``r*L .. (r+1)*L - 1``). Deterministic.
@@ -94,6 +112,15 @@ def plan_replicas(counts: list[list[int]], max_copies: int,
     ((Replica(expert=0, home=0, rank=1, rows=6),), (14, 2), (8, 8))
     >>> plan_replicas([[6, 0, 1, 1], [6, 2, 0, 0]], max_copies=0).after
     (14, 2)
+
+    ``fixed``: the (expert, rank) copies of the step, made by its first dispatch (no other
+    copy is made; each is listed, in this order, even with 0 rows), so that every micro-batch
+    finds its copies in the same slots:
+
+    >>> plan_replicas([[1, 0, 1, 1], [2, 2, 0, 0]], 1, fixed=((0, 1),)).replicas
+    (Replica(expert=0, home=0, rank=1, rows=1),)
+    >>> plan_replicas([[1, 0, 1, 1], [1, 1, 1, 1]], 1, fixed=((0, 1),)).replicas
+    (Replica(expert=0, home=0, rank=1, rows=0),)
     """
     world, n_exp = len(counts), len(counts[0])
     n_local = n_exp // world
@@ -102,7 +129,9 @@ def plan_replicas(counts: list[list[int]], max_copies: int,
     before = tuple(ranks)
     target = -(-sum(ranks) // world)
     bound = max(target, int(sum(ranks) / world * (1 + slack)))
-    at_home, moved = list(load), {}  # (expert, rank) -> rows, in planning order
+    at_home = list(load)
+    moved = {} if fixed is None else dict.fromkeys(fixed, 0)  # (expert, rank) -> rows, in order
+    max_copies = max_copies if fixed is None else len(moved)
     while True:
         h = max(range(world), key=lambda r: (ranks[r], -r))
         d = min(range(world), key=lambda r: (ranks[r], r))
@@ -203,34 +232,134 @@ def rank_routing(plan: ReplicationPlan, me: int) -> RankRouting:
                        slot_counts)
 
 
+def _splits(plan: ReplicationPlan, me: int) -> tuple[list[Replica], list[int], list[int]]:
+    """(the copies ``me`` sends, rows it sends / receives per ep rank) of a weight all-to-all."""
+    world = len(plan.before)
+    sent, hosted = plan.sent(me), plan.hosted(me)
+    return (sent, [sum(r.rank == d for r in sent) for d in range(world)],
+            [sum(r.home == s for r in hosted) for s in range(world)])
+
+
+def _send_rows(rows: dict[str, torch.Tensor], out_rows: int, send: Callable
+               ) -> dict[str, torch.Tensor]:
+    """Every tensor ``[n, ...]`` of ``rows`` sent by ``send(packed)`` (rows packed side by side:
+    one all-to-all per dtype, one when all share it); ``out_rows`` rows of each come back."""
+    names = list(rows)
+    groups = ([names] if len({rows[n].dtype for n in names}) == 1 else [[n] for n in names])
+    out = {}
+    for part in groups:
+        widths = [math.prod(rows[n].shape[1:]) for n in part]
+        packed = torch.cat([rows[n].reshape(rows[n].shape[0], w) for n, w in zip(part, widths)], 1)
+        got = send(packed)
+        for n, w in zip(part, got.split(widths, 1), strict=True):
+            out[n] = w.reshape(out_rows, *rows[n].shape[1:])
+    return out
+
+
+def _sent_index(plan: ReplicationPlan, me: int, device: torch.device) -> torch.Tensor:
+    """The local indices of the experts ``me`` sends as copies, in sending order."""
+    n_local = len(plan.counts[0]) // len(plan.before)
+    return torch.tensor([r.expert - me * n_local for r in plan.sent(me)], dtype=torch.long,
+                        device=device)
+
+
+def _fetch(local: dict[str, torch.Tensor], plan: ReplicationPlan, me: int,
+           send: Callable) -> dict[str, torch.Tensor]:
+    """The copies hosted by ``me`` per weight name ``[copies, ...]`` (in slot order), fetched by
+    ``send(packed, recv_splits, send_splits)``."""
+    _, send_splits, recv_splits = _splits(plan, me)
+    index = _sent_index(plan, me, next(iter(local.values())).device)
+    return _send_rows({n: w.index_select(0, index) for n, w in local.items()}, sum(recv_splits),
+                      lambda x: send(x, recv_splits, send_splits))
+
+
 def copy_experts(local: dict[str, torch.Tensor], plan: ReplicationPlan, me: int,
-                 group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+                 group: dist.ProcessGroup, step: StepCopies | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Each local weight ``[L, ...]`` extended to ``[L + copies hosted here, ...]`` with the
-    copies' weights, fetched by one differentiable ``all_to_all_single`` (its backward returns
+    copies' weights. Returns ``local`` unchanged when the plan has no copies (on every rank
+    alike).
+
+    Without ``step``: fetched by one differentiable ``all_to_all_single`` (its backward returns
     the copies' gradients to their home rank, summed there into the home expert's gradient).
-    Returns ``local`` unchanged when the plan has no copies (on every rank alike)."""
+    With ``step`` (:func:`copies_per_step`): fetched by the step's first call only; every call's
+    backward adds the copies' gradients to the step's sum, and the step's last backward sends
+    the sum home (one all-to-all), where it joins the home experts' gradients."""
     if not plan.replicas:
         return local
-    world = len(plan.before)
-    n_local = len(plan.counts[0]) // world
-    sent, hosted = plan.sent(me), plan.hosted(me)
-    send_splits = [sum(r.rank == d for r in sent) for d in range(world)]
-    recv_splits = [sum(r.home == s for r in hosted) for s in range(world)]
-    names = list(local)
-    some = local[names[0]]
-    index = torch.tensor([r.expert - me * n_local for r in sent], dtype=torch.long,
-                         device=some.device)
-    groups = ([names] if len({local[n].dtype for n in names}) == 1 else [[n] for n in names])
-    out = {}
-    for part in groups:  # one all-to-all when every weight has one dtype
-        packed = torch.cat([local[n].index_select(0, index).reshape(len(sent), local[n][0].numel())
-                            for n in part], 1)
-        got = AllToAll.apply(packed, recv_splits, send_splits, group, "weights")
-        widths = [local[n][0].numel() for n in part]
-        for n, w in zip(part, got.split(widths, 1), strict=True):
-            # cat even with nothing hosted: every rank must run the backward all-to-all
-            out[n] = torch.cat([local[n], w.reshape(len(hosted), *local[n].shape[1:])])
-    return out
+    if step is None:
+        got = _fetch(local, plan, me, lambda x, recv, send: AllToAll.apply(
+            x, recv, send, group, "weights"))
+    else:
+        with step.lock:
+            if step.weights is None:  # not taped: a recompute finds the copies here
+                step.weights = _fetch({n: w.detach() for n, w in local.items()}, plan, me,
+                                      lambda x, recv, send: _all_to_all(x, recv, send, group,
+                                                                        "weights", PLAIN))
+        names = list(local)
+        got = dict(zip(names, _StepCopy.apply(step, (plan, me, group, names),
+                                              *(local[n] for n in names)), strict=True))
+    # cat even with nothing hosted: every rank must run the backward all-to-all
+    return {n: torch.cat([w, got[n]]) for n, w in local.items()}
+
+
+class StepCopies:
+    """One experts module's hot-expert copies during one optimizer step of ``microbatches``
+    micro-batches (each calling the module once, with a backward): the step's copies
+    (``pairs``: (expert, rank), fixed by its first dispatch), their weights (fetched once) and
+    the sum of their gradients (sent home by the last backward)."""
+
+    def __init__(self, microbatches: int):
+        self.microbatches = microbatches
+        self.pairs: tuple[tuple[int, int], ...] | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.grads: list[torch.Tensor] | None = None
+        self.backwards = 0
+        self.lock = threading.Lock()  # DualPipe's overlap runs a backward beside a forward
+
+
+class _StepCopy(torch.autograd.Function):
+    """The step's fetched copies, for one micro-batch: no communication forward; backward adds
+    their gradients to the step's sum and, at the step's last backward, sends the sum to the
+    home ranks and returns it as the local weights' gradient (so FSDP reduces it with them)."""
+
+    @staticmethod
+    def forward(ctx, step, where, *local):  # type: ignore[override]
+        ctx.step, ctx.where = step, where
+        ctx.like = [(w.shape, w.dtype, w.device) for w in local]
+        return tuple(step.weights[n].detach() for n in where[3])  # new tensor objects
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        step = ctx.step
+        plan, me, group, names = ctx.where
+        with step.lock:
+            if step.grads is None:
+                step.grads = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                              for w in (step.weights[n] for n in names)]
+            for acc, g in zip(step.grads, grads, strict=True):
+                if g is not None:
+                    acc += g
+            step.backwards += 1
+            if step.backwards > step.microbatches:
+                raise RuntimeError(_TOO_MANY.format(n=step.microbatches))
+            if step.backwards < step.microbatches:
+                return (None, None, *(None for _ in names))
+        # the step's one way back: each host's summed gradients to the home ranks, in the
+        # weights' dtype (the forward's all-to-all with its splits swapped)
+        _, send_splits, recv_splits = _splits(plan, me)
+        summed = {n: g.to(step.weights[n].dtype) for n, g in zip(names, step.grads, strict=True)}
+        home = _send_rows(summed, sum(send_splits), lambda x: _all_to_all(
+            x, send_splits, recv_splits, group, "weights", PLAIN))
+        index = _sent_index(plan, me, ctx.like[0][2])
+        return (None, None, *(torch.zeros(shape, dtype=dtype, device=device).index_add_(
+            0, index, home[n].to(dtype)) for n, (shape, dtype, device) in zip(names, ctx.like,
+                                                                             strict=True)))
+
+
+_TOO_MANY = ("hot-expert copies per step: more backward passes through an experts module than "
+             "the step's {n} micro-batches (copies_per_step(..., microbatches) must count the "
+             "module's calls with a backward in the step)")
 
 
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); 2.11 has only the old
@@ -238,28 +367,43 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
-                    rows: int) -> ReplicationPlan:
+                    rows: int, step: StepCopies | None = None) -> ReplicationPlan:
     """All-gather every ep rank's per-expert counts ``[E]`` and plan the copies (the dispatch's
     one device-to-host sync; replayed in a recompute, see
     :class:`~titanext.plugins._ep_comm.CommTape`). Under the dry run's fake tensors:
-    :func:`nominal_plan`."""
+    :func:`nominal_plan`. With ``step``: the step's first dispatch chooses its copies, every
+    dispatch of the step (this one included) gives rows to those copies only."""
     return taped(("replication plan", tuple(counts.shape), copies, rows),
-                 lambda: _exchange_counts(counts, group, copies, rows), check=counts)
+                 lambda: _exchange_counts(counts, group, copies, rows, step), check=counts)
 
 
 def _exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
-                     rows: int) -> ReplicationPlan:
+                     rows: int, step: StepCopies | None) -> ReplicationPlan:
     world = dist.get_world_size(group)
     gathered = counts.new_empty(world * counts.numel())
     with phase(EP_ALL_TO_ALL):
         _all_gather(gathered, counts.contiguous(), group=group)
     if is_fake(counts):
-        return nominal_plan(counts.numel(), world, copies, rows)
-    plan = plan_replicas(gathered.view(world, -1).tolist(), copies)  # the one sync
+        plan = nominal_plan(counts.numel(), world, copies, rows)
+        if step is not None and step.pairs is None:
+            step.pairs = tuple((r.expert, r.rank) for r in plan.replicas)
+        return plan
+    table = gathered.view(world, -1).tolist()  # the one sync
+    new = 0
+    if step is None:
+        plan = plan_replicas(table, copies)
+        new = len(plan.replicas)
+    else:
+        with step.lock:
+            if step.pairs is None:
+                first = plan_replicas(table, copies)  # the step's copies
+                step.pairs = tuple((r.expert, r.rank) for r in first.replicas)
+                new = len(step.pairs)
+        plan = plan_replicas(table, copies, fixed=step.pairs)
     for c in COUNTERS:
         c.count_exchanges += 1
         c.host_syncs += 1
-        c.replicas += len(plan.replicas)
+        c.replicas += new
     return plan
 
 
@@ -270,12 +414,13 @@ def _expand(keys: list[int], sizes: list[int], total: int, device: torch.device)
 
 
 def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
-                        copies: int, wire: Wire = PLAIN):
+                        copies: int, wire: Wire = PLAIN, step: StepCopies | None = None):
     """:func:`~titanext.plugins.expert_parallel.dispatch_tokens` with up to ``copies`` hot
     experts copied: returns (rows in local-slot order, rows per slot [L + hosted copies], the
-    send order of ``x``'s rows, send splits, receive splits, arrival-to-slot order, the plan)."""
+    send order of ``x``'s rows, send splits, receive splits, arrival-to-slot order, the plan).
+    ``step``: the step's copies (:func:`copies_per_step`)."""
     me = dist.get_rank(group)
-    plan = exchange_counts(counts, group, copies, x.shape[0])
+    plan = exchange_counts(counts, group, copies, x.shape[0], step)
     routing = rank_routing(plan, me)
     if sum(routing.send_splits) != x.shape[0]:
         raise ValueError(f"num_tokens_per_expert sums to {sum(routing.send_splits)} but x has "
@@ -291,3 +436,36 @@ def dispatch_replicated(x: torch.Tensor, counts: torch.Tensor, group: dist.Proce
     local_counts = torch.tensor(routing.slot_counts, dtype=torch.long, device=x.device)
     return (received.index_select(0, order), local_counts, send_order, routing.send_splits,
             routing.recv_splits, order, plan)
+
+
+def step_copies(module) -> StepCopies | None:
+    """The :class:`StepCopies` of ``module``'s current step (None outside
+    :func:`copies_per_step`: copies per dispatch)."""
+    return getattr(module, "_ep_step", None)
+
+
+@contextlib.contextmanager
+def copies_per_step(modules: Iterable, microbatches: int) -> Iterator[list]:
+    """Inside the block, the hot-expert copies of every replicating experts module among
+    ``modules`` (and their submodules; e.g. the trainer's model parts) are planned, sent and
+    returned once for the step of ``microbatches`` micro-batches (the calls of each module
+    with a backward, recomputes not counted: a DualPipe stage copy sees half the step's
+    micro-batches). Yields the modules it found. On exit every module must have had its
+    ``microbatches`` backwards (or none: a forward without gradients), else the copies'
+    gradients were not returned and it raises."""
+    found = [m for root in modules for m in root.modules()
+             if getattr(m, "_hot_expert_copies", 0)]
+    for m in found:
+        m._ep_step = StepCopies(microbatches)
+    try:
+        yield found
+        for m in found:
+            st = m._ep_step
+            if st.backwards not in (0, st.microbatches):
+                raise RuntimeError(
+                    f"hot-expert copies per step: {type(m).__name__} ran {st.backwards} backward "
+                    f"pass(es) in a step of {st.microbatches} micro-batches: the copies' "
+                    "gradients were not returned to their home ranks")
+    finally:
+        for m in found:
+            del m._ep_step
