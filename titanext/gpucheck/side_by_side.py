@@ -14,10 +14,10 @@ what any framework adds) and titanext / torchtitan (target >= 1.0x).
   loss equals the trainer's (a check row): the two compute the same thing.
 - ``torchtitan``: torchtitan's own Llama 3 model (its ``Transformer`` at the same shape), its
   ``apply_ac`` (op-level SAC with its save list) and ``apply_compile``, bf16 autocast and fused
-  AdamW, as its trainer does on one GPU. torchtitan comes from a wheel in
-  ``benchmarks/wheels/`` (or ``TITANEXT_TORCHTITAN_WHEELS``), unpacked into a temporary
-  directory at run time; where it does not import (a missing dependency, the torch here) its
-  row says exactly why instead of failing the run.
+  AdamW, as its trainer does on one GPU. torchtitan and the pure-Python dependencies its
+  imports need come as wheels in ``benchmarks/wheels/`` (or ``TITANEXT_TORCHTITAN_WHEELS``),
+  unpacked into a temporary directory at run time; where it does not import (a missing
+  dependency, the torch here) its row says exactly why instead of failing the run.
 
 ``quick`` (the CPU run) uses the debug flavor at 2x64 for a few steps, without compile.
 """
@@ -165,18 +165,41 @@ class _Plain(_Loop):
         self._finish(model, lambda i: titanext.batches[i][0])
 
 
+def _placeholder_datasets() -> list[str]:
+    """torchtitan's data loading imports Hugging Face ``datasets`` at import time; this
+    benchmark feeds synthetic tokens and never calls it. Where ``datasets`` is missing (the GPU
+    machine), a placeholder that raises on use stands in while torchtitan imports."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("datasets") is not None:
+        return []
+
+    def unavailable(*args, **kwargs):
+        raise ImportError("Hugging Face datasets is not installed (placeholder for torchtitan)")
+
+    top, dist = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+    top.Dataset, top.load_dataset, top.distributed = type("Dataset", (), {}), unavailable, dist
+    top.IterableDataset = type("IterableDataset", (), {})
+    dist.split_dataset_by_node = unavailable
+    sys.modules.update({"datasets": top, "datasets.distributed": dist})
+    return ["datasets", "datasets.distributed"]
+
+
 def torchtitan_import(wheel_dir: str | None = None):
-    """torchtitan's llama3 pieces from a wheel (unpacked into a temporary directory on
-    ``sys.path``) or an installed torchtitan: ``(namespace, version)``, or ``(None, reason)``."""
+    """torchtitan's llama3 pieces from the wheels in ``wheel_dir`` (torchtitan and the pure-Python
+    dependencies its imports need, unpacked into a temporary directory at the end of
+    ``sys.path``: installed packages win) or an installed torchtitan: ``(namespace, version)``,
+    or ``(None, reason)``."""
     wheel_dir = wheel_dir or os.environ.get("TITANEXT_TORCHTITAN_WHEELS", WHEEL_DIR)
     wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
-    if wheels and not any(p.startswith(tempfile.gettempdir()) and "titanext-tt" in p
-                          for p in sys.path):
-        target = tempfile.mkdtemp(prefix="titanext-tt-")
+    if wheels and wheel_dir not in _UNPACKED:
+        _UNPACKED[wheel_dir] = target = tempfile.mkdtemp(prefix="titanext-tt-")
         for w in wheels:
             with zipfile.ZipFile(w) as z:
                 z.extractall(target)
-        sys.path.insert(0, target)
+        sys.path.append(target)
+    placeholders = _placeholder_datasets()
     try:
         import torchtitan.train  # noqa: F401 -- its trainer's imports: all it needs is here
         from torchtitan.config.job_config import ActivationCheckpoint, Compile
@@ -184,10 +207,13 @@ def torchtitan_import(wheel_dir: str | None = None):
         from torchtitan.models.llama3 import Transformer, TransformerModelArgs
         from torchtitan.models.llama3.infra import parallelize
     except Exception as e:  # noqa: BLE001 -- the reason becomes the row
-        found = [os.path.basename(w) for w in wheels] or "no wheel in " + os.path.normpath(
-            wheel_dir)
+        found = (f"{len(wheels)} wheels in {os.path.normpath(wheel_dir)}" if wheels
+                 else "no wheel in " + os.path.normpath(wheel_dir))
         return None, (f"torchtitan ({found}) does not import with torch {torch.__version__}: "
                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        for name in placeholders:  # torchtitan keeps its references; nothing else sees them
+            sys.modules.pop(name, None)
     import importlib.metadata
 
     try:
@@ -198,7 +224,10 @@ def torchtitan_import(wheel_dir: str | None = None):
               Transformer=Transformer, TransformerModelArgs=TransformerModelArgs,
               apply_compile=parallelize.apply_compile,
               save_list=getattr(parallelize, "_op_sac_save_list", None))
-    return ns, version
+    return ns, version + (" (datasets: placeholder)" if placeholders else "")
+
+
+_UNPACKED: dict[str, str] = {}
 
 
 class _Torchtitan(_Loop):
@@ -255,12 +284,26 @@ def measure_side_by_side(ctx: Ctx, shape: tuple | None = None,
         why["torchtitan"] = f"not run: {tt_version}"
     else:
         build("torchtitan", lambda: _Torchtitan(ctx, tt, tx))
-    for name, run in runs.items():  # warm-up (compiles)
+    def step(name: str) -> None:  # a variant that fails (out of memory, say) drops out alone
+        try:
+            runs[name].step()
+        except Exception as e:  # noqa: BLE001 -- the reason becomes the row
+            why[name] = (f"failed at step {len(runs[name].seconds) + 1}: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0][:300]}")
+            del runs[name]
+            gc.collect()
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+
+    for name in list(runs):  # warm-up (compiles)
         for _ in range(warmup):
-            run.step()
+            if name in runs:
+                step(name)
     for _ in range(rounds):
-        for run in runs.values():
-            run.step()
+        for name in list(runs):
+            step(name)
+    if "titanext" not in runs:
+        return [Row(SECTION, "side-by-side titanext", "FAIL", note=why["titanext"])]
     peak_flops = device_peak_flops(ctx.device) if ctx.cuda else None
     flops_per_token = tx.model.num_flops_per_token(seq)
     tokens = batch * seq
@@ -269,8 +312,9 @@ def measure_side_by_side(ctx: Ctx, shape: tuple | None = None,
         "bf16 autocast" if ctx.cuda else "fp32") + f", median of {rounds} steps in turns"
     for name in VARIANTS:
         if name not in runs:
-            rows.append(Row(SECTION, f"side-by-side {name}", "skipped" if name == "torchtitan"
-                            else "FAIL", note=why.get(name, "not built")))
+            skipped = name == "torchtitan" and why[name].startswith("not run")
+            rows.append(Row(SECTION, f"side-by-side {name}", "skipped" if skipped else "FAIL",
+                            note=why.get(name, "not built")))
             continue
         run = runs[name]
         step_s = statistics.median(run.seconds[warmup:])
