@@ -43,3 +43,35 @@ def test_tiny_side_by_side(tmp_path):
     assert "no wheel in" in tt["note"] and "ModuleNotFoundError" in tt["note"], tt
     assert by["side-by-side titanext / plain"]["data"]["target"] == 0.98
     assert "side-by-side titanext / torchtitan" not in by
+
+
+def _plain_fails_at_step_2(rank: int, world_size: int, wheels: str) -> list:
+    import torch
+
+    from titanext.gpucheck import side_by_side
+    from titanext.gpucheck._common import Ctx
+
+    real = side_by_side._Plain._step
+
+    def step(self):
+        if len(self.losses) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self)
+
+    side_by_side._Plain._step = step
+    try:
+        return side_by_side.measure_side_by_side(Ctx(torch.device("cpu"), True),
+                                                 ("debugmodel", 2, 32, 1, 2), wheels)
+    finally:
+        side_by_side._Plain._step = real
+
+
+def test_a_variant_failing_at_a_step_drops_out_alone(tmp_path):
+    rows = run_distributed(_plain_fails_at_step_2, 1, args=(str(tmp_path),), timeout_s=120)[0]
+    by = {r.name: r for r in rows}
+    assert by["side-by-side titanext"].status == "measured"
+    assert len(by["side-by-side titanext"].data["losses"]) == 3
+    plain = by["side-by-side plain"]
+    assert plain.status == "FAIL" and plain.note == (
+        "failed at step 2: RuntimeError: CUDA out of memory (simulated)"), plain
+    assert "side-by-side titanext / plain" not in by
