@@ -97,7 +97,8 @@ class Trainer:
         self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
         if f8.enable:  # converters run first, on the meta model
             apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
-                         auto_filter=f8.auto_filter, emulate=f8.emulate, device=self.device,
+                         auto_filter=f8.auto_filter, force_fqns=f8.force_fqns,
+                         emulate=f8.emulate, device=self.device,
                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
         if f8.moe_experts:  # the routed experts' grouped GEMMs (the rules checked it has them)
             apply_float8_experts(model, recipe=f8.moe_experts_recipe, emulate=f8.emulate,

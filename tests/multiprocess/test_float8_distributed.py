@@ -22,7 +22,8 @@ STEPS = 4
 # gradient itself; a large eps passes them through on small gradients (fsdp4 1.96e-5, tp2_sp
 # 8.7e-5 with 1e-5, measured 2026-11-27).
 BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32, flavor="debugtiny"),
-        "--optimizer.eps=1e-8", "--float8.enable=true"]
+        "--optimizer.eps=1e-8", "--float8.enable=true",
+        "--float8.auto_filter=false"]  # every block linear (the size rule would keep them all)
 AG = ["--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_scale=true"]
 
 

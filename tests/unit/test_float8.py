@@ -22,6 +22,8 @@ from titanext.plugins.float8 import (
     apply_float8,
     auto_filter_keeps,
     float8_linear_fqns,
+    float8_module_filter,
+    resolve_auto_filter,
     resolve_emulate,
 )
 from titanext.plugins.float8_blockwise import Float8BlockwiseLinear, blockwise_qdq
@@ -131,6 +133,58 @@ def test_filter_skips_dims_not_divisible_by_16_and_small_shapes_with_auto_filter
     assert not auto_filter_keeps("tensorwise", 1024, 2048)
     assert auto_filter_keeps("tensorwise", 16384, 8192)
     assert not auto_filter_keeps("rowwise", 4096, 2048) and auto_filter_keeps("rowwise", 8192, 4096)
+
+
+ATTN, FFN = ["wq", "wk", "wv", "wo"], ["w1", "w2", "w3"]
+#: what the auto filter converts in one block of the 1B and 8B flavors, per recipe (the table
+#: of docs/float8.md); wk and wv (N = kv heads x 128 = 512 / 1024) never gain
+AUTO_FILTER_TABLE = {
+    ("1B", "tensorwise"): ["wq", "wo", "w1", "w2", "w3"],
+    ("1B", "rowwise"): ["w1", "w3"],
+    ("1B", "rowwise_with_gw_hp"): ["w1", "w3"],
+    ("1B", "blockwise"): ["w1", "w3"],
+    **{("8B", r): ["wq", "wo", "w1", "w2", "w3"] for r in FLOAT8_RECIPES},
+}
+
+
+@pytest.mark.parametrize("flavor, recipe", sorted(AUTO_FILTER_TABLE))
+def test_auto_filter_converts_the_tabled_linears_of_the_1b_and_8b_flavors(flavor, recipe):
+    with torch.device("meta"):
+        block = build_model("llama3", get_model_args("llama3", flavor)).layers["0"]
+    keep = float8_module_filter(recipe=recipe, filter_fqns=["output"], auto_filter=True)
+    converted = [fqn.split(".")[-1] for fqn, m in block.named_modules()
+                 if isinstance(m, nn.Linear) and keep(m, f"layers.0.{fqn}")]
+    assert converted == AUTO_FILTER_TABLE[flavor, recipe]
+    everything = float8_module_filter(recipe=recipe, filter_fqns=["output"], auto_filter=False)
+    assert all(everything(m, f"layers.0.{fqn}") for fqn, m in block.named_modules()
+               if isinstance(m, nn.Linear))
+
+
+def test_auto_filter_auto_follows_emulation_and_force_fqns_overrides_it():
+    assert resolve_auto_filter("auto", emulated=False) is True  # float8 tensor cores: the rule
+    assert resolve_auto_filter("auto", emulated=True) is False  # emulated: no speed to gain
+    assert resolve_auto_filter(False, emulated=False) is False
+    with pytest.raises(ValueError, match="auto_filter"):
+        resolve_auto_filter("sometimes", emulated=True)
+    small = nn.Sequential(nn.Linear(2048, 512), nn.Linear(512, 1024))  # both lose
+    # on CPU float8 is emulated: "auto" converts everything eligible
+    assert apply_float8(small, auto_filter="auto", device="cpu") == ["0", "1"]
+    small = nn.Sequential(nn.Linear(2048, 512), nn.Linear(512, 1024))
+    with pytest.raises(ValueError, match="auto_filter"):  # nothing left: loud, not silent
+        apply_float8(small, auto_filter=True)
+    assert apply_float8(small, auto_filter=True, force_fqns=["1"]) == ["1"]
+    small = nn.Sequential(nn.Linear(2048, 512), nn.Linear(512, 1024))
+    assert apply_float8(small, auto_filter=True, force_fqns=["*"], filter_fqns=["0"]) == ["1"]
+
+
+def test_config_auto_filter_defaults_to_auto_and_takes_force_fqns():
+    f8 = load_config(None, ["--float8.enable=true"]).float8
+    assert (f8.auto_filter, f8.force_fqns) == ("auto", [])
+    f8 = load_config(None, ["--float8.enable=true", "--float8.auto_filter=true",
+                            "--float8.force_fqns=wk,wv"]).float8
+    assert (f8.auto_filter, f8.force_fqns) == (True, ["wk", "wv"])
+    with pytest.raises(ConfigError, match="float8.auto_filter"):
+        load_config(None, ["--float8.enable=true", "--float8.auto_filter=maybe"])
 
 
 def test_module_filter_fn_and_user_model_example():

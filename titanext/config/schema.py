@@ -490,9 +490,14 @@ class Float8:
     """Module names kept in high precision: an entry matches that FQN, FQNs ending in
     '.entry', modules under it, or a glob. Linears with a dimension not divisible by 16 are
     always kept."""
-    auto_filter: bool = _field(False)
-    """Also keep linears too small to run faster in float8 (torchao's H100 thresholds, e.g.
-    tensorwise skips K <= 4096 with N <= 1024)."""
+    auto_filter: bool | str = _field("auto", check=_emulate, rule="true, false or 'auto'")
+    """Also keep linears too small to run faster in float8 (torchao's H100 thresholds: tensorwise
+    keeps K <= 4096 with N <= 1024; the other recipes keep N <= 2048, K <= 1024, or N <= 4096
+    with K <= 2048). 'auto': on where float8 runs on float8 tensor cores, off where it is
+    emulated (no speed to gain; every linear converts). docs/float8.md tabulates the flavors."""
+    force_fqns: list[str] = _field([])
+    """Module names (matched as filter_fqns) converted even where auto_filter would keep them;
+    filter_fqns and the divisible-by-16 rule still win."""
     enable_fsdp_float8_all_gather: bool = _field(False)
     """FSDP2 all-gathers weights in float8 (half the bytes of bf16); tensorwise only. On gloo
     the float8 bytes travel as uint8."""

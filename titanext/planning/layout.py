@@ -139,8 +139,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
     pipe = pipeline_layout(job.pipeline)
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head = (float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
-                                      tuple(f8.filter_fqns), f8.auto_filter,
-                                      cfg.model.hf_assets_path)
+                                      tuple(f8.filter_fqns), _auto_filter(f8),
+                                      cfg.model.hf_assets_path, tuple(f8.force_fqns))
                          if f8.enable else ((False,) * len(shape.linears), False))
     linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
     reshard = resolve_reshard_after_forward(p.fsdp_reshard_after_forward,
@@ -167,3 +167,12 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job)
 
 
+def _auto_filter(f8) -> bool:
+    """``[float8] auto_filter`` as the trainer resolves it on this machine ("auto": on where
+    float8 is not emulated), so the plan converts what the trainer here converts."""
+    import torch
+
+    from titanext.plugins.float8 import resolve_auto_filter, resolve_emulate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_auto_filter(f8.auto_filter, resolve_emulate(f8.emulate, device))

@@ -99,14 +99,15 @@ def _linears(layer) -> tuple[Linear, ...]:
 
 @functools.lru_cache(maxsize=64)
 def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
-                 auto_filter: bool, hf_assets_path: str | None = None
-                 ) -> tuple[tuple[bool, ...], bool]:
+                 auto_filter: bool, hf_assets_path: str | None = None,
+                 force_fqns: tuple[str, ...] = ()) -> tuple[tuple[bool, ...], bool]:
     """Which of layer 0's linears, and whether the output head, the float8 converter swaps."""
     from torch import nn
 
     from titanext.plugins.float8 import float8_module_filter
 
-    keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter)
+    keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter,
+                                force_fqns=force_fqns)
     model = _meta_model(name, flavor, hf_assets_path)
     layer = tuple(keep(m, f"layers.0.{fqn}") for fqn, m in model.layers["0"].named_modules()
                   if isinstance(m, nn.Linear))

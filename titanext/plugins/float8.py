@@ -66,6 +66,7 @@ __all__ = [
     "float8_module_filter",
     "has_float8_hardware",
     "precompute_float8_scales",
+    "resolve_auto_filter",
     "resolve_emulate",
     "supports_float8_tp",
 ]
@@ -120,8 +121,21 @@ def _fqn_matches(fqn: str, pattern: str) -> bool:
     return any(ch in pattern for ch in "*?[") and fnmatch.fnmatchcase(fqn, pattern)
 
 
+def resolve_auto_filter(auto_filter: bool | str, emulated: bool) -> bool:
+    """``auto_filter="auto"`` (the config's default) -> torchao's size rule
+    (:func:`auto_filter_keeps`) exactly where float8 runs on float8 tensor cores: there a linear
+    that runs slower in float8 than in bf16 is never wanted. Emulated float8 (CPU, GPUs before
+    compute capability 8.9) has no speed to gain, so every eligible linear converts and its
+    numerics are what is checked."""
+    if isinstance(auto_filter, bool):
+        return auto_filter
+    if auto_filter != "auto":
+        raise ValueError(f"auto_filter = {auto_filter!r}; allowed: true, false, 'auto'")
+    return not emulated
+
+
 def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence[str],
-                 auto_filter: bool) -> str | None:
+                 auto_filter: bool, force_fqns: Sequence[str] = ()) -> str | None:
     """Why ``module`` stays in high precision, or None to convert it."""
     kind = matmul_kind(module)
     if kind is None:
@@ -136,7 +150,8 @@ def _skip_reason(module: nn.Module, fqn: str, recipe: str, filter_fqns: Sequence
     n, k = module.weight.shape if kind != "conv1d" else module.weight.shape[::-1]
     if n % 16 or k % 16:
         return f"dims {k}x{n} not divisible by 16"
-    if auto_filter and not auto_filter_keeps(recipe, n, k):
+    if (auto_filter and not auto_filter_keeps(recipe, n, k)
+            and not any(_fqn_matches(fqn, p) for p in force_fqns)):
         return f"auto_filter: {k}x{n} is too small to gain from float8"
     if kind == "own_forward":  # converting would replace that forward by nn.Linear's
         return OWN_FORWARD
@@ -147,10 +162,12 @@ OWN_FORWARD = "overrides forward"
 
 
 def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[str] = (),
-                         auto_filter: bool = False) -> ModuleFilter:
+                         auto_filter: bool = False, force_fqns: Sequence[str] = ()
+                         ) -> ModuleFilter:
     """The ``module_filter_fn(module, fqn) -> bool`` that :func:`apply_float8` uses."""
-    filter_fqns = tuple(filter_fqns)
-    return lambda m, fqn: _skip_reason(m, fqn, recipe, filter_fqns, auto_filter) is None
+    filter_fqns, force_fqns = tuple(filter_fqns), tuple(force_fqns)
+    return lambda m, fqn: _skip_reason(m, fqn, recipe, filter_fqns, auto_filter,
+                                       force_fqns) is None
 
 
 def _check_args(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
@@ -169,7 +186,8 @@ def apply_float8(
     *,
     recipe: str = "tensorwise",
     filter_fqns: Sequence[str] = (),
-    auto_filter: bool = False,
+    auto_filter: bool | str = False,
+    force_fqns: Sequence[str] = (),
     enable_fsdp_float8_all_gather: bool = False,
     emulate: bool | str = "auto",
     device: torch.device | str | None = None,
@@ -185,7 +203,10 @@ def apply_float8(
         filter_fqns: module names to keep in high precision (an entry matches the module with
             that FQN, any FQN ending in ``.entry``, modules under it, or a glob such as
             ``layers.*.attention.wq``). The output head is the usual entry.
-        auto_filter: also skip shapes too small to run faster (:func:`auto_filter_keeps`).
+        auto_filter: also skip shapes too small to run faster (:func:`auto_filter_keeps`);
+            "auto": only where float8 is not emulated (:func:`resolve_auto_filter`).
+        force_fqns: module names (as ``filter_fqns``) converted even where ``auto_filter``
+            would keep them; ``filter_fqns`` and the divisible-by-16 rule still win.
         enable_fsdp_float8_all_gather: FSDP2 all-gathers weights in float8 (tensorwise only).
         emulate: True, False or "auto" (emulate when ``device`` -- default: CUDA if available,
             else CPU -- has no float8 hardware). Emulated float8 has float8's numerics, not
@@ -213,7 +234,9 @@ def apply_float8(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     emulated = resolve_emulate(emulate, device)
-    chosen, skipped = _choose(model, recipe, tuple(filter_fqns), auto_filter, module_filter_fn)
+    chosen, skipped = _choose(model, recipe, tuple(filter_fqns),
+                              resolve_auto_filter(auto_filter, emulated), module_filter_fn,
+                              tuple(force_fqns))
     if emulated and emulate == "auto":
         _log(logging.WARNING, "float8: %d matmul module(s) converted; %s has no float8 hardware, "
              "so float8 matmuls are emulated (float8 numerics at high-precision speed); set "
@@ -253,7 +276,8 @@ _log = log_rank0
 
 
 def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_filter: bool,
-            module_filter_fn: ModuleFilter | None) -> tuple[list[str], list[str]]:
+            module_filter_fn: ModuleFilter | None, force_fqns: tuple[str, ...] = ()
+            ) -> tuple[list[str], list[str]]:
     """(FQNs to convert, "fqn (reason)" kept); warns about subclasses with their own forward
     and raises when nothing would convert."""
     chosen: list[str] = []
@@ -266,7 +290,7 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
             continue
         if kind == "param_matmul":
             outside.append((fqn, module))
-        reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter)
+        reason = _skip_reason(module, fqn, recipe, filter_fqns, auto_filter, force_fqns)
         wanted = module_filter_fn(module, fqn) if module_filter_fn is not None else None
         if reason == OWN_FORWARD:
             own.append((fqn, module))
