@@ -9,7 +9,7 @@
 - ``"async_with_pinned_mem"``: the copy goes to pinned, shared memory (non-blocking on a GPU)
   and a separate checkpoint process writes it (torch's ``AsyncCheckpointerType.PROCESS``:
   no GIL contention with the training loop, more host memory). On a CPU-only machine the
-  staging is a plain copy.
+  staging is a plain copy, and without a process group (one process) a thread writes.
 
 Either async mode waits for the previous save's future before the next save, a resume, or the
 end of :meth:`~titanext.trainer.Trainer.train`; only then, with every rank's write finished,
@@ -65,6 +65,8 @@ class AsyncSaver:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             self.group = dist.new_group(ranks=ranks, backend="gloo")
         self.options = _compat.pinned_async_save_options() if mode != "async" else {}
+        if self.group is None:  # torch's checkpoint process joins the job's process group
+            self.options.pop("async_checkpointer_type", None)
         self.future: Future | None = None
 
     def start(self, state: dict[str, Any], path: str) -> None:
