@@ -9,7 +9,8 @@
 - ``"async_with_pinned_mem"``: the copy goes to pinned, shared memory (non-blocking on a GPU)
   and a separate checkpoint process writes it (torch's ``AsyncCheckpointerType.PROCESS``:
   no GIL contention with the training loop, more host memory). On a CPU-only machine the
-  staging is a plain copy, and without a process group (one process) a thread writes.
+  staging is a plain copy; without a process group (one process), or in a daemonic process
+  (which may not start children), a thread writes.
 
 Either async mode waits for the previous save's future before the next save, a resume, or the
 end of :meth:`~titanext.trainer.Trainer.train`; only then, with every rank's write finished,
@@ -24,6 +25,7 @@ gloo. ``async_save`` needs a CPU backend for them anyway.
 
 from __future__ import annotations
 
+import multiprocessing
 from concurrent.futures import Future
 from typing import Any
 
@@ -65,7 +67,9 @@ class AsyncSaver:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             self.group = dist.new_group(ranks=ranks, backend="gloo")
         self.options = _compat.pinned_async_save_options() if mode != "async" else {}
-        if self.group is None:  # torch's checkpoint process joins the job's process group
+        # torch's checkpoint process joins the job's process group, and a daemonic process
+        # (a worker of a multiprocessing pool) may not start one: a thread writes there.
+        if self.group is None or multiprocessing.current_process().daemon:
             self.options.pop("async_checkpointer_type", None)
         self.future: Future | None = None
 
