@@ -104,9 +104,9 @@ def test_a_failed_async_write_raises_and_commits_nothing(tmp_path, monkeypatch):
 def test_weights_only_last_save_starts_a_new_run_and_converts_to_hf(tmp_path, dtype):
     from safetensors.torch import load_file
 
+    from tests.unit.test_checkpoint import _tiny_model
     from titanext.hf.checkpoint import load_initial_weights, to_hf_state_dict
     from titanext.hf.convert import dcp_to_hf
-    from tests.unit.test_checkpoint import _tiny_model
 
     folder = tmp_path / "ckpt"
     model, opt, sched, loader, ckpt = _single_process(folder, model_weights_only=True,
@@ -129,6 +129,14 @@ def test_weights_only_last_save_starts_a_new_run_and_converts_to_hf(tmp_path, dt
         for hf_name, want in dict(to_hf_state_dict(name, t, TINY)).items():
             assert hf[hf_name].dtype == want.dtype and torch.equal(hf[hf_name], want), hf_name
 
+    from titanext.components.checkpoint import resume_problems
+    from titanext.config import load_config
+
+    cfg = load_config(None, ["--checkpoint.enable=true", f"--job.dump_folder={tmp_path}",
+                             "--checkpoint.folder=ckpt"], world_size=1)
+    (problem,) = resume_problems(cfg)  # refused before any process starts
+    assert problem.startswith("checkpoint.load_step = 'latest': checkpoint ") and (
+        "holds model weights only" in problem), problem
     _model2, *_rest, ckpt2 = _single_process(folder, seed=1)
     with pytest.raises(CheckpointMismatch, match="holds model weights only .* cannot resume "
                                                  "training; start a new run from it with "
