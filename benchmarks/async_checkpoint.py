@@ -48,7 +48,8 @@ def _body(rank, world_size, dim, layers, rounds, folder):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, args.vocab_size, (2, 129), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(0, args.vocab_size, (2, 129),
+                           generator=torch.Generator().manual_seed(rank))
     managers = {mode: CheckpointManager(
         folder=os.path.join(folder, mode), interval=1, keep_latest_k=1, load_step="none",
         last_save=False, enable=True, model_parts=[model], optimizer=opt, lr_scheduler=None,
@@ -106,14 +107,14 @@ def main(argv=None) -> int:
     rows = []
     for mode in MODES:
         r = {k: statistics.median(v) for k, v in res[mode].items()}
-        rows.append({"async_mode": mode, "plain step ms": round(1e3 * r["plain"], 1),
-                     "saving step ms": round(1e3 * r["saving"], 1),
-                     "x plain": round(r["saving"] / r["plain"], 2),
-                     "1st after ms": round(1e3 * r["after1"], 1),
-                     "x plain ": round(r["after1"] / r["plain"], 2),
-                     "2nd after ms": round(1e3 * r["after2"], 1),
-                     "x plain  ": round(r["after2"] / r["plain"], 2),
-                     "commit wait ms": round(1e3 * r["commit"], 1)})
+        rows.append({"async_mode": mode, "plain step ms": f"{1e3 * r['plain']:.0f}",
+                     "saving step ms": f"{1e3 * r['saving']:.0f}",
+                     "saving / plain": f"{r['saving'] / r['plain']:.2f}",
+                     "1st after ms": f"{1e3 * r['after1']:.0f}",
+                     "1st after / plain": f"{r['after1'] / r['plain']:.2f}",
+                     "2nd after ms": f"{1e3 * r['after2']:.0f}",
+                     "2nd after / plain": f"{r['after2'] / r['plain']:.2f}",
+                     "commit wait ms": f"{1e3 * r['commit']:.0f}"})
     print(f"llama dim {args.dim} x {args.layers} layers, FSDP 2 gloo ranks, {nbytes / 2**20:.0f} "
           f"MiB of model + AdamW state per save, {args.rounds} rounds (medians); load "
           f"{os.getloadavg()[0]:.1f}")
