@@ -203,8 +203,11 @@ def pinned_async_save_options() -> dict:
     params = inspect.signature(dcp.async_save).parameters
     if "async_stager" not in params or "async_checkpointer_type" not in params:
         return {}
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return {}
 
     accelerator = torch.accelerator.is_available()
     options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,

@@ -171,3 +171,40 @@ def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tmp_path, 
         assert params.keys() == full_params.keys()  # this rank's stages (pipeline) in full
         for name, want in full_params.items():
             assert torch.equal(params[name], want), f"rank {rank}: {name}"
+
+
+def _export_then_start_from_it(rank, world_size, dtype, folder):
+    """FSDP 2: train 2 steps with a weights-only last save in ``dtype``, then build a new run
+    from it (initial_load_path); both runs' full parameters."""
+    from torch.distributed.tensor import DTensor
+
+    from titanext.config import load_config
+    from titanext.trainer import Trainer
+
+    def params(t):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for part in t.model_parts for n, p in part.named_parameters()}
+
+    cfg = load_config(None, [*BASE, "--training.steps=2", "--checkpoint.model_weights_only=true",
+                             f"--checkpoint.export_dtype={dtype}", f"--job.dump_folder={folder}"],
+                      world_size=world_size)
+    first = Trainer(cfg)
+    first.train()
+    files = sorted(os.listdir(f"{folder}/checkpoint/step-2"))
+    cfg = load_config(None, [*BASE, "--checkpoint.enable=false",
+                             f"--checkpoint.initial_load_path={folder}/checkpoint/step-2",
+                             f"--job.dump_folder={folder}/new"], world_size=world_size)
+    new = Trainer(cfg)
+    new.train(until_step=0)  # loads the initial weights, trains nothing
+    return params(first), params(new), files
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_only_export_starts_a_new_run_with_the_cast_weights(tmp_path, dtype):
+    trained, started, files = run_distributed(_export_then_start_from_it, 2,
+                                              args=(dtype, str(tmp_path)))[0]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]  # model only
+    for name, want in trained.items():
+        cast = want.to(getattr(torch, dtype)).float()
+        assert started[name].dtype == torch.float32 and torch.equal(started[name], cast), name
+    assert any(not torch.equal(trained[n], started[n]) for n in trained) == (dtype != "float32")
