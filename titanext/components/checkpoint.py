@@ -117,8 +117,8 @@ from titanext.errors import (
     CheckpointUnsafe,
 )
 
-__all__ = ["CheckpointManager", "config_changes", "manifest_info", "read_manifest",
-           "resume_problems"]
+__all__ = ["CheckpointManager", "config_changes", "interrupted_saves", "manifest_info",
+           "read_manifest", "resume_problems"]
 
 logger = logging.getLogger("titanext")
 
