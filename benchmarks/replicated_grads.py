@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from titanext.components.metrics import format_table
+from titanext._text import format_table
 from titanext.launch.local import run_distributed
 
 LAYOUTS = {

@@ -30,6 +30,9 @@ in a new torch is fixed here:
 - :func:`record_cuda_memory_history`, :func:`cuda_memory_snapshot`: CUDA's allocator history;
 - :data:`pytree`: torch's pytree utilities.
 
+Not private, but shaped by the torch version: :func:`pinned_async_save_options`, the
+``async_save`` options of ``[checkpoint] async_mode = "async_with_pinned_mem"``.
+
 Leaf module: imports torch only.
 """
 
@@ -184,3 +187,30 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     """Fail where ``condition`` (a 0-dim bool tensor) is False, checked on its device without a
     host sync (a device-side assert on CUDA): torch's private ``_assert_async``."""
     torch._assert_async(condition, message)
+
+
+def pinned_async_save_options() -> dict:
+    """Keyword arguments for ``dcp.async_save`` that stage into pinned (and shared) memory and
+    write from a separate checkpoint process (no GIL contention with training); {} where this
+    torch's ``async_save`` lacks ``async_stager`` / ``async_checkpointer_type`` (then it stages
+    into plain CPU memory and writes from a thread). Pinning and non-blocking copies need an
+    accelerator; on a CPU-only machine the staging is a plain copy. The caller closes
+    ``options["async_stager"]`` after the last save."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    params = inspect.signature(dcp.async_save).parameters
+    if "async_stager" not in params or "async_checkpointer_type" not in params:
+        return {}
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return {}
+
+    accelerator = torch.accelerator.is_available()
+    options = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+                             use_async_staging=True, use_non_blocking_copy=accelerator)
+    return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS,
+            "async_stager": DefaultStager(options)}

@@ -151,7 +151,8 @@ class Trainer:
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, last_save=c.last_save,
             enable=c.enable, model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            manifest=manifest_info(cfg, dims))
+            manifest=manifest_info(cfg, dims), async_mode=c.async_mode,
+            model_weights_only=c.model_weights_only, export_dtype=c.export_dtype)
         self.step, self._resumed = 0, False
         self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
 
@@ -334,6 +335,7 @@ class Trainer:
                     profiler.step(self.step)
         finally:
             metrics.close()
+        self.checkpointer.wait()  # an async save in flight is committed before train returns
         return losses
 
     def _after_step(self, metrics: MetricsLogger, tokens_per_step: int, loss: float,

@@ -53,3 +53,25 @@ def test_reduce_scatter_single_is_a_collective_of_this_torch():
 
     assert reduce_scatter_single in (getattr(dist, "reduce_scatter_single", None),
                                      dist.reduce_scatter_tensor)
+
+
+def test_pinned_async_save_options_follow_this_torchs_async_save(monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from titanext._compat import pinned_async_save_options
+
+    options = pinned_async_save_options()
+    if options:  # this torch stages through a DefaultStager and writes from a process
+        from torch.distributed.checkpoint.staging import DefaultStager
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        assert options["async_checkpointer_type"] == AsyncCheckpointerType.PROCESS
+        assert isinstance(options["async_stager"], DefaultStager)
+        options["async_stager"].close()
+
+    def older_async_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None,
+                         process_group=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dcp, "async_save", older_async_save)
+    assert pinned_async_save_options() == {}  # plain async: a thread and CPU memory

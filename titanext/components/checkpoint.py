@@ -31,6 +31,12 @@ own state always did).
 The manifest and the checks made before loading live in
 :mod:`titanext.components.checkpoint_manifest`; their public names import from here too.
 
+``async_mode`` ("async", "async_with_pinned_mem") writes in the background
+(:mod:`titanext.components.checkpoint_async`): the manifest is written and the folder renamed
+only once every rank's write has finished, at the next save, a resume or :meth:`wait`.
+``model_weights_only`` makes the last save (``maybe_save(step, last=True)``) hold the model
+only, in ``export_dtype``: a start for ``initial_load_path`` or an HF conversion, not a resume.
+
 Which step ``load_step = "latest"`` resumes is the newest ``step-<N>`` folder; a damaged one
 is an error, never silently skipped (its message names ``--checkpoint.load_step=<older step>``).
 
@@ -49,7 +55,6 @@ every rank has finished writing, so an interrupted save never looks like a check
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -80,16 +85,26 @@ from titanext._safe_load import (
     load_plain,
     plain_state,
 )
+from titanext.components.checkpoint_async import (
+    ASYNC_MODES,
+    EXPORT_DTYPES,
+    AsyncSaver,
+    cast_for_export,
+)
 from titanext.components.checkpoint_manifest import (
     _ERRORS,
-    _MANIFEST,
     _MANIFEST_FORMAT,
     _TRAINER_STATE,
+    _commit,
     _damage,
     _mismatch,
     _resolve,
+    _save_file,
     _versions,
+    _weights_only,
+    _write_manifest,
     config_changes,
+    interrupted_saves,
     manifest_info,
     read_manifest,
     resume_problems,
@@ -102,8 +117,8 @@ from titanext.errors import (
     CheckpointUnsafe,
 )
 
-__all__ = ["CheckpointManager", "config_changes", "manifest_info", "read_manifest",
-           "resume_problems"]
+__all__ = ["CheckpointManager", "config_changes", "interrupted_saves", "manifest_info",
+           "read_manifest", "resume_problems"]
 
 logger = logging.getLogger("titanext")
 
@@ -130,28 +145,6 @@ def _single_process_is_intended() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized",
                                 category=UserWarning)
         yield
-
-
-def _save_file(obj: Any, path: str) -> None:
-    """``torch.save`` and fsync, so the commit rename never publishes a file still in cache."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename inside ``path`` durable; best effort (not every file system allows it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _local_tensor(t: Any) -> Any:
@@ -208,6 +201,9 @@ class CheckpointManager:
         process_group: the ranks that save and load together (default: the world).
         manifest: what to record about the run in each checkpoint's manifest and check on
             load (see :func:`manifest_info`): ``config``, ``model`` (name, flavor), ``layout``.
+        async_mode: "disabled", "async" or "async_with_pinned_mem" (module docstring).
+        model_weights_only: the last save holds the model only, cast to ``export_dtype``
+            ("float32", "bfloat16" or "float16").
 
     Every method except :meth:`latest_step` / :meth:`complete_steps` is collective: all ranks
     of ``process_group`` call it.
@@ -218,7 +214,8 @@ class CheckpointManager:
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any,
                  extra_states: dict[str, Any] | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 manifest: dict[str, Any] | None = None):
+                 manifest: dict[str, Any] | None = None, async_mode: str = "disabled",
+                 model_weights_only: bool = False, export_dtype: str = "float32"):
         self.folder, self.interval, self.keep_latest_k = folder, interval, keep_latest_k
         self.load_step, self.last_save, self.enable = load_step, last_save, enable
         self.model_parts = list(model_parts)
@@ -226,8 +223,17 @@ class CheckpointManager:
         self.extra_states = dict(extra_states or {})
         self.process_group = process_group
         self.manifest = dict(manifest or {})
+        self.model_weights_only, self.export_dtype = model_weights_only, export_dtype
+        self._async: AsyncSaver | None = None
+        self._pending: tuple[int, bool, float] | None = None  # (step, weights only, start)
         if not enable:
             return
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"checkpoint.async_mode = {async_mode!r}; it must be one of "
+                             f"{', '.join(map(repr, ASYNC_MODES))}")
+        if export_dtype not in EXPORT_DTYPES:
+            raise ValueError(f"checkpoint.export_dtype = {export_dtype!r}; it must be one of "
+                             f"{', '.join(map(repr, EXPORT_DTYPES))}")
         if interval < 1:
             raise ValueError(f"checkpoint.interval = {interval}; it must be >= 1")
         if keep_latest_k < 0:
@@ -244,6 +250,8 @@ class CheckpointManager:
                 "a ZeroRedundancyOptimizer is checkpointed through one consolidated file, so its "
                 "process group must span the checkpoint's process group (got "
                 f"{dist.get_world_size(optimizer.process_group)} vs {self._world_size()} ranks)")
+        if async_mode != "disabled":
+            self._async = AsyncSaver(async_mode, process_group)  # collective: a gloo group
 
     # -- process group ---------------------------------------------------------------------------
     def _distributed(self) -> bool:
@@ -336,16 +344,21 @@ class CheckpointManager:
         if not self.enable:
             return False
         if step % self.interval == 0 or (last and self.last_save):
-            self.save(step)
+            self.save(step, weights_only=last and self.model_weights_only)
             return True
         return False
 
-    def save(self, step: int) -> None:
-        """Write step ``step`` atomically, replacing an existing ``step-<step>`` (collective)."""
+    def save(self, step: int, *, weights_only: bool = False) -> None:
+        """Write step ``step`` atomically, replacing an existing ``step-<step>`` (collective).
+
+        With ``weights_only`` only the model, in ``export_dtype``. With an ``async_mode`` this
+        returns once the state is staged; the step is committed by the next :meth:`wait`.
+        """
         if not self.enable:
             return
+        self.wait()  # the previous async save is committed (or fails) before this one starts
         start = time.monotonic()
-        final, tmp = self._path(step), self._path(step) + ".tmp"
+        tmp = self._path(step) + ".tmp"
         rank = self._rank()
         if rank == 0:
             os.makedirs(self.folder, exist_ok=True)
@@ -353,65 +366,77 @@ class CheckpointManager:
         self._barrier()  # nobody writes into a tmp folder that rank 0 is still removing
         os.makedirs(tmp, exist_ok=True)
 
-        zero1 = _is_zero1(self.optimizer)
-        # Every rank checks the trainer state is plain data before anything is written: state
-        # that would need code to load raises alike on every rank (CheckpointUnsafe).
-        trainer_state = self._trainer_state(step)
-        state: dict[str, Any] = {"model": self._model_state()}
-        if not zero1:
-            state["optimizer"] = self._optimizer_state()[0]
+        zero1 = _is_zero1(self.optimizer) and not weights_only
+        if weights_only:
+            state: dict[str, Any] = {"model": cast_for_export(self._model_state(),
+                                                              self.export_dtype)}
+        else:
+            # Every rank checks the trainer state is plain data before anything is written:
+            # state that would need code to load raises alike on every rank (CheckpointUnsafe).
+            trainer_state = self._trainer_state(step)
+            state = {"model": self._model_state()}
+            if not zero1:
+                state["optimizer"] = self._optimizer_state()[0]
         with _single_process_is_intended():
-            dcp.save(state, checkpoint_id=tmp, process_group=self.process_group)
+            if self._async is not None:
+                self._async.start(state, tmp)
+            else:
+                dcp.save(state, checkpoint_id=tmp, process_group=self.process_group)
         if zero1:
             self.optimizer.consolidate_state_dict(to=0)  # collective over the ZeRO group
             if dist.get_rank(self.optimizer.process_group) == 0:
                 _save_file(plain_state(self.optimizer.state_dict(), "the ZeRO-1 optimizer"),
                            os.path.join(tmp, _ZERO1_OPTIMIZER))
-        _save_file(self._rng_state(), os.path.join(tmp, f"rng-{rank}.pt"))
-        if rank == 0:
-            _save_file(trainer_state, os.path.join(tmp, _TRAINER_STATE))
+        if not weights_only:
+            _save_file(self._rng_state(), os.path.join(tmp, f"rng-{rank}.pt"))
+            if rank == 0:
+                _save_file(trainer_state, os.path.join(tmp, _TRAINER_STATE))
+        self._pending = (step, weights_only, start)
+        if self._async is None:
+            self.wait()
 
-        self._barrier()  # every rank's files are in tmp: commit
-        if rank == 0:
-            self._write_manifest(tmp, step)
-            self._commit(tmp, final)
+    def wait(self) -> None:
+        """Commit the save in flight, if any (collective): wait until every rank's write has
+        finished, then rank 0 writes the manifest and renames ``step-<N>.tmp``. An async write
+        that failed on any rank raises :class:`CheckpointError` on every rank, and the step
+        stays uncommitted."""
+        if self._pending is None:
+            return
+        (step, weights_only, start), self._pending = self._pending, None
+        error = self._async.finish() if self._async is not None else None
+        if self._distributed():
+            errors: list[Any] = [None] * self._world_size()
+            dist.all_gather_object(errors, error, group=self.process_group)
+        else:
+            errors = [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        final, tmp = self._path(step), self._path(step) + ".tmp"
+        if failed:
+            raise CheckpointError(f"the async save of step {step} failed on rank {failed[0][0]} "
+                                  f"({failed[0][1]}); {final!r} was not committed")
+        if self._rank() == 0:  # every rank's files are in tmp: commit
+            self._write_manifest(tmp, step, weights_only)
+            _commit(tmp, final)
             self._prune()
             logger.info("saved checkpoint %s in %.1fs", final, time.monotonic() - start)
         self._barrier()  # nobody reads the folder (or saves again) before the commit
 
-    def _write_manifest(self, tmp: str, step: int) -> None:
-        """Rank 0, after every rank has written: sizes of all files (so a truncated copy is
-        caught before DCP reads it), the saved tensor shapes and the run's description."""
-        files = {}
-        for root, _dirs, names in os.walk(tmp):
-            for name in names:
-                full = os.path.join(root, name)
-                files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+    def close(self) -> None:
+        """:meth:`wait`, then release the async writers' stager and gloo group (collective)."""
+        self.wait()
+        if self._async is not None:
+            self._async.close()
+            self._async = None
+
+    def _write_manifest(self, tmp: str, step: int, weights_only: bool) -> None:
+        """The saved tensor shapes and the run's description (file sizes: _write_manifest)."""
         manifest = {"format": _MANIFEST_FORMAT, "step": step, "versions": _versions(),
                     "model": self.manifest.get("model"),
                     "layout": {"world_size": self._world_size(), **self.manifest.get("layout", {})},
-                    "shapes": _saved_shapes(tmp, None), "config": self.manifest.get("config"),
-                    "files": files}
-        path = os.path.join(tmp, _MANIFEST)
-        with open(path, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def _commit(self, tmp: str, final: str) -> None:
-        if os.path.exists(final):
-            # A directory cannot be replaced by rename while it is non-empty: move the old copy
-            # aside first. A crash between the two renames loses only this step, never leaves
-            # a partial step-<N>; the ".old" folder is cleaned up by the next save.
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-            _fsync_dir(self.folder)
+                    "shapes": _saved_shapes(tmp, None), "config": self.manifest.get("config")}
+        if weights_only:
+            manifest["weights_only"] = {"dtype": self.export_dtype}
+        _write_manifest(tmp, manifest)
 
     def _remove_stale(self) -> None:
         for name in os.listdir(self.folder):
@@ -450,9 +475,16 @@ class CheckpointManager:
                     saved, current = manifest.get("model"), self.manifest.get("model")
                     if saved and current and saved != current:
                         error, message = "CheckpointMismatch", _mismatch(path, saved, current)
+                    elif "weights_only" in manifest:
+                        error, message = "CheckpointMismatch", _weights_only(path)
                     else:
                         manifest["shapes"] = _saved_shapes(path, manifest or None)
                 decision = [(step, error, message, manifest)]
+                for stale in interrupted_saves(self.folder):
+                    print(f"titanext: skipping {self._path(stale)}.tmp: its save never "
+                          "completed (the job stopped before every rank had written it); "
+                          f"{'resuming step ' + str(step) if step else 'nothing to resume'}",
+                          flush=True)
             except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
                 decision = [(None, "CheckpointCorrupt", f"reading {self.folder!r} failed: "
                              f"{type(e).__name__}: {e}", None)]
@@ -493,6 +525,7 @@ class CheckpointManager:
         """
         if not self.enable:
             return 0
+        self.wait()
         step, manifest = self._resolve_load_step()
         if step is None:
             return 0

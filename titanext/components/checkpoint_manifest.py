@@ -7,7 +7,8 @@ resolves the step to load on each rank with the same functions, then raises the 
 named here on every rank alike. ``manifest.json`` (rank 0, written last) holds the resolved
 config, the model name and flavor, every tensor's global shape, the layout, the titanext and
 torch versions and the size of every other file; :func:`_damage` checks a step folder against
-it. Every public name here is also importable from :mod:`titanext.components.checkpoint`.
+it, and :func:`_commit` publishes a written ``.tmp`` folder. Every public name here is also
+importable from :mod:`titanext.components.checkpoint`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -27,15 +29,71 @@ from titanext.errors import (
     CheckpointNotFound,
 )
 
-__all__ = ["config_changes", "manifest_info", "read_manifest", "resume_problems", "step_folders"]
+__all__ = ["config_changes", "interrupted_saves", "manifest_info", "read_manifest",
+           "resume_problems", "step_folders"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 _METADATA = ".metadata"  # written last by DCP's coordinator
 _TRAINER_STATE = "trainer_state.pt"
 _MANIFEST = "manifest.json"
 _MANIFEST_FORMAT = 1
 _ERRORS = {cls.__name__: cls for cls in (CheckpointCorrupt, CheckpointMismatch,
                                          CheckpointNotFound, CheckpointError)}
+
+
+def _save_file(obj: Any, path: str) -> None:
+    """``torch.save`` and fsync, so the commit rename never publishes a file still in cache."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable; best effort (not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: str, final: str) -> None:
+    """Publish a written ``step-<N>.tmp`` folder as ``step-<N>`` (rank 0, last)."""
+    folder = os.path.dirname(final)
+    if os.path.exists(final):
+        # A directory cannot be replaced by rename while it is non-empty: move the old copy
+        # aside first. A crash between the two renames loses only this step, never leaves
+        # a partial step-<N>; the ".old" folder is cleaned up by the next save.
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+
+
+def _write_manifest(tmp: str, manifest: dict[str, Any]) -> None:
+    """``manifest`` plus the size of every file in ``tmp`` (so a truncated copy is caught before
+    DCP reads it), written last into ``tmp`` (rank 0, after every rank has written)."""
+    files = {}
+    for root, _dirs, names in os.walk(tmp):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+    with open(os.path.join(tmp, _MANIFEST), "w") as f:
+        json.dump({**manifest, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def manifest_info(cfg: Any, layout: Any = None) -> dict[str, Any]:
@@ -88,6 +146,17 @@ def step_folders(folder: str) -> list[int]:
     if not os.path.isdir(folder):
         return []
     return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(folder)) if m)
+
+
+def interrupted_saves(folder: str) -> list[int]:
+    """Steps whose save started but was never committed (a ``step-<N>.tmp`` folder newer than
+    every committed step: the job stopped during the save, e.g. with an async write in flight),
+    ascending. Loading skips them; the next save removes them."""
+    if not os.path.isdir(folder):
+        return []
+    newest = max(step_folders(folder), default=-1)
+    return sorted(s for s in (int(m.group(1)) for m in map(_TMP_DIR.match, os.listdir(folder))
+                              if m) if s > newest)
 
 
 def _damage(step_dir: str) -> str | None:
@@ -170,11 +239,21 @@ def resume_problems(cfg: Any) -> list[str]:
     if step is None:
         return []
     path = os.path.join(folder, f"step-{step}")
-    saved = (read_manifest(path) or {}).get("model")
+    manifest = read_manifest(path) or {}
+    saved = manifest.get("model")
+    if "weights_only" in manifest:
+        return [f"checkpoint.load_step = {c.load_step!r}: {_weights_only(path)}"]
     current = {"name": cfg.model.name, "flavor": cfg.model.flavor}
     if saved and saved != current:
         return [f"model.flavor = {cfg.model.flavor!r}: {_mismatch(path, saved, current)}"]
     return []
+
+
+def _weights_only(path: str) -> str:
+    return (f"checkpoint {path!r} holds model weights only (checkpoint.model_weights_only = "
+            "true at its save) and cannot resume training; start a new run from it with "
+            f"--checkpoint.initial_load_path={path}, or resume an older full step with "
+            "--checkpoint.load_step=<step>")
 
 
 def _mismatch(path: str, saved: dict[str, Any] | None, current: dict[str, Any] | None,

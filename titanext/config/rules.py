@@ -257,6 +257,7 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     if c.initial_load_in_hf and not c.initial_load_path:
         problems.append("checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path "
                         "(a Hugging Face model directory)")
+    problems += _checkpoint_export_problems(c)
     if c.last_save_in_hf and not c.enable:
         problems.append("checkpoint.last_save_in_hf = true needs checkpoint.enable = true (the "
                         "HF copy is written next to the final checkpoint)")
@@ -273,6 +274,20 @@ def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
             hf_config_from_model_args(model_args(cfg))
         except ValueError as e:
             problems.append(f"checkpoint.last_save_in_hf = true: {e}")
+    return problems
+
+
+def _checkpoint_export_problems(c: Any) -> list[str]:
+    """The weights-only last save (as torchtitan's checkpoint options; there export_dtype
+    without model_weights_only is ignored silently, here it is refused)."""
+    problems = []
+    if c.export_dtype != "float32" and not c.model_weights_only:
+        problems.append(f"checkpoint.export_dtype = {c.export_dtype!r} applies only to the "
+                        "weights-only last save: set checkpoint.model_weights_only = true, or "
+                        "leave export_dtype = 'float32' (full checkpoints keep the training dtype)")
+    if c.model_weights_only and not (c.enable and c.last_save):
+        problems.append("checkpoint.model_weights_only = true needs checkpoint.enable = true and "
+                        "checkpoint.last_save = true (it shapes the save after the last step)")
     return problems
 
 

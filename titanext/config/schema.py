@@ -401,6 +401,20 @@ class Checkpoint:
     last_save_in_hf: bool = _field(False)
     """The final save also writes <folder>/step-N-hf/ (safetensors, config.json, tokenizer
     files), loadable by transformers' AutoModelForCausalLM / AutoTokenizer."""
+    async_mode: str = _field("disabled", choices=("disabled", "async", "async_with_pinned_mem"))
+    """How saves are written: 'disabled' (the saving step waits for the files), 'async' (the
+    state is copied to CPU memory in the saving step and a thread writes it while training goes
+    on) or 'async_with_pinned_mem' (the copy goes to pinned memory and a separate checkpoint
+    process writes it: faster device-to-host copies, no GIL contention, more host memory). An
+    async save is committed (manifest written, step-N.tmp renamed) when the next save, a resume
+    or the end of training finds every rank's write finished."""
+    model_weights_only: bool = _field(False)
+    """The last save (after training.steps) holds the model weights only, in export_dtype: no
+    optimizer, scheduler, data or RNG state, so it cannot resume training; start a new run from
+    it (initial_load_path) or convert it to HF. Earlier saves stay full checkpoints."""
+    export_dtype: str = _field("float32", choices=("float32", "bfloat16", "float16"))
+    """Dtype of the floating-point weights in the weights-only last save (model_weights_only =
+    true); other values need model_weights_only."""
 
 
 @dataclass
