@@ -53,27 +53,12 @@ def _ignore_if(*off: Any, refuse: str) -> _Converter:
     return lambda v, ctx: None if v in off else refuse
 
 
-def _pending(key: str, *off: Any) -> _Converter:
-    """A key another change adds to titanext under the same name and meaning: read as it is once
-    the schema has it; until then ignored at its off value(s) and refused otherwise."""
-    def convert(v: Any, ctx: dict[str, Any]) -> _Result:
-        section, name = key.split(".")
-        if name in {f.name for f in dataclasses.fields(SECTIONS[section])}:
-            return {key: v}
-        return None if v in off else f"titanext has no {key} in this build"
-    return convert
-
-
 def _ignore_unless_checkpointing() -> _Converter:
-    """A last-save option: changes nothing while checkpointing is off; else ``_pending``."""
-    pending = _pending("checkpoint.model_weights_only", False)
-
+    """A last-save option: changes nothing while checkpointing is off (no checkpoint is written,
+    so what the last one holds is moot); else titanext's model_weights_only."""
     def convert(v: Any, ctx: dict[str, Any]) -> _Result:
         enabled = ctx.get("checkpoint.enable", ctx.get("checkpoint.enable_checkpoint", False))
-        result = pending(v, ctx)
-        if not enabled and isinstance(result, str):
-            return None  # no checkpoint is written, so what the last one holds is moot
-        return result
+        return {"checkpoint.model_weights_only": v} if enabled else None
     return convert
 
 
@@ -122,11 +107,7 @@ def _compile(v: Any, ctx: dict[str, Any]) -> _Result:
 
 
 def _hf_dataset_hint(key: str) -> str:
-    """Where this build has a Hugging Face dataset choice (another change adds one), say so."""
-    section, name = key.split(".")
-    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
-    return (f", or {key} = \"hf\" with its Hugging Face name"
-            if "hf" in (field.metadata.get("choices") or ()) else "")
+    return f", or {key} = \"hf\" with its Hugging Face name"
 
 
 def _dataset(key: str) -> _Converter:
@@ -212,8 +193,6 @@ def _convert(target: str, convert: _Converter, why: str) -> Entry:
 
 
 _OFF = "off, which changes nothing (other values are refused)"
-_PENDING = ("same name and meaning (added to titanext beside this table); while this build lacks "
-            "it, its off value changes nothing and others are refused")
 _NO_FT = "torchft fault tolerance is not in titanext; ignored while fault_tolerance.enable is off"
 
 # -- the table ------------------------------------------------------------------------------------
@@ -263,8 +242,7 @@ TORCHTITAN_KEYS.update({
     "job.custom_config_module": _ignore("extends torchtitan's JobConfig class", _ignore_if(
         "", refuse="titanext's config has no extension modules")),
     # [metrics]
-    "metrics.enable_wandb": _same(_PENDING,
-                                  _pending("metrics.enable_wandb", False)),
+    "metrics.enable_wandb": _same(),
     "metrics.save_for_all_ranks": _ignore(_OFF, _ignore_if(
         False, refuse="titanext logs metrics from rank 0 only")),
     # [model]
@@ -374,7 +352,7 @@ TORCHTITAN_KEYS.update({
         _ignore_if(True, refuse="titanext reads only the model from initial_load_path")),
     "checkpoint.initial_load_in_hf_quantized": _ignore(_OFF, _ignore_if(
         False, refuse="titanext reads unquantized HF weights only")),
-    "checkpoint.model_weights_only": _same(_PENDING,
+    "checkpoint.model_weights_only": _same("same name; moot while checkpointing is off",
                                            _ignore_unless_checkpointing()),
     "checkpoint.last_save_model_weights_only": _convert(
         "checkpoint.model_weights_only", _ignore_unless_checkpointing(),
@@ -382,10 +360,8 @@ TORCHTITAN_KEYS.update({
     "checkpoint.last_save_model_only": _convert(
         "checkpoint.model_weights_only", _ignore_unless_checkpointing(),
         "torchtitan 0.2's name of model_weights_only; moot while checkpointing is off"),
-    "checkpoint.export_dtype": _same(_PENDING,
-                                     _pending("checkpoint.export_dtype", "float32")),
-    "checkpoint.async_mode": _same(_PENDING,
-                                   _pending("checkpoint.async_mode", "disabled")),
+    "checkpoint.export_dtype": _same(),
+    "checkpoint.async_mode": _same(),
     "checkpoint.create_seed_checkpoint": _ignore(_OFF, _ignore_if(
         False, refuse="titanext initialises from training.seed; no seed checkpoint is needed")),
     "checkpoint.exclude_from_loading": _ignore(_OFF, _ignore_if(

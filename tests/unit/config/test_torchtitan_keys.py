@@ -77,14 +77,6 @@ def test_405b_async_tp_is_the_one_refusal(in_job_dir, release):
         "plain TP)"]
 
 
-def _pending_line(key: str, value: str) -> list[str]:
-    """The ignore line of a key another change adds under the same name: none once it exists."""
-    return [] if _has_key(key) else [
-        f"torchtitan's {key} = {value} is ignored: same name and meaning (added to titanext "
-        "beside this table); while this build lacks it, its off value changes nothing and "
-        "others are refused"]
-
-
 def test_debug_01_prints_one_line_per_renamed_or_ignored_key(in_job_dir, capsys):
     _load(FIXTURES / "tt01_debug_model.toml")
     assert _info_lines(capsys.readouterr().err) == [
@@ -92,7 +84,6 @@ def test_debug_01_prints_one_line_per_renamed_or_ignored_key(in_job_dir, capsys)
         "titanext has --print-config",
         "torchtitan's job.use_for_integration_test = true is ignored: marks torchtitan's CI "
         "configs; no effect on a run",
-        *_pending_line("metrics.enable_wandb", "false"),
         "torchtitan's model.flavor = 'debugmodel' is titanext's debugmodel (dim 256, 6 layers as "
         "torchtitan's, but 8 heads over 4 kv heads and a vocab of 512; torchtitan's: 16 heads, "
         "vocab 2048), so its losses are not torchtitan's",
@@ -101,11 +92,8 @@ def test_debug_01_prints_one_line_per_renamed_or_ignored_key(in_job_dir, capsys)
         "torchtitan's lr_scheduler.lr_min is read as lr_scheduler.min_lr_factor",
         "torchtitan's training.compile is read as compile.enable",
         "torchtitan's checkpoint.enable_checkpoint is read as checkpoint.enable",
-        *([] if _has_key("checkpoint.model_weights_only") else [
-            "torchtitan's checkpoint.last_save_model_weights_only = false is ignored: torchtitan "
-            "0.1's name of model_weights_only; moot while checkpointing is off"]),
-        *_pending_line("checkpoint.export_dtype", "'float32'"),
-        *_pending_line("checkpoint.async_mode", "'disabled'"),
+        "torchtitan's checkpoint.last_save_model_weights_only = false is ignored: torchtitan "
+        "0.1's name of model_weights_only; moot while checkpointing is off",
         "torchtitan's float8.precompute_float8_dynamic_scale_for_fsdp is read as "
         "float8.precompute_scale",
         "torchtitan's float8.filter_fqns is read as float8.filter_fqns = ['*output*']",
@@ -213,15 +201,11 @@ def test_refusals_are_one_line_each(tmp_path, text, line):
 @pytest.mark.parametrize("key,off,on", [("metrics.enable_wandb", "false", "true"),
                                         ("checkpoint.async_mode", '"disabled"', '"async"'),
                                         ("checkpoint.export_dtype", '"float32"', '"bfloat16"')])
-def test_keys_added_beside_this_table_follow_the_schema(tmp_path, key, off, on):
+def test_same_name_keys_are_read_as_titanext_reads_them(tmp_path, key, off, on):
     section, name = key.split(".")
     assert _one(tmp_path, f"[{section}]\n{name} = {off}\n")[1] == []
     problems = _one(tmp_path, f"[{section}]\n{name} = {on}\n")[1]
-    if _has_key(key):  # the key exists now: the loader checks the value as its own
-        assert not any(p.startswith("torchtitan's") for p in problems)
-    else:
-        assert problems == [f"torchtitan's {key} = {on.replace(chr(34), chr(39))} is refused: "
-                            f"titanext has no {key} in this build"]
+    assert not any(p.startswith("torchtitan's") for p in problems)  # titanext's own rules only
 
 
 def test_refusal_exits_2_through_the_cli(tmp_path, capsys):
@@ -237,15 +221,12 @@ def test_refusal_exits_2_through_the_cli(tmp_path, capsys):
 # -- the table and its page ----------------------------------------------------------------------
 
 def test_every_target_is_a_titanext_key_and_every_entry_says_why():
-    # keys other changes add under torchtitan's names (same name, same meaning)
-    pending = {k for k, e in TORCHTITAN_KEYS.items()
-               if e.why.startswith("same name and meaning (added")}
     for key, entry in TORCHTITAN_KEYS.items():
         assert entry.kind in ("same", "rename", "convert", "ignore", "refuse"), key
         assert entry.why, key
         if entry.kind in ("rename", "convert"):
-            assert _has_key(entry.target) or entry.target in pending, (key, entry.target)
-        if entry.kind == "same" and key not in pending:
+            assert _has_key(entry.target), (key, entry.target)
+        if entry.kind == "same":
             assert _has_key(key), key
 
 
@@ -266,6 +247,4 @@ def test_hf_weights_from_hf_assets_path_become_initial_load_path():
     assert out["checkpoint"]["initial_load_path"] == "hf/Llama-3.1-8B"
     assert "torchtitan's checkpoint.initial_load_in_hf also sets checkpoint.initial_load_path = " \
            "'hf/Llama-3.1-8B'" in notes
-    if not _has_key("checkpoint.model_weights_only"):  # checkpointing is on: no longer moot
-        assert problems == ["torchtitan's checkpoint.last_save_model_only = true is refused: "
-                            "titanext has no checkpoint.model_weights_only in this build"]
+    assert problems == [] and out["checkpoint"]["model_weights_only"] is True  # checkpointing on
