@@ -14,8 +14,13 @@ block (RMSNorm, SwiGLU, GQA, no dropout, flash-style SDPA so no s^2 term) and ch
 saved-tensor measurements (tests/unit/test_plan.py)::
 
     none:       a (10 h + 4 f) + 4 (n + 2)        # K/V expanded to n heads for SDPA
-    selective:  a (5 h + 2 h_kv + 2 f) + 4 n      # outputs of matmuls and attention + block input
-    full:       a h                               # the block input only
+    selective:  r h + a (4 h + 2 h_kv + 2 f) + 4 n  # the block input, matmul + attention outputs
+    full:       r h                               # the block input only
+
+``r`` is the residual stream's bytes: ``a`` where FSDP casts the parameters, 4 under
+``torch.autocast`` (one rank, ZeRO-1's DDP): the embedding's output and every residual add
+stay float32 there, only the matmuls and attention run in ``a`` (the 1B on one H200,
+docs/planner.md#calibration).
 
 The GPT layer of Korthikanti et al. (the playbook's figure) is :func:`gpt_activation_bytes`:
 34 s b h + 5 a s^2 b bytes per layer in 16-bit. The Llama form drops the s^2 term (attention
@@ -46,7 +51,7 @@ from titanext.planning.moe import moe_activation_extra
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
-           "static_memory_floor", "zero_bytes_per_rank"]
+           "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
 _STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
@@ -76,27 +81,31 @@ def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
                                      sp: bool = True, cp: int = 1, moe: bool = False,
-                                     ulysses: int = 1) -> float:
+                                     ulysses: int = 1, residual: int | None = None) -> float:
     """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
 
     ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
     :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp). ``ulysses``: CP's
-    Ulysses degree (1: ring)."""
+    Ulysses degree (1: ring). ``residual``: bytes of the residual stream (``r``; ``a`` when
+    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`)."""
+    r = a if residual is None else residual
     if moe:
-        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses)
+        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses,
+                                  r=r)
                 + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
     return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn,
-                             ulysses=ulysses)
+                             ulysses=ulysses, r=r)
 
 
 def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
-                      ffn: int, ulysses: int = 1) -> float:
+                      ffn: int, ulysses: int = 1, r: int | None = None) -> float:
     h, hkv, f, n = shape.dim, shape.kv_dim, ffn, shape.n_heads
+    r = a if r is None else r
     if cp > 1:  # Ulysses replicates kv heads up to u per TP rank (see the module doc)
         kv_heads = hkv * n // h
         hkv = hkv * max(1.0, ulysses * tp / kv_heads)
     if mode == "full":
-        return a * h / (tp if sp else 1) / cp
+        return r * h / (tp if sp else 1) / cp
     # q, k, v, out (ring: K/V unexpanded)
     attention = a * (2 * h + 2 * hkv) if cp > 1 else a * 4 * h
     if mode == "selective":
@@ -106,7 +115,7 @@ def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool
         sharded = a * (2 * h + 2 * hkv + 2 * f) + 4 * n
         if cp > 1:  # the ring is not an SDPA op: its output is recomputed
             sharded -= a * h + 4 * n
-        return (sharded / tp + a * 2 * h + a * h / (tp if sp else 1)) / cp
+        return (sharded / tp + a * 2 * h + r * h / (tp if sp else 1)) / cp
     sharded = attention + a * 4 * f + 4 * n
     norms = a * 4 * h + 8  # residual inputs and normalised values of the two norms, rstds
     matmul_inputs = a * 2 * h  # gathered under TP, so never divided by tp
@@ -158,11 +167,6 @@ def mtp_activation_bytes(lo: Layout, per_layer: float, per_moe_layer: float,
     return shape.mtp_layers * (lo.tokens_mb * (block + 3 * lo.a * shape.dim / lo.cp) + head_act)
 
 
-def _compiled(lo: Layout, component: str) -> bool:
-    c = lo.cfg.compile
-    return c.enable and component in c.components
-
-
 def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     """Bytes per token of one block that a split backward keeps from its input-gradient pass (I)
     to its weight-gradient pass (W): every matmul's input and output gradient. Under TP with SP
@@ -172,6 +176,36 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     h, hkv, tp = lo.shape.dim, lo.shape.kv_dim, lo.tp
     whole, split = lo.shape.attn_wgrad if any(lo.shape.attn_wgrad) else (2 * h, 2 * h + 2 * hkv)
     return lo.a * (whole + 2 * h + (split + 3 * ffn) / tp) / lo.cp
+
+
+def _ddp(lo: Layout) -> bool:
+    """ZeRO-1's DDP: its buckets keep a gradient copy of every parameter all step."""
+    return lo.cfg.parallelism.zero_stage == 1 and lo.dp * lo.cp > 1 and lo.pp == 1
+
+
+def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
+    """Bytes the optimizer step allocates beside its state, freed when it returns.
+
+    torch's foreach Adam/AdamW computes ``sqrt(v)`` of every element at once (one float32
+    list the size of the optimizer's parameters: the 1B on one H200 peaks there, params +
+    grads + two moments + this = 5 x 4 bytes per parameter, measured 1.00x); the for-loop
+    one tensor at a time (the largest: the embedding or the head); the fused kernel none."""
+    impl = lo.cfg.optimizer.implementation
+    if impl == "fused":
+        return 0.0
+    if impl == "for-loop":
+        largest = max(lo.shape.embedding, lo.shape.output) / lo.tp
+        return 4 * largest / max(1, lo.zero_n)
+    return 4 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
+
+
+def _later_peak(at_backward: dict[str, float], at_step: dict[str, float]) -> dict[str, float]:
+    """The larger of two moments of a step, by category: ``at_backward`` (the peak found in
+    the forward and backward) and the optimizer step, where every gradient is there, the
+    activations are freed and ``at_step`` overrides what differs."""
+    step = {k: (0.0 if k not in _STATIC else v) for k, v in at_backward.items()}
+    step.update(at_step)
+    return step if sum(step.values()) > sum(at_backward.values()) else at_backward
 
 
 def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
@@ -186,16 +220,18 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
-                                                 ulysses=lo.ulysses)
+                                                 ulysses=lo.ulysses, residual=lo.residual)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
-    # The loss's backward, on top of the saved activations, per token and local vocabulary
-    # entry: the logits the train step still holds (a) and float32 vocabulary-sized tensors:
-    # eager log_softmax's backward holds the gradient of its output (nll_loss's zeros), exp of
-    # the output and the logits' gradient at once (12, measured by the dry run); a compiled
-    # loss fuses the exp away (8: the two gradients; not measured: dynamo does not run there)
-    loss_backward = lo.tokens * (a + (8 if _compiled(lo, "loss") else 12)) * shape.vocab / tp
+    # The loss's backward, on top of the saved activations (whose head part holds log_softmax's
+    # float32 output, 4 per entry), per token and local vocabulary entry: the logits the train
+    # step still holds (a) and two float32 gradients: nll_loss's (its output's, dense) and the
+    # logits' that log_softmax's backward writes in one kernel (8). Measured: the dry run's
+    # "Temp" of that moment is the two gradients, and the 1B at 2 x 8192 on an H200 peaks
+    # there at 1.01x this (docs/planner.md#calibration); a compiled loss is not measured.
+    loss_backward = lo.tokens * (a + 8) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
-                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses)
+                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses,
+                                                      residual=lo.residual)
                      + lo.kept_all_to_all_per_token if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
@@ -218,10 +254,16 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
         else:
             mem["gathered params"] = 0.0
         if lo.pp > 1 and events is not None:
+            grads = mem["grads (fp32)"]
             mem.update(_pipeline_peak(lo, r, rk, events, by_rank, sharded=sharded,
-                                      grads=mem["grads (fp32)"], per_layer=per_layer,
+                                      grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward))
+            mem["optimizer step"] = 0.0
+            mem = _later_peak(mem, {"grads (fp32)": grads,  # torch's stage buffers stay
+                                    "pipeline buffers": mem["pipeline buffers"],
+                                    "optimizer step": optimizer_step_bytes(lo, psi_dense,
+                                                                           psi_experts)})
         else:
             if sharded and lo.pp > 1:
                 mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
@@ -232,6 +274,14 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
+            mem["optimizer step"] = 0.0
+            # zero_grad(set_to_none=True): the backward starts without gradients, unless an
+            # earlier micro-batch left them (accumulation) or DDP's buckets hold them (ZeRO-1)
+            if lo.accum == 1 and not _ddp(lo):
+                mem["grads (fp32)"] = 0.0
+            mem = _later_peak(mem, {"grads (fp32)": 4 * state,
+                                    "optimizer step": optimizer_step_bytes(lo, psi_dense,
+                                                                           psi_experts)})
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis
