@@ -199,18 +199,30 @@ def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> fl
     return 4 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
 
 
-def _later_peak(at_backward: dict[str, float], at_step: dict[str, float]) -> dict[str, float]:
-    """The larger of two moments of a step, by category: ``at_backward`` (the peak found in
-    the forward and backward) and the optimizer step, where every gradient is there, the
-    activations are freed and ``at_step`` overrides what differs."""
+MOMENTS = ("peak", "backward", "optimizer step")
+
+
+def _later_peak(at_backward: dict[str, float], at_step: dict[str, float],
+                moment: str = "peak") -> dict[str, float]:
+    """One of two moments of a step, by category: ``at_backward`` (the peak found in the
+    forward and backward) or the optimizer step, where every gradient is there, the
+    activations are freed and ``at_step`` overrides what differs; ``moment="peak"``: the
+    larger."""
     step = {k: (0.0 if k not in _STATIC else v) for k, v in at_backward.items()}
     step.update(at_step)
-    return step if sum(step.values()) > sum(at_backward.values()) else at_backward
+    if moment == "peak":
+        return step if sum(step.values()) > sum(at_backward.values()) else at_backward
+    return step if moment == "optimizer step" else at_backward
 
 
-def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
+def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
                        ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
-    """(bytes by category, (dense, expert) parameters) of each pp rank.
+    """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
+
+    Two moments compete: the forward and backward (activations, the loss backward; the
+    gradients only where accumulation or DDP keeps them from the start) and the optimizer
+    step (every gradient and :func:`optimizer_step_bytes`, no activations); ``moment``
+    (``"backward"`` or ``"optimizer step"``) picks one instead of the larger.
 
     ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
     ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
@@ -263,7 +275,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
             mem = _later_peak(mem, {"grads (fp32)": grads,  # torch's stage buffers stay
                                     "pipeline buffers": mem["pipeline buffers"],
                                     "optimizer step": optimizer_step_bytes(lo, psi_dense,
-                                                                           psi_experts)})
+                                                                           psi_experts)},
+                              moment)
         else:
             if sharded and lo.pp > 1:
                 mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
@@ -281,7 +294,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                 mem["grads (fp32)"] = 0.0
             mem = _later_peak(mem, {"grads (fp32)": 4 * state,
                                     "optimizer step": optimizer_step_bytes(lo, psi_dense,
-                                                                           psi_experts)})
+                                                                           psi_experts)},
+                              moment)
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis
