@@ -178,6 +178,18 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     return lo.a * (whole + 2 * h + (split + 3 * ffn) / tp) / lo.cp
 
 
+def _two_level_saved(lo: Layout) -> float:
+    """Bytes per token and MoE block that two-level dispatch saves beyond the flat one without
+    AC: its combine weighs each routed row's expert output in float32 (kept for the routing
+    weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
+    dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
+    moe = lo.shape.moe
+    if (moe is None or lo.ep == 1 or lo.ac != "none"
+            or lo.cfg.parallelism.expert_parallel_dispatch != "two_level"):
+        return 0.0
+    return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
+
+
 def _ddp(lo: Layout) -> bool:
     """ZeRO-1's DDP: its buckets keep a gradient copy of every parameter all step."""
     return lo.cfg.parallelism.zero_stage == 1 and lo.dp * lo.cp > 1 and lo.pp == 1
@@ -236,15 +248,17 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     # The loss's backward, on top of the saved activations (whose head part holds log_softmax's
     # float32 output, 4 per entry), per token and local vocabulary entry: the logits the train
-    # step still holds (a) and two float32 gradients: nll_loss's (its output's, dense) and the
-    # logits' that log_softmax's backward writes in one kernel (8). Measured: the dry run's
-    # "Temp" of that moment is the two gradients, and the 1B at 2 x 8192 on an H200 peaks
-    # there at 1.01x this (docs/planner.md#calibration); a compiled loss is not measured.
-    loss_backward = lo.tokens * (a + 8) * shape.vocab / tp
+    # step still holds (a) and float32 gradients: nll_loss's (dense) and the logits' that
+    # log_softmax's backward writes in one kernel (8: the dry run's "Temp" of that moment, and
+    # the 1B at 2 x 8192 on an H200 peaks there at 1.01x this, docs/planner.md#calibration).
+    # Under TP's loss_parallel, torch's sharded nll_loss backward computes both at once from
+    # zeros, exp(input) and their sum (12: three float32 tensors alive, the 8B's dry run).
+    loss_parallel = lo.tp > 1 and lo.cfg.parallelism.enable_loss_parallel
+    loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses,
                                                       residual=lo.residual)
-                     + lo.kept_all_to_all_per_token if moe else 0.0)
+                     + lo.kept_all_to_all_per_token + _two_level_saved(lo) if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
