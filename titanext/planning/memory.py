@@ -246,6 +246,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
                                                  ulysses=lo.ulysses, residual=lo.residual)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
+    if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
+        head_act += a * shape.output / tp  # 16-bit copy of the weight for its backward
     # The loss's backward, on top of the saved activations (whose head part holds log_softmax's
     # float32 output, 4 per entry), per token and local vocabulary entry: the logits the train
     # step still holds (a) and float32 gradients: nll_loss's (dense) and the logits' that
