@@ -32,7 +32,13 @@ attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h). Ulysses (u 
 the head-sharded, whole-sequence q, k, v: as many bytes as the sequence shards, except that
 kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads).
 
-A pipeline rank's peak is found by replaying the simulated schedule (the same action lists
+A step has two candidate peaks, and a rank's figure is the larger (:func:`memory_per_pp_rank`):
+the forward and backward (activations, the loss backward; gradients only where accumulation or
+ZeRO-1's DDP keeps them, since the trainer zeroes them with ``set_to_none``) and the optimizer
+step (every gradient and :func:`optimizer_step_bytes`). Checked against the 1B on one H200
+(docs/planner.md#calibration: 27.91 GiB planned, 27.98 measured, the optimizer step's peak).
+
+A pipeline rank's backward peak is found by replaying the simulated schedule (the same action lists
 torch runs) stage by stage, see :func:`_pipeline_peak`: activations of the micro-batches in
 flight, torch's per-micro-batch receive buffers, FSDP's unsharded gradient accumulators from a
 stage's first backward to its reduce-scatter, the sharded gradients after it, and the
