@@ -247,6 +247,8 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`;
     without it, every term at its own maximum).
     """
+    if moment not in MOMENTS:
+        raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
