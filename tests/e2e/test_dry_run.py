@@ -149,3 +149,24 @@ def test_dry_run_matches_the_real_run_and_the_planner_matches_the_dry_run(tmp_pa
             if name in PLANNER_CASES and abs(planner / fake - 1) > 0.15:
                 bad.append(f"{name} rank {rank}: planner {planner:.0f} vs dry run {fake} bytes")
     assert not bad, "\n".join(bad)
+
+
+def test_dry_run_of_the_1b_gpu_run_is_within_10_percent_of_its_measured_peak():
+    """The GPU check's 1B bf16 run (2 x 2048, one H200) as a dry run (about 10 s): its peak,
+    the foreach AdamW step, and the planner's are within 10% of max_memory_allocated there
+    (docs/planner.md#calibration; compile is off in a dry run, which the step's peak does not
+    see)."""
+    from tests.unit.test_plan_calibration import gpucheck_overrides, measured_1b_peak
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-m", "titanext.train", *gpucheck_overrides(),
+                          "--comm.mode=fake_backend"], capture_output=True, text=True,
+                         timeout=240, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
+    assert m, out.stdout[-2000:]
+    measured = measured_1b_peak() / 2**30
+    for what, gib in (("dry run", float(m[3])), ("planner", float(m[4]))):
+        assert abs(gib / measured - 1) <= 0.10, (what, gib, measured)

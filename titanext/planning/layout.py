@@ -70,6 +70,13 @@ class Layout:
     gpus_per_node: int
     ulysses: int = 1  # CP's Ulysses degree: cp = ulysses x ring (cp for "alltoall", 1 = ring)
     job: JobLayout | None = None  # the resolved job every figure above is read from
+    autocast: bool = False  # the forward runs under torch.autocast to ``a`` (no FSDP, no pp)
+
+    @property
+    def residual(self) -> int:
+        """Bytes of the residual stream (each block's input): float32 under autocast (the
+        embedding's output and the residual adds stay in the parameters' dtype), else ``a``."""
+        return 4 if self.autocast else self.a
 
     @property
     def dp(self) -> int:
@@ -164,7 +171,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
         zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
-        gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job)
+        gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job,
+        autocast=not fsdp and pp == 1 and a < 4)
 
 
 def _auto_filter(f8) -> bool:

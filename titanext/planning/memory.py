@@ -14,8 +14,13 @@ block (RMSNorm, SwiGLU, GQA, no dropout, flash-style SDPA so no s^2 term) and ch
 saved-tensor measurements (tests/unit/test_plan.py)::
 
     none:       a (10 h + 4 f) + 4 (n + 2)        # K/V expanded to n heads for SDPA
-    selective:  a (5 h + 2 h_kv + 2 f) + 4 n      # outputs of matmuls and attention + block input
-    full:       a h                               # the block input only
+    selective:  r h + a (4 h + 2 h_kv + 2 f) + 4 n  # the block input, matmul + attention outputs
+    full:       r h                               # the block input only
+
+``r`` is the residual stream's bytes: ``a`` where FSDP casts the parameters, 4 under
+``torch.autocast`` (one rank, ZeRO-1's DDP): the embedding's output and every residual add
+stay float32 there, only the matmuls and attention run in ``a`` (the 1B on one H200,
+docs/planner.md#calibration).
 
 The GPT layer of Korthikanti et al. (the playbook's figure) is :func:`gpt_activation_bytes`:
 34 s b h + 5 a s^2 b bytes per layer in 16-bit. The Llama form drops the s^2 term (attention
@@ -27,7 +32,13 @@ attention keeps K/V un-expanded (a (2 h + 2 h_kv) instead of 4 a h). Ulysses (u 
 the head-sharded, whole-sequence q, k, v: as many bytes as the sequence shards, except that
 kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads).
 
-A pipeline rank's peak is found by replaying the simulated schedule (the same action lists
+A step has two candidate peaks, and a rank's figure is the larger (:func:`memory_per_pp_rank`):
+the forward and backward (activations, the loss backward; gradients only where accumulation or
+ZeRO-1's DDP keeps them, since the trainer zeroes them with ``set_to_none``) and the optimizer
+step (every gradient and :func:`optimizer_step_bytes`). Checked against the 1B on one H200
+(docs/planner.md#calibration: 27.91 GiB planned, 27.98 measured, the optimizer step's peak).
+
+A pipeline rank's backward peak is found by replaying the simulated schedule (the same action lists
 torch runs) stage by stage, see :func:`_pipeline_peak`: activations of the micro-batches in
 flight, torch's per-micro-batch receive buffers, FSDP's unsharded gradient accumulators from a
 stage's first backward to its reduce-scatter, the sharded gradients after it, and the
@@ -46,7 +57,7 @@ from titanext.planning.moe import moe_activation_extra
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
-           "static_memory_floor", "zero_bytes_per_rank"]
+           "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
 _STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
@@ -76,27 +87,31 @@ def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
                                      sp: bool = True, cp: int = 1, moe: bool = False,
-                                     ulysses: int = 1) -> float:
+                                     ulysses: int = 1, residual: int | None = None) -> float:
     """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
 
     ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
     :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp). ``ulysses``: CP's
-    Ulysses degree (1: ring)."""
+    Ulysses degree (1: ring). ``residual``: bytes of the residual stream (``r``; ``a`` when
+    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`)."""
+    r = a if residual is None else residual
     if moe:
-        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses)
+        return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses,
+                                  r=r)
                 + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
     return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn,
-                             ulysses=ulysses)
+                             ulysses=ulysses, r=r)
 
 
 def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
-                      ffn: int, ulysses: int = 1) -> float:
+                      ffn: int, ulysses: int = 1, r: int | None = None) -> float:
     h, hkv, f, n = shape.dim, shape.kv_dim, ffn, shape.n_heads
+    r = a if r is None else r
     if cp > 1:  # Ulysses replicates kv heads up to u per TP rank (see the module doc)
         kv_heads = hkv * n // h
         hkv = hkv * max(1.0, ulysses * tp / kv_heads)
     if mode == "full":
-        return a * h / (tp if sp else 1) / cp
+        return r * h / (tp if sp else 1) / cp
     # q, k, v, out (ring: K/V unexpanded)
     attention = a * (2 * h + 2 * hkv) if cp > 1 else a * 4 * h
     if mode == "selective":
@@ -106,7 +121,7 @@ def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool
         sharded = a * (2 * h + 2 * hkv + 2 * f) + 4 * n
         if cp > 1:  # the ring is not an SDPA op: its output is recomputed
             sharded -= a * h + 4 * n
-        return (sharded / tp + a * 2 * h + a * h / (tp if sp else 1)) / cp
+        return (sharded / tp + a * 2 * h + r * h / (tp if sp else 1)) / cp
     sharded = attention + a * 4 * f + 4 * n
     norms = a * 4 * h + 8  # residual inputs and normalised values of the two norms, rstds
     matmul_inputs = a * 2 * h  # gathered under TP, so never divided by tp
@@ -159,11 +174,6 @@ def mtp_activation_bytes(lo: Layout, per_layer: float, per_moe_layer: float,
     return shape.mtp_layers * (lo.tokens_mb * (block + 3 * lo.a * shape.dim / lo.cp) + head_act)
 
 
-def _compiled(lo: Layout, component: str) -> bool:
-    c = lo.cfg.compile
-    return c.enable and component in c.components
-
-
 def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     """Bytes per token of one block that a split backward keeps from its input-gradient pass (I)
     to its weight-gradient pass (W): every matmul's input and output gradient. Under TP with SP
@@ -175,29 +185,91 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
     return lo.a * (whole + 2 * h + (split + 3 * ffn) / tp) / lo.cp
 
 
-def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
+def _two_level_saved(lo: Layout) -> float:
+    """Bytes per token and MoE block that two-level dispatch saves beyond the flat one without
+    AC: its combine weighs each routed row's expert output in float32 (kept for the routing
+    weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
+    dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
+    moe = lo.shape.moe
+    if (moe is None or lo.ep == 1 or lo.ac != "none"
+            or lo.cfg.parallelism.expert_parallel_dispatch != "two_level"):
+        return 0.0
+    return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
+
+
+def _ddp(lo: Layout) -> bool:
+    """ZeRO-1's DDP: its buckets keep a gradient copy of every parameter all step."""
+    return lo.cfg.parallelism.zero_stage == 1 and lo.dp * lo.cp > 1 and lo.pp == 1
+
+
+def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
+    """Bytes the optimizer step allocates beside its state, freed when it returns.
+
+    torch's foreach Adam/AdamW computes ``sqrt(v)`` of every element at once (one float32
+    list the size of the optimizer's parameters: the 1B on one H200 peaks there, params +
+    grads + two moments + this = 5 x 4 bytes per parameter, measured 1.00x); the for-loop
+    one tensor at a time (the largest: the embedding or the head); the fused kernel none."""
+    impl = lo.cfg.optimizer.implementation
+    if impl == "fused":
+        return 0.0
+    if impl == "for-loop":
+        largest = max(lo.shape.embedding, lo.shape.output) / lo.tp
+        return 4 * largest / max(1, lo.zero_n)
+    return 4 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
+
+
+MOMENTS = ("peak", "backward", "optimizer step")
+
+
+def _later_peak(at_backward: dict[str, float], at_step: dict[str, float],
+                moment: str = "peak") -> dict[str, float]:
+    """One of two moments of a step, by category: ``at_backward`` (the peak found in the
+    forward and backward) or the optimizer step, where every gradient is there, the
+    activations are freed and ``at_step`` overrides what differs; ``moment="peak"``: the
+    larger."""
+    step = {k: (0.0 if k not in _STATIC else v) for k, v in at_backward.items()}
+    step.update(at_step)
+    if moment == "peak":
+        return step if sum(step.values()) > sum(at_backward.values()) else at_backward
+    return step if moment == "optimizer step" else at_backward
+
+
+def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
                        ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
-    """(bytes by category, (dense, expert) parameters) of each pp rank.
+    """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
+
+    Two moments compete: the forward and backward (activations, the loss backward; the
+    gradients only where accumulation or DDP keeps them from the start) and the optimizer
+    step (every gradient and :func:`optimizer_step_bytes`, no activations); ``moment``
+    (``"backward"`` or ``"optimizer step"``) picks one instead of the larger.
 
     ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
     ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
     which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`;
     without it, every term at its own maximum).
     """
+    if moment not in MOMENTS:
+        raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
-                                                 ulysses=lo.ulysses)
+                                                 ulysses=lo.ulysses, residual=lo.residual)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
-    # The loss's backward, on top of the saved activations, per token and local vocabulary
-    # entry: the logits the train step still holds (a) and float32 vocabulary-sized tensors:
-    # eager log_softmax's backward holds the gradient of its output (nll_loss's zeros), exp of
-    # the output and the logits' gradient at once (12, measured by the dry run); a compiled
-    # loss fuses the exp away (8: the two gradients; not measured: dynamo does not run there)
-    loss_backward = lo.tokens * (a + (8 if _compiled(lo, "loss") else 12)) * shape.vocab / tp
+    if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
+        head_act += a * shape.output / tp  # 16-bit copy of the weight for its backward
+    # The loss's backward, on top of the saved activations (whose head part holds log_softmax's
+    # float32 output, 4 per entry), per token and local vocabulary entry: the logits the train
+    # step still holds (a) and float32 gradients: nll_loss's (dense) and the logits' that
+    # log_softmax's backward writes in one kernel (8: the dry run's "Temp" of that moment, and
+    # the 1B at 2 x 8192 on an H200 peaks there at 1.01x this, docs/planner.md#calibration).
+    # Under TP's loss_parallel, torch's sharded nll_loss backward computes both at once from
+    # zeros, exp(input) and their sum (12: three float32 tensors alive, the 8B's dry run).
+    loss_parallel = lo.tp > 1 and lo.cfg.parallelism.enable_loss_parallel
+    loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
-                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses)
-                     + lo.kept_all_to_all_per_token if moe else 0.0)
+                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses,
+                                                      residual=lo.residual)
+                     + lo.kept_all_to_all_per_token + _two_level_saved(lo) if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
@@ -218,11 +290,22 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                                                + (shape.output / tp if rk.head else 0))
         else:
             mem["gathered params"] = 0.0
+        copies = lo.cfg.moe.replicate_hot_experts if lo.ep > 1 and moe else 0
+        if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
+            # from the first forward to the last backward (expert_replication.copies_per_step)
+            mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
         if lo.pp > 1 and events is not None:
+            grads = mem["grads (fp32)"]
             mem.update(_pipeline_peak(lo, r, rk, events, by_rank, sharded=sharded,
-                                      grads=mem["grads (fp32)"], per_layer=per_layer,
+                                      grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward))
+            mem["optimizer step"] = 0.0
+            mem = _later_peak(mem, {"grads (fp32)": grads,  # torch's stage buffers stay
+                                    "pipeline buffers": mem["pipeline buffers"],
+                                    "optimizer step": optimizer_step_bytes(lo, psi_dense,
+                                                                           psi_experts)},
+                              moment)
         else:
             if sharded and lo.pp > 1:
                 mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
@@ -233,10 +316,15 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
-        copies = lo.cfg.moe.replicate_hot_experts if lo.ep > 1 and moe else 0
-        if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
-            # from the first forward to the last backward (expert_replication.copies_per_step)
-            mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
+            mem["optimizer step"] = 0.0
+            # zero_grad(set_to_none=True): the backward starts without gradients, unless an
+            # earlier micro-batch left them (accumulation) or DDP's buckets hold them (ZeRO-1)
+            if lo.accum == 1 and not _ddp(lo):
+                mem["grads (fp32)"] = 0.0
+            mem = _later_peak(mem, {"grads (fp32)": 4 * state,
+                                    "optimizer step": optimizer_step_bytes(lo, psi_dense,
+                                                                           psi_experts)},
+                              moment)
         memories.append(mem)
         psis.append((psi_dense, psi_experts))
     return memories, psis
