@@ -293,3 +293,31 @@ def test_float8_tp_plan_uses_torchao_styles_only_for_tensorwise_blocks():
     model = _debug_model()
     apply_float8(model, filter_fqns=["output", "layers.1.attention.wq"])
     assert not supports_float8_tp(model, linears)
+
+
+def test_the_planner_resolves_auto_filter_for_the_device_it_plans(monkeypatch):
+    """A plan for an H100 converts what the trainer converts on an H100 (torchao's size rule),
+    wherever the planner runs; a plan for a device without float8 tensor cores emulates and
+    converts every eligible linear (rowwise keeps only the 1B's w1 and w3 on float8 hardware)."""
+    from titanext.config import load_config
+    from titanext.planning.estimate import plan_config
+    from titanext.planning.hardware import DEVICES
+    from titanext.planning.layout import resolve_layout
+
+    cfg = load_config(None, ["--model.flavor=1B", "--float8.enable=true",
+                             "--float8.recipe=rowwise", "--training.dataset=synthetic"],
+                      world_size=1)
+
+    def converted(**kw):
+        return [lin.name for lin in resolve_layout(cfg, 1, **kw).linears if lin.float8]
+
+    assert converted(float8_hardware=True) == ["feed_forward.w1", "feed_forward.w3"]
+    assert len(converted(float8_hardware=False)) == 7
+    import titanext.planning.layout as layout_module
+
+    calls, real = [], layout_module._auto_filter
+    monkeypatch.setattr(layout_module, "_auto_filter",
+                        lambda f8, hw: calls.append(hw) or real(f8, hw))
+    for name in ("h100", "a100"):
+        plan_config(cfg, 1, device=DEVICES[name])
+    assert calls == [True, False]  # each plan resolves the rule for its own device

@@ -81,7 +81,8 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                         training=dataclasses.replace(base.training, local_batch_size=local,
                                                      global_batch_size=global_batch))
                     try:
-                        lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
+                        lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
+                                            float8_hardware=device.fp8_flops > 0)
                         if static_memory_floor(lo) > 0.9 * device.hbm_bytes:
                             too_big.add((ep, local))  # weights and optimizer alone do not fit
                             continue

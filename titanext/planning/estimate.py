@@ -283,7 +283,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     routed = imbalance
     if cfg.moe.replicate_hot_experts and cfg.parallelism.expert_parallel_degree > 1:
         imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
-    lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node)
+    lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
+                        float8_hardware=device.fp8_flops > 0)
     per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
     per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
     # the rank with the most blocks (MoE blocks first) carries the most model-parallel

@@ -123,8 +123,10 @@ class Layout:
         return len(moe.layer_ids.intersection(rank.layer_ids)) if moe else 0
 
 
-def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -> Layout:
-    """The :class:`Layout` of ``cfg`` (already validated) on ``world_size`` ranks."""
+def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
+                   float8_hardware: bool | None = None) -> Layout:
+    """The :class:`Layout` of ``cfg`` (already validated) on ``world_size`` ranks of a device
+    with (``float8_hardware``) or without float8 tensor cores (None: this machine's)."""
     from titanext.plugins.fsdp import resolve_reshard_after_forward
 
     p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
@@ -146,7 +148,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
     pipe = pipeline_layout(job.pipeline)
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head = (float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe,
-                                      tuple(f8.filter_fqns), _auto_filter(f8),
+                                      tuple(f8.filter_fqns), _auto_filter(f8, float8_hardware),
                                       cfg.model.hf_assets_path, tuple(f8.force_fqns))
                          if f8.enable else ((False,) * len(shape.linears), False))
     linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
@@ -175,12 +177,16 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8) -
         autocast=not fsdp and pp == 1 and a < 4)
 
 
-def _auto_filter(f8) -> bool:
-    """``[float8] auto_filter`` as the trainer resolves it on this machine ("auto": on where
-    float8 is not emulated), so the plan converts what the trainer here converts."""
-    import torch
-
+def _auto_filter(f8, float8_hardware: bool | None) -> bool:
+    """``[float8] auto_filter`` as the trainer resolves it on the planned device ("auto": on
+    where float8 is not emulated; emulate "auto" emulates without float8 tensor cores), so the
+    plan for an H100 converts what the trainer converts there, wherever the planner runs."""
     from titanext.plugins.float8 import resolve_auto_filter, resolve_emulate
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_auto_filter(f8.auto_filter, resolve_emulate(f8.emulate, device))
+    if float8_hardware is None:  # this machine's
+        import torch
+
+        emulated = resolve_emulate(f8.emulate, "cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        emulated = f8.emulate is True or (f8.emulate == "auto" and not float8_hardware)
+    return resolve_auto_filter(f8.auto_filter, emulated)
