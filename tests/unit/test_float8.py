@@ -321,3 +321,18 @@ def test_the_planner_resolves_auto_filter_for_the_device_it_plans(monkeypatch):
     for name in ("h100", "a100"):
         plan_config(cfg, 1, device=DEVICES[name])
     assert calls == [True, False]  # each plan resolves the rule for its own device
+
+
+def test_the_planner_counts_a_moe_blocks_own_linears_in_float8():
+    """The converter swaps every eligible linear of a MoE block too (attention, shared experts;
+    the router gate and the grouped experts are not linears it takes): the plan's MoE block says
+    the same, not bf16."""
+    from titanext.config import load_config
+    from titanext.planning.layout import resolve_layout
+
+    cfg = load_config(None, ["--model.flavor=deepseek_v3_16b", "--float8.enable=true",
+                             "--training.dataset=synthetic", "--training.seq_len=512"],
+                      world_size=1)
+    moe = {lin.name: lin.float8 for lin in resolve_layout(cfg, 1, float8_hardware=True).moe_linears}
+    assert moe["moe.shared_experts.w1"] and moe["attention.wo"]
+    assert not moe["moe.router.gate"] and not moe["moe.experts.w1"]

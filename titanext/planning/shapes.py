@@ -100,8 +100,11 @@ def _linears(layer) -> tuple[Linear, ...]:
 @functools.lru_cache(maxsize=64)
 def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
                  auto_filter: bool, hf_assets_path: str | None = None,
-                 force_fqns: tuple[str, ...] = ()) -> tuple[tuple[bool, ...], bool]:
-    """Which of layer 0's linears, and whether the output head, the float8 converter swaps."""
+                 force_fqns: tuple[str, ...] = ()
+                 ) -> tuple[tuple[bool, ...], bool, tuple[tuple[str, bool], ...]]:
+    """Which linears the float8 converter swaps: the first dense block's (in the order of
+    ``ModelShape.linears``), the output head, and the first MoE block's by name (attention,
+    router, shared experts: ``MoEShape.linears``' names; empty for a dense model)."""
     from torch import nn
 
     from titanext.plugins.float8 import float8_module_filter
@@ -109,9 +112,16 @@ def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ..
     keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter,
                                 force_fqns=force_fqns)
     model = _meta_model(name, flavor, hf_assets_path)
-    layer = tuple(keep(m, f"layers.0.{fqn}") for fqn, m in model.layers["0"].named_modules()
-                  if isinstance(m, nn.Linear))
-    return layer, keep(model.output, "output")
+
+    def flags(kind) -> tuple[tuple[str, bool], ...]:
+        i, block = next(((i, b) for i, b in model.layers.items() if kind(b)), (None, None))
+        return () if block is None else tuple(
+            (fqn, keep(m, f"layers.{i}.{fqn}")) for fqn, m in block.named_modules()
+            if isinstance(m, nn.Linear))
+
+    dense = flags(lambda b: not hasattr(b, "moe")) or flags(lambda b: True)
+    return (tuple(f for _, f in dense), keep(model.output, "output"),
+            flags(lambda b: hasattr(b, "moe")))
 
 
 @functools.lru_cache(maxsize=16)
