@@ -136,8 +136,9 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
     The stages hold receive buffers only for the micro-batches in flight
     (:func:`titanext.schedules.follow_in_flight`; ``recv_buffers_in_flight=False`` keeps
-    torch's one per micro-batch, for comparison). Returns (stages, schedule). The schedule's ``step`` is guarded like this function: an
-    exception on one rank ends every rank within seconds, and the others raise
+    torch's one per micro-batch, for comparison). Returns (stages, schedule). The schedule's
+    ``step`` is guarded like this function: an exception on one rank ends every rank within
+    seconds, and the others raise
     :class:`~titanext.distributed.failsafe.PeerFailed` naming it
     (:mod:`titanext.distributed.failsafe`).
 
