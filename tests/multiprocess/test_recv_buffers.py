@@ -135,3 +135,14 @@ def test_recv_buffers_follow_in_flight_and_change_no_bit():
             # and receiving side (2 stages per rank: 4 sides)
             assert peaks[(8, True)] == peaks[(4, True)], (name, rank, peaks)
             assert peaks[(8, True)] <= 4 * (PP + 1), (name, rank, peaks)
+
+
+def test_a_stage_without_the_names_keeps_torchs_buffers():
+    """A torch whose stage lacks the receive tables or chunk methods: nothing is wrapped."""
+    from types import SimpleNamespace
+
+    from titanext.schedules import follow_in_flight
+
+    stage = SimpleNamespace(args_recv_info={}, get_fwd_recv_ops=lambda mb: [])
+    assert follow_in_flight(stage) is False
+    assert type(stage.args_recv_info) is dict

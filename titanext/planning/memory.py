@@ -30,10 +30,10 @@ kv heads per TP rank fewer than u are replicated up to u (h_kv x u tp / kv_heads
 A pipeline rank's peak is found by replaying the simulated schedule (the same action lists
 torch runs) stage by stage, see :func:`_pipeline_peak`: activations of the micro-batches in
 flight, their receive buffers (titanext.schedules.follow_in_flight), FSDP's unsharded
-gradient accumulators from a stage's first backward to its reduce-scatter, the sharded gradients after it, and the
-transients of the backward running (AC's recompute of a block, a split backward's weight-
-gradient inputs, or the loss backward). Every term was attributed tensor by tensor in the dry
-run of the shipped configs (docs/dry_run.md).
+gradient accumulators from a stage's first backward to its reduce-scatter, the sharded
+gradients after it, and the transients of the backward running (AC's recompute of a block,
+a split backward's weight-gradient inputs, or the loss backward). Every term was attributed
+tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 >>> zero_bytes_per_rank(1e9, 8, 3) / 1e9       # ZeRO-3: 16 Psi / N
 2.0

@@ -41,7 +41,8 @@ from titanext.schedules.zero_bubble import auto_schedule_class
 from titanext.schedules.zero_bubble import stage_ids as stage_ids
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "capped_schedule_class", "follow_in_flight", "get_schedule_class", "leaves", "num_stages_for",
+           "capped_schedule_class", "follow_in_flight", "get_schedule_class", "leaves",
+           "num_stages_for",
            "pipeline_stage_ids", "resolved_stages_per_rank",
            "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
            "validate_order"]
