@@ -53,6 +53,7 @@ from titanext.plugins.weight_grad import (
 )
 from titanext.schedules import (  # pipeline_stage_ids is re-exported
     build_schedule,
+    follow_in_flight,
     pipeline_stage_ids,
 )
 from titanext.schedules.dualpipe import sum_mirrored_grads
@@ -122,7 +123,8 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
                    costs: dict[str, float] | None = None,
-                   schedule_kwargs: dict | None = None, weight_grad_queue=None):
+                   schedule_kwargs: dict | None = None, weight_grad_queue=None,
+                   recv_buffers_in_flight: bool = True):
     """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
 
     ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
@@ -132,8 +134,11 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.
-    Returns (stages, schedule). The schedule's ``step`` is guarded like this function: an
-    exception on one rank ends every rank within seconds, and the others raise
+    The stages hold receive buffers only for the micro-batches in flight
+    (:func:`titanext.schedules.follow_in_flight`; ``recv_buffers_in_flight=False`` keeps
+    torch's one per micro-batch, for comparison). Returns (stages, schedule). The schedule's
+    ``step`` is guarded like this function: an exception on one rank ends every rank within
+    seconds, and the others raise
     :class:`~titanext.distributed.failsafe.PeerFailed` naming it
     (:mod:`titanext.distributed.failsafe`).
 
@@ -157,6 +162,8 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,
                    **extra)
               for mod, i in zip(stage_modules, stage_indices, strict=True)]
+    for stage in stages if recv_buffers_in_flight else ():
+        follow_in_flight(stage)
     built = build_schedule(schedule, stages, microbatches, loss_fn, costs=costs,
                            scale_grads=False, **(schedule_kwargs or {}))
     built.step = guarded(built.step, f"{type(built).__name__}.step")  # no rank left waiting

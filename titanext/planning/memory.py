@@ -40,11 +40,11 @@ step (every gradient and :func:`optimizer_step_bytes`). Checked against the 1B o
 
 A pipeline rank's backward peak is found by replaying the simulated schedule (the same action lists
 torch runs) stage by stage, see :func:`_pipeline_peak`: activations of the micro-batches in
-flight, torch's per-micro-batch receive buffers, FSDP's unsharded gradient accumulators from a
-stage's first backward to its reduce-scatter, the sharded gradients after it, and the
-transients of the backward running (AC's recompute of a block, a split backward's weight-
-gradient inputs, or the loss backward). Every term was attributed tensor by tensor in the dry
-run of the shipped configs (docs/dry_run.md).
+flight, their receive buffers (titanext.schedules.follow_in_flight), FSDP's unsharded
+gradient accumulators from a stage's first backward to its reduce-scatter, the sharded
+gradients after it, and the transients of the backward running (AC's recompute of a block,
+a split backward's weight-gradient inputs, or the loss backward). Every term was attributed
+tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 >>> zero_bytes_per_rank(1e9, 8, 3) / 1e9       # ZeRO-3: 16 Psi / N
 2.0
@@ -353,9 +353,11 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
       ranks defer seven Ws to the cooldown and peak at 79 GiB there);
     - **backward transients**: a full backward (B) under full AC recomputes one block (its
       saved bytes without AC);
-    - **pipeline buffers**: torch's stage preallocates, for every micro-batch, a receive
-      buffer for its input activation (all but the first stage) and for its output gradient
-      (all but the last): ``m x T a h / tp_sp`` each, for the whole step;
+    - **pipeline buffers**: receive buffers (``T a h / tp_sp`` each) of the micro-batches in
+      flight (:func:`titanext.schedules.follow_in_flight`): a micro-batch's input activation
+      from another rank is held from its sender's F to this stage's I or B, its output
+      gradient from its sender's I or B to the same point (one from this rank is the sender's
+      tensor, counted there); torch alone would hold ``2 m`` of them per stage all step;
     - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients over the
       micro-batches and reduce-scatters once, after the stage's last backward. FSDP converts
       each backward's gradient to the reduce dtype (``reduce_bytes`` per parameter, from the
@@ -388,7 +390,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
                  + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
     split = any(e.kind == "W" for e in events)
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
-    act, wact, acc, grad, transient, recv = {}, {}, {}, {}, {}, 0.0
+    act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
@@ -403,19 +405,23 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
-        recv += m * boundary * ((s != 0) + (s != last_stage))
+    recv = _recv_intervals(r, rk.stages, events)
     live = dict.fromkeys(rk.stages, 0)
     pending = dict.fromkeys(rk.stages, 0)  # between I and W
     done = dict.fromkeys(rk.stages, 0)
     acc_on = dict.fromkeys(rk.stages, False)
     reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
 
+    now = [0.0]  # the end of the event being replayed: the receive buffers posted by then
+
     def snapshot(extra=(0.0, 0.0)) -> dict[str, float]:
         return {"grads (fp32)": sum(grad[s] for s in rk.stages  # without FSDP: param.grad
                                     if reduced[s] or (acc_on[s] and not sharded)),
                 "unsharded grads (pp)": sum(acc[s] for s in rk.stages if acc_on[s]),
                 "activations": sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
-                "pipeline buffers": recv, "backward transients": extra[0],
+                "pipeline buffers": boundary * sum(post <= now[0] < done
+                                                   for post, done in recv),
+                "backward transients": extra[0],
                 "loss backward": extra[1]}
 
     best: dict[str, float] = snapshot()
@@ -433,6 +439,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
         if s not in live:
             continue
         recompute, loss = transient[s]
+        now[0] = e.end
         if e.kind == "F":
             live[s] += 1
             consider()
@@ -457,3 +464,23 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
                 consider()
                 acc_on[s] = False
     return best
+
+
+def _recv_intervals(r: int, stages, events) -> list[tuple[float, float]]:
+    """(posted, freed) times of rank ``r``'s receive buffers for ``stages``: a micro-batch's
+    input activation from another rank from its sender's F start to the end of this stage's
+    I or B (the sender's start: torch posts a receive about one chunk before it can land), its
+    output gradient likewise from its sender's I or B. A buffer counts at an event of the rank
+    that ends in ``[posted, freed)``, the I or B that frees it included (freed: a tiny bit
+    later)."""
+    by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
+              for e in events if e.kind != "W"}
+    out = []
+    for e in events:
+        if e.rank != r or e.stage not in stages or e.kind not in ("I", "B"):
+            continue
+        for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
+                       by_key.get((e.stage + 1, "IB", e.microbatch))):
+            if sender is not None and sender.rank != r:
+                out.append((sender.start, e.end + 1e-9 * max(1.0, e.end)))
+    return out

@@ -25,7 +25,7 @@ lists torch builds:
 
 from __future__ import annotations
 
-from titanext.schedules._torch_ir import leaves
+from titanext.schedules._torch_ir import follow_in_flight, leaves
 from titanext.schedules.memory_cap import capped_schedule_class
 from titanext.schedules.orders import schedule_order, schedule_problems, simulate, validate_order
 from titanext.schedules.placement import (
@@ -41,7 +41,8 @@ from titanext.schedules.zero_bubble import auto_schedule_class
 from titanext.schedules.zero_bubble import stage_ids as stage_ids
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "capped_schedule_class", "get_schedule_class", "leaves", "num_stages_for",
+           "capped_schedule_class", "follow_in_flight", "get_schedule_class", "leaves",
+           "num_stages_for",
            "pipeline_stage_ids", "resolved_stages_per_rank",
            "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
            "validate_order"]

@@ -493,3 +493,118 @@ def around_stage_init(schedule, context: Callable) -> None:
             return init(*args, **kwargs)
 
     setattr(schedule, name, wrapped)
+
+
+# --- receive buffers that follow the micro-batches in flight ------------------------------
+
+_RELEASED = "_titanext_recv_device"  # set on a released buffer's stand-in: where to reallocate
+_FOLLOWING = "_titanext_follows_in_flight"  # set on a stage follow_in_flight has converted
+_RECV_NAMES = ("args_recv_info", "grad_recv_info", "get_fwd_recv_ops", "get_bwd_recv_ops",
+               "backward_one_chunk")
+
+
+class _ReleasingDict(dict):
+    """A stage's ``args_recv_info`` / ``grad_recv_info``: receive buffers stored into it are
+    released at once, so a stage's start-up never holds one per micro-batch."""
+
+    def __setitem__(self, mb, infos) -> None:
+        _release(infos)
+        super().__setitem__(mb, infos)
+
+
+def _release(infos) -> None:
+    """Replace each received buffer of ``infos`` (``_RecvInfo`` tuple) by a meta stand-in of its
+    size, stride, dtype and requires_grad, marked with the device to reallocate on."""
+    for info in infos or ():
+        buf = getattr(info, "buffer", None)
+        if (not isinstance(buf, torch.Tensor) or getattr(info, "is_root_arg", False)
+                or getattr(buf, _RELEASED, None) is not None):
+            continue
+        stand_in = torch.empty_strided(buf.size(), buf.stride(), dtype=buf.dtype, device="meta")
+        if buf.requires_grad:
+            stand_in.requires_grad_(True)
+        setattr(stand_in, _RELEASED, buf.device)
+        info.buffer = stand_in
+
+
+def _allocate(infos, only=None) -> None:
+    """Give each released buffer of ``infos`` (those at the positions in ``only``, if given)
+    fresh memory of its recorded layout."""
+    for i, info in enumerate(infos or ()):
+        device = getattr(getattr(info, "buffer", None), _RELEASED, None)
+        if device is None or (only is not None and i not in only):
+            continue
+        stand_in = info.buffer
+        fresh = torch.empty_strided(stand_in.size(), stand_in.stride(), dtype=stand_in.dtype,
+                                    device=device)
+        info.buffer = fresh.requires_grad_(True) if stand_in.requires_grad else fresh
+
+
+def follow_in_flight(stage) -> bool:
+    """Make ``stage`` (a ``PipelineStage``) hold receive buffers only for the micro-batches in
+    flight; returns whether it could (False: this torch's stage lacks the names used, and it
+    keeps torch's behaviour).
+
+    torch's stage allocates, at start-up, one buffer per micro-batch for its input activation
+    (``args_recv_info[j]``) and one for its output gradient (``grad_recv_info[j]``), and keeps
+    all of them across steps: ``2 m`` boundary tensors per stage (28 GB per rank for
+    DeepSeek-V3's 120 micro-batches under DualPipe), where a schedule has about pp in flight.
+    Here a micro-batch's buffer is allocated when its receive is posted
+    (``get_fwd_recv_ops`` / ``get_bwd_recv_ops``, or read) and let go once that micro-batch's
+    backward (B, or I under a split backward) is done; what W still needs, torch's
+    ``backward_state`` and autograd keep alive on their own, and free after W. Activations
+    handed over between two stages of one rank (``set_local_fwd_input`` /
+    ``set_local_bwd_input``) are let go at the same point.
+
+    Always on (``titanext.distributed.pipeline.build_pipeline`` applies it): a received tensor
+    overwrites all of its buffer, so values are bitwise those of torch's reused buffers
+    (tests/multiprocess/test_recv_buffers.py), and on CUDA a fresh buffer is a caching
+    allocator hit, not a ``cudaMalloc``. Works on the instance (its methods wrapped), for
+    every schedule, torch's or titanext's, and on any backend."""
+    if not all(hasattr(stage, n) for n in _RECV_NAMES) or getattr(stage, _FOLLOWING, False):
+        return False
+    for name in ("args_recv_info", "grad_recv_info"):
+        table = getattr(stage, name)
+        if isinstance(table, dict) and not isinstance(table, _ReleasingDict):
+            setattr(stage, name, _ReleasingDict(table))
+            for infos in table.values():
+                _release(infos)
+
+    def infos(name: str, mb: int):
+        return getattr(stage, name, {}).get(mb, ())
+
+    def allocating(meth: str, name: str):
+        original = getattr(stage, meth)
+
+        def run(mb, *args, **kwargs):
+            _allocate(infos(name, mb))
+            return original(mb, *args, **kwargs)
+
+        return run
+
+    stage.get_fwd_recv_ops = allocating("get_fwd_recv_ops", "args_recv_info")
+    stage.get_bwd_recv_ops = allocating("get_bwd_recv_ops", "grad_recv_info")
+    for meth, name in (("_retrieve_recv_activations", "args_recv_info"),
+                       ("_retrieve_recv_grads", "grad_recv_info")):
+        if hasattr(stage, meth):  # a receive never posted reads a buffer, as torch's would
+            setattr(stage, meth, allocating(meth, name))
+    if hasattr(stage, "set_local_bwd_input"):  # a None gradient zeroes the buffer in place
+        set_bwd = stage.set_local_bwd_input
+
+        def set_local_bwd_input(grads, mb, *args, **kwargs):
+            _allocate(infos("grad_recv_info", mb),
+                      only={i for i, g in enumerate(grads or ()) if g is None})
+            return set_bwd(grads, mb, *args, **kwargs)
+
+        stage.set_local_bwd_input = set_local_bwd_input
+    backward = stage.backward_one_chunk
+
+    def backward_one_chunk(mb, *args, **kwargs):
+        out = backward(mb, *args, **kwargs)
+        _release(infos("args_recv_info", mb))
+        _release(infos("grad_recv_info", mb))
+        return out
+
+    stage.backward_one_chunk = backward_one_chunk
+    setattr(stage, _FOLLOWING, True)
+    return True
