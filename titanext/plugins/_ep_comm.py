@@ -123,9 +123,12 @@ def dequantize_rows(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torc
     rows = payload.shape[0]
     blocks = -(-dim // FLOAT8_BLOCK)
     q = payload[:, :dim].contiguous().view(_F8).float()
-    q = torch.nn.functional.pad(q, (0, blocks * FLOAT8_BLOCK - dim)).view(rows, blocks, -1)
+    # (explicit sizes: a rank that receives no rows has 0-element tensors, which -1 cannot size)
+    q = torch.nn.functional.pad(q, (0, blocks * FLOAT8_BLOCK - dim)).view(rows, blocks,
+                                                                           FLOAT8_BLOCK)
     exponent = payload[:, dim:].contiguous().view(torch.int8).float()
-    return (q * torch.exp2(exponent).unsqueeze(-1)).view(rows, -1)[:, :dim].to(dtype)
+    return ((q * torch.exp2(exponent).unsqueeze(-1)).view(rows, blocks * FLOAT8_BLOCK)[:, :dim]
+            .to(dtype))
 
 
 # -- recompute without re-dispatch ---------------------------------------------------------------
