@@ -65,6 +65,24 @@ def test_debug_model_dry_run_prints_the_summary_line(world_size, rank, extra):
     assert "allgather" in out.stdout and "reduce_scatter" in out.stdout
 
 
+def test_overlapped_expert_parallel_dry_runs():
+    """DualPipe's paired chunks run one side on a worker thread; torch's dispatch modes are per
+    thread, so without the dry run's fake mode carried over, that side made real count tensors
+    and its recompute found 0 routed rows (a CheckpointError)."""
+    out = dry_run("debug_moe.toml", "--comm.fake_world_size=16", "--comm.fake_rank=0",
+                  "--model.flavor=debugdeepseek", "--parallelism.expert_parallel_degree=4",
+                  "--parallelism.pipeline_parallel_degree=2",
+                  "--parallelism.pipeline_parallel_schedule=DualPipe",
+                  "--parallelism.pipeline_parallel_microbatches=4",
+                  "--parallelism.expert_parallel_dispatch=two_level",
+                  "--parallelism.expert_parallel_ranks_per_node=2",
+                  "--parallelism.expert_parallel_float8_dispatch=true",
+                  "--parallelism.expert_parallel_comm_overlap=true",
+                  "--activation_checkpoint.mode=full")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert SUMMARY.match(out.stdout.strip().splitlines()[-1]), out.stdout[-2000:]
+
+
 def test_bad_fake_world_exits_2_with_one_line():
     out = dry_run("debug_model.toml", "--comm.fake_world_size=6",
                   "--parallelism.tensor_parallel_degree=4", timeout=60)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titanext._fake_backend import carry_dispatch_modes
+
 __all__ = ["CommWait", "active", "comm_point", "comm_waits", "emulated_link",
            "register_side_state", "run_interleaved"]
 
@@ -191,7 +193,8 @@ def comm_point(issue: Callable[[bool], object], nbytes: int = 0, *,
 
 
 def _thread_setup() -> Callable[[], None]:
-    """What the worker thread takes from the caller's thread: grad mode, device and stream."""
+    """What the worker thread takes from the caller's thread: grad mode, device and stream
+    (``setup()``), and the dispatch modes of a dry run (``modes()``, a context manager)."""
     grad = torch.is_grad_enabled()
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     index = torch.accelerator.current_device_index() if acc is not None else None
@@ -203,6 +206,7 @@ def _thread_setup() -> Callable[[], None]:
             torch.accelerator.set_device_index(index)
             torch.accelerator.set_stream(stream)
 
+    setup.modes = carry_dispatch_modes()
     return setup
 
 
@@ -220,7 +224,8 @@ def run_interleaved(forward: Callable[[], None], backward: Callable[[], None]) -
 
     def worker() -> None:
         setup()
-        pair.run_side(1, backward, errors)
+        with setup.modes():
+            pair.run_side(1, backward, errors)
 
     _ACTIVE = pair
     thread = threading.Thread(target=worker, name="titanext-overlap-backward", daemon=True)
