@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,27 +82,9 @@ def _new_buffer(b: torch.Tensor, device) -> torch.Tensor:
     return torch.empty_like(b, device=device)
 
 
-def carry_dispatch_modes() -> Callable[[], contextlib.AbstractContextManager]:
-    """The caller thread's dispatch modes (a dry run's fake mode and memory tracker), to run
-    under on another thread: torch keeps its mode stack per thread, so a worker thread would
-    otherwise make real tensors from fake ones' metadata and allocate untracked. The returned
-    function gives a context manager that pushes the same modes on the calling thread and pops
-    them at exit (no mode is entered twice: their enter/exit bookkeeping stays the caller's)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
-
-    modes = list(_get_current_dispatch_mode_stack())
-
-    @contextlib.contextmanager
-    def pushed():
-        for mode in modes:
-            _push_mode(mode)
-        try:
-            yield
-        finally:
-            for _ in modes:
-                _pop_mode()
-
-    return pushed if modes else contextlib.nullcontext
+def fake_mode_active() -> bool:
+    """Whether this thread runs under a dry run's fake mode."""
+    return isinstance(torch._guards.active_fake_mode(), FakeTensorMode)
 
 
 def host_float(t: torch.Tensor | float, fake_value: float = math.nan) -> float:

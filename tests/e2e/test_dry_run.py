@@ -66,9 +66,9 @@ def test_debug_model_dry_run_prints_the_summary_line(world_size, rank, extra):
 
 
 def test_overlapped_expert_parallel_dry_runs():
-    """DualPipe's paired chunks run one side on a worker thread; torch's dispatch modes are per
-    thread, so without the dry run's fake mode carried over, that side made real count tensors
-    and its recompute found 0 routed rows (a CheckpointError)."""
+    """DualPipe's paired chunks run one side on a worker thread, where torch's per-thread fake
+    mode is not active: that side made real count tensors and its recompute found 0 routed rows
+    (a CheckpointError). A dry run steps the pair on one thread (nothing to overlap there)."""
     out = dry_run("debug_moe.toml", "--comm.fake_world_size=16", "--comm.fake_rank=0",
                   "--model.flavor=debugdeepseek", "--parallelism.expert_parallel_degree=4",
                   "--parallelism.pipeline_parallel_degree=2",

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanext._fake_backend import carry_dispatch_modes
+from titanext._fake_backend import fake_mode_active
 
 __all__ = ["CommWait", "active", "comm_point", "comm_waits", "emulated_link",
            "register_side_state", "run_interleaved"]
@@ -193,8 +193,7 @@ def comm_point(issue: Callable[[bool], object], nbytes: int = 0, *,
 
 
 def _thread_setup() -> Callable[[], None]:
-    """What the worker thread takes from the caller's thread: grad mode, device and stream
-    (``setup()``), and the dispatch modes of a dry run (``modes()``, a context manager)."""
+    """What the worker thread takes from the caller's thread: grad mode, device and stream."""
     grad = torch.is_grad_enabled()
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     index = torch.accelerator.current_device_index() if acc is not None else None
@@ -206,17 +205,26 @@ def _thread_setup() -> Callable[[], None]:
             torch.accelerator.set_device_index(index)
             torch.accelerator.set_stream(stream)
 
-    setup.modes = carry_dispatch_modes()
     return setup
 
 
 def run_interleaved(forward: Callable[[], None], backward: Callable[[], None]) -> None:
     """Run ``forward`` (on this thread) and ``backward`` (on a worker thread) interleaved at
     their communication points, forward first; returns when both are done and re-raises the
-    first error of either. Not re-entrant."""
+    first error of either. Not re-entrant.
+
+    A dry run (fake mode) runs the two one after the other on this thread: its collectives
+    return at once, so there is nothing to overlap, and torch's fake mode and memory tracker
+    live on this thread (their mode stack is per thread, and the tracker's module hierarchy
+    cannot follow two threads' forwards interleaved). Both micro-batches' activations are alive
+    across the hand-over either way, so the memory peak is the same."""
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("run_interleaved is not re-entrant: a pair is already running")
+    if fake_mode_active():
+        forward()
+        backward()
+        return
     pair, errors = _Pair(), []
     baseline = [get() for get, _ in _STATES]
     pair.saved = [list(baseline), list(baseline)]
@@ -224,8 +232,7 @@ def run_interleaved(forward: Callable[[], None], backward: Callable[[], None]) -
 
     def worker() -> None:
         setup()
-        with setup.modes():
-            pair.run_side(1, backward, errors)
+        pair.run_side(1, backward, errors)
 
     _ACTIVE = pair
     thread = threading.Thread(target=worker, name="titanext-overlap-backward", daemon=True)
