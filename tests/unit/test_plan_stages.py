@@ -137,29 +137,37 @@ REPORT = ["--training.global_batch_size=15360", "--training.local_batch_size=120
           "--parallelism.expert_parallel_dispatch=two_level",
           "--parallelism.expert_parallel_ranks_per_node=8",
           "--parallelism.expert_parallel_float8_dispatch=true"]
-#: (device, activation checkpointing) -> tokens/s/GPU with expert_parallel_comm_overlap off, on
-#: (the table in docs/deepseek_v3.md); "none" is the what-if nearest the report's recompute of
-#: norms and up-projections only, which titanext does not run
-CALIBRATION = {("h800", "full"): (886, 1131), ("h800", "none"): (1237, 1703),
-               ("h100", "full"): (970, 1235), ("h100", "none"): (1346, 1773)}
+#: (device, recompute) -> tokens/s/GPU with expert_parallel_comm_overlap off, on (the table in
+#: docs/deepseek_v3.md), with the shipped config's float8 linears and routed experts: "full"
+#: re-runs each block's forward and its all-to-alls (the shipped config), "keep_all_to_all" keeps
+#: what crossed the network (no all-to-all runs twice, as in the report, but 94.5 GB: it does
+#: not fit), "none" is the what-if without any recompute (281 GB)
+CALIBRATION = {("h800", "full"): (993, 1269), ("h800", "keep_all_to_all"): (1183, 1598),
+               ("h800", "none"): (1388, 1910), ("h100", "full"): (1095, 1397),
+               ("h100", "keep_all_to_all"): (1283, 1682), ("h100", "none"): (1528, 2001)}
+RECOMPUTE = {"full": ["--activation_checkpoint.mode=full"],
+             "keep_all_to_all": ["--activation_checkpoint.mode=full",
+                                 "--activation_checkpoint.keep_all_to_all=true"],
+             "none": ["--activation_checkpoint.mode=none"]}
 REPORT_TOKENS_PER_GPU = 1543  # 180K H800 GPU hours per trillion tokens
 
 
-@pytest.mark.parametrize("device,ac", list(CALIBRATION))
-def test_calibration_table_against_the_deepseek_v3_report(device, ac):
+@pytest.mark.parametrize("device,recompute", list(CALIBRATION))
+def test_calibration_table_against_the_deepseek_v3_report(device, recompute):
     """The documented calibration rows are what the planner gives, and where they stand
-    against the report's 1,543 tokens/s/GPU: titanext's full AC re-runs every block's forward
-    and its all-to-alls (57-73% of the report on H800); with no recompute (a what-if) the
-    planner overshoots the report by 10% (it models no FP8 GEMMs, no recompute at all and
-    balanced routing)."""
+    against the report's 1,543 tokens/s/GPU on H800s: the shipped recipe (full AC, overlap on)
+    within 20% of it (82%); keeping what crossed the network instead of re-dispatching, 104%;
+    with no recompute at all (a what-if), the planner overshoots by 24% (balanced routing, no
+    SMs taken by communication, 0.6 of the peak for every kernel)."""
     from pathlib import Path
 
     path = str(Path(__file__).parents[2] / "train_configs" / "deepseek_v3_671b.toml")
-    cfg = load_config(path, [*REPORT, f"--activation_checkpoint.mode={ac}"], world_size=2048)
+    cfg = load_config(path, [*REPORT, *RECOMPUTE[recompute]], world_size=2048)
     ep = plan_config(cfg, 2048, device=DEVICES[device]).time["ep_all_to_all"]
     per_gpu = 15360 * 4096 / 2048
     got = (per_gpu / ep["step_off_s"], per_gpu / ep["step_on_s"])
-    assert got == pytest.approx(CALIBRATION[device, ac], rel=0.01)
+    assert got == pytest.approx(CALIBRATION[device, recompute], rel=0.01)
     if device == "h800":
-        low, high = (0.5, 0.8) if ac == "full" else (1.0, 1.2)
+        low, high = {"full": (0.8, 1.2), "keep_all_to_all": (0.8, 1.2),
+                     "none": (1.2, 1.3)}[recompute]
         assert low < got[1] / REPORT_TOKENS_PER_GPU < high
