@@ -238,8 +238,8 @@ def test_advice_for_the_671b_names_a_layout_that_fits():
     under PP are the micro-batch count x 1..8 sequences, so its layouts validate; the shipped
     one is among the first (before: local batches of 1-8 sequences, none of which the
     micro-batch count divides, and no advice at all). Since the stages hold receive buffers
-    only for the micro-batches in flight (titanext.schedules.follow_in_flight), ep = 32 (twice the experts
-    per rank) fits too and ranks first, just ahead of the shipped ep = 64."""
+    only for the micro-batches in flight (titanext.schedules.follow_in_flight), ep = 32 (twice
+    the experts per rank) fits too and ranks first, just ahead of the shipped ep = 64."""
     first, second = (p.layout for p in _advised("deepseek_v3_671b.toml", 2048, top=2))
     for lo, ep in ((first, 32), (second, 64)):
         assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
