@@ -130,33 +130,10 @@ def test_mtp_layouts_follow_one_process(tmp_path):
     failures = []
     for i, name in enumerate(names):
         ref_losses, ref_mtp, ref_grads = refs[CASES[name][0]]
-        losses, mtp = per_rank[0][i][0], per_rank[0][i][1]
-        assert all(m > 0 for m in mtp), (name, mtp)
-        for what, got, want in (("loss", losses, ref_losses), ("mtp_loss", mtp, ref_mtp)):
-            try:
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
-                                           rtol=LOSS_RTOL, atol=0)
-            except AssertionError as e:
-                failures.append(f"{name}: {what} {got} vs {want}\n{e}")
-        copies: dict[str, list[torch.Tensor]] = {}
-        for rank_out in per_rank:
-            for k, v in rank_out[i][2].items():
-                copies.setdefault(k, []).extend(v)
-        assert copies.keys() == ref_grads.keys(), name
+        copies = check_case(name, per_rank, i, (ref_losses, ref_mtp, ref_grads), failures)
         assert any(k.startswith("mtp.") for k in copies), name
         if "pp2" in name:  # the MTP's embedding copy on the last stage (two under DualPipe)
             assert len(copies["tok_embeddings.weight"]) == (4 if "DualPipe" in name else 2)
-        worst = 0.0
-        for k, tensors in copies.items():
-            ref = ref_grads[k][0]
-            for t in tensors:
-                err = ((t - ref).norm() / ref.norm()).item()
-                worst = max(worst, err)
-                if err > GRAD_RTOL:
-                    failures.append(f"{name}: grad of {k}: relative error {err:.2e}")
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses + mtp, ref_losses + ref_mtp))
-        print(f"{name}: losses and MTP losses within {loss_err:.1e}, gradients within "
-              f"{worst:.1e} (relative)")
     ref_export = _export(str(tmp_path / "ref" / "0"))
     export = _export(str(tmp_path / "run" / str(names.index("hf_ZBV_pp2_x_fsdp2"))))
     assert sorted(export) == sorted(ref_export) and "model.layers.4.eh_proj.weight" in export
@@ -169,3 +146,35 @@ def test_mtp_layouts_follow_one_process(tmp_path):
             failures.append(f"export: {k}: relative error {err:.2e} (of the update)")
     print(f"export: parameters after {STEPS + 1} steps within {worst:.1e} of the update")
     assert not failures, "\n".join(failures)
+
+
+def check_case(name: str, per_rank: list, i: int, ref: tuple, failures: list[str]
+               ) -> dict[str, list[torch.Tensor]]:
+    """Run ``i`` of every rank against one process: the main and MTP losses of every step
+    (LOSS_RTOL) and every parameter's first-step gradient, each rank's copy (GRAD_RTOL);
+    mismatches go to ``failures``. Returns the gathered gradient copies by name."""
+    ref_losses, ref_mtp, ref_grads = ref
+    losses, mtp = per_rank[0][i][0], per_rank[0][i][1]
+    assert all(m > 0 for m in mtp), (name, mtp)
+    for what, got, want in (("loss", losses, ref_losses), ("mtp_loss", mtp, ref_mtp)):
+        try:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
+                                       rtol=LOSS_RTOL, atol=0)
+        except AssertionError as e:
+            failures.append(f"{name}: {what} {got} vs {want}\n{e}")
+    copies: dict[str, list[torch.Tensor]] = {}
+    for rank_out in per_rank:
+        for k, v in rank_out[i][2].items():
+            copies.setdefault(k, []).extend(v)
+    assert copies.keys() == ref_grads.keys(), name
+    worst = 0.0
+    for k, tensors in copies.items():
+        for t in tensors:
+            err = ((t - ref_grads[k][0]).norm() / ref_grads[k][0].norm()).item()
+            worst = max(worst, err)
+            if err > GRAD_RTOL:
+                failures.append(f"{name}: grad of {k}: relative error {err:.2e}")
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses + mtp, ref_losses + ref_mtp))
+    print(f"{name}: losses and MTP losses within {loss_err:.1e}, gradients within {worst:.1e} "
+          "(relative)")
+    return copies

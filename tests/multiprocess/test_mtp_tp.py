@@ -11,9 +11,8 @@ over tp, against one process on the same global batch of 8 sequences of 32 token
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.multiprocess.test_mtp import DEBUG, FSDP2, GRAD_RTOL, LOSS_RTOL, P, _pp, _runs
+from tests.multiprocess.test_mtp import DEBUG, FSDP2, P, _pp, _runs, check_case
 from tests.spawn import run_distributed
 
 TP2 = [P + "tensor_parallel_degree=2"]
@@ -39,28 +38,6 @@ def test_mtp_under_tp_follows_one_process(tmp_path):
                                timeout_s=300)
     failures = []
     for i, name in enumerate(names):
-        losses, mtp = per_rank[0][i][0], per_rank[0][i][1]
-        assert all(m > 0 for m in mtp), (name, mtp)
-        for what, got, want in (("loss", losses, ref_losses), ("mtp_loss", mtp, ref_mtp)):
-            try:
-                torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
-                                           rtol=LOSS_RTOL, atol=0)
-            except AssertionError as e:
-                failures.append(f"{name}: {what} {got} vs {want}\n{e}")
-        copies: dict[str, list[torch.Tensor]] = {}
-        for rank_out in per_rank:
-            for k, v in rank_out[i][2].items():
-                copies.setdefault(k, []).extend(v)
-        assert copies.keys() == ref_grads.keys(), name
+        copies = check_case(name, per_rank, i, (ref_losses, ref_mtp, ref_grads), failures)
         assert any(k.startswith("mtp.layers.0.eh_proj") for k in copies), name
-        worst = 0.0
-        for k, tensors in copies.items():
-            for t in tensors:
-                err = ((t - ref_grads[k][0]).norm() / ref_grads[k][0].norm()).item()
-                worst = max(worst, err)
-                if err > GRAD_RTOL:
-                    failures.append(f"{name}: grad of {k}: relative error {err:.2e}")
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses + mtp, ref_losses + ref_mtp))
-        print(f"{name}: losses and MTP losses within {loss_err:.1e}, gradients within "
-              f"{worst:.1e} (relative)")
     assert not failures, "\n".join(failures)
