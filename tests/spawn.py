@@ -7,8 +7,8 @@ from typing import Any
 from tests import pool
 from titanext.launch.local import free_port
 
-__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "run_distributed", "run_example",
-           "trainer_runs"]
+__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "record_grad_norms",
+           "run_distributed", "run_example", "trainer_runs"]
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
@@ -29,6 +29,18 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
 #: and the same comparison agrees to 1e-6, while elements with real gradients still take Adam's
 #: normalised step.
 ADAM_EPS = 1e-5
+
+
+def record_grad_norms(trainer, norms: list) -> None:
+    """Make ``trainer.train_step`` append each step's gradient norm to ``norms``."""
+    step = trainer.train_step
+
+    def recording_step(microbatches):
+        loss, norm = step(microbatches)
+        norms.append(norm)
+        return loss, norm
+
+    trainer.train_step = recording_step
 
 
 def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:

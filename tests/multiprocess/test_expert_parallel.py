@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests import REPO_ROOT
-from tests.spawn import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, record_grad_norms, run_distributed
 from tests.unit.test_expert_parallel import ScaleExperts, TinyMoE
 
 
@@ -257,14 +257,7 @@ def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str)
         losses, norms = [], []
         for until in (STEPS // 2, None) if name.endswith("_resume") else (None,):
             trainer = Trainer(cfg)
-            step = trainer.train_step
-
-            def recording_step(microbatches, step=step, norms=norms):
-                loss, norm = step(microbatches)
-                norms.append(norm)
-                return loss, norm
-
-            trainer.train_step = recording_step
+            record_grad_norms(trainer, norms)
             with count_comm() as cc:
                 losses += trainer.train(until_step=until)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.multiprocess.test_expert_parallel import _assert_matches
-from tests.spawn import fp32_trainer_overrides, run_distributed
+from tests.spawn import fp32_trainer_overrides, record_grad_norms, run_distributed
 
 STEPS = 4
 P = "--parallelism."
@@ -79,14 +79,7 @@ def _train(rank: int, world_size: int, cases: dict, folder: str) -> dict:
         converted = sum(getattr(m, "float8_grouped_mm", None) is not None
                         for part in trainer.model_parts for m in part.modules())
         norms = []
-        step = trainer.train_step
-
-        def recording_step(microbatches, step=step, norms=norms):
-            loss, norm = step(microbatches)
-            norms.append(norm)
-            return loss, norm
-
-        trainer.train_step = recording_step
+        record_grad_norms(trainer, norms)
         with count_comm() as cc:
             losses = trainer.train()
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
