@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("datasets")
 
+from tests.unit.test_data import global_stream  # noqa: E402
+from tests.unit.test_data_sources import _problems  # noqa: E402
 from titanext.data import build_dataloader  # noqa: E402
 from titanext.data.tokenizer import ByteTokenizer  # noqa: E402
 from titanext.errors import ConfigError  # noqa: E402
@@ -45,16 +47,6 @@ def make(path, *, batch=2, rank=0, degree=1, seed=0, shuffle=True, **kw):
     return build_dataloader(dataset="hf", dataset_path=str(path), tokenizer=TOK, seq_len=SEQ,
                             local_batch_size=batch, dp_rank=rank, dp_degree=degree, seed=seed,
                             shuffle=shuffle, block_tokens=40, **kw)
-
-
-def global_stream(loaders, steps):
-    """Lockstep batches of ``loaders`` (one per dp rank), in rank order: [rows, 2, seq]."""
-    rows = []
-    for _ in range(steps):
-        for loader in loaders:
-            inputs, labels = loader.next_batch()
-            rows.append(torch.stack([inputs, labels], dim=1))
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
@@ -142,14 +134,6 @@ def test_a_missing_text_field_or_split_is_one_line_before_training(tmp_path):
 
 
 # -- config rules at load -----------------------------------------------------------------------
-def _problems(args):
-    from titanext.config import load_config
-
-    try:
-        load_config(None, args)
-    except ConfigError as e:
-        return e.problems
-    return []
 
 
 def test_config_load_names_a_missing_path_or_a_missing_datasets_package(tmp_path, monkeypatch):
