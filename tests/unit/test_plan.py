@@ -36,15 +36,20 @@ FP32 = ["--training.mixed_precision_param=float32"]
 
 # -- model state --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flavor", ["debugtiny", "debugmoe"])
-def test_param_grad_optimizer_bytes_match_the_real_model_exactly(flavor):
-    from titanext.models import build_model, get_model_args
+@pytest.mark.parametrize("flavor,extra", [
+    ("debugtiny", []), ("debugmoe", []),
+    # the [moe] overrides the trainer applies (the planner read the flavor's before)
+    ("debugmoe", ["--moe.num_experts=4", "--moe.num_shared_experts=0", "--moe.n_dense_layers=1"]),
+])
+def test_param_grad_optimizer_bytes_match_the_real_model_exactly(flavor, extra):
+    from titanext.config import model_args
+    from titanext.models import build_model
 
-    cfg = load_config(None, [f"--model.flavor={flavor}", "--training.seq_len=32", *FP32],
+    cfg = load_config(None, [f"--model.flavor={flavor}", "--training.seq_len=32", *FP32, *extra],
                       world_size=1)
     # the optimizer step: the moment every gradient exists
     memory = memory_per_pp_rank(resolve_layout(cfg, 1), [1], moment="optimizer step")[0][0]
-    model = build_model("llama3", get_model_args("llama3", flavor), device="cpu")
+    model = build_model("llama3", model_args(cfg), device="cpu")
     model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 264, (2, 32))).sum().backward()
@@ -370,10 +375,12 @@ def test_expert_parallel_memory_and_all_to_all():
 
 # -- float8 routed experts ---------------------------------------------------------------------
 
-def test_float8_experts_run_at_the_float8_peak_and_keep_memory():
-    """[float8] moe_experts (rowwise): the experts' GEMMs at the float8 peak, so the step's
-    compute falls, by no more than the experts' matmul share; memory is unchanged (no float8
-    copy or scale outlives a GEMM). blockwise is emulated: planned as bf16."""
+def test_float8_experts_run_at_the_measured_rowwise_speed_and_keep_memory():
+    """[float8] moe_experts (rowwise): the experts' GEMMs at torchao's measured rowwise speed
+    (roofline.FLOAT8_GEMM_SPEEDUP: 1.25x bf16) plus the casts of their inputs and weights in
+    every pass; at DeepSeek-V3 16B's expert shapes (2048 -> 1408) the casts cost more than the
+    GEMMs save, so the step's compute rises a little; memory is unchanged (no float8 copy or
+    scale outlives a GEMM). blockwise is emulated: planned as bf16."""
     from titanext.planning.layout import resolve_layout
 
     base = ["--model.flavor=deepseek_v3_16b", "--training.seq_len=4096",
@@ -390,6 +397,6 @@ def test_float8_experts_run_at_the_float8_peak_and_keep_memory():
                                                                      "blockwise"))
     assert f_row["moe.experts.w1"] and f_row["moe.experts.w2"] and not f_row["moe.router.gate"]
     assert f_blk == f_bf16 and not any(f_bf16.values())
-    assert row.time["compute_s"] < bf16.time["compute_s"] < 1.5 * row.time["compute_s"]
+    assert bf16.time["compute_s"] < row.time["compute_s"] < 1.1 * bf16.time["compute_s"]
     assert blk.time["compute_s"] == bf16.time["compute_s"]
     assert row.memory == bf16.memory

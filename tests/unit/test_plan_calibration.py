@@ -65,3 +65,61 @@ def test_fused_optimizer_moves_the_peak_to_the_backward():
     plan = _plan(2048, "selective", "--optimizer.implementation=fused")
     assert plan.memory["optimizer step"] == 0.0 and plan.memory["activations"] > 0
     assert abs(plan.memory_total / (27.80 * GiB) - 1) <= 0.10, plan.memory_total / GiB
+
+
+# -- step time: the same GPU runs ------------------------------------------------------------------
+
+FIRST = GPUCHECK / "h200_torch2.11.0_2026-11-26.json"
+
+
+def _row(path, name: str) -> dict:
+    return next(r for r in json.loads(path.read_text())["rows"] if r["name"] == name)["data"]
+
+
+STEP_CASES = {  # (seq, ac, float8 recipe, the measured step's seconds)
+    "bf16 2x2048": (2048, "selective", None,
+                    lambda: _row(FINAL, "1B trainer bf16: tokens/s, MFU")["step_s"]),
+    "bf16 2x8192": (8192, "selective", None, lambda: _sweep(8192, "selective")["step_s"]),
+    "bf16 2x8192 no AC": (8192, "none", None, lambda: _sweep(8192, "none")["step_s"]),
+    # every linear but the output in float8 (the run predates [float8] auto_filter)
+    "float8 tensorwise 2x2048": (2048, "selective", "tensorwise",
+                                 lambda: _row(FIRST, "1B trainer float8 tensorwise: tokens/s, "
+                                                     "MFU")["step_s"]),
+}
+
+
+def _sweep(seq: int, ac: str) -> dict:
+    return next(r for r in json.loads(SWEEP.read_text()) if r["seq"] == seq and r["ac"] == ac)
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_planner_step_time_is_within_15_percent_of_the_measured_1b_steps(case):
+    """The planner's step against the 1B trainer's median step on the H200 (foreach AdamW,
+    autocast over fp32 weights, compile): the blocks, the head and loss, the autocast casts and
+    the optimizer's eight passes (a fused step's single pass left it 31% short at 2 x 2048)."""
+    seq, ac, recipe, measured = STEP_CASES[case]
+    extra = (["--float8.enable=true", f"--float8.recipe={recipe}", "--float8.filter_fqns=output",
+              "--float8.auto_filter=false"] if recipe else [])
+    plan = _plan(seq, ac, *extra)
+    assert abs(plan.time["step_s"] / measured() - 1) <= 0.15, (plan.time["step_s"], measured())
+
+
+@pytest.mark.parametrize("recipe", [None, "tensorwise"])
+def test_planner_block_time_is_within_15_percent_of_the_measured_1b_block(recipe):
+    """One compiled 1B block, bf16 weights, 2 x 4096, forward + backward (gpucheck's speed
+    rows, H200): bf16 6.38 ms, every linear in float8 tensorwise 6.03 ms. (Rowwise measured
+    7.72 ms there; the planner's 1.25x rowwise GEMM, from the 8192^3 linear, puts it at 6.4:
+    17% short, docs/planner.md#calibration.)"""
+    import dataclasses
+
+    from titanext.planning.estimate import _blocks_time
+    from titanext.planning.layout import resolve_layout
+
+    extra = ["--float8.enable=true", f"--float8.recipe={recipe}", "--float8.auto_filter=false"]
+    cfg = load_config(None, [*gpucheck_overrides(4096, "none"), *(extra if recipe else [])],
+                      world_size=1)
+    lo = dataclasses.replace(resolve_layout(cfg, 1, float8_hardware=True), autocast=False)
+    planned = _blocks_time(lo, DEVICES["h200"], 0.6, dense=1, moe_blocks=0, imbalance=1.0).total
+    name = f"1B block 2x4096 {'float8 ' + recipe if recipe else 'fwd+bwd bf16'}"
+    measured = _row(FIRST, name)["ms"] / 1e3
+    assert abs(planned / measured - 1) <= 0.15, (planned, measured)

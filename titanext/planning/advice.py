@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 from titanext.config import ConfigError, load_config
-from titanext.planning.estimate import Plan, plan_config
+from titanext.planning.estimate import Plan, plan_config, tokens_per_s_ceiling
 from titanext.planning.hardware import DEVICES, Device
 from titanext.planning.layout import resolve_layout
 from titanext.planning.memory import static_memory_floor
@@ -42,9 +42,12 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            efficiency: float = 0.6) -> list[Plan]:
     """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
 
-    Candidates are estimated first (cheap), then validated in rank order through
-    :func:`titanext.config.load_config` with ``world_size``, so a layout that fails validation
-    is never proposed; those that do not fit in 90% of HBM are dropped. The global batch of the
+    Each candidate gets a cheap ceiling first (:func:`~titanext.planning.estimate.
+    tokens_per_s_ceiling`); they are planned in the order of their ceilings until the ``top``-th
+    valid layout is ahead of every ceiling left (the same answer as planning them all), and
+    validated in rank order through :func:`titanext.config.load_config` with ``world_size``,
+    so a layout that fails validation is never proposed; those that do not fit in 90% of HBM
+    are dropped. The global batch of the
     config is kept; the micro-batch size (1, 2, 4 or 8 sequences; under PP, times the config's
     micro-batch count) and recompute mode are searched. The schedule and the other pipeline
     keys stay the config's.
@@ -55,19 +58,23 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
         global_batch = base.training.local_batch_size * world_size
     moe = model_shape(base).moe
     microbatches = base.parallelism.pipeline_parallel_microbatches
-    candidates = []
+    hbm = 0.9 * device.hbm_bytes
+    # Every candidate with its ceiling (tokens/s without bubble or exposed communication: cheap),
+    # then planned in the order of their ceilings until no unplanned one can reach the top.
+    specs = []  # (ceiling, index, config, (tp, pp, cp, ep, local), recompute level)
+    floor_too_big: set[tuple] = set()  # weights and optimizer alone do not fit
     for tp in _divisors(world_size):
         if tp > 2 * gpus_per_node:
             continue
         for pp in _divisors(world_size // tp):
             for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
-                too_big: set[tuple[int, int]] = set()  # (ep, local) that does not fit
                 dp = world_size // (tp * pp * cp)
                 # expert parallelism borrows dp_shard x cp ranks (MoE models only)
                 eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
-                for ep, local, ac in itertools.product(eps, _local_batch_sizes(pp, microbatches),
-                                                       ("full", "selective", "none")):
-                    if global_batch % (local * dp) or (ep, local) in too_big:
+                for ep, local, (level, ac) in itertools.product(
+                        eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
+                    key = (tp, pp, cp, ep, local)
+                    if global_batch % (local * dp) or key in floor_too_big:
                         continue
                     cfg = dataclasses.replace(
                         base,
@@ -83,43 +90,85 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                     try:
                         lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
                                             float8_hardware=device.fp8_flops > 0)
-                        if static_memory_floor(lo) > 0.9 * device.hbm_bytes:
-                            too_big.add((ep, local))  # weights and optimizer alone do not fit
+                        if static_memory_floor(lo) > hbm:
+                            floor_too_big.add(key)
                             continue
-                        plan = plan_config(cfg, world_size, device=device,
-                                           gpus_per_node=gpus_per_node, efficiency=efficiency,
-                                           ep_overlap=False)
+                        ceiling = tokens_per_s_ceiling(lo, device, efficiency)
                     except ValueError:  # e.g. fewer layers than stages: validation rejects it
                         continue
-                    if plan.fits:
-                        candidates.append(plan)
-                    else:  # less recomputation only keeps more: skip selective and none
-                        too_big.add((ep, local))
-    # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less memory.
-    candidates.sort(key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
-                                    pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
-                                    pl.memory_total))
-    chosen = []
-    for plan in candidates:
-        lo = plan.layout
-        cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
-                f"--parallelism.pipeline_parallel_degree={lo['pp']}",
-                f"--parallelism.context_parallel_degree={lo['cp']}",
-                f"--parallelism.expert_parallel_degree={lo['ep']}",
-                "--parallelism.data_parallel_replicate_degree=1",
-                f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
-                f"--activation_checkpoint.mode={lo['ac']}",
-                f"--training.local_batch_size={lo['local_batch_size']}",
-                f"--training.global_batch_size={global_batch}"]
+                    specs.append((ceiling, len(specs), cfg, key, level))
+    specs.sort(key=lambda sp: (-sp[0], sp[1]))
+    too_big: dict[tuple, int] = {}  # the least recompute level that did not fit
+    candidates: list[Plan] = []
+    valid: dict[int, list[str] | None] = {}  # id(plan) -> its overrides, None: invalid
+
+    def overrides_of(plan: Plan) -> list[str] | None:
+        if id(plan) not in valid:
+            valid[id(plan)] = _validated(plan, path, overrides, world_size, global_batch)
+        return valid[id(plan)]
+
+    def ranked() -> list[Plan]:
+        # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less
+        # memory.
+        return sorted(candidates, key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
+                                                  pl.layout["tp"] * pl.layout["cp"]
+                                                  * pl.layout["pp"], pl.memory_total))
+
+    def best(limit: int) -> list[Plan]:
+        out = []
+        for plan in ranked():
+            if overrides_of(plan) is not None:
+                out.append(plan)
+                if len(out) == limit:
+                    break
+        return out
+
+    for ceiling, _, cfg, key, level in specs:
+        # done once the top-th valid layout is ahead of anything an unplanned one can reach
+        ahead = [pl for pl in candidates if round(pl.time["tokens_per_s"], -1) > ceiling + 10]
+        if len(ahead) >= top:  # enough ahead, if enough of them validate
+            chosen = best(top)
+            if len(chosen) == top and round(chosen[-1].time["tokens_per_s"], -1) > ceiling + 10:
+                break
+        if too_big.get(key, len(_RECOMPUTE)) <= level:
+            continue  # less recomputation than a layout that did not fit keeps more
         try:
-            load_config(path, [*overrides, *cand], world_size=world_size)
-        except ConfigError:
+            plan = plan_config(cfg, world_size, device=device, gpus_per_node=gpus_per_node,
+                               efficiency=efficiency, ep_overlap=False)
+        except ValueError:  # e.g. an ep the two-level dispatch cannot split into nodes
             continue
-        lo["overrides"] = cand
-        chosen.append(plan)
-        if len(chosen) == top:
-            break
+        if plan.fits:
+            candidates.append(plan)
+        else:
+            too_big[key] = min(too_big.get(key, level), level)
+    chosen = best(top)
+    for plan in chosen:
+        plan.layout["overrides"] = valid[id(plan)]
     return chosen
+
+
+#: recompute modes, most recomputation (least memory) first
+_RECOMPUTE = ("full", "selective", "none")
+
+
+def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_size: int,
+               global_batch: int) -> list[str] | None:
+    """The command-line overrides of ``plan``'s layout, if the config validates with them."""
+    lo = plan.layout
+    cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
+            f"--parallelism.pipeline_parallel_degree={lo['pp']}",
+            f"--parallelism.context_parallel_degree={lo['cp']}",
+            f"--parallelism.expert_parallel_degree={lo['ep']}",
+            "--parallelism.data_parallel_replicate_degree=1",
+            f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
+            f"--activation_checkpoint.mode={lo['ac']}",
+            f"--training.local_batch_size={lo['local_batch_size']}",
+            f"--training.global_batch_size={global_batch}"]
+    try:
+        load_config(path, [*overrides, *cand], world_size=world_size)
+    except ConfigError:
+        return None
+    return cand
 
 
 def toml_snippet(plan: Plan) -> str:

@@ -26,7 +26,7 @@ from titanext.config import JobConfig
 from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel_comm
 from titanext.planning.hardware import DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
-from titanext.planning.memory import memory_per_pp_rank, state_elements
+from titanext.planning.memory import memory_per_pp_rank, rank_params, state_elements
 from titanext.planning.roofline import (
     MEMORY_EFFICIENCY,
     MicrobatchTime,
@@ -77,7 +77,8 @@ def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, m
     shape, moe = lo.shape, lo.shape.moe
     common = dict(tokens=lo.tokens, seq_len=lo.cfg.training.seq_len, dim=shape.dim,
                   kv_dim=shape.kv_dim, vocab=shape.vocab, tp=lo.tp, sp=lo.sp, a=lo.a, ac=lo.ac,
-                  efficiency=efficiency)
+                  efficiency=efficiency, autocast=lo.autocast,
+                  float8_recipe=lo.cfg.float8.recipe)
     mt = microbatch_time(device, ffn=shape.ffn, linears=lo.linears, layers=dense,
                          embedding=embedding, head=head, head_float8=lo.head_float8, **common)
     if moe_blocks:
@@ -210,6 +211,33 @@ def busy_compute(lo: Layout, per_stage: list[MicrobatchTime], events: list | Non
     return max(busy)
 
 
+#: how far the schedule simulation's rounding (each cost to 1% of the largest forward,
+#: :func:`titanext.planning.stages.simulate_times`) can shorten a pass below its exact work
+CEILING_SLACK = 0.03
+
+
+def tokens_per_s_ceiling(lo: Layout, device: Device, efficiency: float) -> float:
+    """An upper bound of :func:`plan_config`'s tokens/s for layout ``lo``, without simulating
+    its schedule: the busiest pp rank's compute back to back (no bubble, no communication;
+    DualPipe's two stages per rank each see half the micro-batches) and the optimizer step."""
+    imbalance = (1.0 + REPLICATION_SLACK if lo.cfg.moe.replicate_hot_experts and lo.ep > 1
+                 else 1.0)
+    imbalance = min(1.0, imbalance)  # plan_config's default (balanced routing)
+    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
+    mirrored = lo.job is not None and lo.job.pipeline.mirrored
+    m = lo.pp_microbatches / 2 if mirrored else lo.pp_microbatches
+    busy = max(sum(m * per_stage[s].total for s in rk.stages) for rk in lo.pipe.ranks)
+    o = lo.cfg.optimizer
+    elements = min(state_elements(lo, *rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2],
+                                  lo.zero_n) for rk in lo.pipe.ranks)  # the lightest rank's
+    optimizer = optimizer_time(device, elements, implementation=o.implementation, name=o.name,
+                               weight_decay=o.weight_decay > 0,
+                               clip=lo.cfg.training.max_norm > 0)
+    t = lo.cfg.training
+    tokens_step = lo.accum * t.local_batch_size * lo.dp * t.seq_len
+    return tokens_step / (lo.accum * busy * (1 - CEILING_SLACK) + optimizer)
+
+
 def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
                      step: float, pass_time: float, imbalance: float) -> dict:
     """The expert-parallel all-to-all of a step: its total (``per_step`` seconds on the
@@ -243,7 +271,10 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
     step_compute = accum * pass_time
     exposed_dp = (max(0.0, hidden - step_compute) + hidden / max(1, units * accum)
                   if hidden else 0.0)
-    optimizer = optimizer_time(device, optimizer_elements)
+    o = lo.cfg.optimizer
+    optimizer = optimizer_time(device, optimizer_elements, implementation=o.implementation,
+                               name=o.name, weight_decay=o.weight_decay > 0,
+                               clip=lo.cfg.training.max_norm > 0)
     step = step_compute + exposed_dp + optimizer
     tokens_step = accum * t.local_batch_size * lo.dp * t.seq_len
     mfu = lo.shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titanext.config import JobConfig, JobLayout, resolve_job_layout
+from titanext.config import JobConfig, JobLayout, model_args, resolve_job_layout
 from titanext.planning.moe import float8_experts, row_bytes, with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
@@ -148,11 +148,11 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     pipe = pipeline_layout(job.pipeline)
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head, f8_moe = (
-        float8_flags(cfg.model.name, cfg.model.flavor, f8.recipe, tuple(f8.filter_fqns),
-                     _auto_filter(f8, float8_hardware), cfg.model.hf_assets_path,
-                     tuple(f8.force_fqns))
+        float8_flags(cfg.model.name, model_args(cfg), f8.recipe, tuple(f8.filter_fqns),
+                     _auto_filter(f8, float8_hardware), tuple(f8.force_fqns))
         if f8.enable else ((False,) * len(shape.linears), False, ()))
-    linears = [dataclasses.replace(lin, float8=flag) for lin, flag in zip(shape.linears, f8_layer)]
+    linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe)
+               for lin, flag in zip(shape.linears, f8_layer)]
     reshard = resolve_reshard_after_forward(p.fsdp_reshard_after_forward,
                                             zero_stage=max(p.zero_stage, 2), pp_enabled=pp > 1)
     f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
@@ -165,8 +165,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
                                                   + moe.experts / ep))
         moe_linears = with_ep(moe.linears, moe.num_experts, ep)
         converted = dict(f8_moe)  # the block's own linears (attention, shared experts)
-        moe_linears = [dataclasses.replace(lin, float8=converted.get(lin.name, lin.float8))
-                       for lin in moe_linears]
+        moe_linears = [dataclasses.replace(lin, float8=converted.get(lin.name, lin.float8),
+                                           float8_recipe=f8.recipe) for lin in moe_linears]
         if f8.moe_experts:
             moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe)
     return Layout(

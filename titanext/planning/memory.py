@@ -52,6 +52,8 @@ tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 from __future__ import annotations
 
+import bisect
+
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
 from titanext.planning.shapes import ModelShape
@@ -136,7 +138,7 @@ def state_elements(lo: Layout, psi_dense: float, psi_experts: float, ranks: int)
     return psi_dense / ranks + psi_experts / max(1, ranks // lo.ep)
 
 
-def _params(lo: Layout, layer_ids, embedding: bool, head: bool) -> tuple[float, float, int]:
+def rank_params(lo: Layout, layer_ids, embedding: bool, head: bool) -> tuple[float, float, int]:
     """(dense, expert) parameters on one rank of these blocks (and the embedding or the head),
     after TP and EP, and their number of parameter tensors."""
     shape, moe, tp = lo.shape, lo.shape.moe, lo.tp
@@ -275,9 +277,11 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
     for e in events or ():
         by_rank.setdefault(e.rank, []).append(e)
+    by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
+              for e in events or () if e.kind != "W"}
     for r, rk in enumerate(lo.pipe.ranks):
         n_m = lo.n_moe(rk)
-        psi_dense, psi_experts, tensors = _params(lo, rk.layer_ids, rk.embedding, rk.head)
+        psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
         state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
         mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
                # two fp32 moments per element, and a 4-byte step per parameter tensor
@@ -296,7 +300,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
             mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
-            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, sharded=sharded,
+            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
                                       grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward))
@@ -338,7 +342,7 @@ def static_memory_floor(lo: Layout) -> float:
     return max(sum(m.get(k, 0.0) for k in _STATIC) for m in memories)
 
 
-def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: bool,
+def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
                    grads: float, per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
@@ -391,21 +395,21 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
     split = any(e.kind == "W" for e in events)
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
-    psi_rank = sum(_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
+    psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
         act[s] = (lo.tokens_mb * (n_d * per_layer + n_m * per_moe_layer) + boundary
                   + (head_act + mtp_act if s == last_stage else 0.0))
         wact[s] = lo.tokens_mb * (n_d * wgrad_dense + n_m * wgrad_moe)
-        psi = sum(_params(lo, ids, s == 0, s == last_stage)[:2])
+        psi = sum(rank_params(lo, ids, s == 0, s == last_stage)[:2])
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if split else 0)) * psi \
             if sharded else 0.0
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
-    recv = _recv_intervals(r, rk.stages, events)
+    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
     live = dict.fromkeys(rk.stages, 0)
     pending = dict.fromkeys(rk.stages, 0)  # between I and W
     done = dict.fromkeys(rk.stages, 0)
@@ -414,25 +418,25 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
 
     now = [0.0]  # the end of the event being replayed: the receive buffers posted by then
 
-    def snapshot(extra=(0.0, 0.0)) -> dict[str, float]:
-        return {"grads (fp32)": sum(grad[s] for s in rk.stages  # without FSDP: param.grad
-                                    if reduced[s] or (acc_on[s] and not sharded)),
-                "unsharded grads (pp)": sum(acc[s] for s in rk.stages if acc_on[s]),
-                "activations": sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
-                "pipeline buffers": boundary * sum(post <= now[0] < done
-                                                   for post, done in recv),
-                "backward transients": extra[0],
-                "loss backward": extra[1]}
+    def terms(extra=(0.0, 0.0)) -> tuple[float, ...]:  # in the order of _PEAK_TERMS
+        return (sum(grad[s] for s in rk.stages  # without FSDP: param.grad
+                    if reduced[s] or (acc_on[s] and not sharded)),
+                sum(acc[s] for s in rk.stages if acc_on[s]),
+                sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
+                # buffers with posted <= now < freed (every interval has posted < freed)
+                boundary * (bisect.bisect_right(posts, now[0])
+                            - bisect.bisect_right(frees, now[0])),
+                extra[0], extra[1])
 
-    best: dict[str, float] = snapshot()
-    best_total = sum(best.values())
+    best = terms()
+    best_total = sum(best)
 
     def consider(extra=(0.0, 0.0)) -> None:
         nonlocal best, best_total
-        now = snapshot(extra)
-        total = sum(now.values())
+        now_terms = terms(extra)
+        total = sum(now_terms)
         if total > best_total:
-            best, best_total = now, total
+            best, best_total = now_terms, total
 
     for e in events_by_rank.get(r, ()):  # in execution order
         s = e.stage
@@ -463,24 +467,30 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, *, sharded: b
                 reduced[s] = True
                 consider()
                 acc_on[s] = False
-    return best
+    return dict(zip(_PEAK_TERMS, best))
 
 
-def _recv_intervals(r: int, stages, events) -> list[tuple[float, float]]:
-    """(posted, freed) times of rank ``r``'s receive buffers for ``stages``: a micro-batch's
-    input activation from another rank from its sender's F start to the end of this stage's
-    I or B (the sender's start: torch posts a receive about one chunk before it can land), its
-    output gradient likewise from its sender's I or B. A buffer counts at an event of the rank
-    that ends in ``[posted, freed)``, the I or B that frees it included (freed: a tiny bit
-    later)."""
-    by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
-              for e in events if e.kind != "W"}
-    out = []
-    for e in events:
-        if e.rank != r or e.stage not in stages or e.kind not in ("I", "B"):
+_PEAK_TERMS = ("grads (fp32)", "unsharded grads (pp)", "activations", "pipeline buffers",
+               "backward transients", "loss backward")
+
+
+def _recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float], list[float]]:
+    """The sorted posted and freed times of rank ``r``'s receive buffers for ``stages``: a
+    micro-batch's input activation from another rank from its sender's F start to the end of
+    this stage's I or B (the sender's start: torch posts a receive about one chunk before it
+    can land), its output gradient likewise from its sender's I or B. A buffer counts at an
+    event of the rank that ends in ``[posted, freed)``, the I or B that frees it included
+    (freed: a tiny bit later); a buffer freed before it is posted never counts. ``by_key``:
+    every rank's F, I and B events by (stage, "F" or "IB", micro-batch)."""
+    posts, frees = [], []
+    for e in events_by_rank.get(r, ()):
+        if e.stage not in stages or e.kind not in ("I", "B"):
             continue
         for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
                        by_key.get((e.stage + 1, "IB", e.microbatch))):
             if sender is not None and sender.rank != r:
-                out.append((sender.start, e.end + 1e-9 * max(1.0, e.end)))
-    return out
+                freed = e.end + 1e-9 * max(1.0, e.end)
+                if sender.start < freed:
+                    posts.append(sender.start)
+                    frees.append(freed)
+    return sorted(posts), sorted(frees)

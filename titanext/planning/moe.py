@@ -107,8 +107,9 @@ def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Line
 
 
 def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
-    """``[float8] moe_experts``: the routed experts' GEMMs at the float8 peak with 1-byte
-    operands and a cast of their input and weights per pass (the roofline's float8 linear), for
+    """``[float8] moe_experts``: the routed experts' GEMMs at the measured rowwise float8 speed
+    with 1-byte operands and a cast of their input and weights per pass (the roofline's float8
+    linear, :data:`~titanext.planning.roofline.FLOAT8_GEMM_SPEEDUP`), for
     the ``rowwise`` recipe, which runs torchao's float8 grouped GEMMs. ``blockwise`` has no
     float8 grouped GEMM (it is emulated: float8 numerics at high-precision speed), so it stays
     at the bf16 peak. No float8 copy or scale outlives a GEMM (the kernels and the emulation
@@ -123,8 +124,8 @@ def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
 
     if recipe != "rowwise":
         return list(linears)
-    return [dataclasses.replace(lin, float8=True) if lin.name.startswith("moe.experts.") else lin
-            for lin in linears]
+    return [dataclasses.replace(lin, float8=True, float8_recipe="rowwise")
+            if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
 
 def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> float:

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from titanext.config import JobConfig
+from titanext.config import JobConfig, model_args
 from titanext.planning.moe import MoEShape, moe_shape
 from titanext.planning.roofline import Linear
+
+if TYPE_CHECKING:
+    from titanext.models import ModelArgs
 
 __all__ = ["ModelShape", "float8_flags", "model_shape"]
 
@@ -64,23 +68,16 @@ class ModelShape:
 
 
 def model_shape(cfg: JobConfig) -> ModelShape:
-    """The shape of the model ``cfg`` trains (``[model] num_mtp_layers`` applied)."""
-    return _model_shape(cfg.model.name, cfg.model.flavor, cfg.training.seq_len,
-                        cfg.model.hf_assets_path, cfg.model.num_mtp_layers)
+    """The shape of the model ``cfg`` trains: :func:`titanext.config.model_args`, the one the
+    trainer builds (``[model] num_mtp_layers`` and the ``[moe]`` overrides applied)."""
+    return _model_shape(cfg.model.name, model_args(cfg), cfg.training.seq_len)
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(name: str, flavor: str, hf_assets_path: str | None = None, mtp: int = -1):
-    """The model on the meta device; ``mtp`` >= 0 replaces the flavor's MTP depth."""
-    import dataclasses
+def _meta_model(name: str, args: ModelArgs):
+    """Model ``name`` with ``args`` on the meta device."""
+    from titanext.models import build_model
 
-    from titanext.hf.configs import model_args_from_hf
-    from titanext.models import MODEL_FLAVORS, build_model, get_model_args
-
-    args = (model_args_from_hf(hf_assets_path or "") if flavor == "hf" and name in MODEL_FLAVORS
-            else get_model_args(name, flavor))
-    if mtp >= 0:
-        args = dataclasses.replace(args, num_mtp_layers=mtp)
     return build_model(name, args, device="meta")
 
 
@@ -98,9 +95,8 @@ def _linears(layer) -> tuple[Linear, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ...],
-                 auto_filter: bool, hf_assets_path: str | None = None,
-                 force_fqns: tuple[str, ...] = ()
+def float8_flags(name: str, args: ModelArgs, recipe: str, filter_fqns: tuple[str, ...],
+                 auto_filter: bool, force_fqns: tuple[str, ...] = ()
                  ) -> tuple[tuple[bool, ...], bool, tuple[tuple[str, bool], ...]]:
     """Which linears the float8 converter swaps: the first dense block's (in the order of
     ``ModelShape.linears``), the output head, and the first MoE block's by name (attention,
@@ -111,7 +107,7 @@ def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ..
 
     keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter,
                                 force_fqns=force_fqns)
-    model = _meta_model(name, flavor, hf_assets_path)
+    model = _meta_model(name, args)
 
     def flags(kind) -> tuple[tuple[str, bool], ...]:
         i, block = next(((i, b) for i, b in model.layers.items() if kind(b)), (None, None))
@@ -125,10 +121,8 @@ def float8_flags(name: str, flavor: str, recipe: str, filter_fqns: tuple[str, ..
 
 
 @functools.lru_cache(maxsize=16)
-def _model_shape(name: str, flavor: str, seq_len: int,
-                 hf_assets_path: str | None = None, mtp: int = -1) -> ModelShape:
-    model = _meta_model(name, flavor, hf_assets_path, mtp)
-    args = model.args  # flavor 'hf': its config.json
+def _model_shape(name: str, args: ModelArgs, seq_len: int) -> ModelShape:
+    model = _meta_model(name, args)
     # a dense block describes the dense fields (a MoE-only model has none, they count 0 times)
     layer = next((blk for blk in model.layers.values() if not hasattr(blk, "moe")),
                  model.layers["0"])

@@ -102,6 +102,8 @@ def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a
     ``a2a_exposed`` in seconds). Costs are normalised by the largest F and rounded to 1%
     before simulating, so that similar layouts share a cached simulation.
     """
+    from titanext.schedules.simulator import Event
+
     unit = max(f) if isinstance(f, tuple) else f
 
     def q(x, floor: float = 0.0):
@@ -116,7 +118,8 @@ def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a
                             max_pending_weight_grads=layout.max_pending_weight_grads)
 
     def secs(events):
-        return [dataclasses.replace(e, start=e.start * unit, end=e.end * unit) for e in events]
+        return [Event(e.rank, e.stage, e.kind, e.microbatch, e.start * unit, e.end * unit)
+                for e in events]
 
     return sim.makespan * unit, dataclasses.replace(
         sim, a2a_exposed=[x * unit for x in sim.a2a_exposed], events=secs(sim.events),

@@ -5,6 +5,8 @@ and the problems of running a schedule with given settings (:func:`schedule_prob
 
 from __future__ import annotations
 
+import functools
+
 from titanext.schedules._torch_ir import check_actions, leaves, torch_pipeline_order
 from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
 from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
@@ -36,6 +38,18 @@ def schedule_order(name: str | type, *, pp: int, microbatches: int,
     (:mod:`titanext.schedules.memory_cap`).
     """
     cls = get_schedule_class(name) if isinstance(name, str) else name
+    if not costs:  # the same lists every time: built once per class (the planner asks often)
+        order = _cached_order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads)
+        return {r: list(acts) for r, acts in order.items()}
+    return _order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads, **costs)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads):
+    return _order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads)
+
+
+def _order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads, **costs):
     cls = capped_schedule_class(cls, max_pending_weight_grads)
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     if hasattr(cls, "textbook_order"):

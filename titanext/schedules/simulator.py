@@ -151,9 +151,11 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
     >>> replay(order, num_stages=2).makespan, replay(order, num_stages=2, f=[1, 2]).makespan
     (15.0, 19.0)
     """
-    units = {r: [u for a in acts for u in _units(a, overlap)] for r, acts in order.items()}
-    owner = {(x.stage_index, x.microbatch_index): r for r, us in units.items() for u in us
-             for x in u}
+    order_units = {r: [u for a in acts for u in _units(a, overlap)] for r, acts in order.items()}
+    # each unit as (kind, stage, micro-batch) triples, read once
+    units = {r: [tuple((_KIND[x.computation_type], x.stage_index, x.microbatch_index)
+                       for x in u) for u in us] for r, us in order_units.items()}
+    owner = {(s, j): r for r, us in units.items() for u in us for _, s, j in u}
     by_kind = {"F": f, "I": b, "W": w, "B": full_b}
 
     def pick(c: Cost, stage: int) -> float:
@@ -169,6 +171,9 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
             return 0.0
         return pick(a2a if kind == "F" or a2a_b is None else a2a_b, stage)
 
+    # (compute, all-to-all) seconds of each (kind, stage)
+    costs = {(k, s): (cost(k, s), a2a_of(k, s))
+             for k, s in {(k, s) for us in units.values() for u in us for k, s, _ in u}}
     done: dict[tuple[str, int, int], float] = {}
     pos = {r: 0 for r in units}
     free = {r: 0.0 for r in units}
@@ -198,31 +203,27 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
 
     def place(r: int, unit: tuple, start: float) -> float:
         """Events of ``unit`` from ``start``; returns its end."""
-        parts = [(_KIND[x.computation_type], x) for x in unit]
-        c = [cost(k, x.stage_index) for k, x in parts]
-        a = [a2a_of(k, x.stage_index) for k, x in parts]
-        if len(parts) == 1:
-            (k, x), t = parts[0], start
-            events.append(Event(r, x.stage_index, k, x.microbatch_index, t, t + c[0]))
-            if a[0]:
-                comm_events.append(Event(r, x.stage_index, "A", x.microbatch_index,
-                                         t + c[0], t + c[0] + a[0]))
-            exposed[r] += a[0]
-            return t + c[0] + a[0]
+        if len(unit) == 1:
+            (k, s, j), t = unit[0], start
+            c, a = costs[k, s]
+            events.append(Event(r, s, k, j, t, t + c))
+            if a:
+                comm_events.append(Event(r, s, "A", j, t + c, t + c + a))
+            exposed[r] += a
+            return t + c + a
         # an interleaved pair: each side's all-to-all runs while the other side computes
-        (kf, xf), (kb, xb) = parts
-        hide_b, hide_f = max(0.0, a[1] - c[0]), max(0.0, a[0] - c[1])
-        events.append(Event(r, xf.stage_index, kf, xf.microbatch_index, start, start + c[0]))
-        mid = start + c[0] + hide_b
-        events.append(Event(r, xb.stage_index, kb, xb.microbatch_index, mid, mid + c[1]))
-        if a[1]:
-            comm_events.append(Event(r, xb.stage_index, "A", xb.microbatch_index, start,
-                                     start + a[1]))
-        if a[0]:
-            comm_events.append(Event(r, xf.stage_index, "A", xf.microbatch_index, mid,
-                                     mid + a[0]))
+        (kf, sf, jf), (kb, sb, jb) = unit
+        (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
+        hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
+        events.append(Event(r, sf, kf, jf, start, start + cf))
+        mid = start + cf + hide_b
+        events.append(Event(r, sb, kb, jb, mid, mid + cb))
+        if ab:
+            comm_events.append(Event(r, sb, "A", jb, start, start + ab))
+        if af:
+            comm_events.append(Event(r, sf, "A", jf, mid, mid + af))
         exposed[r] += hide_b + hide_f
-        return mid + c[1] + hide_f
+        return mid + cb + hide_f
 
     remaining = sum(len(us) for us in units.values())
     while remaining:
@@ -230,27 +231,31 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
         for r, us in units.items():
             while pos[r] < len(us):
                 unit = us[pos[r]]
-                times = [ready(_KIND[x.computation_type], x.stage_index, x.microbatch_index)
-                         for x in unit]
-                if any(t is None for t in times):
-                    break
-                end = place(r, unit, max(*times, free[r]))
-                free[r] = end + overhead
-                for x in unit:
-                    kind, key = _KIND[x.computation_type], (x.stage_index, x.microbatch_index)
-                    done[(kind, *key)] = end
-                    if kind == "B":  # a full backward is also the input gradient others wait for
-                        done[("I", *key)] = end
-                    if kind == "F":
-                        live[r] += 1
-                        peak[r] = max(peak[r], live[r])
-                    elif kind in ("W", "B"):
-                        live[r] -= 1
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
+                start = free[r]
+                for kind, s, j in unit:
+                    t = ready(kind, s, j)
+                    if t is None:
+                        break
+                    start = max(start, t)
+                else:
+                    end = place(r, unit, start)
+                    free[r] = end + overhead
+                    for kind, s, j in unit:
+                        done[kind, s, j] = end
+                        if kind == "B":  # a full backward is also the input gradient others
+                            done["I", s, j] = end  # wait for
+                        if kind == "F":
+                            live[r] += 1
+                            peak[r] = max(peak[r], live[r])
+                        elif kind in ("W", "B"):
+                            live[r] -= 1
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                break
         if not progressed:
-            stuck = {r: str(units[r][pos[r]]) for r in units if pos[r] < len(units[r])}
+            stuck = {r: str(order_units[r][pos[r]]) for r in units if pos[r] < len(units[r])}
             raise ValueError(f"the schedule deadlocks; next actions per rank: {stuck}")
     return _result(events, comm_events, units, peak, exposed, stage_size)
 
