@@ -47,7 +47,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-__all__ = ["run", "shutdown"]
+__all__ = ["forget_meshes", "run", "shutdown"]
 
 #: At most this many idle workers stay alive (1 + 2 + 3 + 4 + 8 fit); the least recently used pool
 #: is closed first when a new one would pass it.
@@ -168,14 +168,21 @@ def _drop_case_groups(dist, home) -> None:
     flight on them. torch 2.11 caches sliced and flattened meshes in a module-level registry
     (dicts keyed by mesh); an equal mesh of a later case must not find the old groups there.
     """
-    import torch.distributed.device_mesh as device_mesh
-
     c10d = dist.distributed_c10d
     groups = [g for g in list(c10d._world.pg_map) if g is not home]
     if not groups:  # most cases: nothing to end, nothing cached that names an ended group
         return
     for group in groups:
         dist.destroy_process_group(group)
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Forget the meshes and groups torch.distributed caches (after destroying groups): a case
+    that ends the default group and starts another (the dry run's fake one after a real run)
+    calls it too, or the new group's equal meshes come back with the old group names."""
+    import torch.distributed.device_mesh as device_mesh
+
     registry = getattr(device_mesh, "_mesh_resources", None)
     for value in vars(registry).values() if registry is not None else ():
         if isinstance(value, (dict, list)):

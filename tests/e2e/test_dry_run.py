@@ -138,6 +138,7 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
     """{case: (real peak, dry-run peak, planner)} on this rank (dry runs on DRY_RANKS only)."""
     import torch.distributed as dist
 
+    from tests.pool import forget_meshes
     from titanext._fake_backend import init_fake_process_group
     from titanext.launch.dry_run import measure, measure_real
 
@@ -148,6 +149,10 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
             for name, (config, args) in TRUTH_CASES.items()}
     dist.barrier()
     dist.destroy_process_group()
+    # torch's caches still hold the real run's meshes, naming groups that are gone: an equal
+    # mesh of the dry run would come back with them (passing alone, where the fake world's
+    # group names happen to repeat the real one's, and failing after other cases)
+    forget_meshes()
     init_fake_process_group(rank, world_size)  # the same process now plays its rank
     out = {}
     for name, (config, args) in TRUTH_CASES.items():
