@@ -62,7 +62,9 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     # Every candidate with its ceiling (tokens/s without bubble or exposed communication: cheap),
     # then planned in the order of their ceilings until no unplanned one can reach the top.
     specs = []  # (ceiling, index, config, (tp, pp, cp, ep, local), recompute level)
-    floor_too_big: set[tuple] = set()  # weights and optimizer alone do not fit
+    # the least recompute level whose floor (weights, optimizer, one micro-batch's
+    # activations) does not fit; less recomputation keeps more
+    floor_too_big: dict[tuple, int] = {}
     for tp in _divisors(world_size):
         if tp > 2 * gpus_per_node:
             continue
@@ -74,7 +76,8 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                 for ep, local, (level, ac) in itertools.product(
                         eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
                     key = (tp, pp, cp, ep, local)
-                    if global_batch % (local * dp) or key in floor_too_big:
+                    if (global_batch % (local * dp)
+                            or floor_too_big.get(key, len(_RECOMPUTE)) <= level):
                         continue
                     cfg = dataclasses.replace(
                         base,
@@ -91,7 +94,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                         lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
                                             float8_hardware=device.fp8_flops > 0)
                         if static_memory_floor(lo) > hbm:
-                            floor_too_big.add(key)
+                            floor_too_big[key] = level
                             continue
                         ceiling = tokens_per_s_ceiling(lo, device, efficiency)
                     except ValueError:  # e.g. fewer layers than stages: validation rejects it

@@ -254,8 +254,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
     p = lo.cfg.parallelism
-    per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp, cp=lo.cp,
-                                                 ulysses=lo.ulysses, residual=lo.residual)
+    per_layer, per_moe_layer = saved_bytes_per_token(lo)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
         head_act += a * shape.output / tp  # 16-bit copy of the weight for its backward
@@ -268,10 +267,6 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     # zeros, exp(input) and their sum (12: three float32 tensors alive, the 8B's dry run).
     loss_parallel = lo.tp > 1 and lo.cfg.parallelism.enable_loss_parallel
     loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
-    per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=a, tp=tp, sp=lo.sp,
-                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses,
-                                                      residual=lo.residual)
-                     + lo.kept_all_to_all_per_token + _two_level_saved(lo) if moe else 0.0)
     sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
@@ -334,12 +329,38 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     return memories, psis
 
 
+def saved_bytes_per_token(lo: Layout) -> tuple[float, float]:
+    """Saved activation bytes per token of one dense block and of one MoE block (0 without
+    MoE) under ``lo``'s recompute, TP, SP, CP and dispatch."""
+    shape = lo.shape
+    per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
+                                                 cp=lo.cp, ulysses=lo.ulysses,
+                                                 residual=lo.residual)
+    per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
+                                                      cp=lo.cp, moe=True, ulysses=lo.ulysses,
+                                                      residual=lo.residual)
+                     + lo.kept_all_to_all_per_token + _two_level_saved(lo)
+                     if shape.moe else 0.0)
+    return per_layer, per_moe_layer
+
+
 def static_memory_floor(lo: Layout) -> float:
-    """The busiest pp rank's parameters, optimizer state and gathered parameters: what every
-    moment of its step holds, so a lower bound of its peak, without simulating the schedule
-    (the planner's advice drops a layout whose floor does not fit before timing it)."""
+    """A lower bound of the busiest pp rank's peak, without simulating the schedule (the
+    planner's advice drops a layout whose floor does not fit before timing it): the parameters,
+    optimizer state and gathered parameters that every moment of its step holds, and the
+    activations one micro-batch saves in the rank's lightest stage (held at the end of each of
+    its forwards)."""
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
-    return max(sum(m.get(k, 0.0) for k in _STATIC) for m in memories)
+    per_layer, per_moe_layer = saved_bytes_per_token(lo)
+    moe_ids = lo.shape.moe.layer_ids if lo.shape.moe else frozenset()
+
+    def one_microbatch(rk) -> float:
+        return lo.tokens_mb * min(
+            (len(ids) - len(moe_ids.intersection(ids))) * per_layer
+            + len(moe_ids.intersection(ids)) * per_moe_layer for ids in rk.stage_layer_ids)
+
+    return max(sum(m.get(k, 0.0) for k in _STATIC) + one_microbatch(rk)
+               for m, rk in zip(memories, lo.pipe.ranks))
 
 
 def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
