@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the side-by-side's traced titanext step, its top ops and its CUDA memory snapshot go here too
+export TITANEXT_GPUCHECK_OUT="$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/titanext-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/titanext-site"

@@ -14,7 +14,10 @@ from tests.spawn import run_distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _cli(rank: int, world_size: int, path: str, wheels: str) -> dict:
+def _cli(rank: int, world_size: int, path: str, wheels: str, out_dir: str) -> dict:
+    from titanext.gpucheck.side_by_side import OUT_ENV
+
+    os.environ[OUT_ENV] = out_dir  # the traced step's files (the pool restores the environment)
     spec = importlib.util.spec_from_file_location(
         "side_by_side_cli", os.path.join(ROOT, "benchmarks", "side_by_side.py"))
     cli = importlib.util.module_from_spec(spec)
@@ -27,8 +30,8 @@ def _cli(rank: int, world_size: int, path: str, wheels: str) -> dict:
 def test_tiny_side_by_side(tmp_path):
     empty = tmp_path / "no-wheels"
     empty.mkdir()
-    out = run_distributed(_cli, 1, args=(str(tmp_path / "sbs.json"), str(empty)),
-                          timeout_s=120)[0]
+    out = run_distributed(_cli, 1, args=(str(tmp_path / "sbs.json"), str(empty),
+                                         str(tmp_path / "out")), timeout_s=120)[0]
     by = {r["name"]: r for r in out["rows"]}
     assert out["code"] == 0, [(r["name"], r["note"]) for r in out["rows"]]
     for name in ("titanext", "plain"):
@@ -43,6 +46,13 @@ def test_tiny_side_by_side(tmp_path):
     assert "no wheel in" in tt["note"] and "ModuleNotFoundError" in tt["note"], tt
     assert by["side-by-side titanext / plain"]["data"]["target"] == 0.98
     assert "side-by-side titanext / torchtitan" not in by
+    # one more titanext step, traced after the timed rounds: its phases from the Chrome trace
+    traced = by["side-by-side titanext: where a step went (ms)"]
+    breakdown = traced["data"]["breakdown"]
+    assert breakdown["step_ms"] > 0 and {"forward", "backward", "optimizer"} <= set(
+        breakdown["phases"]), breakdown
+    assert (tmp_path / "out" / "titanext_step_trace.json").stat().st_size > 0
+    assert "Self CPU" in (tmp_path / "out" / "titanext_top_ops.txt").read_text()
 
 
 def _plain_fails_at_step_2(rank: int, world_size: int, wheels: str) -> list:

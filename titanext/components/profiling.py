@@ -49,7 +49,8 @@ from titanext.components.step_table import breakdown_rows, simulated_idle, step_
 from titanext.components.trace_svg import write_timeline
 from titanext.config import PipelinePlan, Profiling
 
-__all__ = ["PipelineShape", "StepProfiler", "memory_svg", "window_steps"]
+__all__ = ["PipelineShape", "StepProfiler", "dump_cuda_history", "memory_svg",
+           "record_cuda_history", "window_steps"]
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events the CUDA history keeps
 GiB = 2**30
@@ -127,7 +128,7 @@ class StepProfiler:
             self._prof.step_num = self._start  # a resumed run keeps its windows' steps
             self._prof.__enter__()
         if self.cuda_history:
-            _record_cuda_history(True)
+            record_cuda_history(True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -135,7 +136,7 @@ class StepProfiler:
             self._prof.__exit__(*exc)
             self._prof = None
         if self.cuda_history:
-            _record_cuda_history(False)
+            record_cuda_history(False)
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
@@ -164,7 +165,7 @@ class StepProfiler:
                 self._prof.step()
         if self.cuda_history and step % self.cfg.profile_freq == 0:
             folder = self._folder(self.memory_root, step)
-            _dump_cuda_history(os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle"))
+            dump_cuda_history(os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle"))
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -275,10 +276,12 @@ def memory_svg(memory: dict[str, int], title: str = "") -> str:
 
 # -- CUDA's allocator history (torch's private names are in titanext._compat) ------------------
 
-def _record_cuda_history(on: bool) -> None:
+def record_cuda_history(on: bool) -> None:
+    """Start (stop) recording CUDA's allocator history (the last 100,000 events)."""
     record_cuda_memory_history(on, max_entries=MEMORY_HISTORY_ENTRIES)
 
 
-def _dump_cuda_history(path: str) -> None:
+def dump_cuda_history(path: str) -> None:
+    """Write the recorded history to ``path``: the pickle https://pytorch.org/memory_viz reads."""
     with open(path, "wb") as f:
         pickle.dump(cuda_memory_snapshot(), f)

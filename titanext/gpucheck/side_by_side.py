@@ -43,7 +43,8 @@ from torch import nn
 from titanext.components.metrics import device_peak_flops
 from titanext.gpucheck._common import Ctx, Row, rel_err
 
-__all__ = ["SHAPE", "TARGETS", "VARIANTS", "measure_side_by_side", "torchtitan_import"]
+__all__ = ["OUT_ENV", "SHAPE", "TARGETS", "VARIANTS", "measure_side_by_side", "torchtitan_import",
+           "trace_step"]
 
 SECTION = "measure"
 #: (flavor, local batch, seq_len, warm-up steps, timed rounds): on a GPU and quick (CPU)
@@ -57,6 +58,8 @@ SAVE_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
             "_scaled_dot_product_flash_attention_for_cpu")
 LR, MAX_NORM, SEED = 3e-4, 1.0, 7
+#: where the traced step and the memory snapshot go (unset: not taken)
+OUT_ENV = "TITANEXT_GPUCHECK_OUT"
 
 
 class _Variant:
@@ -274,7 +277,7 @@ def measure_side_by_side(ctx: Ctx, shape: tuple | None = None,
             if ctx.cuda:
                 torch.cuda.empty_cache()
 
-    build("titanext", lambda: _Titanext(ctx, flavor, batch, seq, steps))
+    build("titanext", lambda: _Titanext(ctx, flavor, batch, seq, steps + 3))  # + traced
     if "titanext" not in runs:
         return [Row(SECTION, "side-by-side titanext", "FAIL", note=why["titanext"])]
     tx = runs["titanext"]
@@ -326,7 +329,7 @@ def measure_side_by_side(ctx: Ctx, shape: tuple | None = None,
         rows.append(Row(SECTION, f"side-by-side {name}", "measured", value=value, note=note,
                         data={"tokens_per_s": tps[name], "mfu_pct": mfu, "step_s": step_s,
                               "peak_bytes": run.peak if ctx.cuda else None,
-                              "losses": run.losses}))
+                              "losses": list(run.losses)}))
     if "plain" in runs:  # the same model, weights and batch: the same first loss
         err = rel_err(torch.tensor(runs["plain"].losses[0]), torch.tensor(tx.losses[0]))
         tol = 1e-5 if not ctx.cuda else 2e-2
@@ -339,9 +342,64 @@ def measure_side_by_side(ctx: Ctx, shape: tuple | None = None,
             rows.append(Row(SECTION, f"side-by-side titanext / {other}", "measured",
                             value=f"{ratio:.3f}x", target=f">= {target}x",
                             data={"ratio": ratio, "target": target}))
+    out_dir = os.environ.get(OUT_ENV)
+    if out_dir:  # after the timed rounds: they stay untraced
+        rows += trace_step(ctx, tx, out_dir)
     for run in runs.values():
         run.__dict__.clear()
     gc.collect()
     if ctx.cuda:
         torch.cuda.empty_cache()
+    return rows
+
+
+def trace_step(ctx: Ctx, run: _Variant, out_dir: str) -> list[Row]:
+    """One more step of ``run`` under torch.profiler (a Chrome trace, where the step's time
+    went by titanext's phases, and the 15 kernels that took longest) and one with the CUDA
+    allocator's history recorded (a snapshot for https://pytorch.org/memory_viz), both written
+    to ``out_dir``: the evidence for what to make faster and what holds the memory."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from titanext.components.profiling import dump_cuda_history, record_cuda_history
+    from titanext.components.step_table import step_breakdown
+
+    os.makedirs(out_dir, exist_ok=True)
+    trace_path = os.path.join(out_dir, f"{run.name}_step_trace.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    sort = "cuda_time_total" if ctx.cuda else "cpu_time_total"
+    tables: list[str] = []
+
+    def ready(prof) -> None:  # the traced step's window closes: its trace and its top ops
+        prof.export_chrome_trace(trace_path)
+        tables.append(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+    with profile(activities=activities, on_trace_ready=ready,
+                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+        for _ in range(2):  # the profiler's warm-up step, then the traced one
+            run.step()
+            prof.step()
+    with open(trace_path, encoding="utf-8") as f:
+        b = step_breakdown(json.load(f))
+    kernels = tables[0]
+    with open(os.path.join(out_dir, f"{run.name}_top_ops.txt"), "w", encoding="utf-8") as f:
+        f.write(kernels)
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in b["phases"].items())
+    rows = [Row(SECTION, f"side-by-side {run.name}: where a step went (ms)", "measured",
+                value=f"step {b['step_ms']:.1f}", note=f"{phases}, unaccounted "
+                f"{b['unaccounted_ms']:.1f}; trace {os.path.basename(trace_path)}",
+                data={"breakdown": {k: v for k, v in b.items() if k != "steps"},
+                      "top_ops": kernels})]
+    if ctx.cuda:
+        snapshot = os.path.join(out_dir, f"{run.name}_memory_snapshot.pickle")
+        record_cuda_history(True)
+        try:
+            run.step()
+            dump_cuda_history(snapshot)
+        finally:
+            record_cuda_history(False)
+        rows.append(Row(SECTION, f"side-by-side {run.name}: memory snapshot", "measured",
+                        value=f"peak {torch.cuda.max_memory_allocated(ctx.device) / 2**30:.1f} "
+                              "GiB", note=os.path.basename(snapshot)))
     return rows

@@ -160,16 +160,34 @@ def measure_trainer(ctx: Ctx) -> list[Row]:
             note=f"median of {rounds} steps in turns, {batch}x{seq}, "
                  f"{'compile + ' if not ctx.quick else ''}AC(selective)",
             data={"tokens_per_s": tps, "mfu_pct": mfu, "step_s": step_s}))
+        if ctx.cuda:
+            rows.append(_planner_step_row(ctx, flavor, label, run, step_s))
         run.close()
     return rows
 
 
-def _planner_row(ctx: Ctx, flavor: str, run: _Run) -> Row:
+def _plan(ctx: Ctx, run: _Run):
     from titanext.planning.estimate import plan_config
     from titanext.planning.hardware import DEVICES
 
     name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else ""
-    plan = plan_config(run.cfg, 1, device=DEVICES["h200" if "H200" in name else "h100"])
+    return plan_config(run.cfg, 1, device=DEVICES["h200" if "H200" in name else "h100"])
+
+
+def _planner_step_row(ctx: Ctx, flavor: str, label: str, run: _Run, step_s: float) -> Row:
+    """The planner's step time of the run against its measured median step."""
+    plan = _plan(ctx, run)
+    ratio = plan.time["step_s"] / step_s
+    return Row(SECTION_MEASURE, f"{flavor} planner step vs measured, {label}", "measured",
+               value=f"plan {1e3 * plan.time['step_s']:.1f} ms / measured {1e3 * step_s:.1f} ms"
+                     f" = {ratio:.2f}", target="within 15%",
+               data={"plan_s": plan.time["step_s"], "measured_s": step_s, "ratio": ratio,
+                     "plan_time": {k: v for k, v in plan.time.items()
+                                   if isinstance(v, (int, float))}})
+
+
+def _planner_row(ctx: Ctx, flavor: str, run: _Run) -> Row:
+    plan = _plan(ctx, run)
     measured = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
     value = f"plan {plan.memory_total / 2**30:.2f} GiB"
     if measured:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titanext.config import JobConfig, JobLayout, model_args, resolve_job_layout
+from titanext.config import JobConfig, JobLayout, resolve_job_layout
 from titanext.planning.moe import float8_experts, row_bytes, with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
@@ -130,10 +130,11 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     from titanext.plugins.fsdp import resolve_reshard_after_forward
 
     p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
-    shape = model_shape(cfg)
-    # the job as the trainer resolves it: degrees, accumulation (the trainer's own rule, a
-    # ConfigError where it is not whole), micro-batches, the pipeline's placement and split
+    # the job as the trainer resolves it: the model, degrees, accumulation (the trainer's own
+    # rule, a ConfigError where it is not whole), micro-batches, the pipeline's placement and
+    # split, the recompute
     job = resolve_job_layout(cfg, world_size)
+    shape = model_shape(cfg, job.model_args)
     rep, tp, cp, pp, ep = job.dp_replicate, job.tp, job.cp, job.pp, job.ep
     moe = shape.moe
     shard = job.dp_shard
@@ -148,7 +149,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     pipe = pipeline_layout(job.pipeline)
     tokens_mb = t.local_batch_size // pp_mb * t.seq_len
     f8_layer, f8_head, f8_moe = (
-        float8_flags(cfg.model.name, model_args(cfg), f8.recipe, tuple(f8.filter_fqns),
+        float8_flags(cfg.model.name, job.model_args, f8.recipe, tuple(f8.filter_fqns),
                      _auto_filter(f8, float8_hardware), tuple(f8.force_fqns))
         if f8.enable else ((False,) * len(shape.linears), False, ()))
     linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe)
@@ -172,7 +173,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     return Layout(
         cfg=cfg, shape=shape, rep=rep, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep, a=a,
         reduce_bytes=2 if t.mixed_precision_reduce == "bfloat16" else 4,
-        sp=tp > 1 and p.enable_sequence_parallel, ac=cfg.activation_checkpoint.mode,
+        sp=tp > 1 and p.enable_sequence_parallel, ac=job.recompute.split(":")[0],
         accum=accum, pp_microbatches=pp_mb, pipe=pipe, tokens_mb=tokens_mb,
         tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
         zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,

@@ -67,10 +67,11 @@ class ModelShape:
                 + moe + self.embedding + self.output + self.final_norm)
 
 
-def model_shape(cfg: JobConfig) -> ModelShape:
-    """The shape of the model ``cfg`` trains: :func:`titanext.config.model_args`, the one the
-    trainer builds (``[model] num_mtp_layers`` and the ``[moe]`` overrides applied)."""
-    return _model_shape(cfg.model.name, model_args(cfg), cfg.training.seq_len)
+def model_shape(cfg: JobConfig, args: ModelArgs | None = None) -> ModelShape:
+    """The shape of the model ``cfg`` trains: ``args``, or :func:`titanext.config.model_args`,
+    the one the trainer builds (``[model] num_mtp_layers`` and the ``[moe]`` overrides
+    applied; a :class:`~titanext.config.JobLayout` holds it)."""
+    return _model_shape(cfg.model.name, args or model_args(cfg), cfg.training.seq_len)
 
 
 @functools.lru_cache(maxsize=8)
