@@ -47,10 +47,9 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     valid layout is ahead of every ceiling left (the same answer as planning them all), and
     validated in rank order through :func:`titanext.config.load_config` with ``world_size``,
     so a layout that fails validation is never proposed; those that do not fit in 90% of HBM
-    are dropped. The global batch of the
-    config is kept; the micro-batch size (1, 2, 4 or 8 sequences; under PP, times the config's
-    micro-batch count) and recompute mode are searched. The schedule and the other pipeline
-    keys stay the config's.
+    are dropped. The global batch of the config is kept; the micro-batch size (1, 2, 4 or 8
+    sequences; under PP, times the config's micro-batch count) and recompute mode are
+    searched. The schedule and the other pipeline keys stay the config's.
     """
     base = load_config(path, overrides, world_size=world_size)
     global_batch = base.training.global_batch_size
