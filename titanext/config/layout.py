@@ -233,7 +233,10 @@ def resolve_job_layout(cfg: JobConfig, world_size: int) -> JobLayout:
         mesh_dims=mesh_dims(pp=pp, dp_replicate=p.data_parallel_replicate_degree,
                             dp_shard=shard, cp=cp, cp_ulysses=u, tp=p.tensor_parallel_degree,
                             ep=ep),
-        accumulation_steps=gradient_accumulation_steps(cfg, world_size), model_args=args,
+        accumulation_steps=accumulation_steps(
+            global_batch_size=cfg.training.global_batch_size,
+            local_batch_size=cfg.training.local_batch_size,
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=shard), model_args=args,
         pipeline=plan, expert_replicas=cfg.moe.replicate_hot_experts if ep > 1 else 0,
         recompute=(f"selective:{ac.selective_ac_option}" if ac.mode == "selective"
                    else ac.mode))
@@ -253,12 +256,14 @@ def _resolve_shard(p: Any, world_size: int | None) -> tuple[int, str | None]:
         return fallback, e.problems[0]
     return shard, None
 
+
 def ulysses_degree(p: Any) -> int:
     """The Ulysses degree CP runs with: context_parallel_degree for comm = 'alltoall' (pure
     Ulysses), else context_parallel_ulysses_degree (1 = ring only)."""
     if p.context_parallel_comm == "alltoall":
         return p.context_parallel_degree
     return p.context_parallel_ulysses_degree
+
 
 #: [moe] keys that are not model hyper-parameters (not passed to the flavor's MoEArgs)
 MOE_RUNTIME_KEYS = frozenset({"replicate_hot_experts"})
@@ -288,6 +293,7 @@ def model_args(cfg: JobConfig) -> ModelArgs:
         base = dataclasses.replace(base, num_mtp_layers=cfg.model.num_mtp_layers)
     return with_moe_overrides(base, **_moe_overrides(cfg))
 
+
 def fake_world_size(cfg: JobConfig) -> int:
     """The world size of a ``comm.mode = "fake_backend"`` dry run: ``comm.fake_world_size``, or
     the product of the parallel degrees (data_parallel_shard_degree = -1 counting 1)."""
@@ -296,6 +302,7 @@ def fake_world_size(cfg: JobConfig) -> int:
     p = cfg.parallelism
     return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
             * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
 
 def resolved_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
     """``data_parallel_shard_degree`` with -1 resolved to the rest of the world (1 without one).
