@@ -212,6 +212,9 @@ def _clear_torch_distributed_caches() -> None:
                 continue
             holders = [obj, *vars(obj).values()] if isinstance(obj, type) else [obj]
             for holder in holders:
+                # a cached staticmethod (DTensor's MeshTopoInfo.build_from_mesh, keyed by
+                # mesh: it kept every case's meshes, their groups and gloo's threads alive)
+                holder = getattr(holder, "__func__", holder)
                 clear = getattr(holder, "cache_clear", None)
                 if callable(clear) and not isinstance(holder, type):
                     clear()

@@ -264,3 +264,36 @@ def test_the_trainer_checks_the_first_steps(tmp_path):
         msg, calls = r[True]
         assert calls == [1] and msg.startswith("step 1: norm.weight: gradients differ across "
                                                "tp ranks (rel 0.56)"), msg
+
+
+def _body_released(rank, world_size, folder):
+    """A trainer whose run ends before its checked steps (1 step, check on 2): once the trainer
+    goes, its model and its check (holding the trainer's meshes, whose groups run gloo's
+    threads) go too. torch's global optimizer hooks outlive the trainer and held both before:
+    every trainer of a process leaked them (the test pools retired on 100+ gloo threads)."""
+    import gc
+    import weakref
+
+    from tests.spawn import fp32_trainer_overrides
+    from titanext.config import load_config
+    from titanext.plugins.replicated_grads import ReplicatedGradCheck
+    from titanext.trainer import Trainer
+
+    cfg = load_config(None, [
+        *(o for o in fp32_trainer_overrides(steps=1, seq_len=32, flavor="debugtiny")
+          if not o.startswith("--parallelism.check_replicated")),
+        "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+        f"--job.dump_folder={folder}"], world_size=world_size)
+    trainer = Trainer(cfg)
+    trainer.train()
+    checks = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, ReplicatedGradCheck)]
+    model = weakref.ref(trainer.model)
+    del trainer
+    gc.collect()
+    return len(checks), model() is None, all(c() is None for c in checks)
+
+
+def test_an_unfinished_check_lets_the_trainer_go(tmp_path):
+    for checks, model_gone, checks_gone in run_distributed(_body_released, 2,
+                                                           args=(str(tmp_path),), timeout_s=120):
+        assert checks == 1 and model_gone and checks_gone

@@ -33,6 +33,7 @@ does this). Cost: docs/fsdp_tp.md#replicated-gradients-agree (benchmarks/replica
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -131,6 +132,9 @@ class ReplicatedGradCheck:
         self.checked = 0  # (parameter, dim) pairs checked by the last call
         self.calls = 0  # checks run (steps checked)
         self._handles: list = []  # optimizer hooks (install_replicated_grad_check)
+
+    def __deepcopy__(self, memo) -> ReplicatedGradCheck:
+        return self  # a copied module shares its original's check (it keeps the check alive)
 
     def remove(self) -> None:
         """Remove the optimizer hooks :func:`install_replicated_grad_check` installed."""
@@ -261,6 +265,10 @@ def replicated_grad_problems(model: nn.Module | Iterable[nn.Module],
     return [line for _, line in ReplicatedGradCheck(model, dims, skip=skip, tol=tol).problems()]
 
 
+#: the module attribute that keeps a module's check alive (the hooks hold it weakly)
+_CHECK_ATTR = "_titanext_replicated_grad_check"
+
+
 def install_replicated_grad_check(model: nn.Module | Iterable[nn.Module],
                                   dims: Mapping[str, DeviceMesh], *, steps: int = 2,
                                   skip: Callable[[str, str], bool] | None = None,
@@ -280,40 +288,54 @@ def install_replicated_grad_check(model: nn.Module | Iterable[nn.Module],
     check = ReplicatedGradCheck(model, dims, skip=skip, tol=tol)
     if steps <= 0 or not check.dims:
         return None
+    # The hooks are global and outlive a model whose training stops before the checked steps:
+    # they hold the check weakly, and the check lives as long as its modules (an attribute of
+    # each), so a finished or abandoned model takes its meshes and groups with it.
+    for m in check.modules:
+        m.__dict__[_CHECK_ATTR] = check
+    ref = weakref.ref(check)
     state = {"done": 0, "depth": 0, "finished": False}
 
-    def ours(optimizer: torch.optim.Optimizer) -> bool:
-        mine = {id(p) for m in check.modules for p in m.parameters()}
-        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+    def live(optimizer: torch.optim.Optimizer) -> ReplicatedGradCheck | None:
+        c = ref()
+        if state["finished"] or c is None:
+            return None
+        mine = {id(p) for m in c.modules for p in m.parameters()}
+        ours = any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+        return c if ours else None
 
-    def finish() -> None:
+    def finish(c: ReplicatedGradCheck) -> None:
         # A hook must not remove itself while torch iterates over its dict: the post hook
         # removes the pre hook; the post hook stays as a no-op holding nothing.
         state["finished"] = True
         pre_handle.remove()
-        check.modules, check._plan, check._handles = [], {}, [post_handle]
+        for m in c.modules:
+            m.__dict__.pop(_CHECK_ATTR, None)
+        c.modules, c.dims, c._plan, c._handles = [], {}, {}, [post_handle]
 
     def pre(optimizer, args, kwargs) -> None:
-        if state["finished"] or not ours(optimizer):
+        c = live(optimizer)
+        if c is None:
             return
         state["depth"] += 1
         if state["depth"] > 1 or state["done"] >= steps:
             return
         state["done"] += 1
         try:
-            check(step=state["done"])
+            c(step=state["done"])
         except ReplicatedGradientMismatch:
             state["finished"] = True
             post_handle.remove()  # (the pre hook is a no-op from now on)
-            check._handles = [pre_handle]
+            c._handles = [pre_handle]
             raise
 
     def post(optimizer, args, kwargs) -> None:
-        if state["finished"] or not ours(optimizer):
+        c = live(optimizer)
+        if c is None:
             return
         state["depth"] -= 1
         if state["depth"] == 0 and state["done"] >= steps:
-            finish()
+            finish(c)
 
     pre_handle = register_optimizer_step_pre_hook(pre)
     post_handle = register_optimizer_step_post_hook(post)
