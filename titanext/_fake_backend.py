@@ -62,8 +62,7 @@ def to_empty(module: torch.nn.Module, device: torch.device | str) -> None:
     fake-tensor converter holds a weak reference to; FSDP's and TP's DTensors swap fine)."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(torch._guards.active_fake_mode(), FakeTensorMode) or any(
-            isinstance(p, DTensor) for p in module.parameters()):
+    if not fake_mode_active() or any(isinstance(p, DTensor) for p in module.parameters()):
         module.to_empty(device=device)
         return
     new: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared

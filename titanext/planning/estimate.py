@@ -220,22 +220,27 @@ def tokens_per_s_ceiling(lo: Layout, device: Device, efficiency: float) -> float
     """An upper bound of :func:`plan_config`'s tokens/s for layout ``lo``, without simulating
     its schedule: the busiest pp rank's compute back to back (no bubble, no communication;
     DualPipe's two stages per rank each see half the micro-batches) and the optimizer step."""
-    imbalance = (1.0 + REPLICATION_SLACK if lo.cfg.moe.replicate_hot_experts and lo.ep > 1
-                 else 1.0)
-    imbalance = min(1.0, imbalance)  # plan_config's default (balanced routing)
-    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
+    # plan_config's default routing: balanced (imbalance 1, which replication's slack keeps)
+    per_stage = stage_times(lo, device, efficiency, imbalance=1.0)
     mirrored = lo.job is not None and lo.job.pipeline.mirrored
     m = lo.pp_microbatches / 2 if mirrored else lo.pp_microbatches
     busy = max(sum(m * per_stage[s].total for s in rk.stages) for rk in lo.pipe.ranks)
-    o = lo.cfg.optimizer
     elements = min(state_elements(lo, *rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2],
                                   lo.zero_n) for rk in lo.pipe.ranks)  # the lightest rank's
-    optimizer = optimizer_time(device, elements, implementation=o.implementation, name=o.name,
-                               weight_decay=o.weight_decay > 0,
-                               clip=lo.cfg.training.max_norm > 0)
+    return _tokens_per_step(lo) / (lo.accum * busy * (1 - CEILING_SLACK)
+                                   + _optimizer_seconds(lo, device, elements))
+
+
+def _tokens_per_step(lo: Layout) -> float:
     t = lo.cfg.training
-    tokens_step = lo.accum * t.local_batch_size * lo.dp * t.seq_len
-    return tokens_step / (lo.accum * busy * (1 - CEILING_SLACK) + optimizer)
+    return lo.accum * t.local_batch_size * lo.dp * t.seq_len
+
+
+def _optimizer_seconds(lo: Layout, device: Device, elements: float) -> float:
+    """The optimizer step over ``elements`` fp32 values as ``lo``'s config runs it."""
+    o = lo.cfg.optimizer
+    return optimizer_time(device, elements, implementation=o.implementation, name=o.name,
+                          weight_decay=o.weight_decay > 0, clip=lo.cfg.training.max_norm > 0)
 
 
 def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
@@ -266,17 +271,14 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
               optimizer_elements: float) -> dict:
     """Step time: the passes, the data-parallel traffic the compute does not hide (the first
     and last unit's at least) and the optimizer; MFU against the bf16 peak."""
-    accum, t = lo.accum, lo.cfg.training
+    accum = lo.accum
     hidden = sum(comm_time(c, device) for c in comm if c["overlap"] == "compute")
     step_compute = accum * pass_time
     exposed_dp = (max(0.0, hidden - step_compute) + hidden / max(1, units * accum)
                   if hidden else 0.0)
-    o = lo.cfg.optimizer
-    optimizer = optimizer_time(device, optimizer_elements, implementation=o.implementation,
-                               name=o.name, weight_decay=o.weight_decay > 0,
-                               clip=lo.cfg.training.max_norm > 0)
+    optimizer = _optimizer_seconds(lo, device, optimizer_elements)
     step = step_compute + exposed_dp + optimizer
-    tokens_step = accum * t.local_batch_size * lo.dp * t.seq_len
+    tokens_step = _tokens_per_step(lo)
     mfu = lo.shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)
     exposed = max(0.0, step - compute - optimizer - accum * bubble * pass_time)
     return {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble,

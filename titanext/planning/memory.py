@@ -310,7 +310,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                 mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
             stages = len(rk.stages)
             mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
-                                  * ((rk.layers - n_m) * per_layer + n_m * per_moe_layer)
+                                  * _over_blocks(lo, rk.layer_ids, per_layer, per_moe_layer)
                                   + (head_act + mtp_activation_bytes(lo, per_layer, per_moe_layer,
                                                                      head_act)
                                      if rk.head else 0.0))
@@ -351,16 +351,16 @@ def static_memory_floor(lo: Layout) -> float:
     activations one micro-batch saves in the rank's lightest stage (held at the end of each of
     its forwards)."""
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
-    per_layer, per_moe_layer = saved_bytes_per_token(lo)
-    moe_ids = lo.shape.moe.layer_ids if lo.shape.moe else frozenset()
-
-    def one_microbatch(rk) -> float:
-        return lo.tokens_mb * min(
-            (len(ids) - len(moe_ids.intersection(ids))) * per_layer
-            + len(moe_ids.intersection(ids)) * per_moe_layer for ids in rk.stage_layer_ids)
-
-    return max(sum(m.get(k, 0.0) for k in _STATIC) + one_microbatch(rk)
+    saved = saved_bytes_per_token(lo)
+    return max(sum(m.get(k, 0.0) for k in _STATIC)
+               + lo.tokens_mb * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
                for m, rk in zip(memories, lo.pipe.ranks))
+
+
+def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float) -> float:
+    """``dense`` per dense block plus ``moe`` per MoE block, over the blocks ``layer_ids``."""
+    n_m = len(lo.shape.moe.layer_ids.intersection(layer_ids)) if lo.shape.moe else 0
+    return (len(layer_ids) - n_m) * dense + n_m * moe
 
 
 def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
@@ -420,9 +420,9 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
-        act[s] = (lo.tokens_mb * (n_d * per_layer + n_m * per_moe_layer) + boundary
+        act[s] = (lo.tokens_mb * _over_blocks(lo, ids, per_layer, per_moe_layer) + boundary
                   + (head_act + mtp_act if s == last_stage else 0.0))
-        wact[s] = lo.tokens_mb * (n_d * wgrad_dense + n_m * wgrad_moe)
+        wact[s] = lo.tokens_mb * _over_blocks(lo, ids, wgrad_dense, wgrad_moe)
         psi = sum(rank_params(lo, ids, s == 0, s == last_stage)[:2])
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if split else 0)) * psi \
             if sharded else 0.0
