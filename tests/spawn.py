@@ -43,9 +43,11 @@ def record_grad_norms(trainer, norms: list) -> None:
     trainer.train_step = recording_step
 
 
-def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None) -> list[str]:
+def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = None,
+                           check_steps: int | None = 1) -> list[str]:
     """A short fp32 run on synthetic data with quiet metrics: what every layout-vs-one-process
-    trainer test starts from (each adds its layout and feature overrides)."""
+    trainer test starts from (each adds its layout and feature overrides). ``check_steps``:
+    the replicated-gradient check's steps (None: the config's default)."""
     return [
         *([f"--model.flavor={flavor}"] if flavor else []),
         "--training.dataset=synthetic",
@@ -62,7 +64,8 @@ def fp32_trainer_overrides(*, steps: int, seq_len: int, flavor: str | None = Non
         # step with one process, which a replica drifting later also fails (the check's own
         # steps are tests/multiprocess/test_replicated_grads.py's); 2 steps cost a third of a
         # small 8-rank case
-        "--parallelism.check_replicated_grads_steps=1",
+        *([f"--parallelism.check_replicated_grads_steps={check_steps}"]
+          if check_steps is not None else []),
     ]
 
 

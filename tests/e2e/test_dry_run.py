@@ -19,13 +19,17 @@ SUMMARY = re.compile(r"^titanext: dry run: rank (\d+) of (\d+), peak memory (\d+
                      r"\(planner: (\d+\.\d\d) GiB\), step comm (\d+\.\d\d) GB$")
 
 
-def dry_run(config: str, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def dry_run(config: str | None, *overrides: str, timeout: int = 240
+            ) -> subprocess.CompletedProcess:
+    """``python -m titanext.train`` as a dry run of ``train_configs/<config>`` (None: the
+    defaults) with ``overrides``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # an ordinary process, no torchrun
+    path = ["--config", str(ROOT / "train_configs" / config)] if config else []
     return subprocess.run(
-        [sys.executable, "-m", "titanext.train", "--config", str(ROOT / "train_configs" / config),
-         "--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", *overrides],
+        [sys.executable, "-m", "titanext.train", *path, "--comm.mode=fake_backend",
+         "--metrics.enable_tensorboard=false", *overrides],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -188,14 +192,9 @@ def test_the_1b_with_float8_dry_runs_where_the_planner_says():
     No GPU measured this one (docs/benchmarks.md)."""
     from tests.unit.test_plan_calibration import gpucheck_overrides
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "titanext.train", *gpucheck_overrides(),
-                          "--optimizer.implementation=fused", "--float8.enable=true",
-                          "--float8.recipe=tensorwise", "--float8.filter_fqns=output",
-                          "--float8.auto_filter=false", "--comm.mode=fake_backend"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    out = dry_run(None, *gpucheck_overrides(), "--optimizer.implementation=fused",
+                  "--float8.enable=true", "--float8.recipe=tensorwise",
+                  "--float8.filter_fqns=output", "--float8.auto_filter=false")
     assert out.returncode == 0, out.stderr[-3000:]
     m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
     assert m, out.stdout[-2000:]
@@ -211,12 +210,7 @@ def test_dry_run_of_the_1b_gpu_run_is_within_10_percent_of_its_measured_peak():
     see)."""
     from tests.unit.test_plan_calibration import gpucheck_overrides, measured_1b_peak
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "titanext.train", *gpucheck_overrides(),
-                          "--comm.mode=fake_backend"], capture_output=True, text=True,
-                         timeout=240, cwd=ROOT, env=env)
+    out = dry_run(None, *gpucheck_overrides())
     assert out.returncode == 0, out.stderr[-3000:]
     m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
     assert m, out.stdout[-2000:]

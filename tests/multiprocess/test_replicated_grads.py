@@ -233,8 +233,8 @@ def _body_trainer(rank, world_size, folder):
     try:
         for i, perturb in enumerate((False, True)):
             cfg = load_config(None, [
-                *(o for o in fp32_trainer_overrides(steps=3, seq_len=32, flavor="debugtiny")
-                  if not o.startswith("--parallelism.check_replicated")),  # the default
+                *fp32_trainer_overrides(steps=3, seq_len=32, flavor="debugtiny",
+                                        check_steps=None),  # the default
                 "--parallelism.tensor_parallel_degree=2",
                 "--parallelism.enable_sequence_parallel=false",
                 "--parallelism.data_parallel_shard_degree=1",
@@ -280,8 +280,7 @@ def _body_released(rank, world_size, folder):
     from titanext.trainer import Trainer
 
     cfg = load_config(None, [
-        *(o for o in fp32_trainer_overrides(steps=1, seq_len=32, flavor="debugtiny")
-          if not o.startswith("--parallelism.check_replicated")),
+        *fp32_trainer_overrides(steps=1, seq_len=32, flavor="debugtiny", check_steps=None),
         "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
         f"--job.dump_folder={folder}"], world_size=world_size)
     trainer = Trainer(cfg)

@@ -17,14 +17,23 @@ from titanext.planning.hardware import DEVICES
 GPUCHECK = REPO_ROOT / "docs" / "gpucheck"
 FINAL = GPUCHECK / "h200_torch2.11.0_final_2026-11-27.json"
 SWEEP = GPUCHECK / "h200_torch2.11.0_1B_2x8192_2026-11-27.json"
+FIRST = GPUCHECK / "h200_torch2.11.0_2026-11-26.json"
 GiB = 2**30
 
 
 def measured_1b_peak() -> float:
     """max_memory_allocated (bytes) of the GPU check's 1B bf16 run at 2 x 2048."""
-    rows = json.loads(FINAL.read_text())["rows"]
-    row = next(r for r in rows if r["name"] == "1B planner memory vs max_memory_allocated")
-    return float(row["data"]["measured_bytes"])
+    return float(_row(FINAL, "1B planner memory vs max_memory_allocated")["measured_bytes"])
+
+
+def _row(path, name: str) -> dict:
+    """The data of GPU check row ``name`` in the JSON file ``path``."""
+    return next(r for r in json.loads(path.read_text())["rows"] if r["name"] == name)["data"]
+
+
+def _sweep(seq: int, ac: str) -> dict:
+    """The 2 x ``seq`` run with recompute ``ac`` of the 1B sweep."""
+    return next(r for r in json.loads(SWEEP.read_text()) if r["seq"] == seq and r["ac"] == ac)
 
 
 def gpucheck_overrides(seq: int = 2048, ac: str = "selective") -> list[str]:
@@ -51,7 +60,7 @@ def test_planner_is_within_10_percent_of_the_measured_1b_peak():
 def test_planner_is_within_10_percent_of_the_1b_sweep(seq, ac):
     """The same run at 2 x 8192 (with and without AC) peaks in the loss backward: the
     activations, the logits and the two float32 gradients of the cross-entropy's backward."""
-    row = next(r for r in json.loads(SWEEP.read_text()) if r["seq"] == seq and r["ac"] == ac)
+    row = _sweep(seq, ac)
     plan = _plan(seq, ac)
     assert abs(plan.memory_total / (row["peak_gib"] * GiB) - 1) <= 0.10, (
         plan.memory_total / GiB, row["peak_gib"])
@@ -69,12 +78,6 @@ def test_fused_optimizer_moves_the_peak_to_the_backward():
 
 # -- step time: the same GPU runs ------------------------------------------------------------------
 
-FIRST = GPUCHECK / "h200_torch2.11.0_2026-11-26.json"
-
-
-def _row(path, name: str) -> dict:
-    return next(r for r in json.loads(path.read_text())["rows"] if r["name"] == name)["data"]
-
 
 STEP_CASES = {  # (seq, ac, float8 recipe, the measured step's seconds)
     "bf16 2x2048": (2048, "selective", None,
@@ -86,10 +89,6 @@ STEP_CASES = {  # (seq, ac, float8 recipe, the measured step's seconds)
                                  lambda: _row(FIRST, "1B trainer float8 tensorwise: tokens/s, "
                                                      "MFU")["step_s"]),
 }
-
-
-def _sweep(seq: int, ac: str) -> dict:
-    return next(r for r in json.loads(SWEEP.read_text()) if r["seq"] == seq and r["ac"] == ac)
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
