@@ -186,12 +186,10 @@ def _auto_filter(f8, float8_hardware: bool | None) -> bool:
     """``[float8] auto_filter`` as the trainer resolves it on the planned device ("auto": on
     where float8 is not emulated; emulate "auto" emulates without float8 tensor cores), so the
     plan for an H100 converts what the trainer converts there, wherever the planner runs."""
+    import torch
+
     from titanext.plugins.float8 import resolve_auto_filter, resolve_emulate
 
-    if float8_hardware is None:  # this machine's
-        import torch
-
-        emulated = resolve_emulate(f8.emulate, "cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        emulated = f8.emulate is True or (f8.emulate == "auto" and not float8_hardware)
-    return resolve_auto_filter(f8.auto_filter, emulated)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # this machine's, if not said
+    return resolve_auto_filter(f8.auto_filter, resolve_emulate(
+        f8.emulate, device, float8_hardware=float8_hardware))

@@ -92,13 +92,15 @@ def has_float8_hardware(device: torch.device | str | None = None) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def resolve_emulate(emulate: bool | str, device: torch.device | str | None = None) -> bool:
-    """``"auto"`` -> emulate exactly when ``device`` has no float8 hardware (CPU included)."""
+def resolve_emulate(emulate: bool | str, device: torch.device | str | None = None, *,
+                    float8_hardware: bool | None = None) -> bool:
+    """``"auto"`` -> emulate exactly when ``device`` has no float8 hardware (CPU included);
+    ``float8_hardware`` says whether it has instead of asking (the planner's device)."""
     if isinstance(emulate, bool):
         return emulate
     if emulate != "auto":
         raise ValueError(f"emulate = {emulate!r}; allowed: true, false, 'auto'")
-    return not has_float8_hardware(device)
+    return not (has_float8_hardware(device) if float8_hardware is None else float8_hardware)
 
 
 def auto_filter_keeps(recipe: str, out_features: int, in_features: int) -> bool:
