@@ -153,7 +153,10 @@ def tokenize_corpus(src: str, dst: str, *, tokenizer_spec: tuple[str, ...],
     jobs = [(i, str(f), str(out / f"{i:05d}.npy"), text_field, dtype.name)
             for i, f in enumerate(files)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
-    counter = mp.Value("q", 0)
+    # spawned workers: a fork of a process with threads (torch's, the tokenizers library's
+    # pool, a test runner's) can inherit a held lock and hang for ever (seen in CI)
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("q", 0)
     bar = _Progress(len(jobs), counter, progress)
     results: dict[int, tuple[int, int]] = {}
     start = time.perf_counter()
@@ -165,7 +168,7 @@ def tokenize_corpus(src: str, dst: str, *, tokenizer_spec: tuple[str, ...],
                 results[i] = (n, d)
                 bar.done += 1
         else:
-            with mp.Pool(workers, initializer=_init_worker,
+            with ctx.Pool(workers, initializer=_init_worker,
                          initargs=(tokenizer_spec, counter)) as pool:
                 for i, n, d in pool.imap_unordered(_tokenize_file, jobs):
                     results[i] = (n, d)
