@@ -44,11 +44,12 @@ def _body(rank: int, world_size: int, folder: str) -> dict:
 
     out: dict = {}
     for name, (layout, _) in CASES.items():
-        # the plain run first: after a MemTracker-measured first pipeline step, a new
-        # pipeline trainer in the same process fails torch's backward shape inference
-        # (a module-tracker gradient hook outlives the tracker; see docs/profiling.md)
-        plain = Trainer(_cfg(f"{folder}/{name}-plain", layout, [])).train()
+        # the profiled run first: a memory breakdown on a pipeline's first step once left
+        # its tracker's module hooks switched on for good (the stage start-up's wrapper
+        # stayed on the schedule), and the next pipeline trainer's backward shape inference
+        # failed on them
         profiled = Trainer(_cfg(f"{folder}/{name}", layout, PROFILED)).train()
+        plain = Trainer(_cfg(f"{folder}/{name}-plain", layout, [])).train()
         out[name] = {"profiled": profiled, "plain": plain}
     dist.barrier()
     dist.destroy_process_group()

@@ -22,8 +22,9 @@ Two runtime subclasses live here:
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -477,10 +478,14 @@ def _local_shape_inference(stage, hidden: torch.Tensor) -> None:
     stage._shape_inference = local
 
 
-def around_stage_init(schedule, context: Callable) -> None:
-    """Run a schedule's one-off stage start-up (shape inference on its first step) inside
-    ``context()``: the dry run's memory tracker pauses its module hooks there (they break the
-    ``autograd.grad`` of torch's backward shape inference)."""
+@contextlib.contextmanager
+def around_stage_init(schedule, context: Callable) -> Iterator[None]:
+    """Inside the block, a schedule's one-off stage start-up (shape inference on its first
+    step) runs inside ``context()``: the dry run's memory tracker pauses its module hooks there
+    (they break the ``autograd.grad`` of torch's backward shape inference). torch calls the
+    start-up at every step (a no-op once done), so the wrapper comes off on leaving the block:
+    left on, a later step would re-enter the pause's ``finally`` of a tracker long gone and
+    switch that tracker's global module hooks back on for good."""
     name = next((n for n in ("_initialize_stages", "_initialize_stage") if hasattr(schedule, n)),
                 None)
     if name is None:
@@ -493,6 +498,10 @@ def around_stage_init(schedule, context: Callable) -> None:
             return init(*args, **kwargs)
 
     setattr(schedule, name, wrapped)
+    try:
+        yield
+    finally:
+        delattr(schedule, name)  # the class's method again
 
 
 # --- receive buffers that follow the micro-batches in flight ------------------------------
