@@ -188,7 +188,12 @@ def forget_meshes() -> None:
         if isinstance(value, (dict, list)):
             value.clear()
     _clear_torch_distributed_caches()
-    gc.collect()  # the groups' last references (meshes, DTensors of the case) go now
+    # the groups' last references (meshes, DTensors of the case) go now; a collection that
+    # runs weak-reference callbacks (a weak-keyed cache whose entry holds the model, as after a
+    # DualPipe x EP trainer) frees more for the next one, so collect until nothing is left
+    for _ in range(5):
+        if not gc.collect():
+            break
 
 
 def _clear_torch_distributed_caches() -> None:
