@@ -251,6 +251,36 @@ def test_advice_for_the_671b_names_a_layout_that_fits():
                 lo["local_batch_size"]) == (1, 16, 1, ep, 128, "full", 120), lo
 
 
+@pytest.mark.parametrize("config,world,extra", [
+    *[("llama3_8b.toml", 16, ["--parallelism.pipeline_parallel_degree=4",
+                              f"--parallelism.pipeline_parallel_schedule={name}",
+                              "--parallelism.pipeline_parallel_microbatches=8",
+                              "--training.local_batch_size=8", *more])
+      for name, more in (("GPipe", []), ("1F1B", []), ("ZBH1", []), ("ZBH2", []),
+                         ("Interleaved1F1B", []), ("DualPipeV", []),
+                         ("DualPipe", ["--parallelism.tensor_parallel_degree=1"]),
+                         ("ZBH1", ["--parallelism.pipeline_parallel_max_pending_weight_grads=1"]),
+                         ("1F1B", ["--activation_checkpoint.mode=none"]))],
+    ("deepseek_v3_671b.toml", 2048, []),
+    ("deepseek_v3_671b.toml", 2048, ["--parallelism.expert_parallel_degree=32",
+                                     "--activation_checkpoint.keep_all_to_all=true"]),
+])
+def test_the_advice_floor_is_below_the_planned_peak(config, world, extra):
+    """The advice drops a layout whose memory floor does not fit before simulating its schedule
+    (static memory + the rank's most micro-batches in flight, read off its action order): a
+    floor above the planned peak would drop a layout that fits. On every schedule, the floor
+    stays at or below the busiest rank's planned peak (measured 0.35-0.84 of it: the peak adds
+    the backward's transients, receive buffers and a split backward's weight-gradient
+    inputs). Shown failing with forwards counted but never retired: 5 of 11."""
+    from titanext.planning.memory import static_memory_floor
+
+    cfg = load_config(str(ROOT / "train_configs" / config), extra, world_size=world)
+    floor = static_memory_floor(resolve_layout(cfg, world))
+    peak = max(sum(m.values()) for m in plan_config(cfg, world).memory_per_pp_rank)
+    print(f"{config} {' '.join(extra)}: floor / peak = {floor / peak:.2f}")
+    assert floor <= peak, (floor / 2**30, peak / 2**30)
+
+
 def test_70b_on_64_h100_prefers_tp_inside_a_node():
     """70B has 8 KV heads, so TP is at most 8; on 8-GPU nodes that is always inside a node. On
     4-GPU nodes tp = 8 crosses nodes, and the advice must rank it below TP inside a node."""
@@ -340,7 +370,7 @@ def test_planner_pipeline_matches_the_simulator_closed_forms(schedule, closed_fo
 
     for p, m in ((4, 8), (4, 16), (8, 16)):
         layout = pipeline_layout(pipeline_plan(schedule, pp=p, microbatches=m, n_layers=2 * p))
-        _, sim = simulate_times(layout, f=1.0, i=1.0, w=1.0, comm=0.0)
+        _, sim, _ = simulate_times(layout, f=1.0, i=1.0, w=1.0, comm=0.0)
         assert sim.bubble_ratio == pytest.approx(closed_form(p, m), abs=1e-9)
 
 

@@ -179,7 +179,8 @@ def stage_costs(lo: Layout, per_stage: list[MicrobatchTime], rank: RankStages,
 def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = False,
                   a2a: bool = True) -> tuple[float, float, list[int], list | None, float]:
     """(time of one pass: a pipeline flush or one micro-batch, bubble ratio, micro-batches in
-    flight on each pp rank at its peak, the simulated actions in seconds (None without pp),
+    flight on each pp rank at its peak, the simulated actions (None without pp; their times in
+    the simulation's units, :func:`~titanext.planning.stages.simulate_times`),
     the all-to-all seconds the busiest rank waits per pass). Each stage costs its own
     ``costs``; with ``overlap`` the schedule's paired chunks hide the all-to-all behind each
     other (``a2a=False``: none)."""
@@ -188,13 +189,15 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
     if lo.pp == 1:
         return (costs.f[0] + costs.i[0] + costs.w[0] + af[0] + ai[0], 0.0, [1], None,
                 af[0] + ai[0])
-    pass_time, sim = simulate_times(lo.pipe, f=costs.f, i=costs.i, w=costs.w, comm=p2p,
-                                    a2a=af, a2a_i=ai, overlap=overlap)
+    pass_time, sim, unit = simulate_times(lo.pipe, f=costs.f, i=costs.i, w=costs.w, comm=p2p,
+                                          a2a=af, a2a_i=ai, overlap=overlap)
     exposed = max(sim.a2a_exposed)
     # the bubble is the idle time of the rank with the most work (stages differ: the others
     # wait more); an exposed all-to-all is communication, not bubble
-    busy = [a + sum(e.end - e.start for e in sim.events if e.rank == r)
-            for r, a in enumerate(sim.a2a_exposed)]
+    work = [0.0] * len(sim.a2a_exposed)
+    for e in sim.events:
+        work[e.rank] += e.end - e.start
+    busy = [a + unit * t for a, t in zip(sim.a2a_exposed, work, strict=True)]
     bubble = max(0.0, 1.0 - max(busy) / pass_time)
     return pass_time, bubble, sim.peak_activations, sim.events, exposed
 

@@ -348,13 +348,23 @@ def static_memory_floor(lo: Layout) -> float:
     """A lower bound of the busiest pp rank's peak, without simulating the schedule (the
     planner's advice drops a layout whose floor does not fit before timing it): the parameters,
     optimizer state and gathered parameters that every moment of its step holds, and the
-    activations one micro-batch saves in the rank's lightest stage (held at the end of each of
-    its forwards)."""
+    activations its most micro-batches in flight at once save (the rank's own action order
+    fixes that count whatever the costs, :func:`titanext.schedules.forwards_in_flight`; one
+    without a pipeline, or where the order follows measured costs), each in the rank's
+    lightest stage. Of the 671B's advice candidates, this drops most that do not fit before
+    their schedule is simulated."""
+    from titanext.schedules.orders import forwards_in_flight
+
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
     saved = saved_bytes_per_token(lo)
-    return max(sum(m.get(k, 0.0) for k in _STATIC)
-               + lo.tokens_mb * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
-               for m, rk in zip(memories, lo.pipe.ranks))
+    pipe = lo.pipe
+    counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
+                                 stages_per_rank=pipe.stages_per_rank,
+                                 max_pending_weight_grads=pipe.max_pending_weight_grads)
+              if lo.pp > 1 else None) or (1,) * lo.pp
+    return max(sum(m.get(k, 0.0) for k in _STATIC) + max(1, n) * lo.tokens_mb
+               * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
+               for m, rk, n in zip(memories, pipe.ranks, counts, strict=True))
 
 
 def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float) -> float:

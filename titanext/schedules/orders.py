@@ -1,13 +1,14 @@
 """What a schedule runs and how it would run: its per-rank action lists (:func:`schedule_order`),
-torch's check of them (:func:`validate_order`), their replay in the simulator (:func:`simulate`)
-and the problems of running a schedule with given settings (:func:`schedule_problems`).
+torch's check of them (:func:`validate_order`), their replay in the simulator (:func:`simulate`),
+the micro-batches each rank holds at once (:func:`forwards_in_flight`) and the problems of
+running a schedule with given settings (:func:`schedule_problems`).
 """
 
 from __future__ import annotations
 
 import functools
 
-from titanext.schedules._torch_ir import check_actions, leaves, torch_pipeline_order
+from titanext.schedules._torch_ir import B, F, I, check_actions, leaves, torch_pipeline_order
 from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
 from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
 from titanext.schedules.placement import num_stages_for, resolved_stages_per_rank
@@ -15,7 +16,8 @@ from titanext.schedules.registry import get_schedule_class
 from titanext.schedules.simulator import SimResult, replay
 from titanext.schedules.zero_bubble import GeneratedSchedule
 
-__all__ = ["schedule_order", "schedule_problems", "simulate", "validate_order"]
+__all__ = ["forwards_in_flight", "schedule_order", "schedule_problems", "simulate",
+           "validate_order"]
 
 
 def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbatches: int
@@ -59,6 +61,36 @@ def _order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads, **c
     if hasattr(cls, "generate"):
         return cls.generate(pp, microbatches)
     return torch_pipeline_order(cls, pp, microbatches, spr)
+
+
+@functools.lru_cache(maxsize=256)
+def forwards_in_flight(name: str, *, pp: int, microbatches: int,
+                       stages_per_rank: int | None = None, max_pending_weight_grads: int = 0
+                       ) -> tuple[int, ...] | None:
+    """The most micro-batches each rank holds between a forward and its input-gradient
+    backward (I or B), read off the rank's own action list: the same whatever the costs,
+    since a rank runs its list in order. An overlapped F&B pair counts its backward first
+    (the fewer). None for a schedule whose lists depend on measured costs (Auto).
+
+    >>> forwards_in_flight("1F1B", pp=4, microbatches=8)
+    (4, 3, 2, 1)
+    """
+    cls = get_schedule_class(name)
+    if getattr(cls, "measures_costs", False):
+        return None
+    order = schedule_order(cls, pp=pp, microbatches=microbatches,
+                           stages_per_rank=resolved_stages_per_rank(cls, stages_per_rank),
+                           max_pending_weight_grads=max_pending_weight_grads)
+    peaks = []
+    for r in range(pp):
+        live = peak = 0
+        for a in order.get(r, ()):
+            kinds = [x.computation_type for x in leaves(a)]
+            live -= sum(k in (I, B) for k in kinds)
+            live += sum(k == F for k in kinds)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
