@@ -353,7 +353,7 @@ def static_memory_floor(lo: Layout) -> float:
     without a pipeline, or where the order follows measured costs), each in the rank's
     lightest stage. Of the 671B's advice candidates, this drops most that do not fit before
     their schedule is simulated."""
-    from titanext.schedules.orders import forwards_in_flight
+    from titanext.schedules import forwards_in_flight
 
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
     saved = saved_bytes_per_token(lo)

@@ -27,7 +27,13 @@ from __future__ import annotations
 
 from titanext.schedules._torch_ir import follow_in_flight, leaves
 from titanext.schedules.memory_cap import capped_schedule_class
-from titanext.schedules.orders import schedule_order, schedule_problems, simulate, validate_order
+from titanext.schedules.orders import (
+    forwards_in_flight,
+    schedule_order,
+    schedule_problems,
+    simulate,
+    validate_order,
+)
 from titanext.schedules.placement import (
     num_stages_for,
     pipeline_stage_ids,
@@ -41,7 +47,8 @@ from titanext.schedules.zero_bubble import auto_schedule_class
 from titanext.schedules.zero_bubble import stage_ids as stage_ids
 
 __all__ = ["SCHEDULE_NAMES", "SimResult", "auto_schedule_class", "build_schedule",
-           "capped_schedule_class", "follow_in_flight", "get_schedule_class", "leaves",
+           "capped_schedule_class", "follow_in_flight", "forwards_in_flight", "get_schedule_class",
+           "leaves",
            "num_stages_for",
            "pipeline_stage_ids", "resolved_stages_per_rank",
            "schedule_order", "schedule_problems", "simulate", "stage_ids_for_rank", "stage_owners",
