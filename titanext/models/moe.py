@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanext._compat import grouped_mm
+from titanext._fake_backend import is_fake
 from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
 from titanext.models.layers import AddLossGradient, FeedForward
@@ -60,10 +61,30 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             return False
     elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    elif is_fake(x) and x.dtype != torch.bfloat16:  # a dry run: torch's fake kernel takes bf16
+        return False
     # torch 2.9-2.13 CPU and CUDA kernels need 16-byte aligned strides and base pointers.
     return (all(s * x.element_size() % 16 == 0 for w in weights for s in w.shape[1:])
             and (torch.compiler.is_compiling()  # no data pointers while tracing
-                 or all(t.data_ptr() % 16 == 0 for t in (x, *weights))))
+                 or all(_aligned(t) for t in (x, *weights))))
+
+
+def _host_counts(num_tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
+    """The tokens of each expert, on the host; a dry run's fake counts have no values: there,
+    perfectly balanced routing (an estimate, as the expert-parallel dispatch assumes)."""
+    if is_fake(num_tokens_per_expert):
+        n = num_tokens_per_expert.numel()
+        return [rows // n + (e < rows % n) for e in range(n)]
+    return num_tokens_per_expert.tolist()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts on a 16-byte boundary. A dry run's fake tensor has no address
+    (torch warns that reading one will become an error): its offset into a storage, which the
+    allocator aligns, tells the same."""
+    if is_fake(t):
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +129,7 @@ class GroupedExperts(nn.Module):
             return grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         # The loop needs the counts on the host: one device-to-host sync.
         outs = []
-        for e, xe in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+        for e, xe in enumerate(torch.split(x, _host_counts(num_tokens_per_expert, x.shape[0]))):
             outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
