@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from multiprocessing.connection import wait
 
 __all__ = ["forget_meshes", "run", "shutdown"]
@@ -208,6 +209,19 @@ def _clear_torch_distributed_caches() -> None:
     ``*_cache`` dict goes, plus the sharding propagator's per-thread and C++ caches where this
     torch has the helper for them.
     """
+    with warnings.catch_warnings():  # reading a deprecated name (reduce_op) warns
+        warnings.simplefilter("ignore", FutureWarning)
+        _clear_functools_caches()
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    import torch.distributed.tensor.debug as debug
+
+    clear_prop = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_prop is not None:
+        clear_prop()
+
+
+def _clear_functools_caches() -> None:
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed") or module is None:
             continue
@@ -223,13 +237,6 @@ def _clear_torch_distributed_caches() -> None:
                 clear = getattr(holder, "cache_clear", None)
                 if callable(clear) and not isinstance(holder, type):
                     clear()
-    if "torch.distributed.tensor" not in sys.modules:
-        return
-    import torch.distributed.tensor.debug as debug
-
-    clear_prop = getattr(debug, "_clear_sharding_prop_cache", None)
-    if clear_prop is not None:
-        clear_prop()
 
 
 class _FreshState:
