@@ -256,9 +256,10 @@ def measure(cfg: JobConfig) -> DryRunResult:
 def measure_real(cfg: JobConfig, steps: int = 2) -> DryRunResult:
     """The same measurement on a real run: call on every rank of an initialised process group
     (gloo on CPU). Builds the trainer with real tensors from :func:`dry_run_config`'s config
-    (the dry run's dtype) and measures ``steps`` identical training steps with the same
-    tracker, keeping the one with the lowest peak; this is what a dry run's figures are checked
-    against (tests/e2e/test_dry_run.py).
+    (the dry run's dtype) and measures ``steps`` training steps with the same tracker (with
+    dense layers byte-identical; with experts they differ by the routing), keeping the one with
+    the lowest peak; this is what a dry run's figures are checked against
+    (tests/e2e/test_dry_run.py).
 
     Why the lowest of several: gloo runs a collective on a worker thread that lets go of the
     collective's tensors only after ``wait()`` has returned on the calling thread (about one
