@@ -22,8 +22,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["TorchDispatchMode", "fake_tensor_mode", "host_float", "init_fake_process_group",
-           "is_fake", "mem_tracker", "real_tensors", "to_empty", "tree_leaves"]
+__all__ = ["TorchDispatchMode", "balanced_counts", "fake_tensor_mode", "host_float",
+           "init_fake_process_group", "is_fake", "mem_tracker", "real_tensors", "to_empty",
+           "tree_leaves"]
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -48,6 +49,16 @@ def fake_tensor_mode() -> FakeTensorMode:
 
 def is_fake(t: object) -> bool:
     return isinstance(t, FakeTensor)
+
+
+def balanced_counts(total: int, n: int) -> list[int]:
+    """``total`` split over ``n`` as evenly as whole numbers go (the first ones one more): a dry
+    run's stand-in for routing counts, which fake tensors do not carry.
+
+    >>> balanced_counts(10, 4)
+    [3, 3, 2, 2]
+    """
+    return [total // n + (i < total % n) for i in range(n)]
 
 
 def real_tensors() -> contextlib.AbstractContextManager:

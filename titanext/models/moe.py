@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanext._compat import grouped_mm
-from titanext._fake_backend import is_fake
+from titanext._fake_backend import balanced_counts, is_fake
 from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
 from titanext.models.layers import AddLossGradient, FeedForward
@@ -73,8 +73,7 @@ def _host_counts(num_tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
     """The tokens of each expert, on the host; a dry run's fake counts have no values: there,
     perfectly balanced routing (an estimate, as the expert-parallel dispatch assumes)."""
     if is_fake(num_tokens_per_expert):
-        n = num_tokens_per_expert.numel()
-        return [rows // n + (e < rows % n) for e in range(n)]
+        return balanced_counts(rows, num_tokens_per_expert.numel())
     return num_tokens_per_expert.tolist()
 
 

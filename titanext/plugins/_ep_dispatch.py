@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanext._fake_backend import balanced_counts
 from titanext.plugins._ep_comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins._mesh import one_dim_group
 from titanext.plugins.expert_replication import ReplicationPlan, StepCopies, dispatch_replicated
@@ -105,7 +106,7 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     recv, host = swap_counts(counts.contiguous(), pg)  # recv[s*L + e]: from s for e
     if host is None:  # a dry run has no counts: perfectly balanced routing, an estimate
         rows = x.shape[0]
-        send_splits = [rows // world + (r < rows % world) for r in range(world)]
+        send_splits = balanced_counts(rows, world)
         recv_splits = list(send_splits)
     else:  # the one sync, in swap_counts
         send_splits = host[:n_exp].view(world, n_local).sum(1).tolist()
@@ -206,7 +207,7 @@ def _exchange_counts(x: torch.Tensor, ids: torch.Tensor, groups: NodeGroups, e_n
     # assignments per expert
     if host is None:  # a dry run has no routing: balanced, each token on min(k, nodes) nodes
         rows = t * min(ids.shape[1], n)
-        splits = [rows // n + (r < rows % n) for r in range(n)]
+        splits = balanced_counts(rows, n)
         counts = torch.full((e_node,), t * ids.shape[1] // e_node, device=x.device)
         return splits, list(splits), t * ids.shape[1], counts, hit
     host_send, host_recv = host.view(2, n, 1 + e_node)  # the sync, in swap_counts

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from titanext._fake_backend import is_fake
+from titanext._fake_backend import balanced_counts, is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
 from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire, _all_to_all, taped
 from titanext.plugins.options import REPLICATION_SLACK, max_replicas
@@ -160,7 +160,7 @@ def nominal_plan(n_exp: int, world: int, copies: int, rows: int) -> ReplicationP
     [(0, 0, 1), (2, 1, 0)]
     """
     n_local = n_exp // world
-    counts = [[rows // n_exp + (e < rows % n_exp) for e in range(n_exp)] for _ in range(world)]
+    counts = [balanced_counts(rows, n_exp) for _ in range(world)]
     reps = tuple(Replica(r * n_local + j % n_local, r, (r + 1 + j // n_local) % world, 0)
                  for r in range(world) for j in range(min(copies, max_replicas(n_exp, world))))
     per_rank = tuple(sum(sum(c[r * n_local:(r + 1) * n_local]) for c in counts)
