@@ -61,9 +61,9 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     # Every candidate with its ceiling (tokens/s without bubble or exposed communication: cheap),
     # then planned in the order of their ceilings until no unplanned one can reach the top.
     specs = []  # (ceiling, index, config, (tp, pp, cp, ep, local), recompute level)
-    # the least recompute level whose floor (weights, optimizer, one micro-batch's
-    # activations) does not fit; less recomputation keeps more
-    floor_too_big: dict[tuple, int] = {}
+    # per (tp, pp, cp, ep, local): the least recompute level that does not fit, by its memory
+    # floor (static_memory_floor) or, once planned, by its plan; less recomputation keeps more
+    too_big: dict[tuple, int] = {}
     for tp in _divisors(world_size):
         if tp > 2 * gpus_per_node:
             continue
@@ -76,7 +76,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                         eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
                     key = (tp, pp, cp, ep, local)
                     if (global_batch % (local * dp)
-                            or floor_too_big.get(key, len(_RECOMPUTE)) <= level):
+                            or too_big.get(key, len(_RECOMPUTE)) <= level):
                         continue
                     cfg = dataclasses.replace(
                         base,
@@ -93,14 +93,13 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                         lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
                                             float8_hardware=device.fp8_flops > 0)
                         if static_memory_floor(lo) > hbm:
-                            floor_too_big[key] = level
+                            too_big[key] = level
                             continue
                         ceiling = tokens_per_s_ceiling(lo, device, efficiency)
                     except ValueError:  # e.g. fewer layers than stages: validation rejects it
                         continue
                     specs.append((ceiling, len(specs), cfg, key, level))
     specs.sort(key=lambda sp: (-sp[0], sp[1]))
-    too_big: dict[tuple, int] = {}  # the least recompute level that did not fit
     candidates: list[Plan] = []
     valid: dict[int, list[str] | None] = {}  # id(plan) -> its overrides, None: invalid
 
