@@ -148,9 +148,7 @@ class StepProfiler:
 
         tracker = mem_tracker()
         tracker.track_external(*self.parts, self.optimizer)
-        stage_init = (around_stage_init(self._pipeline_schedule, tracker.module_hooks_paused)
-                      if self._pipeline_schedule is not None else contextlib.nullcontext())
-        with stage_init, tracker:
+        with around_stage_init(self._pipeline_schedule, tracker.module_hooks_paused), tracker:
             yield
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
         memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}

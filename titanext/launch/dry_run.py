@@ -193,10 +193,10 @@ def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommByte
         _create_optimizer_state(trainer)
     tracker = mem_tracker()
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
-    stage_init = (contextlib.nullcontext() if trainer.pipeline is None  # torch's first-step
-                  else around_stage_init(trainer.pipeline.schedule,  # shape inference,
-                                         tracker.module_hooks_paused))  # untracked by module
-    with mode, stage_init, tracker, CommBytes() as comm:
+    # torch's first-step shape inference of a pipeline, untracked by module
+    schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
+    with (mode, around_stage_init(schedule, tracker.module_hooks_paused), tracker,
+          CommBytes() as comm):
         trainer.train_step(batches)
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}

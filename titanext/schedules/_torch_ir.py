@@ -485,7 +485,11 @@ def around_stage_init(schedule, context: Callable) -> Iterator[None]:
     (they break the ``autograd.grad`` of torch's backward shape inference). torch calls the
     start-up at every step (a no-op once done), so the wrapper comes off on leaving the block:
     left on, a later step would re-enter the pause's ``finally`` of a tracker long gone and
-    switch that tracker's global module hooks back on for good."""
+    switch that tracker's global module hooks back on for good. ``schedule=None`` (no
+    pipeline): nothing to wrap."""
+    if schedule is None:
+        yield
+        return
     name = next((n for n in ("_initialize_stages", "_initialize_stage") if hasattr(schedule, n)),
                 None)
     if name is None:
