@@ -30,15 +30,29 @@ from titanext.gpucheck._common import Ctx  # noqa: E402
 from titanext.gpucheck.side_by_side import SHAPE, measure_side_by_side  # noqa: E402
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} given; allowed: a whole number >= {low}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
+    from titanext.models import MODEL_FLAVORS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized shapes (default without CUDA)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    p.add_argument("--flavor", default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--flavor", choices=sorted(MODEL_FLAVORS["llama3"]), default=None)
+    p.add_argument("--batch", type=_at_least(1), default=None)
+    p.add_argument("--seq-len", type=_at_least(1), default=None)
+    p.add_argument("--warmup", type=_at_least(0), default=None)
+    p.add_argument("--rounds", type=_at_least(1), default=None)
     p.add_argument("--wheels", default=None, help="directory of the torchtitan wheel(s)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--markdown", action="store_true")

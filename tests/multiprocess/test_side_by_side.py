@@ -9,22 +9,39 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from tests.spawn import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location(
+        "side_by_side_cli", os.path.join(ROOT, "benchmarks", "side_by_side.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
 
 
 def _cli(rank: int, world_size: int, path: str, wheels: str, out_dir: str) -> dict:
     from titanext.gpucheck.side_by_side import OUT_ENV
 
     os.environ[OUT_ENV] = out_dir  # the traced step's files (the pool restores the environment)
-    spec = importlib.util.spec_from_file_location(
-        "side_by_side_cli", os.path.join(ROOT, "benchmarks", "side_by_side.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    code = cli.main(["--tiny", "--rounds", "1", "--json", path, "--wheels", wheels])
+    code = _load_cli().main(["--tiny", "--rounds", "1", "--json", path, "--wheels", wheels])
     with open(path, encoding="utf-8") as f:
         return {"code": code, **json.load(f)}
+
+
+@pytest.mark.parametrize("args,key", [
+    (["--rounds", "0"], "--rounds"), (["--batch", "x"], "--batch"),
+    (["--warmup", "-1"], "--warmup"), (["--flavor", "3B"], "--flavor")])
+def test_bad_input_exits_2_naming_the_key_before_any_work(args, key, capsys):
+    """A zero-round run ended in a StatisticsError traceback after building every variant."""
+    with pytest.raises(SystemExit) as exit_:
+        _load_cli().main(args)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and f"argument {key}:" in err and args[1] in err, err
 
 
 def test_tiny_side_by_side(tmp_path):
