@@ -7,8 +7,9 @@ from typing import Any
 from tests import pool
 from titanext.launch.local import free_port
 
-__all__ = ["ADAM_EPS", "free_port", "fp32_trainer_overrides", "record_grad_norms",
-           "run_distributed", "run_example", "trainer_runs"]
+__all__ = ["ADAM_EPS", "PARAM_RTOL", "assert_params_follow", "free_port", "fp32_trainer_overrides",
+           "param_problems", "record_grad_norms", "run_distributed", "run_example",
+           "trainer_runs"]
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
@@ -29,6 +30,41 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
 #: and the same comparison agrees to 1e-6, while elements with real gradients still take Adam's
 #: normalised step.
 ADAM_EPS = 1e-5
+
+#: The bound of a layout-vs-one-process parameter comparison after optimizer steps, for runs at
+#: ADAM_EPS: whole-tensor relative error (of the update when the start is known).
+PARAM_RTOL = 1e-5
+
+
+def param_problems(label: str, params: dict, ref: dict, *, rtol: float = PARAM_RTOL,
+                   start: dict | None = None) -> list[str]:
+    """The one comparison of a layout's parameters after optimizer steps with one process's
+    (every name in ``ref``): one line per tensor whose error is ``rtol`` or more. The error is
+    the parity check's measure (:func:`titanext.parity.report.update_error`): relative to the
+    update one process made from ``start``, or without ``start`` to the tensor's own norm.
+    Meant for runs at :data:`ADAM_EPS` (fp32_trainer_overrides): at torch's 1e-8, Adam turns
+    another summation order of a near-zero gradient into a sizeable step, and the bound then
+    depends on the CPU's kernels (tests/docs/test_layout_comparisons.py checks both)."""
+    import torch
+
+    from titanext.parity.report import update_error
+
+    problems = [f"{label}: {name} missing" for name in ref if name not in params]
+    for name, want in ref.items():
+        if name in params:
+            zero = torch.zeros_like(want)
+            err = update_error(params[name], want, zero if start is None else start[name])
+            if not err < rtol:
+                of = " (of the update)" if start is not None else ""
+                problems.append(f"{label}: {name}: relative error {err:.2e}{of} >= {rtol:g}")
+    return problems
+
+
+def assert_params_follow(label: str, params: dict, ref: dict, *, rtol: float = PARAM_RTOL,
+                         start: dict | None = None) -> None:
+    """:func:`param_problems`, raised as one AssertionError listing every tensor off."""
+    problems = param_problems(label, params, ref, rtol=rtol, start=start)
+    assert not problems, "\n".join(problems)
 
 
 def record_grad_norms(trainer, norms: list) -> None:
