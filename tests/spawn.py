@@ -8,7 +8,7 @@ from tests import pool
 from titanext.launch.local import free_port
 
 __all__ = ["ADAM_EPS", "PARAM_RTOL", "assert_params_follow", "free_port", "fp32_trainer_overrides",
-           "param_problems", "record_grad_norms", "run_distributed", "run_example",
+           "param_errors", "param_problems", "record_grad_norms", "run_distributed", "run_example",
            "trainer_runs"]
 
 
@@ -36,28 +36,31 @@ ADAM_EPS = 1e-5
 PARAM_RTOL = 1e-5
 
 
-def param_problems(label: str, params: dict, ref: dict, *, rtol: float = PARAM_RTOL,
-                   start: dict | None = None) -> list[str]:
-    """The one comparison of a layout's parameters after optimizer steps with one process's
-    (every name in ``ref``): one line per tensor whose error is ``rtol`` or more. The error is
-    the parity check's measure (:func:`titanext.parity.report.update_error`): relative to the
-    update one process made from ``start``, or without ``start`` to the tensor's own norm.
-    Meant for runs at :data:`ADAM_EPS` (fp32_trainer_overrides): at torch's 1e-8, Adam turns
-    another summation order of a near-zero gradient into a sizeable step, and the bound then
-    depends on the CPU's kernels (tests/docs/test_layout_comparisons.py checks both)."""
+def param_errors(params: dict, ref: dict, *, start: dict | None = None) -> dict[str, float]:
+    """Per name in ``ref``: the parity check's measure of a parameter after optimizer steps
+    against one process's (:func:`titanext.parity.report.update_error`), relative to the update
+    one process made from ``start``, or without ``start`` to the tensor's own norm (a name
+    missing from ``params``: inf)."""
     import torch
 
     from titanext.parity.report import update_error
 
-    problems = [f"{label}: {name} missing" for name in ref if name not in params]
-    for name, want in ref.items():
-        if name in params:
-            zero = torch.zeros_like(want)
-            err = update_error(params[name], want, zero if start is None else start[name])
-            if not err < rtol:
-                of = " (of the update)" if start is not None else ""
-                problems.append(f"{label}: {name}: relative error {err:.2e}{of} >= {rtol:g}")
-    return problems
+    return {name: update_error(params[name], want,
+                               torch.zeros_like(want) if start is None else start[name])
+            if name in params else float("inf") for name, want in ref.items()}
+
+
+def param_problems(label: str, params: dict, ref: dict, *, rtol: float = PARAM_RTOL,
+                   start: dict | None = None) -> list[str]:
+    """The one comparison of a layout's parameters after optimizer steps with one process's:
+    one line per tensor of ``ref`` whose :func:`param_errors` is ``rtol`` or more. Meant for
+    runs at :data:`ADAM_EPS` (fp32_trainer_overrides): at torch's 1e-8, Adam turns another
+    summation order of a near-zero gradient into a sizeable step, and the outcome depends on
+    the CPU's kernels (docs/cpu_kernel_paths.md). tests/docs/test_layout_comparisons.py fails
+    on a comparison that bypasses this or another eps without a stated reason."""
+    of = " (of the update)" if start is not None else ""
+    return [f"{label}: {name}: relative error {err:.2e}{of} >= {rtol:g}"
+            for name, err in param_errors(params, ref, start=start).items() if not err < rtol]
 
 
 def assert_params_follow(label: str, params: dict, ref: dict, *, rtol: float = PARAM_RTOL,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, run_distributed, trainer_runs
+from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, trainer_runs
 
 STEPS = 5
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64)
@@ -136,8 +136,6 @@ def test_composition_matrix_follows_the_single_process_curve(tmp_path):
         # test_pipeline (Adam turns fp32 summation-order noise into up to ~1.4e-5 here).
         # float8: loss only; Adam amplifies float8 rounding (which depends on what a rank
         # holds) into ~7e-2 parameter differences after 5 steps, while the loss agrees to 2e-5.
-        for key, ref in ref_params.items() if param_rtol else ():
-            err = ((params[key] - ref).norm() / ref.norm()).item()
-            if err > param_rtol:
-                failures.append(f"{name}: {key}: parameter relative error {err:.2e} > {param_rtol}")
+        if param_rtol:
+            failures += param_problems(name, params, ref_params, rtol=param_rtol)
     assert not failures, "\n\n".join(failures)

@@ -66,6 +66,7 @@ def test_debugmoe_trains_from_toml(moe_reference):
 
 
 @pytest.mark.slow
+@pytest.mark.layout_parity
 def test_debugmoe_layouts_follow_one_process(moe_reference, tmp_path):
     """FSDP2 (also with gradient accumulation) and TP=2 with SP train like one process: the
     loss curve, the parameters and the expert biases (loads all-reduced over dp)."""

@@ -22,8 +22,7 @@ import os
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, run_distributed
-from titanext.parity.report import update_error
+from tests.spawn import fp32_trainer_overrides, param_errors, param_problems, run_distributed
 
 STEPS = 3
 BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32), "--training.mtp_loss_weight=0.5"]
@@ -138,12 +137,9 @@ def test_mtp_layouts_follow_one_process(tmp_path):
     export = _export(str(tmp_path / "run" / str(names.index("hf_ZBV_pp2_x_fsdp2"))))
     assert sorted(export) == sorted(ref_export) and "model.layers.4.eh_proj.weight" in export
     start = _export_start(hf_dir)
-    worst = 0.0
-    for k, t in export.items():  # after 4 Adam steps, relative to one process's update
-        err = update_error(t, ref_export[k], start[k])
-        worst = max(worst, err)
-        if err > 3e-5:
-            failures.append(f"export: {k}: relative error {err:.2e} (of the update)")
+    # after 4 Adam steps, relative to one process's update
+    failures += param_problems("export", export, ref_export, rtol=3e-5, start=start)
+    worst = max(param_errors(export, ref_export, start=start).values())
     print(f"export: parameters after {STEPS + 1} steps within {worst:.1e} of the update")
     assert not failures, "\n".join(failures)
 
