@@ -193,14 +193,20 @@ def comm_point(issue: Callable[[bool], object], nbytes: int = 0, *,
 
 
 def _thread_setup() -> Callable[[], None]:
-    """What the worker thread takes from the caller's thread: grad mode, device and stream."""
+    """What the worker thread takes from the caller's thread: grad mode, intra-op threads,
+    device and stream. The thread count is per OS thread for OpenMP: a new thread starts at
+    the core count, and MKL ran its first matrix products there on that many threads, which
+    block the sums otherwise on some kernel paths (AVX2: the overlapped run ended with other
+    parameters than the plain one, 2026-11-28)."""
     grad = torch.is_grad_enabled()
+    threads = torch.get_num_threads()
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     index = torch.accelerator.current_device_index() if acc is not None else None
     stream = torch.accelerator.current_stream() if acc is not None else None
 
     def setup() -> None:
         torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
         if acc is not None:
             torch.accelerator.set_device_index(index)
             torch.accelerator.set_stream(stream)
