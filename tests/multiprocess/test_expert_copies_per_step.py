@@ -7,11 +7,8 @@ those of the layer without replication (and of one process), and the copy traffi
 the weights in every forward and recompute and the gradients in every backward). A step
 whose micro-batch count is wrong raises instead of dropping the copies' gradients.
 
-Trainer level (one 4-rank spawn, debugmoe fp32): pp 2 x ep 2 with 1F1B (4 micro-batches, full
-AC) and DualPipe (keep_all_to_all), and ep 2 x FSDP 4 with 2 accumulation steps (FSDP
-reduce-scatters every micro-batch; the copies' gradients join the last one's):
-replicate_hot_experts = 2 against the same layout without it, after 2 steps (losses, gradient
-norms, parameters).
+Trainer level: ``COPIES_PER_STEP`` in tests/multiprocess/test_expert_parallel.py, whose 4-rank
+spawn runs them.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from tests.multiprocess import test_expert_parallel as _ep
 from tests.multiprocess.test_expert_replication import _grads, _grads_ref, _skewed_moe
 from tests.spawn import run_distributed
 
@@ -99,28 +95,3 @@ def test_copies_per_step_exact_and_4x_less_traffic():
         assert 0 < 4 * got["step_bytes"] <= got["dispatch_bytes"], got
         assert "more backward passes" in got["raised"], got
 
-
-P = "--parallelism."
-TRAIN_STEPS = 2
-PP = ["--training.local_batch_size=4", P + "expert_parallel_degree=2",
-      P + "pipeline_parallel_degree=2", f"--training.steps={TRAIN_STEPS}"]
-CASES = {
-    "pp2_x_ep2_1F1B_ac": [*PP, P + "pipeline_parallel_schedule=1F1B",
-                          P + "pipeline_parallel_microbatches=4",
-                          "--activation_checkpoint.mode=full"],
-    "pp2_dualpipe_x_ep2_keep": [*PP, P + "pipeline_parallel_schedule=DualPipe",
-                                "--activation_checkpoint.mode=full",
-                                "--activation_checkpoint.keep_all_to_all=true"],
-}
-CASES["ep2_x_fsdp4_accum2"] = ["--training.local_batch_size=1", "--training.global_batch_size=8",
-                              P + "expert_parallel_degree=2", f"--training.steps={TRAIN_STEPS}"]
-CASES.update({f"{n}_rep2": [*o, "--moe.replicate_hot_experts=2"] for n, o in list(CASES.items())})
-
-
-@pytest.mark.slow
-def test_trainer_copies_per_step_match_no_replication(tmp_path):
-    per_rank = run_distributed(_ep._train, 4, args=(CASES, str(tmp_path)), timeout_s=120)
-    for name in (n for n in CASES if n.endswith("_rep2")):
-        for got in (per_rank[0], per_rank[2]):  # stage 0 and stage 1
-            assert len(got[name][0]) == TRAIN_STEPS, name
-            _ep._assert_replication_exact(got[name], got[name.removesuffix("_rep2")], name)

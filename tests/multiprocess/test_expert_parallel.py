@@ -250,6 +250,29 @@ TRAIN_CASES_4 = {
 }
 
 
+# Hot-expert copies sent once per step (copies_per_step; its layer test:
+# tests/multiprocess/test_expert_copies_per_step.py), in the 4-rank spawn below: pp 2 x ep 2 with
+# 1F1B (4 micro-batches, full AC) and DualPipe (keep_all_to_all), and ep 2 x FSDP 4 with 2
+# accumulation steps (FSDP reduce-scatters every micro-batch; the copies' gradients join the last
+# one's): replicate_hot_experts = 2 against the same layout without it, after 2 steps.
+COPIES_STEPS = 2
+_PP = ["--training.local_batch_size=4", "--parallelism.expert_parallel_degree=2",
+       "--parallelism.pipeline_parallel_degree=2", f"--training.steps={COPIES_STEPS}"]
+COPIES_PER_STEP = {
+    "pp2_x_ep2_1F1B_ac": [*_PP, "--parallelism.pipeline_parallel_schedule=1F1B",
+                          "--parallelism.pipeline_parallel_microbatches=4",
+                          "--activation_checkpoint.mode=full"],
+    "pp2_dualpipe_x_ep2_keep": [*_PP, "--parallelism.pipeline_parallel_schedule=DualPipe",
+                                "--activation_checkpoint.mode=full",
+                                "--activation_checkpoint.keep_all_to_all=true"],
+    "ep2_x_fsdp4_accum2": ["--training.local_batch_size=1", "--training.global_batch_size=8",
+                           "--parallelism.expert_parallel_degree=2",
+                           f"--training.steps={COPIES_STEPS}"],
+}
+COPIES_PER_STEP.update({f"{n}_rep2": [*o, "--moe.replicate_hot_experts=2"]
+                        for n, o in list(COPIES_PER_STEP.items())})
+
+
 def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str) -> dict:
     """{case: (losses, grad norms, full params)} after STEPS steps of each case."""
     from titanext.config import load_config
@@ -329,7 +352,12 @@ def test_example_and_trainer_ep2_match_one_process(moe_reference, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_ep_layouts_on_4_ranks_match_one_process(moe_reference, tmp_path):
-    per_rank = run_distributed(_train, 4, args=(TRAIN_CASES_4, str(tmp_path)), timeout_s=120)
+    per_rank = run_distributed(_train, 4, args=({**TRAIN_CASES_4, **COPIES_PER_STEP},
+                                                str(tmp_path)), timeout_s=120)
+    for name in (n for n in COPIES_PER_STEP if n.endswith("_rep2")):  # copies once per step
+        for stage in (per_rank[0], per_rank[2]):  # pp2: stage 0 and stage 1
+            assert len(stage[name][0]) == COPIES_STEPS, name
+            _assert_replication_exact(stage[name], stage[name.removesuffix("_rep2")], name)
     got = per_rank[0]
     # pp2: rank 0 holds stage 0, rank 2 stage 1; every rank reports every MoE block's load
     for pp in ("pp2_x_ep2_ZBH1_aux", "pp2_dualpipe_x_ep2", "pp2_x_ep2_ZBH1_aux_rep2"):

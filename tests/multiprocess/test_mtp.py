@@ -1,6 +1,6 @@
 """Multi-token prediction (the debug DeepSeek flavor: MLA, MoE, one MTP module) under pipeline
-schedules and data / context / expert parallelism follows one fp32 process (4 CPU ranks, one
-spawn).
+schedules and data / context / expert / tensor parallelism follows one fp32 process (4 CPU
+ranks, one spawn).
 
 Each case runs the real Trainer for a few steps and compares, against one process on the same
 global batch: the main loss and the MTP loss of every step, and the first step's gradients of
@@ -12,7 +12,9 @@ on rank 0, the last stage on rank 1). ZBV needs 4 blocks: it runs a tiny Deepsee
 from transformers (``flavor = "hf"``, 4 layers + its MTP layer), loaded with
 ``initial_load_in_hf``, checkpointed after step 3 and resumed by a new Trainer for step 4 (the
 two embedding copies' optimizer states included), and exported with ``last_save_in_hf`` under
-the layout; the export must equal the one-process export.
+the layout; the export must equal the one-process export. Under TP (2 x FSDP 2, also with EP
+2 and without SP and loss parallelism; 1F1B PP 2 x TP 2 with the MTP module on the last stage)
+the gradients are gathered over tp.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def _pp(schedule: str, microbatches: int) -> list[str]:
 
 
 FSDP2 = ["--training.local_batch_size=4", P + "data_parallel_shard_degree=2"]
+TP2 = [P + "tensor_parallel_degree=2"]
 # name: (reference, overrides); every case has a global batch of 8 sequences of 32 tokens.
 CASES = {
     "hf_ZBV_pp2_x_fsdp2": ("hf", [*FSDP2, *_pp("ZBV", 4)]),
@@ -93,6 +96,17 @@ CASES = {
                                       *_pp("1F1B", 2)]),
     # the MTP labels are shifted on the whole sequence, then sharded like the labels
     "cp2_x_fsdp2": ("debug", [*DEBUG, *FSDP2, P + "context_parallel_degree=2"]),
+    # under TP, the gradients gathered over tp:
+    "tp2_x_fsdp2": ("debug", [*DEBUG, *FSDP2, *TP2]),
+    # the MTP block's MoE: replicated over tp as the blocks' are, its experts split over ep
+    "tp2_x_fsdp2ep2": ("debug", [*DEBUG, *FSDP2, *TP2, P + "expert_parallel_degree=2"]),
+    # replicated activations between blocks, the logits gathered over the vocabulary
+    "tp2_x_fsdp2_no_sp_no_loss_parallel": ("debug", [*DEBUG, *FSDP2, *TP2,
+                                                     P + "enable_sequence_parallel=false",
+                                                     P + "enable_loss_parallel=false"]),
+    # the MTP module on the last stage
+    "1F1B_pp2_x_tp2": ("debug", [*DEBUG, "--training.local_batch_size=8", *TP2,
+                                 *_pp("1F1B", 2)]),
 }
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
 
@@ -130,7 +144,8 @@ def test_mtp_layouts_follow_one_process(tmp_path):
     for i, name in enumerate(names):
         ref_losses, ref_mtp, ref_grads = refs[CASES[name][0]]
         copies = check_case(name, per_rank, i, (ref_losses, ref_mtp, ref_grads), failures)
-        assert any(k.startswith("mtp.") for k in copies), name
+        assert any(k.startswith("mtp.layers.0.eh_proj" if "tp2" in name else "mtp.")
+                   for k in copies), name
         if "pp2" in name:  # the MTP's embedding copy on the last stage (two under DualPipe)
             assert len(copies["tok_embeddings.weight"]) == (4 if "DualPipe" in name else 2)
     ref_export = _export(str(tmp_path / "ref" / "0"))
