@@ -68,6 +68,37 @@ def test_process_wide_state_is_kept_per_side():
     assert sorted(seen) == [("B", "B"), ("F", "F")] and state["v"] == "base"
 
 
+def _openmp():
+    """The OpenMP runtime torch loaded (Linux: read from this process's mapped libraries)."""
+    import ctypes
+    from pathlib import Path
+
+    maps = Path("/proc/self/maps")
+    libs = sorted({part for line in (maps.read_text().splitlines() if maps.exists() else ())
+                   for part in line.split() if "libgomp" in part or "libiomp" in part})
+    return ctypes.CDLL(libs[0]) if libs else None
+
+
+def test_the_worker_thread_computes_on_the_callers_intra_op_threads():
+    """OpenMP's thread count is per OS thread and a new one starts at the core count: MKL ran
+    the backward side's first products on every core, which on the AVX2 kernel path sums in
+    another order than the plain run (docs/cpu_kernel_paths.md)."""
+    import torch
+
+    omp = _openmp()
+    if omp is None:
+        pytest.skip("no OpenMP runtime found in this process")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen = []
+        _baton_threads.run_interleaved(lambda: seen.append(omp.omp_get_max_threads()),
+                                       lambda: seen.append(omp.omp_get_max_threads()))
+        assert seen == [1, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_error_on_either_side_is_raised_after_both_ended():
     log: list = []
 
