@@ -57,6 +57,13 @@ def _overrides(schedule: str, split: str, folder: str, profile: bool) -> list[st
             f"--parallelism.pipeline_parallel_split_backward={split}"]
 
 
+def pin_rank(rank: int) -> None:
+    """Pin this process (its compute thread and gloo's) to core ``rank`` mod the cores it may
+    use, so that two ranks never share a core while another is idle."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def _turns(rank, world, variants, rounds, per_turn, folder, profile):
     """Per variant: every timed step's seconds, grouped by round (then, with ``profile``, a
     profiled window of each trainer: its tables land in the variant's dump folder)."""
