@@ -12,12 +12,13 @@ weight-gradient queue's ``run`` and the pipeline's ``step`` with two clocks each
 clock and the thread's CPU clock, and counts the garbage collector's passes and the process's
 page faults. Rows (ms per step, one column per rank, means over the measured steps):
 
-- step: barrier to barrier, the slowest rank's; pipeline: inside ``PipelineRunner.step``;
+- step: barrier to barrier, the slowest rank's (mean); pipeline: inside ``PipelineRunner.step``;
   outside: the rest (loss all-reduces, clipping, optimizer);
 - F / I / W / B: the stages' chunks (wall), and "off-CPU in chunks": their wall minus the
   compute thread's CPU time (the thread waiting for a core, or for page faults' I/O);
-- W: queue run / torch's W step: the deferral queue's GEMMs, and what torch's W action adds
-  around them; the queue's appends happen inside I (a list append per linear);
+- W: queue run / torch's W step: the deferral queue's GEMMs inside W chunks, and what torch's
+  W action adds around them; the queue's appends happen inside I (a list append per linear);
+  (DualPipe's overlapped chunks run a full B's queue inside B: counted in B);
 - waits on send / recv: inside ``Work.wait`` during the pipeline step;
 - runtime between chunks: pipeline - chunks - waits (issuing P2P, the schedule's Python);
 - garbage collector: time inside ``gc`` passes (any thread holding the GIL), and their count;
@@ -27,8 +28,10 @@ page faults. Rows (ms per step, one column per rank, means over the measured ste
   ``titanext.schedules.simulator`` with this run's per-stage F / I / W / B (comm = 0): what the
   schedule itself leaves idle given those costs.
 
-``--pin`` pins rank r's process (every thread: compute, gloo's) to core r mod cores before
-anything is built (``os.sched_setaffinity``).
+The ranks keep freed memory (``pipeline_trainer.KEEP_FREED_MEMORY``) unless
+``--glibc-default``: the page-fault row is that setting's reason. ``--pin`` pins rank r's
+process (every thread: compute, gloo's) to core r mod cores before anything is built
+(``os.sched_setaffinity``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,14 @@ from titanext._text import format_table
 from titanext.launch.local import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_trainer import BATCH, MICROBATCHES, SEQ, _overrides, pin_rank  # noqa: E402
+from pipeline_trainer import (  # noqa: E402
+    BATCH,
+    MICROBATCHES,
+    SEQ,
+    _overrides,
+    pin_rank,
+    rank_environment,
+)
 
 TRACED = ["1F1B", "ZBV", "Auto", "DualPipeV"]
 _KIND = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}
@@ -64,6 +74,7 @@ class _Clocks:
         self.count: dict[str, int] = defaultdict(int)
         self.per_stage: dict[tuple[int, str], list[float]] = defaultdict(list)
         self.on = False
+        self.inside: list[str] = []  # the chunk kinds open now (a queue runs inside W or B)
         self._undo: list = []
         self._gc_t0 = 0.0
 
@@ -73,10 +84,14 @@ class _Clocks:
                 return fn(*args, **kwargs)
             k = key or ("B" if kwargs.get("full_backward", args[2] if len(args) > 2 else True)
                         else "I")
+            if k == "queue run":
+                k = f"queue run in {self.inside[-1] if self.inside else '-'}"
+            self.inside.append(k)
             w0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.inside.pop()
                 dw = time.perf_counter() - w0
                 self.wall[k] += dw
                 self.cpu[k] += time.thread_time() - c0
@@ -196,7 +211,7 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
     def chunks(r, clock="wall"):
         return sum(ms(r, k, clock) for k in "FIWB")
 
-    rows = [("step (slowest rank, median)", lambda r, i: statistics.median(step) * 1e3),
+    rows = [("step (slowest rank)", lambda r, i: statistics.mean(step) * 1e3),
             ("pipeline", lambda r, i: ms(r, "pipeline")),
             ("outside the pipeline", lambda r, i: statistics.mean(r["step"]) * 1e3
              - ms(r, "pipeline"))]
@@ -205,8 +220,8 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
             rows.append((f"  {k} chunks", lambda r, i, k=k: ms(r, k)))
     rows += [
         ("  off-CPU in chunks", lambda r, i: chunks(r) - chunks(r, "cpu")),
-        ("  W: queue run", lambda r, i: ms(r, "queue run")),
-        ("  W: torch's W step around it", lambda r, i: max(ms(r, "W") - ms(r, "queue run"), 0.0)),
+        ("  W: queue run", lambda r, i: ms(r, "queue run in W")),
+        ("  W: torch's W step around it", lambda r, i: ms(r, "W") - ms(r, "queue run in W")),
         ("  waits on send / recv", lambda r, i: ms(r, "wait")),
         ("  runtime between chunks", lambda r, i: ms(r, "pipeline") - chunks(r)
          - ms(r, "wait")),
@@ -226,8 +241,9 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
     return out
 
 
-def trace_tables(schedules, steps: int, measured: int, pin: bool) -> dict[str, list[dict]]:
-    with tempfile.TemporaryDirectory() as folder:
+def trace_tables(schedules, steps: int, measured: int, pin: bool, glibc_default: bool
+                 ) -> dict[str, list[dict]]:
+    with tempfile.TemporaryDirectory() as folder, rank_environment(glibc_default):
         everyone = run_distributed(_trace, 2, args=(schedules, steps, measured, folder, pin),
                                    timeout_s=3600)[0]
     return {name: trace_rows([r[name] for r in everyone], measured) for name in schedules}
@@ -240,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--measured", type=int, default=7)
     ap.add_argument("--pin", action="store_true", help="pin rank r to core r (mod cores)")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="leave glibc's malloc trimming freed memory (the table before the fix)")
     a = ap.parse_args(argv)
     if not 1 <= a.measured <= a.steps - 1:
         print(f"--measured {a.measured}: allowed: 1 ..--steps - 1 ({a.steps - 1})")
@@ -247,8 +265,10 @@ def main(argv=None) -> int:
     load, t0 = os.getloadavg(), time.time()
     print(f"debug model, pp=2 on gloo, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES} "
           f"x {SEQ} tokens, fp32; {a.steps} steps per schedule, the last {a.measured} measured"
-          f"{', ranks pinned to cores' if a.pin else ''}", flush=True)
-    for name, rows in trace_tables(a.schedules.split(","), a.steps, a.measured, a.pin).items():
+          f"{', ranks pinned to cores' if a.pin else ''}"
+          f"{', glibc malloc defaults' if a.glibc_default else ', freed memory kept'}", flush=True)
+    for name, rows in trace_tables(a.schedules.split(","), a.steps, a.measured, a.pin,
+                                     a.glibc_default).items():
         print(f"\n{name}:")
         print(format_table(rows, markdown=a.markdown))
     after = os.getloadavg()

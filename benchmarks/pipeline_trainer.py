@@ -22,6 +22,9 @@ bubble, send/recv time, per rank. The timed steps run without a profiler.
 time) without a profiler.
 
 ``--pin`` pins rank r's process to core r (mod the cores it may use) before anything is built.
+The ranks start with :data:`KEEP_FREED_MEMORY` in their environment (glibc keeps freed memory
+instead of returning it: the CPU stand-in for a GPU's caching allocator), unless
+``--glibc-default``.
 
 ``--against REV``: the same benchmark for this tree and for ``REV`` (any git revision of this
 repository, built in a temporary ``git worktree``), the trees taking turns: ``--rounds`` runs of
@@ -40,8 +43,8 @@ import io
 import json
 import os
 import statistics
-import sys
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -69,6 +72,29 @@ def _overrides(schedule: str, split: str, folder: str, profile: bool) -> list[st
             f"--parallelism.pipeline_parallel_schedule={schedule}",
             f"--parallelism.pipeline_parallel_microbatches={MICROBATCHES}",
             f"--parallelism.pipeline_parallel_split_backward={split}"]
+
+
+#: glibc's malloc keeps freed memory instead of handing it back to the OS (trim) or mapping
+#: each large block afresh (mmap): without these a CPU step faults its activations' pages
+#: back in (zeroed by the kernel) every step, 26,000 faults per step per rank under ZBV against
+#: 9,000 under 1F1B here at about 5 us each (docs/pipeline.md#where-a-steps-time-goes).
+#: torch has no caching allocator on CPU; a GPU run reuses its blocks and pays none of it.
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**32), "MALLOC_MMAP_THRESHOLD_": str(2**25),
+                     "MALLOC_TOP_PAD_": str(2**28)}
+
+
+@contextlib.contextmanager
+def rank_environment(glibc_default: bool):
+    """``os.environ`` for ranks started inside (they read it at start-up): with
+    :data:`KEEP_FREED_MEMORY` unless ``glibc_default``."""
+    saved = dict(os.environ)
+    if not glibc_default:
+        os.environ.update(KEEP_FREED_MEMORY)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def pin_rank(rank: int) -> None:
@@ -146,13 +172,14 @@ def _variants(schedules, autograd_split: bool) -> list[tuple[str, str]]:
 
 
 def measure(schedules, rounds: int, per_turn: int, autograd_split: bool = False,
-            profile: bool = False, warmup: int = 2, pin: bool = False) -> tuple[dict, dict]:
+            profile: bool = False, warmup: int = 2, pin: bool = False,
+            glibc_default: bool = False) -> tuple[dict, dict]:
     """Every variant's timed steps (seconds, grouped by round), and ``info``: the load, the
     run's seconds and (``profile``) each variant's step table rows under ``"step_tables"``."""
     variants = _variants(schedules, autograd_split)
     assert variants[0][0] == "1F1B", "1F1B is the baseline"
     load_before, t0 = os.getloadavg(), time.time()
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, rank_environment(glibc_default):
         times = run_distributed(_turns, 2, args=(variants, rounds, per_turn, folder, profile,
                                                  warmup, pin), timeout_s=3600)[0]
         tables = _step_tables(folder, variants, 2) if profile else {}
@@ -162,10 +189,11 @@ def measure(schedules, rounds: int, per_turn: int, autograd_split: bool = False,
 
 
 def trainer_table(schedules, rounds: int, per_turn: int, autograd_split: bool = False,
-                  profile: bool = False, warmup: int = 2, pin: bool = False
-                  ) -> tuple[list[dict], dict]:
+                  profile: bool = False, warmup: int = 2, pin: bool = False,
+                  glibc_default: bool = False) -> tuple[list[dict], dict]:
     """The timing rows, and ``info`` (:func:`measure`)."""
-    times, info = measure(schedules, rounds, per_turn, autograd_split, profile, warmup, pin)
+    times, info = measure(schedules, rounds, per_turn, autograd_split, profile, warmup, pin,
+                          glibc_default)
     variants = list(times)
     base = statistics.median(t for r in times[variants[0]] for t in r)
     base_rounds = [statistics.median(r) for r in times[variants[0]]]
@@ -216,7 +244,8 @@ def _run_tree(tree: str, a) -> dict:
         out = os.path.join(folder, "times.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--json", out, "--rounds", "1",
                "--steps-per-turn", str(a.steps_per_turn), "--warmup", str(a.warmup),
-               "--schedules", a.schedules, *(["--pin"] if a.pin else [])]
+               "--schedules", a.schedules, *(["--pin"] if a.pin else []),
+               *(["--glibc-default"] if a.glibc_default else [])]
         subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             got = json.load(f)
@@ -292,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="profile one step per schedule and print its step table")
     ap.add_argument("--pin", action="store_true", help="pin rank r to core r (mod cores)")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="leave glibc's malloc trimming freed memory (KEEP_FREED_MEMORY unset)")
     ap.add_argument("--against", metavar="REV", default=None,
                     help="also run git revision REV (a temporary worktree), the trees in turns")
     ap.add_argument("--json", metavar="FILE", default=None,
@@ -315,13 +346,14 @@ def main(argv=None) -> int:
         import titanext
 
         times, _ = measure(schedules, a.rounds, a.steps_per_turn, a.autograd_split, False,
-                           a.warmup, a.pin)
+                           a.warmup, a.pin, a.glibc_default)
         with open(a.json, "w") as f:
             json.dump({"titanext": titanext.__file__,
                        "times": {_label(v): t for v, t in times.items()}}, f)
         return 0
     print(f"debug model, pp=2 on gloo, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES} "
           f"x {SEQ} tokens, fp32, one thread per rank{', ranks pinned to cores' if a.pin else ''}"
+          f"{', glibc malloc defaults' if a.glibc_default else ', freed memory kept'}"
           f"; {a.warmup} warm-up steps, then {a.steps_per_turn} steps per schedule in turns, "
           + (f"{a.rounds} runs of each tree in turns (A B B A ...)" if a.against
              else f"{a.rounds} rounds"), flush=True)
@@ -330,7 +362,7 @@ def main(argv=None) -> int:
         rows, info = against(a, root, commit), {"step_tables": {}}
     else:
         rows, info = trainer_table(schedules, a.rounds, a.steps_per_turn, a.autograd_split,
-                                   a.profile, a.warmup, a.pin)
+                                   a.profile, a.warmup, a.pin, a.glibc_default)
     print(format_table(rows, markdown=a.markdown))
     for label, table in info["step_tables"].items():
         print(f"\nstep table of {label} (one profiled step, ms):")

@@ -58,7 +58,8 @@ def test_against_rows_pair_runs_by_turn():
     assert zbv_here["vs 1F1B"] == "0.850x" and zbv_here["spread over runs"] == "0.800-0.900x"
     assert zbv_there["vs 1F1B"] == "1.000x" and zbv_there["spread over runs"] == "1.000-1.000x"
     assert zbv_here["step vs abc1234"] == "0.930x (0.900-0.960)"  # 1.8/2.0, 2.4/2.5
-    assert rows[0]["step vs abc1234"] == "1.100x (1.000-1.200)" and zbv_there["step vs abc1234"] == ""
+    assert rows[0]["step vs abc1234"] == "1.100x (1.000-1.200)"
+    assert zbv_there["step vs abc1234"] == ""
     assert zbv_here["step (s)"] == "2.100" and zbv_here["tokens/s"] == f"{16 * 512 / 2.1:,.0f}"
 
 
@@ -67,10 +68,11 @@ def test_trace_rows_add_up():
     cli = _load("pipeline_trace")
     rank = {"step": [1.0, 1.2], "faults": 3000.0, "sim": 0.05,
             "wall": {"pipeline": 1.8, "F": 0.6, "I": 0.5, "W": 0.3, "wait": 0.2,
-                     "queue run": 0.28, "gc": 0.01},
+                     "queue run in W": 0.28, "gc": 0.01},
             "cpu": {"F": 0.5, "I": 0.5, "W": 0.3}, "count": {"gc": 2}}
     rows = {r["ms per step"].strip(): r["rank 0"] for r in cli.trace_rows([rank], 2)}
-    assert rows["pipeline"] == "900.0" and rows["outside the pipeline"] == "200.0"
+    assert rows["step (slowest rank)"] == "1,100.0" and rows["pipeline"] == "900.0"
+    assert rows["outside the pipeline"] == "200.0"
     assert rows["F chunks"] == "300.0" and rows["off-CPU in chunks"] == "50.0"
     assert rows["W: queue run"] == "140.0" and rows["W: torch's W step around it"] == "10.0"
     assert rows["waits on send / recv"] == "100.0" and rows["runtime between chunks"] == "100.0"
