@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_trainer import (  # noqa: E402
     BATCH,
     MICROBATCHES,
+    SCHEDULES,
     SEQ,
     _overrides,
     pin_rank,
@@ -259,8 +260,15 @@ def main(argv=None) -> int:
     ap.add_argument("--glibc-default", action="store_true",
                     help="leave glibc's malloc trimming freed memory (the table before the fix)")
     a = ap.parse_args(argv)
-    if not 1 <= a.measured <= a.steps - 1:
-        print(f"--measured {a.measured}: allowed: 1 ..--steps - 1 ({a.steps - 1})")
+    bad = [f"--steps {a.steps}: allowed: a whole number >= 2"] if a.steps < 2 else []
+    if not bad and not 1 <= a.measured <= a.steps - 1:
+        bad.append(f"--measured {a.measured}: allowed: 1 to --steps - 1 = {a.steps - 1} (the "
+                   "first step is never timed)")
+    unknown = [n for n in a.schedules.split(",") if n not in SCHEDULES]
+    if unknown:
+        bad.append(f"--schedules {a.schedules}: allowed: any of {', '.join(SCHEDULES)}")
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
         return 2
     load, t0 = os.getloadavg(), time.time()
     print(f"debug model, pp=2 on gloo, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES} "

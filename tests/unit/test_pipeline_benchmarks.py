@@ -40,9 +40,14 @@ def test_bad_input_exits_2_with_one_line_before_any_work(args, words, capsys):
     assert all(w in err[0] for w in words), err
 
 
-def test_trace_bad_measured_exits_2(capsys):
-    assert _load("pipeline_trace").main(["--steps", "4", "--measured", "4"]) == 2
-    assert "--measured 4" in capsys.readouterr().out
+@pytest.mark.parametrize("args,words", [
+    (["--steps", "4", "--measured", "4"], ["--measured 4", "= 3"]),
+    (["--steps", "1"], ["--steps 1", ">= 2"]),
+    (["--schedules", "1F1B,ZB"], ["--schedules 1F1B,ZB", "ZBV"])])
+def test_trace_bad_input_exits_2_with_one_line(args, words, capsys):
+    assert _load("pipeline_trace").main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
 def test_against_rows_pair_runs_by_turn():
