@@ -6,7 +6,7 @@
 
 Every schedule gets its own ``titanext.trainer.Trainer`` (debug model, pp = 2 on gloo, one
 thread per rank, 8 micro-batches of 2 x 512 tokens, fp32, synthetic data), all built in one
-2-process spawn. After two warm-up steps each (Auto measures F, I, W on its first step and
+2-process spawn. After ``--warmup`` (3) steps each (Auto measures F, I, W on its first step and
 switches), the trainers take turns: each round runs ``--steps-per-turn`` timed steps of every
 schedule in turn, so a burst of load from elsewhere hits all of them alike. Per schedule: the
 median step time over all timed steps, tokens/s (16 x 512 tokens per step), the ratio to 1F1B
