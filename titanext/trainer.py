@@ -35,18 +35,12 @@ from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.validation import Validator
-from titanext.config import JobConfig, resolve_job_layout
+from titanext.config import JobConfig, Recipe, resolve_job_layout
 from titanext.data import dataloader_from_config
 from titanext.data.tokenizer import build_tokenizer
 from titanext.distributed.faults import inject_test_fault
 from titanext.distributed.parallel_dims import ParallelDims
-from titanext.distributed.parallelize import (
-    cp_layout,
-    loss_parallel_enabled,
-    mixed_precision_dtype,
-    parallelize,
-    zero1_enabled,
-)
+from titanext.distributed.parallelize import parallelize
 from titanext.distributed.pipeline import PipelineRunner
 from titanext.distributed.utils import (
     clip_grad_norm_,
@@ -84,12 +78,13 @@ class Trainer:
         self.dims = dims = ParallelDims.from_layout(layout)
         dims.build_mesh(self.device.type)
         self.grad_accum_steps = layout.accumulation_steps
-        self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
+        self.recipe = recipe = layout.recipe  # ZeRO, dtypes, SP, CP, EP, recompute, compile
+        self.loss_parallel, self.cp_layout = recipe.loss_parallel_on(dims), recipe.cp_layout
         self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
-        self._autocast = self._autocast_context(cfg, dims, self.device)
+        self._autocast = self._autocast_context(recipe, dims, self.device)
         self.compute_loss = self.token_loss_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.compute_loss = torch.compile(self.token_loss_sum, backend=cfg.compile.backend)
+        if recipe.compile_loss:
+            self.compute_loss = torch.compile(self.token_loss_sum, backend=recipe.compile_backend)
 
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
         self.model_args = layout.model_args  # the flavor's, with the [moe] overrides
@@ -106,9 +101,7 @@ class Trainer:
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
         parallelize_part = functools.partial(  # the recipe, for the model or each stage
-            parallelize, dims=dims, parallelism=p, compile=cfg.compile, float8=f8, training=t,
-            activation_checkpoint=cfg.activation_checkpoint, device=self.device,
-            replicate_hot_experts=layout.expert_replicas,
+            parallelize, dims=dims, recipe=recipe, device=self.device,
             check_replicated_grads=p.check_replicated_grads_steps if cfg.comm.mode == "real" else 0,
             init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
             else (lambda m: m.init_weights(seed=t.seed)))
@@ -136,7 +129,7 @@ class Trainer:
             [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr,
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if zero1_enabled(dims, p) else None)
+            zero1_group=dims.loss_mesh.get_group() if recipe.zero1(dims) else None)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
@@ -169,16 +162,14 @@ class Trainer:
                                reduction="sum", ignore_index=IGNORE_INDEX)
 
     @staticmethod
-    def _autocast_context(cfg: JobConfig, dims: ParallelDims, device: torch.device):
+    def _autocast_context(recipe: Recipe, dims: ParallelDims, device: torch.device):
         """Mixed precision where FSDP does not apply it (one rank, or ZeRO-1's DDP), as torchtitan
-        does: ``torch.autocast`` to ``training.mixed_precision_param`` around the forward. FSDP's
-        own parameter casting covers every other layout; pipeline stages keep their dtype."""
-        dtype = mixed_precision_dtype(cfg.training.mixed_precision_param, device)
-        fsdp = not zero1_enabled(dims, cfg.parallelism) and (dims.fsdp_enabled
-                                                             or dims.dp_replicate > 1)
-        if dtype == torch.float32 or fsdp or dims.pp_enabled:
+        does: ``torch.autocast`` to the recipe's param dtype around the forward
+        (:meth:`Recipe.autocast <titanext.config.Recipe.autocast>`)."""
+        dtype = recipe.autocast(dims, device.type)
+        if dtype is None:
             return contextlib.nullcontext
-        return functools.partial(torch.autocast, device.type, dtype=dtype)
+        return functools.partial(torch.autocast, device.type, dtype=getattr(torch, dtype))
 
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
@@ -314,7 +305,7 @@ class Trainer:
             print(f"titanext: {mc.name}/{mc.flavor} ({n / 1e6:.2f}M params{share}) on "
                   f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate="
                   f"{d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep} | "
-                  f"zero_stage={cfg.parallelism.zero_stage} | grad accumulation "
+                  f"zero_stage={self.recipe.zero_stage} | grad accumulation "
                   f"{self.grad_accum_steps} | {tokens_per_step} tokens/step", flush=True)
         losses = []
         profiler = self.profiler()

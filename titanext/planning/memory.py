@@ -194,14 +194,14 @@ def _two_level_saved(lo: Layout) -> float:
     dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
     moe = lo.shape.moe
     if (moe is None or lo.ep == 1 or lo.ac != "none"
-            or lo.cfg.parallelism.expert_parallel_dispatch != "two_level"):
+            or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
     return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
 
 
 def _ddp(lo: Layout) -> bool:
     """ZeRO-1's DDP: its buckets keep a gradient copy of every parameter all step."""
-    return lo.cfg.parallelism.zero_stage == 1 and lo.dp * lo.cp > 1 and lo.pp == 1
+    return lo.zero1 and lo.pp == 1
 
 
 def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
@@ -253,7 +253,6 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     if moment not in MOMENTS:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
     shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
-    p = lo.cfg.parallelism
     per_layer, per_moe_layer = saved_bytes_per_token(lo)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
@@ -265,9 +264,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     # the 1B at 2 x 8192 on an H200 peaks there at 1.01x this, docs/planner.md#calibration).
     # Under TP's loss_parallel, torch's sharded nll_loss backward computes both at once from
     # zeros, exp(input) and their sum (12: three float32 tensors alive, the 8B's dry run).
-    loss_parallel = lo.tp > 1 and lo.cfg.parallelism.enable_loss_parallel
+    loss_parallel = lo.recipe.loss_parallel_on(lo)
     loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
-    sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
+    sharded = lo.fsdp
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
     for e in events or ():
@@ -289,7 +288,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                                                + (shape.output / tp if rk.head else 0))
         else:
             mem["gathered params"] = 0.0
-        copies = lo.cfg.moe.replicate_hot_experts if lo.ep > 1 and moe else 0
+        copies = lo.recipe.expert_replicas if moe else 0
         if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
             # from the first forward to the last backward (expert_replication.copies_per_step)
             mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
