@@ -111,7 +111,7 @@ class Trainer:
             if dims.cp_enabled:
                 positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
             self.pipeline = PipelineRunner(
-                model, dims, plan=layout.pipeline, device=self.device,
+                model, dims, layout.pipeline, device=self.device,
                 loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
                 position_ids=positions, parallelize_stage=parallelize_part,
                 reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)

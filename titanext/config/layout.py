@@ -53,10 +53,14 @@ from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
 
-__all__ = ["MOE_RUNTIME_KEYS", "JobLayout", "PipelinePlan", "PipelinePlanError", "Recipe",
+__all__ = ["MOE_RUNTIME_KEYS", "SPLIT_BACKWARD", "JobLayout", "PipelinePlan", "PipelinePlanError", "Recipe",
            "config_pipeline_plan", "fake_world_size", "gradient_accumulation_steps", "model_args",
            "pipeline_plan", "recipe_from_config", "resolve_job_layout", "resolved_dp_shard",
            "ulysses_degree"]
+
+
+#: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
+SPLIT_BACKWARD = ("deferred", "autograd")
 
 
 class PipelinePlanError(ValueError):
@@ -137,6 +141,9 @@ def pipeline_plan(schedule: str | type, *, pp: int, microbatches: int,
         stage_owners,
     )
 
+    if split_backward not in SPLIT_BACKWARD:
+        raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                         f"{', '.join(SPLIT_BACKWARD)}")
     cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
     try:
         spr = resolved_stages_per_rank(cls, stages_per_rank)
@@ -260,7 +267,9 @@ class Recipe:
     ac: str = "none"
     """Activation checkpointing: "none", "selective" or "full"."""
     ac_option: str = "op"
-    """Selective AC: "op" (save ``ac_save_ops``' outputs) or "n" (every n-th block)."""
+    """Selective AC: "op" (save ``ac_save_ops``' outputs) or "n" (every n-th block); checked
+    with the save list by the AC plugin (``check_activation_checkpointing``), as parallelize
+    starts."""
     ac_save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
     """Op-level selective AC: the aten ops whose outputs are kept."""
     keep_all_to_all: bool = False
@@ -274,9 +283,6 @@ class Recipe:
     def __post_init__(self) -> None:
         problems = [_recipe_problem(name, getattr(self, name), allowed)
                     for name, allowed in _RECIPE_CHOICES.items()]
-        if self.ac == "selective" and not _is_ac_option(self.ac_option):
-            problems.append(f"ac_option = {self.ac_option!r}; allowed: 'op' or a positive "
-                            "integer as a string")
         for name in ("ep_ranks_per_node", "expert_replicas"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -352,10 +358,6 @@ def _recipe_problem(name: str, value: Any, allowed: tuple) -> str | None:
     if value in allowed and type(value) is type(allowed[0]):
         return None
     return f"{name} = {value!r}; allowed: {', '.join(str(a) for a in allowed)}"
-
-
-def _is_ac_option(option: Any) -> bool:
-    return option == "op" or (isinstance(option, str) and option.isdigit() and int(option) > 0)
 
 
 def _precision(name: str, device_type: str) -> str:

@@ -90,7 +90,7 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
     p2p = 0.0
     if pp > 1:
         send = tokens * shape.dim * a / (tp if sp else 1)  # one block-boundary activation
-        c = {"parallelism": f"PP p2p ({lo.pipe.schedule})", "collectives": rank.sends * passes,
+        c = {"parallelism": f"PP p2p ({lo.pipe.name})", "collectives": rank.sends * passes,
              "bytes": rank.sends * passes * send, "level": lo.level(lo.strides["pp"], pp),
              "overlap": "in the schedule"}
         comm.append(c)

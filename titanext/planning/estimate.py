@@ -257,7 +257,7 @@ def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
 
     out = {"imbalance": imbalance, "per_step_s": per_step}
     mine = lo.recipe.ep_comm_overlap
-    can = lo.pp > 1 and lo.pipe.schedule in OVERLAP_SCHEDULES
+    can = lo.pp > 1 and lo.pipe.name in OVERLAP_SCHEDULES
     for on in (False, True):
         if on and not can:
             out["exposed_on_s"] = out["step_on_s"] = None
@@ -381,7 +381,7 @@ def _layout_summary(lo: Layout) -> dict:
             "pp": lo.pp, "ep": lo.ep, "zero_stage": lo.recipe.zero_stage, "ac": lo.ac,
             "local_batch_size": cfg.training.local_batch_size,
             "gradient_accumulation": lo.accum, "microbatches": lo.accum,
-            "pp_schedule": lo.pipe.schedule if lo.pp > 1 else None,
+            "pp_schedule": lo.pipe.name if lo.pp > 1 else None,
             "pp_microbatches": lo.pp_microbatches,
             "pp_stages_per_rank": lo.pipe.stages_per_rank, "float8": cfg.float8.enable}
 

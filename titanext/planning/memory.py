@@ -358,8 +358,7 @@ def static_memory_floor(lo: Layout) -> float:
     saved = saved_bytes_per_token(lo)
     pipe = lo.pipe
     counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
-                                 stages_per_rank=pipe.stages_per_rank,
-                                 max_pending_weight_grads=pipe.max_pending_weight_grads)
+                                 stages_per_rank=pipe.stages_per_rank)
               if lo.pp > 1 else None) or (1,) * lo.pp
     return max(sum(m.get(k, 0.0) for k in _STATIC) + max(1, n) * lo.tokens_mb
                * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
