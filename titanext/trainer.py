@@ -69,25 +69,37 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        t, p, f8 = cfg.training, cfg.parallelism, cfg.float8
+        t = cfg.training
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         set_determinism(t.seed, t.deterministic)
-        # the job resolved once: degrees, accumulation, model args, the pipeline's plan
+        # the job resolved once: degrees, accumulation, model args, the pipeline's plan, and
+        # the recipe (ZeRO, dtypes, SP, CP, EP, recompute, compile)
         self.layout = layout = resolve_job_layout(cfg, world_size)
         self.dims = dims = ParallelDims.from_layout(layout)
         dims.build_mesh(self.device.type)
         self.grad_accum_steps = layout.accumulation_steps
-        self.recipe = recipe = layout.recipe  # ZeRO, dtypes, SP, CP, EP, recompute, compile
+        self.recipe = recipe = layout.recipe
         self.loss_parallel, self.cp_layout = recipe.loss_parallel_on(dims), recipe.cp_layout
         self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
         self._autocast = self._autocast_context(recipe, dims, self.device)
         self.compute_loss = self.token_loss_sum
         if recipe.compile_loss:
             self.compute_loss = torch.compile(self.token_loss_sum, backend=recipe.compile_backend)
-
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
         self.model_args = layout.model_args  # the flavor's, with the [moe] overrides
+        self._parallelize(self._meta_model())
+        self._pp_group = self.pipeline.pp_group if self.pipeline else None
+        self.moe_balancing.weigh_aux_loss(self.model_parts,
+                                          self.grad_accum_steps * t.local_batch_size)
+        self._build_training_state()
+        self.step, self._resumed = 0, False
+        self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The whole model on the meta device, converters (float8) applied, its MoE blocks'
+        balancing attached."""
+        cfg, f8 = self.cfg, self.cfg.float8
         model = build_model(cfg.model.name, self.model_args, device="meta")
         self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
         if f8.enable:  # converters run first, on the meta model
@@ -100,36 +112,44 @@ class Trainer:
                                  device=self.device)
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
-        parallelize_part = functools.partial(  # the recipe, for the model or each stage
-            parallelize, dims=dims, recipe=recipe, device=self.device,
-            check_replicated_grads=p.check_replicated_grads_steps if cfg.comm.mode == "real" else 0,
+        return model
+
+    def _parallelize(self, model: torch.nn.Module) -> None:
+        """The recipe applied to the model, or to each of this rank's pipeline stages:
+        ``model_parts``, ``model``, ``train_module`` (ZeRO-1: the DDP wrapper), ``pipeline``."""
+        cfg, t, dims = self.cfg, self.cfg.training, self.dims
+        parallelize_part = functools.partial(
+            parallelize, dims=dims, recipe=self.recipe, device=self.device,
+            check_replicated_grads=(cfg.parallelism.check_replicated_grads_steps
+                                    if cfg.comm.mode == "real" else 0),
             init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
             else (lambda m: m.init_weights(seed=t.seed)))
         self.pipeline: PipelineRunner | None = None
-        if dims.pp_enabled:  # every stage runs RoPE on the positions of this rank's slice
-            positions = torch.arange(t.seq_len, device=self.device)
-            if dims.cp_enabled:
-                positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
-            self.pipeline = PipelineRunner(
-                model, dims, layout.pipeline, device=self.device,
-                loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
-                position_ids=positions, parallelize_stage=parallelize_part,
-                reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
-            self.model_parts = self.pipeline.parts
-            self.model = self.train_module = self.model_parts[0]
-        else:  # train_module: the DDP wrapper under ZeRO-1
+        if not dims.pp_enabled:
             self.model, self.train_module = model, parallelize_part(model)
             self.model_parts = [model]
-        self._pp_group = self.pipeline.pp_group if self.pipeline else None
-        self.moe_balancing.weigh_aux_loss(self.model_parts,
-                                          self.grad_accum_steps * t.local_batch_size)
+            return
+        positions = torch.arange(t.seq_len, device=self.device)  # each stage runs RoPE on
+        if dims.cp_enabled:  # the positions of this rank's slice
+            positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
+        self.pipeline = PipelineRunner(
+            model, dims, self.layout.pipeline, device=self.device,
+            loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
+            position_ids=positions, parallelize_stage=parallelize_part,
+            reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
+        self.model_parts = self.pipeline.parts
+        self.model = self.train_module = self.model_parts[0]
 
+    def _build_training_state(self) -> None:
+        """Optimizer (ZeRO-1: sharded over the loss ranks), LR schedule, tokenizer, data,
+        validation and checkpoints."""
+        cfg, t, dims = self.cfg, self.cfg.training, self.dims
         o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
         self.optimizer = build_optimizer(
             [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr,
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if recipe.zero1(dims) else None)
+            zero1_group=dims.loss_mesh.get_group() if self.recipe.zero1(dims) else None)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
@@ -146,8 +166,6 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             manifest=manifest_info(cfg, dims), async_mode=c.async_mode,
             model_weights_only=c.model_weights_only, export_dtype=c.export_dtype)
-        self.step, self._resumed = 0, False
-        self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
 
     @staticmethod
     def _reset_stage_state(module: torch.nn.Module) -> None:

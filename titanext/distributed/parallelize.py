@@ -172,21 +172,7 @@ def parallelize(
         if r.compile_model:
             _compile(model, dims, r, blocks, expert_units)
         if r.fsdp(dims):
-            apply_fsdp(
-                model,
-                dims.fsdp_mesh,
-                param_dtype=getattr(torch, r.param_dtype_on(device.type)),
-                reduce_dtype=getattr(torch, r.reduce_dtype_on(device.type)),
-                reshard_after_forward=r.reshard_after_forward,
-                zero_stage=r.fsdp_zero_stage,
-                pp_enabled=dims.pp_enabled,
-                blocks=blocks,
-                # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
-                # gradients are summed over fewer ranks, so divide by the dense reduction size.
-                expert_units=expert_units,
-                expert_mesh=dims.expert_fsdp_mesh if expert_units else None,
-                expert_gradient_divide_factor=dims.gradient_reduction_size,
-            )
+            _fully_shard(model, dims, r, device, blocks, expert_units)
     if init_weights is not None:
         to_empty(model, device)  # (a dry run: fake parameters)
         init_weights(model)
@@ -231,6 +217,26 @@ def _compile(model: nn.Module, dims: ParallelDims, r: Recipe, blocks,
     fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
                      or has_emulated_float8_experts(model))
     apply_compile(model, backend=r.compile_backend, fullgraph=fullgraph, blocks=blocks)
+
+
+def _fully_shard(model: nn.Module, dims: ParallelDims, r: Recipe, device: torch.device, blocks,
+                 expert_units: list[nn.Module]) -> None:
+    """FSDP2 / HSDP over the blocks, then the rest, in the recipe's dtypes and reshard policy."""
+    apply_fsdp(
+        model,
+        dims.fsdp_mesh,
+        param_dtype=getattr(torch, r.param_dtype_on(device.type)),
+        reduce_dtype=getattr(torch, r.reduce_dtype_on(device.type)),
+        reshard_after_forward=r.reshard_after_forward,
+        zero_stage=r.fsdp_zero_stage,
+        pp_enabled=dims.pp_enabled,
+        blocks=blocks,
+        # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their gradients
+        # are summed over fewer ranks, so divide by the dense reduction size.
+        expert_units=expert_units,
+        expert_mesh=dims.expert_fsdp_mesh if expert_units else None,
+        expert_gradient_divide_factor=dims.gradient_reduction_size,
+    )
 
 
 def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
