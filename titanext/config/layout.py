@@ -53,7 +53,8 @@ from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
 
-__all__ = ["MOE_RUNTIME_KEYS", "SPLIT_BACKWARD", "JobLayout", "PipelinePlan", "PipelinePlanError", "Recipe",
+__all__ = ["MOE_RUNTIME_KEYS", "SPLIT_BACKWARD", "JobLayout", "PipelinePlan", "PipelinePlanError",
+           "Recipe",
            "config_pipeline_plan", "fake_world_size", "gradient_accumulation_steps", "model_args",
            "pipeline_plan", "recipe_from_config", "resolve_job_layout", "resolved_dp_shard",
            "ulysses_degree"]

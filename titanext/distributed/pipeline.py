@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import PP_WAIT, phase, pp_chunk
 from titanext.config.degrees import layers_per_stage  # re-exported
-from titanext.config.layout import SPLIT_BACKWARD, PipelinePlan  # re-exported
+from titanext.config.layout import SPLIT_BACKWARD, PipelinePlan
 from titanext.distributed.failsafe import guarded
 from titanext.distributed.parallelize import parallelize
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
@@ -60,8 +60,7 @@ from titanext.schedules import (  # pipeline_stage_ids is re-exported
 from titanext.schedules.dualpipe import sum_mirrored_grads
 from titanext.schedules.overlap import overlap_schedule_class
 
-
-__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "stage_parts",
+__all__ = ["SPLIT_BACKWARD", "layers_per_stage", "pipeline_stage_ids", "split_model", "stage_parts",
            "StageModuleList",
            "run_own_forward", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",

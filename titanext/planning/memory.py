@@ -236,6 +236,31 @@ def _later_peak(at_backward: dict[str, float], at_step: dict[str, float],
     return step if moment == "optimizer step" else at_backward
 
 
+def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float, float, float]:
+    """(bytes of a pp rank's parameters, gradients, optimizer state, gathered units and hosted
+    expert copies; its dense and expert parameters; the state elements it holds)."""
+    shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
+    n_m = lo.n_moe(rk)
+    psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
+    state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
+    mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
+           # two fp32 moments per element, and a 4-byte step per parameter tensor
+           "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
+           + 4 * tensors}
+    if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
+        mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
+        if not lo.reshard:  # the embedding and the head stay gathered too
+            mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
+                                           + (shape.output / tp if rk.head else 0))
+    else:
+        mem["gathered params"] = 0.0
+    copies = lo.recipe.expert_replicas if moe else 0
+    if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
+        # from the first forward to the last backward (expert_replication.copies_per_step)
+        mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
+    return mem, psi_dense, psi_experts, state
+
+
 def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
                        ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
     """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
@@ -252,7 +277,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     """
     if moment not in MOMENTS:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
-    shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
+    shape, tp, a = lo.shape, lo.tp, lo.a
     per_layer, per_moe_layer = saved_bytes_per_token(lo)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
@@ -274,24 +299,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
               for e in events or () if e.kind != "W"}
     for r, rk in enumerate(lo.pipe.ranks):
-        n_m = lo.n_moe(rk)
-        psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
-        state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
-        mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
-               # two fp32 moments per element, and a 4-byte step per parameter tensor
-               "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
-               + 4 * tensors}
-        if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
-            mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
-            if not lo.reshard:  # the embedding and the head stay gathered too
-                mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
-                                               + (shape.output / tp if rk.head else 0))
-        else:
-            mem["gathered params"] = 0.0
-        copies = lo.recipe.expert_replicas if moe else 0
-        if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
-            # from the first forward to the last backward (expert_replication.copies_per_step)
-            mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
+        mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
             mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
@@ -406,9 +414,25 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     in its later stage's second backward, the 70B's (ZBV) in a W, the middle ranks of ZBV and
     DualPipe in the cooldown where the deferred Ws' inputs pile up.
     """
-    shape, moe, a, m = lo.shape, lo.shape.moe, lo.a, lo.pipe.microbatches
+    split = any(e.kind == "W" for e in events)
+    boundary = lo.tokens_mb * lo.a * lo.shape.dim / (lo.tp if lo.sp else 1) / lo.cp
+    per_stage = _stage_terms(lo, rk, split=split, sharded=sharded, grads=grads,
+                             per_layer=per_layer, per_moe_layer=per_moe_layer,
+                             head_act=head_act, loss_backward=loss_backward, boundary=boundary)
+    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
+    return _replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
+                        sharded=sharded, boundary=boundary)
+
+
+def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, per_layer: float,
+                 per_moe_layer: float, head_act: float, loss_backward: float, boundary: float
+                 ) -> tuple[dict, ...]:
+    """Per stage of pp rank ``rk`` (see :func:`_pipeline_peak`): a micro-batch's activations
+    between F and backward, its weight-gradient inputs between I and W, the unsharded
+    gradient accumulators, the sharded gradients, and the backward transients (recompute,
+    loss backward)."""
+    shape, moe, a = lo.shape, lo.shape.moe, lo.a
     last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
-    boundary = lo.tokens_mb * a * shape.dim / (lo.tp if lo.sp else 1) / lo.cp
     none_layer = activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
                                                   cp=lo.cp, ulysses=lo.ulysses)
     none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
@@ -421,7 +445,6 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     # / index_add rows of [k T, h] per block and micro-batch
     wgrad_moe = (_weight_grad_inputs(lo, moe.shared_hidden)
                  + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
-    split = any(e.kind == "W" for e in events)
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
@@ -438,7 +461,15 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
-    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
+    return act, wact, acc, grad, transient
+
+
+def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
+                 frees: list, *, sharded: bool, boundary: float) -> dict[str, float]:
+    """Replay a pp rank's events in execution order, keeping the moment with the most memory
+    (:data:`_PEAK_TERMS`, see :func:`_pipeline_peak`)."""
+    act, wact, acc, grad, transient = per_stage
+    m = lo.pipe.microbatches
     live = dict.fromkeys(rk.stages, 0)
     pending = dict.fromkeys(rk.stages, 0)  # between I and W
     done = dict.fromkeys(rk.stages, 0)
@@ -467,7 +498,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
         if total > best_total:
             best, best_total = now_terms, total
 
-    for e in events_by_rank.get(r, ()):  # in execution order
+    for e in rank_events:  # in execution order
         s = e.stage
         if s not in live:
             continue

@@ -136,8 +136,8 @@ def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b:
     if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
         order = combined_order(cls.__name__, pp, microbatches, spr)
     elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
-        raise ValueError(f"schedule {cls.__name__!r} has no paired forward/backward chunks to overlap; "
-                         f"choose one of {', '.join(OVERLAP_SCHEDULES)}")
+        raise ValueError(f"schedule {cls.__name__!r} has no paired forward/backward chunks to "
+                         f"overlap; choose one of {', '.join(OVERLAP_SCHEDULES)}")
     else:
         order = schedule_order(cls, pp=pp, microbatches=microbatches, stages_per_rank=spr,
                                max_pending_weight_grads=max_pending_weight_grads, **order_costs)
