@@ -39,12 +39,10 @@ LAYOUTS = {
 
 def _dims_meshes(trainer) -> dict:
     """The dims parallelize() checks: tp, cp, and the loss ranks under ZeRO-1 (DDP)."""
-    from titanext.distributed.parallelize import zero1_enabled
-
     d = trainer.dims
     meshes = {"tp": d.tp_mesh if d.tp_enabled else None,
               "cp": d.cp_mesh if d.cp_enabled else None,
-              "dp": d.loss_mesh if zero1_enabled(d, trainer.cfg.parallelism) else None}
+              "dp": d.loss_mesh if trainer.layout.recipe.zero1(d) else None}
     return {name: mesh for name, mesh in meshes.items() if mesh is not None}
 
 

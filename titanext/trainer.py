@@ -35,18 +35,12 @@ from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.validation import Validator
-from titanext.config import JobConfig, resolve_job_layout
+from titanext.config import JobConfig, Recipe, resolve_job_layout
 from titanext.data import dataloader_from_config
 from titanext.data.tokenizer import build_tokenizer
 from titanext.distributed.faults import inject_test_fault
 from titanext.distributed.parallel_dims import ParallelDims
-from titanext.distributed.parallelize import (
-    cp_layout,
-    loss_parallel_enabled,
-    mixed_precision_dtype,
-    parallelize,
-    zero1_enabled,
-)
+from titanext.distributed.parallelize import parallelize
 from titanext.distributed.pipeline import PipelineRunner
 from titanext.distributed.utils import (
     clip_grad_norm_,
@@ -75,24 +69,37 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        t, p, f8 = cfg.training, cfg.parallelism, cfg.float8
+        t = cfg.training
         self.device = init_distributed(cfg.comm.init_timeout_seconds)
         self.rank, world_size = dist.get_rank(), dist.get_world_size()
         set_determinism(t.seed, t.deterministic)
-        # the job resolved once: degrees, accumulation, model args, the pipeline's plan
+        # the job resolved once: degrees, accumulation, model args, the pipeline's plan, and
+        # the recipe (ZeRO, dtypes, SP, CP, EP, recompute, compile)
         self.layout = layout = resolve_job_layout(cfg, world_size)
         self.dims = dims = ParallelDims.from_layout(layout)
         dims.build_mesh(self.device.type)
         self.grad_accum_steps = layout.accumulation_steps
-        self.loss_parallel, self.cp_layout = loss_parallel_enabled(dims, p), cp_layout(p)
+        self.recipe = recipe = layout.recipe
+        self.loss_parallel, self.cp_layout = recipe.loss_parallel_on(dims), recipe.cp_layout
         self._loss_context = loss_parallel if self.loss_parallel else contextlib.nullcontext
-        self._autocast = self._autocast_context(cfg, dims, self.device)
+        self._autocast = self._autocast_context(recipe, dims, self.device)
         self.compute_loss = self.token_loss_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.compute_loss = torch.compile(self.token_loss_sum, backend=cfg.compile.backend)
-
+        if recipe.compile_loss:
+            self.compute_loss = torch.compile(self.token_loss_sum, backend=recipe.compile_backend)
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
         self.model_args = layout.model_args  # the flavor's, with the [moe] overrides
+        self._parallelize(self._meta_model())
+        self._pp_group = self.pipeline.pp_group if self.pipeline else None
+        self.moe_balancing.weigh_aux_loss(self.model_parts,
+                                          self.grad_accum_steps * t.local_batch_size)
+        self._build_training_state()
+        self.step, self._resumed = 0, False
+        self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The whole model on the meta device, converters (float8) applied, its MoE blocks'
+        balancing attached."""
+        cfg, f8 = self.cfg, self.cfg.float8
         model = build_model(cfg.model.name, self.model_args, device="meta")
         self.num_params = model.num_params()  # the whole model's (a PP rank holds a part)
         if f8.enable:  # converters run first, on the meta model
@@ -105,38 +112,44 @@ class Trainer:
                                  device=self.device)
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
-        parallelize_part = functools.partial(  # the recipe, for the model or each stage
-            parallelize, dims=dims, parallelism=p, compile=cfg.compile, float8=f8, training=t,
-            activation_checkpoint=cfg.activation_checkpoint, device=self.device,
-            replicate_hot_experts=layout.expert_replicas,
-            check_replicated_grads=p.check_replicated_grads_steps if cfg.comm.mode == "real" else 0,
+        return model
+
+    def _parallelize(self, model: torch.nn.Module) -> None:
+        """The recipe applied to the model, or to each of this rank's pipeline stages:
+        ``model_parts``, ``model``, ``train_module`` (ZeRO-1: the DDP wrapper), ``pipeline``."""
+        cfg, t, dims = self.cfg, self.cfg.training, self.dims
+        parallelize_part = functools.partial(
+            parallelize, dims=dims, recipe=self.recipe, device=self.device,
+            check_replicated_grads=(cfg.parallelism.check_replicated_grads_steps
+                                    if cfg.comm.mode == "real" else 0),
             init_weights=(lambda m: None) if cfg.comm.mode == "fake_backend"  # fake values
             else (lambda m: m.init_weights(seed=t.seed)))
         self.pipeline: PipelineRunner | None = None
-        if dims.pp_enabled:  # every stage runs RoPE on the positions of this rank's slice
-            positions = torch.arange(t.seq_len, device=self.device)
-            if dims.cp_enabled:
-                positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
-            self.pipeline = PipelineRunner(
-                model, dims, plan=layout.pipeline, device=self.device,
-                loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
-                position_ids=positions, parallelize_stage=parallelize_part,
-                reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
-            self.model_parts = self.pipeline.parts
-            self.model = self.train_module = self.model_parts[0]
-        else:  # train_module: the DDP wrapper under ZeRO-1
+        if not dims.pp_enabled:
             self.model, self.train_module = model, parallelize_part(model)
             self.model_parts = [model]
-        self._pp_group = self.pipeline.pp_group if self.pipeline else None
-        self.moe_balancing.weigh_aux_loss(self.model_parts,
-                                          self.grad_accum_steps * t.local_batch_size)
+            return
+        positions = torch.arange(t.seq_len, device=self.device)  # each stage runs RoPE on
+        if dims.cp_enabled:  # the positions of this rank's slice
+            positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
+        self.pipeline = PipelineRunner(
+            model, dims, self.layout.pipeline, device=self.device,
+            loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
+            position_ids=positions, parallelize_stage=parallelize_part,
+            reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
+        self.model_parts = self.pipeline.parts
+        self.model = self.train_module = self.model_parts[0]
 
+    def _build_training_state(self) -> None:
+        """Optimizer (ZeRO-1: sharded over the loss ranks), LR schedule, tokenizer, data,
+        validation and checkpoints."""
+        cfg, t, dims = self.cfg, self.cfg.training, self.dims
         o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
         self.optimizer = build_optimizer(
             [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr,
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if zero1_enabled(dims, p) else None)
+            zero1_group=dims.loss_mesh.get_group() if self.recipe.zero1(dims) else None)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
@@ -153,8 +166,6 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             manifest=manifest_info(cfg, dims), async_mode=c.async_mode,
             model_weights_only=c.model_weights_only, export_dtype=c.export_dtype)
-        self.step, self._resumed = 0, False
-        self.mtp_loss = 0.0  # the last step's MTP loss (models with MTP modules)
 
     @staticmethod
     def _reset_stage_state(module: torch.nn.Module) -> None:
@@ -169,16 +180,14 @@ class Trainer:
                                reduction="sum", ignore_index=IGNORE_INDEX)
 
     @staticmethod
-    def _autocast_context(cfg: JobConfig, dims: ParallelDims, device: torch.device):
+    def _autocast_context(recipe: Recipe, dims: ParallelDims, device: torch.device):
         """Mixed precision where FSDP does not apply it (one rank, or ZeRO-1's DDP), as torchtitan
-        does: ``torch.autocast`` to ``training.mixed_precision_param`` around the forward. FSDP's
-        own parameter casting covers every other layout; pipeline stages keep their dtype."""
-        dtype = mixed_precision_dtype(cfg.training.mixed_precision_param, device)
-        fsdp = not zero1_enabled(dims, cfg.parallelism) and (dims.fsdp_enabled
-                                                             or dims.dp_replicate > 1)
-        if dtype == torch.float32 or fsdp or dims.pp_enabled:
+        does: ``torch.autocast`` to the recipe's param dtype around the forward
+        (:meth:`Recipe.autocast <titanext.config.Recipe.autocast>`)."""
+        dtype = recipe.autocast(dims, device.type)
+        if dtype is None:
             return contextlib.nullcontext
-        return functools.partial(torch.autocast, device.type, dtype=dtype)
+        return functools.partial(torch.autocast, device.type, dtype=getattr(torch, dtype))
 
     def next_microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
@@ -314,7 +323,7 @@ class Trainer:
             print(f"titanext: {mc.name}/{mc.flavor} ({n / 1e6:.2f}M params{share}) on "
                   f"{dist.get_world_size()} x {self.device.type} | pp={d.pp} dp_replicate="
                   f"{d.dp_replicate} dp_shard={d.dp_shard} cp={d.cp} tp={d.tp} ep={d.ep} | "
-                  f"zero_stage={cfg.parallelism.zero_stage} | grad accumulation "
+                  f"zero_stage={self.recipe.zero_stage} | grad accumulation "
                   f"{self.grad_accum_steps} | {tokens_per_step} tokens/step", flush=True)
         losses = []
         profiler = self.profiler()

@@ -147,14 +147,13 @@ def _refusals() -> dict:
     except ValueError as e:
         out["tp_torch_style_on_conv1d"] = (str(e), _untouched(before, gpt2))
 
-    from titanext.config import ActivationCheckpoint
+    from titanext.config import Recipe
     from titanext.plugins.tensor_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel
 
     before = _snapshot(gpt2)
     try:  # a valid TP plan, then an AC option that only the AC plugin would have rejected
-        parallelize(gpt2, _dims(tp=2), blocks="transformer.h",
-                    activation_checkpoint=ActivationCheckpoint(mode="selective",
-                                                               selective_ac_option="every2"),
+        parallelize(gpt2, _dims(tp=2), Recipe(ac="selective", ac_option="every2"),
+                    blocks="transformer.h",
                     tp_plan={"transformer.h.*.mlp.c_fc": Conv1DColwiseParallel(),
                              "transformer.h.*.mlp.c_proj": Conv1DRowwiseParallel()})
         out["ac_option_after_tp"] = ("no error", False)

@@ -37,6 +37,7 @@ def _errors(parts, loss: float, ref_loss: float, ref: dict) -> dict:
 
 
 def _three_ways(rank: int, world_size: int) -> dict:
+    from titanext.config import pipeline_plan
     from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.pipeline import PipelineRunner, build_pipeline
     from titanext.hf.transformers import hf_pipeline_stage
@@ -65,8 +66,10 @@ def _three_ways(rank: int, world_size: int) -> dict:
     model, ref_loss, ref = _reference()
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2)
     dims.build_mesh("cpu")
+    plan = pipeline_plan("1F1B", pp=2, microbatches=2,
+                         n_layers=len(model.get_submodule(SPLIT["blocks"])))
     runner = PipelineRunner(
-        model, dims, schedule="1F1B", microbatches=2, device=torch.device("cpu"),
+        model, dims, plan, device=torch.device("cpu"),
         loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(),
                                                   reduction="sum"),
         parallelize_stage=lambda m: m, blocks=SPLIT["blocks"], first=SPLIT["first"],

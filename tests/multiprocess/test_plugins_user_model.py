@@ -71,7 +71,7 @@ def _parallelize_body(rank, world_size):
     ZeRO-1 with selective AC on `LayeredModel` built on meta and initialised by parallelize."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from titanext.config import ActivationCheckpoint, Parallelism
+    from titanext.config import Recipe
     from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.parallelize import parallelize
 
@@ -80,8 +80,7 @@ def _parallelize_body(rank, world_size):
     dims.build_mesh("cpu")
     model, x = _reference()
     plan = {"body.*.up": ColwiseParallel(), "body.*.down": RowwiseParallel()}
-    trained = parallelize(model, dims, activation_checkpoint=ActivationCheckpoint(mode="full"),
-                          tp_plan=plan, blocks=model.body)
+    trained = parallelize(model, dims, Recipe(ac="full"), tp_plan=plan, blocks=model.body)
     assert trained is model
     trained(x.chunk(2)[dims.dp_mesh.get_local_rank()]).square().mean().backward()
     out["fsdp2_x_tp2_full_ac"] = _grads(model)
@@ -91,13 +90,13 @@ def _parallelize_body(rank, world_size):
     with torch.device("meta"):
         model = LayeredModel()
     try:  # DDP needs real parameters
-        parallelize(model, dims, parallelism=Parallelism(zero_stage=1))
+        parallelize(model, dims, Recipe(zero_stage=1))
     except ValueError as e:
         out["zero1_meta_error"] = str(e)
     with torch.device("meta"):
         model = LayeredModel()
-    trained = parallelize(model, dims, parallelism=Parallelism(zero_stage=1), init_weights=_init,
-                          activation_checkpoint=ActivationCheckpoint(mode="selective"))
+    trained = parallelize(model, dims, Recipe(zero_stage=1, ac="selective"),
+                          init_weights=_init)
     assert isinstance(trained, nn.parallel.DistributedDataParallel) and trained.module is model
     _, x = _reference()
     trained(x.chunk(4)[rank]).square().mean().backward()

@@ -7,13 +7,17 @@ part of titanext needs, from the config alone (no process group, device or model
 - gradient accumulation and the model's arguments (the flavor's, with ``[moe]`` overrides);
 - the pipeline (:class:`PipelinePlan`): the schedule *class*, its placement, the stages per
   rank and the rank that owns each stage, the blocks per stage and the micro-batches;
-- the EP layout (the ``dp_shard_in_ep`` dim it borrows, in ``mesh_dims``), hot-expert
-  replication and the recompute mode.
+- the EP layout (the ``dp_shard_in_ep`` dim it borrows, in ``mesh_dims``);
+- the :class:`Recipe` (:func:`recipe_from_config`): ZeRO stage and FSDP, reshard policy, param
+  and reduce dtypes and autocast, SP and loss parallel, CP layout and comm, EP dispatch, ranks
+  per node, float8 dispatch and hot-expert replicas, recompute, compile scope. The decisions
+  that also need the degrees (ZeRO-1 on, FSDP on, autocast, loss parallel) are its methods.
 
 Every consumer reads this object and recomputes none of it: the config rules (through
 :func:`pipeline_plan`, the one function that resolves a pipeline), ``ParallelDims``
 (:meth:`~titanext.distributed.parallel_dims.ParallelDims.from_layout`), ``PipelineRunner``,
-the Trainer (``trainer.layout``), the dry run, the planner and its advice
+the Trainer (``trainer.layout``), :func:`~titanext.distributed.parallelize.parallelize`
+(``layout.recipe``), the dry run, the planner and its advice
 (:func:`titanext.planning.layout.resolve_layout` builds each candidate through it, so what the
 planner advises is what the trainer runs), and the support matrix (through the rules).
 ``get_schedule_class`` is called here only. A pp = 1 job imports nothing of torch; a pipeline
@@ -44,13 +48,20 @@ from titanext.config.degrees import (
 )
 from titanext.config.schema import JobConfig, MoEConfig
 from titanext.errors import ConfigError
+from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES
 
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
 
-__all__ = ["MOE_RUNTIME_KEYS", "JobLayout", "PipelinePlan", "PipelinePlanError",
+__all__ = ["MOE_RUNTIME_KEYS", "SPLIT_BACKWARD", "JobLayout", "PipelinePlan", "PipelinePlanError",
+           "Recipe",
            "config_pipeline_plan", "fake_world_size", "gradient_accumulation_steps", "model_args",
-           "pipeline_plan", "resolve_job_layout", "resolved_dp_shard", "ulysses_degree"]
+           "pipeline_plan", "recipe_from_config", "resolve_job_layout", "resolved_dp_shard",
+           "ulysses_degree"]
+
+
+#: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
+SPLIT_BACKWARD = ("deferred", "autograd")
 
 
 class PipelinePlanError(ValueError):
@@ -131,6 +142,9 @@ def pipeline_plan(schedule: str | type, *, pp: int, microbatches: int,
         stage_owners,
     )
 
+    if split_backward not in SPLIT_BACKWARD:
+        raise ValueError(f"split_backward = {split_backward!r}; allowed: "
+                         f"{', '.join(SPLIT_BACKWARD)}")
     cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
     try:
         spr = resolved_stages_per_rank(cls, stages_per_rank)
@@ -189,6 +203,196 @@ def config_pipeline_plan(cfg: JobConfig, n_layers: int | None, *,
         comm_overlap=p.expert_parallel_comm_overlap)
 
 
+_PRECISIONS = ("auto", "bfloat16", "float32")
+_RESHARD_POLICIES = ("default", "always", "never")
+_CP_LAYOUTS = ("zigzag", "contiguous")
+_CP_COMMS = ("p2p", "allgather", "alltoall")
+_AC_MODES = ("none", "selective", "full")
+_COMPILE_SCOPES = ("model", "loss")
+_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the model is parallelized and trained, decided once: what the runtime
+    (:func:`~titanext.distributed.parallelize.parallelize`, the trainer, the pipeline), the
+    planner and the dry run share. Torch-free; build one from keywords (each checked, a
+    ValueError naming the field, the value and what is allowed) or take a job's
+    (``resolve_job_layout(cfg, world_size).recipe``, from :func:`recipe_from_config`).
+
+    The decisions that also depend on the degrees are methods of a ``degrees`` object with
+    ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` and ``pp`` (a :class:`JobLayout` or a
+    ``ParallelDims``), answered here only.
+
+    >>> r = Recipe(zero_stage=1, ac="selective", ac_option="2")
+    >>> r.recompute, r.fsdp_zero_stage
+    ('selective:2', 2)
+    >>> from types import SimpleNamespace as D
+    >>> four = D(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1)
+    >>> r.zero1(four), r.fsdp(four), Recipe().fsdp(four), r.autocast(four, "cuda")
+    (True, False, True, 'bfloat16')
+    >>> Recipe(zero_stage=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: Recipe: zero_stage = 4; allowed: 1, 2, 3
+    """
+
+    zero_stage: int = 3
+    """1: DDP over the data-parallel ranks and a sharded optimizer; 2: FSDP that keeps the
+    gathered parameters between forward and backward; 3: FSDP (``parallelism.zero_stage``)."""
+    reshard_after_forward: str = "default"
+    """FSDP's policy: "default", "always" or "never" (``fsdp_reshard_after_forward``)."""
+    param_dtype: str = "auto"
+    """Compute dtype of FSDP's parameters, or autocast's without FSDP: "auto" (bfloat16 on
+    CUDA, else float32), "bfloat16" or "float32"."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduction: "auto", "bfloat16" or "float32"."""
+    sequence_parallel: bool = True
+    """With TP, shard norms and residual activations along the sequence."""
+    loss_parallel: bool = True
+    """With TP, keep the output layer sharded and compute the loss in ``loss_parallel()``."""
+    cp_layout: str = "zigzag"
+    """Context parallelism's sequence layout: "zigzag" (load-balanced) or "contiguous"."""
+    cp_comm: str = "p2p"
+    """How CP's attention exchanges keys and values: "p2p", "allgather" or "alltoall"."""
+    ep_dispatch: str = "flat"
+    """Expert-parallel dispatch: "flat" or "two_level"."""
+    ep_ranks_per_node: int = 0
+    """Two-level dispatch: ep ranks per node (0: the launcher's local world size)."""
+    ep_float8_dispatch: bool = False
+    """Send the dispatched token rows in float8."""
+    ep_comm_overlap: bool = False
+    """Interleave paired pipeline chunks at their expert-parallel all-to-alls."""
+    expert_replicas: int = 0
+    """Hot experts each ep rank may host as copies (under ep > 1)."""
+    ac: str = "none"
+    """Activation checkpointing: "none", "selective" or "full"."""
+    ac_option: str = "op"
+    """Selective AC: "op" (save ``ac_save_ops``' outputs) or "n" (every n-th block); checked
+    with the save list by the AC plugin (``check_activation_checkpointing``), as parallelize
+    starts."""
+    ac_save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
+    """Op-level selective AC: the aten ops whose outputs are kept."""
+    keep_all_to_all: bool = False
+    """AC under EP: keep what the dispatch received and replay it in the recompute."""
+    compile: tuple[str, ...] = ()
+    """What torch.compile compiles: any of "model" (each block), "loss"."""
+    compile_backend: str = "inductor"
+    float8: bool = False
+    """The model's linears were converted to float8 (TP then uses the float8 styles)."""
+
+    def __post_init__(self) -> None:
+        problems = [_recipe_problem(name, getattr(self, name), allowed)
+                    for name, allowed in _RECIPE_CHOICES.items()]
+        for name in ("ep_ranks_per_node", "expert_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                problems.append(f"{name} = {value!r}; allowed: an integer >= 0")
+        problems += [f"compile = {self.compile!r}; allowed: any of 'model', 'loss'"
+                     for c in self.compile if c not in _COMPILE_SCOPES][:1]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("; ".join(f"Recipe: {p}" for p in problems))
+
+    # -- the decisions ----------------------------------------------------------------------
+    @property
+    def recompute(self) -> str:
+        """"none", "full", or "selective:<option>"."""
+        return f"selective:{self.ac_option}" if self.ac == "selective" else self.ac
+
+    @property
+    def fsdp_zero_stage(self) -> int:
+        """The stage FSDP runs (ZeRO-1's DDP aside: 2 or 3)."""
+        return max(self.zero_stage, 2)
+
+    @property
+    def compile_model(self) -> bool:
+        return "model" in self.compile
+
+    @property
+    def compile_loss(self) -> bool:
+        return "loss" in self.compile
+
+    def zero1(self, degrees: Any) -> bool:
+        """ZeRO-1: DDP over every rank that reduces gradients (dp and cp), a sharded optimizer."""
+        d = degrees
+        return self.zero_stage == 1 and d.dp_replicate * d.dp_shard * d.cp > 1
+
+    def fsdp(self, degrees: Any) -> bool:
+        """FSDP2 / HSDP shards (or replicates) the parameters."""
+        d = degrees
+        return not self.zero1(d) and (d.dp_shard * d.cp > 1 or d.dp_replicate > 1)
+
+    def sequence_parallel_on(self, degrees: Any) -> bool:
+        return degrees.tp > 1 and self.sequence_parallel
+
+    def loss_parallel_on(self, degrees: Any) -> bool:
+        """Whether the output layer stays sharded over tp (the loss in ``loss_parallel()``)."""
+        return degrees.tp > 1 and self.loss_parallel
+
+    def param_dtype_on(self, device_type: str) -> str:
+        """``param_dtype`` with "auto" resolved: "bfloat16" on CUDA, else "float32"."""
+        return _precision(self.param_dtype, device_type)
+
+    def reduce_dtype_on(self, device_type: str) -> str:
+        return _precision(self.reduce_dtype, device_type)
+
+    def autocast(self, degrees: Any, device_type: str) -> str | None:
+        """The dtype the forward runs under ``torch.autocast`` to, or None: mixed precision
+        where FSDP does not apply it (one rank, ZeRO-1's DDP), outside pipeline stages."""
+        dtype = self.param_dtype_on(device_type)
+        if dtype == "float32" or self.fsdp(degrees) or degrees.pp > 1:
+            return None
+        return dtype
+
+
+_RECIPE_CHOICES = {"zero_stage": (1, 2, 3), "reshard_after_forward": _RESHARD_POLICIES,
+                   "param_dtype": _PRECISIONS, "reduce_dtype": _PRECISIONS,
+                   "sequence_parallel": (True, False), "loss_parallel": (True, False),
+                   "cp_layout": _CP_LAYOUTS, "cp_comm": _CP_COMMS, "ep_dispatch": EP_DISPATCH_MODES,
+                   "ep_float8_dispatch": (True, False), "ep_comm_overlap": (True, False),
+                   "ac": _AC_MODES, "keep_all_to_all": (True, False),
+                   "compile_backend": _COMPILE_BACKENDS, "float8": (True, False)}
+
+
+def _recipe_problem(name: str, value: Any, allowed: tuple) -> str | None:
+    if value in allowed and type(value) is type(allowed[0]):
+        return None
+    return f"{name} = {value!r}; allowed: {', '.join(str(a) for a in allowed)}"
+
+
+def _precision(name: str, device_type: str) -> str:
+    if name == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return name
+
+
+def recipe_from_config(cfg: JobConfig) -> Recipe:
+    """The :class:`Recipe` of a validated config's ``[parallelism]``, ``[training]``,
+    ``[activation_checkpoint]``, ``[compile]``, ``[float8]`` and ``[moe]`` keys.
+
+    >>> from titanext.config import load_config
+    >>> cfg = load_config("train_configs/debug_model.toml", ["--parallelism.zero_stage=2"])
+    >>> recipe_from_config(cfg).zero_stage, recipe_from_config(cfg).cp_layout
+    (2, 'zigzag')
+    """
+    p, t, ac, c = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.compile
+    return Recipe(
+        zero_stage=p.zero_stage, reshard_after_forward=p.fsdp_reshard_after_forward,
+        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+        sequence_parallel=p.enable_sequence_parallel, loss_parallel=p.enable_loss_parallel,
+        cp_layout="zigzag" if p.context_parallel_load_balance == "zigzag" else "contiguous",
+        cp_comm=p.context_parallel_comm, ep_dispatch=p.expert_parallel_dispatch,
+        ep_ranks_per_node=p.expert_parallel_ranks_per_node,
+        ep_float8_dispatch=p.expert_parallel_float8_dispatch,
+        ep_comm_overlap=p.expert_parallel_comm_overlap,
+        expert_replicas=cfg.moe.replicate_hot_experts if p.expert_parallel_degree > 1 else 0,
+        ac=ac.mode, ac_option=str(ac.selective_ac_option),
+        ac_save_ops=tuple(ac.selective_op_save_list), keep_all_to_all=ac.keep_all_to_all,
+        compile=tuple(c.components) if c.enable else (), compile_backend=c.backend,
+        float8=cfg.float8.enable)
+
+
 @dataclass(frozen=True)
 class JobLayout:
     """Where a job runs, resolved once (see the module docstring)."""
@@ -207,20 +411,36 @@ class JobLayout:
     """Forward/backward passes per optimizer step (global / (local x dp))."""
     model_args: ModelArgs
     pipeline: PipelinePlan
-    expert_replicas: int
-    """Hot experts each ep rank may host as copies (``[moe] replicate_hot_experts``)."""
-    recompute: str
-    """Activation checkpointing: "none", "full", or "selective:<option>"."""
+    recipe: Recipe
+    """How the model is parallelized and trained (:class:`Recipe`)."""
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def expert_replicas(self) -> int:
+        """Hot experts each ep rank may host as copies (``[moe] replicate_hot_experts``)."""
+        return self.recipe.expert_replicas
+
+    @property
+    def recompute(self) -> str:
+        """Activation checkpointing: "none", "full", or "selective:<option>"."""
+        return self.recipe.recompute
+
+    @property
+    def zero1(self) -> bool:
+        return self.recipe.zero1(self)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.recipe.fsdp(self)
+
 
 def resolve_job_layout(cfg: JobConfig, world_size: int) -> JobLayout:
     """The :class:`JobLayout` of ``cfg`` (already validated, as :func:`~titanext.config.load_config`
     returns it) on ``world_size`` ranks; ConfigError where the degrees do not fit it."""
-    p, ac = cfg.parallelism, cfg.activation_checkpoint
+    p = cfg.parallelism
     shard = resolved_dp_shard(cfg, world_size)
     args = model_args(cfg)
     pp, cp, ep = p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree
@@ -237,9 +457,7 @@ def resolve_job_layout(cfg: JobConfig, world_size: int) -> JobLayout:
             global_batch_size=cfg.training.global_batch_size,
             local_batch_size=cfg.training.local_batch_size,
             dp_replicate=p.data_parallel_replicate_degree, dp_shard=shard), model_args=args,
-        pipeline=plan, expert_replicas=cfg.moe.replicate_hot_experts if ep > 1 else 0,
-        recompute=(f"selective:{ac.selective_ac_option}" if ac.mode == "selective"
-                   else ac.mode))
+        pipeline=plan, recipe=recipe_from_config(cfg))
 
 
 # -- the pieces, each resolved once -------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The parallelize recipe, in one visible order: TP -> EP -> CP -> AC -> compile -> FSDP / DDP.
 
 :func:`parallelize` applies titanext's plugins to a model (or one pipeline stage of it) as the
-trainer does. It reads only the config sections it is given (the same dataclasses as the
-TOML sections, defaults where a section is left out), never a whole JobConfig or a global,
-so it runs on your own model too:
+trainer does, following a :class:`~titanext.config.Recipe` (ZeRO stage, dtypes, SP, CP, EP,
+recompute, compile: built from keywords, or a job's ``resolve_job_layout(cfg, n).recipe``),
+never a config section or a global, so it runs on your own model too:
 
 - the model's repeated blocks are ``model.layers`` (an ``nn.ModuleList`` / ``nn.ModuleDict``)
   or the ``blocks`` you pass: they become the FSDP units, the AC and the compile regions;
@@ -15,7 +15,7 @@ so it runs on your own model too:
 
 Build the model on the meta device and pass ``init_weights``: the parameters are then
 allocated (``to_empty``) and initialised after sharding, so no rank ever holds the whole
-model. ZeRO-1 (``parallelism.zero_stage = 1``) wraps the materialised model in DDP, so it needs
+model. ZeRO-1 (``Recipe(zero_stage=1)``) wraps the materialised model in DDP, so it needs
 ``init_weights`` (or an already materialised model).
 
 Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
@@ -24,11 +24,10 @@ Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from titanext.config import ActivationCheckpoint
-    from titanext.distributed.failsafe import guarded
-from titanext.distributed.parallel_dims import ParallelDims
-    from titanext.distributed.utils import init_distributed
+    from titanext.config import Recipe
+    from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.parallelize import parallelize
+    from titanext.distributed.utils import init_distributed
 
     class Block(nn.Module):
         def __init__(self, d):
@@ -50,7 +49,7 @@ from titanext.distributed.parallel_dims import ParallelDims
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
     dims.build_mesh(device.type)
     torch.manual_seed(0)
-    model = parallelize(MyModel(), dims, activation_checkpoint=ActivationCheckpoint(mode="full"),
+    model = parallelize(MyModel(), dims, Recipe(ac="full"),
                         tp_plan={"layers.*.up": ColwiseParallel(),
                                  "layers.*.down": RowwiseParallel()})
     model(torch.randn(8, 16, 64)).square().mean().backward()   # FSDP x TP gradients
@@ -67,7 +66,7 @@ import torch
 from torch import nn
 
 from titanext._fake_backend import real_tensors, to_empty
-from titanext.config import ActivationCheckpoint, Compile, Float8, Parallelism, Training
+from titanext.config import Recipe
 from titanext.distributed.failsafe import guarded
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.plugins._blocks import find_blocks
@@ -86,35 +85,13 @@ from titanext.plugins.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_targets,
 )
-from titanext.plugins.fsdp import apply_ddp, apply_fsdp, resolve_reshard_after_forward
+from titanext.plugins.float8_experts import has_emulated_float8_experts
+from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.replicated_grads import install_replicated_grad_check
 from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_targets
+from titanext.plugins.weight_grad import has_deferred_modules
 
-__all__ = ["cp_layout", "loss_parallel_enabled", "mixed_precision_dtype", "parallelize",
-           "zero1_enabled"]
-
-
-def cp_layout(parallelism: Parallelism) -> str:
-    """The sequence layout of context parallelism: "zigzag" (load-balanced causal attention)
-    or "contiguous" (``context_parallel_load_balance = "none"``)."""
-    return "zigzag" if parallelism.context_parallel_load_balance == "zigzag" else "contiguous"
-
-
-def loss_parallel_enabled(dims: ParallelDims, parallelism: Parallelism) -> bool:
-    """Whether the output layer stays sharded over tp (compute the loss in ``loss_parallel()``)."""
-    return dims.tp_enabled and parallelism.enable_loss_parallel
-
-
-def zero1_enabled(dims: ParallelDims, parallelism: Parallelism) -> bool:
-    """ZeRO-1: DDP over every rank that reduces gradients (dp and cp) and a sharded optimizer."""
-    return parallelism.zero_stage == 1 and (dims.dp_enabled or dims.cp_enabled)
-
-
-def mixed_precision_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """A ``training.mixed_precision_*`` value as a dtype ("auto": bf16 on CUDA, else fp32)."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+__all__ = ["parallelize"]
 
 
 def _install_grad_check(model: nn.Module, dims: ParallelDims, zero1: bool,
@@ -137,19 +114,14 @@ def _install_grad_check(model: nn.Module, dims: ParallelDims, zero1: bool,
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
+    recipe: Recipe | None = None,
     *,
-    parallelism: Parallelism | None = None,
-    activation_checkpoint: ActivationCheckpoint | None = None,
-    compile: Compile | None = None,
-    float8: Float8 | None = None,
-    training: Training | None = None,
-    device: torch.device | str | None = None,
-    init_weights: Callable[[nn.Module], None] | None = None,
     tp_plan: TPPlan | None = None,
     blocks: Iterable[nn.Module] | str | None = None,
+    device: torch.device | str | None = None,
+    init_weights: Callable[[nn.Module], None] | None = None,
     experts: Callable[[str, nn.Module], bool] | None = None,
     experts_layout: ExpertsLayout | None = None,
-    replicate_hot_experts: int = 0,
     check_replicated_grads: int = 2,
 ) -> nn.Module:
     """Apply TP -> EP -> CP -> AC -> compile -> FSDP/HSDP (or DDP for ZeRO-1) to ``model``.
@@ -157,23 +129,20 @@ def parallelize(
     Args:
         model: the whole model or one pipeline stage, usually on the meta device.
         dims: the parallel degrees, with ``dims.build_mesh()`` called.
-        parallelism, activation_checkpoint, compile, float8, training: the config sections the
-            recipe reads (``titanext.config``); a section left out takes its defaults. Of
-            ``float8`` only ``enable`` matters here (float8 TP styles); convert the model with
+        recipe: how to parallelize (:class:`~titanext.config.Recipe`; default ``Recipe()``).
+            Of ``recipe.float8`` only the float8 TP styles follow; convert the model with
             ``titanext.plugins.float8.apply_float8`` before calling this.
-        device: where ``init_weights`` materialises the model (default: the mesh's device type).
-        init_weights: ``fn(model)`` that initialises the parameters; when given, the model is
-            moved to ``device`` with ``to_empty`` after sharding and ``fn`` runs on it.
         tp_plan: the tensor-parallel plan for your own model. Without one, titanext's Llama
             plan is used on a model laid out like titanext's Llama, and any other model raises
             (``titanext.plugins.tensor_parallel.default_plan_problems``).
         blocks: the repeated blocks if the model has no ``layers`` container: modules,
             or the dotted path of their container (``"transformer.h"``).
+        device: where ``init_weights`` materialises the model (default: the mesh's device type).
+        init_weights: ``fn(model)`` that initialises the parameters; when given, the model is
+            moved to ``device`` with ``to_empty`` after sharding and ``fn`` runs on it.
         experts, experts_layout: under ep > 1, ``filter_fn`` and ``layout`` of
             ``titanext.plugins.expert_parallel.apply_expert_parallel`` (default: the experts
             modules it detects; none found is a ValueError, except in a pipeline stage).
-        replicate_hot_experts: under ep > 1, hot experts copied per dispatch
-            (``[moe] replicate_hot_experts``; see ``apply_expert_parallel``).
         check_replicated_grads: before each of the first this many optimizer steps over the
             model's parameters, check that every parameter replicated over tp / cp (and, under
             ZeRO-1, the data-parallel ranks) has the same gradient on every rank of it, and
@@ -185,74 +154,29 @@ def parallelize(
     change nothing). No rank is left waiting: an error raised on some ranks only ends every rank
     within seconds (:mod:`titanext.distributed.failsafe`). Validate before mutating: every
     argument that can be checked without changing ``model`` is checked first (the blocks every
-    per-block plugin needs, the TP plan, the experts, CP's attention modules, the AC mode, the
-    precisions, ZeRO-1's materialised parameters), so an error leaves ``model`` exactly as it
-    was passed.
+    per-block plugin needs, the TP plan, the experts, CP's attention modules, the AC options,
+    ZeRO-1's materialised parameters), so an error leaves ``model`` exactly as it was passed.
 
     Returns the module to train: ``model`` itself (changed in place), or its DDP wrapper under
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
     """
-    p = parallelism or Parallelism()
-    ac = activation_checkpoint or ActivationCheckpoint()
-    comp = compile or Compile()
-    t = training or Training()
+    r = recipe if recipe is not None else Recipe()
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
-    blocks = _check_before_changes(model, dims, p, ac, comp, t, device, tp_plan, blocks,
-                                   experts, experts_layout, replicate_hot_experts,
+    blocks = _check_before_changes(model, dims, r, tp_plan, blocks, experts, experts_layout,
                                    init_weights is not None)
     with real_tensors():  # sharding a meta model is host work, also in a dry run's fake mode
-        if dims.tp_enabled:
-            apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
-                                  sequence_parallel=p.enable_sequence_parallel,
-                                  float8=bool(float8 and float8.enable),
-                                  loss_parallel=loss_parallel_enabled(dims, p))
-        expert_units: list[nn.Module] = []
-        if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
-            found = apply_expert_parallel(model, dims.ep_mesh, filter_fn=experts,
-                                          layout=experts_layout, required=not dims.pp_enabled,
-                                          replicate_hot_experts=replicate_hot_experts,
-                                          dispatch=p.expert_parallel_dispatch,
-                                          ranks_per_node=p.expert_parallel_ranks_per_node,
-                                          float8_dispatch=p.expert_parallel_float8_dispatch)
-            expert_units = [model.get_submodule(f) for f in found]
-        if dims.cp_enabled:  # before AC, so recomputation reruns the ring too
-            apply_context_parallel(model, dims.cp_attention_mesh, layout=cp_layout(p),
-                                   comm=p.context_parallel_comm, ulysses_degree=dims.cp_ulysses)
-        apply_activation_checkpointing(model, mode=ac.mode, option=ac.selective_ac_option,
-                                       save_ops=ac.selective_op_save_list, blocks=blocks,
-                                       keep_all_to_all=ac.keep_all_to_all)
-        if comp.enable and "model" in comp.components:
-            # EP: the experts are their own FSDP unit inside the block, and dispatch needs its split
-            # sizes on the host; both break the graph, so MoE blocks compile in pieces. CP's ring
-            # (batch_isend_irecv) cannot be traced either: its attention runs between graphs.
-            # Deferred weight gradients: each converted linear runs eagerly (a graph break); so do
-            # emulated float8 experts.
-            from titanext.plugins.float8_experts import has_emulated_float8_experts
-            from titanext.plugins.weight_grad import has_deferred_modules
-
-            fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
-                             or has_emulated_float8_experts(model))
-            apply_compile(model, backend=comp.backend, fullgraph=fullgraph, blocks=blocks)
-        zero1 = zero1_enabled(dims, p)
-        if not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1):
-            apply_fsdp(
-                model,
-                dims.fsdp_mesh,
-                param_dtype=mixed_precision_dtype(t.mixed_precision_param, device),
-                reduce_dtype=mixed_precision_dtype(t.mixed_precision_reduce, device),
-                reshard_after_forward=p.fsdp_reshard_after_forward,
-                zero_stage=max(p.zero_stage, 2),
-                pp_enabled=dims.pp_enabled,
-                blocks=blocks,
-                # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their
-                # gradients are summed over fewer ranks, so divide by the dense reduction size.
-                expert_units=expert_units,
-                expert_mesh=dims.expert_fsdp_mesh if expert_units else None,
-                expert_gradient_divide_factor=dims.gradient_reduction_size,
-            )
+        expert_units = _apply_sharding(model, dims, r, tp_plan, experts, experts_layout)
+        apply_activation_checkpointing(model, mode=r.ac, option=r.ac_option,
+                                       save_ops=r.ac_save_ops, blocks=blocks,
+                                       keep_all_to_all=r.keep_all_to_all)
+        if r.compile_model:
+            _compile(model, dims, r, blocks, expert_units)
+        if r.fsdp(dims):
+            _fully_shard(model, dims, r, device, blocks, expert_units)
     if init_weights is not None:
         to_empty(model, device)  # (a dry run: fake parameters)
         init_weights(model)
+    zero1 = r.zero1(dims)
     _install_grad_check(model, dims, zero1, expert_units, check_replicated_grads)
     if not zero1:
         return model
@@ -260,42 +184,87 @@ def parallelize(
     return apply_ddp(model, dims.loss_mesh)
 
 
-def _check_before_changes(model: nn.Module, dims: ParallelDims, p: Parallelism,
-                          ac: ActivationCheckpoint, comp: Compile, t: Training,
-                          device: torch.device, tp_plan: TPPlan | None, blocks, experts,
-                          experts_layout, replicate_hot_experts: int, materialises: bool
-                          ) -> list[nn.Module] | None:
+def _apply_sharding(model: nn.Module, dims: ParallelDims, r: Recipe, tp_plan, experts,
+                    experts_layout) -> list[nn.Module]:
+    """TP, then EP, then CP (before AC, so recomputation reruns the ring too); returns the
+    expert modules EP converted."""
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, dims.tp_mesh, tp_plan,
+                              sequence_parallel=r.sequence_parallel, float8=r.float8,
+                              loss_parallel=r.loss_parallel_on(dims))
+    expert_units: list[nn.Module] = []
+    if dims.ep_enabled:  # the MoE stays replicated over tp; ep splits its experts
+        found = apply_expert_parallel(model, dims.ep_mesh, filter_fn=experts,
+                                      layout=experts_layout, required=not dims.pp_enabled,
+                                      replicate_hot_experts=r.expert_replicas,
+                                      dispatch=r.ep_dispatch,
+                                      ranks_per_node=r.ep_ranks_per_node,
+                                      float8_dispatch=r.ep_float8_dispatch)
+        expert_units = [model.get_submodule(f) for f in found]
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.cp_attention_mesh, layout=r.cp_layout,
+                               comm=r.cp_comm, ulysses_degree=dims.cp_ulysses)
+    return expert_units
+
+
+def _compile(model: nn.Module, dims: ParallelDims, r: Recipe, blocks,
+             expert_units: list[nn.Module]) -> None:
+    """torch.compile per block. EP: the experts are their own FSDP unit inside the block, and
+    dispatch needs its split sizes on the host; both break the graph, so MoE blocks compile in
+    pieces. CP's ring (batch_isend_irecv) cannot be traced either: its attention runs between
+    graphs. Deferred weight gradients: each converted linear runs eagerly (a graph break); so
+    do emulated float8 experts."""
+    fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
+                     or has_emulated_float8_experts(model))
+    apply_compile(model, backend=r.compile_backend, fullgraph=fullgraph, blocks=blocks)
+
+
+def _fully_shard(model: nn.Module, dims: ParallelDims, r: Recipe, device: torch.device, blocks,
+                 expert_units: list[nn.Module]) -> None:
+    """FSDP2 / HSDP over the blocks, then the rest, in the recipe's dtypes and reshard policy."""
+    apply_fsdp(
+        model,
+        dims.fsdp_mesh,
+        param_dtype=getattr(torch, r.param_dtype_on(device.type)),
+        reduce_dtype=getattr(torch, r.reduce_dtype_on(device.type)),
+        reshard_after_forward=r.reshard_after_forward,
+        zero_stage=r.fsdp_zero_stage,
+        pp_enabled=dims.pp_enabled,
+        blocks=blocks,
+        # Experts are sharded over the dp ranks ep leaves (dp_shard_mod_ep); their gradients
+        # are summed over fewer ranks, so divide by the dense reduction size.
+        expert_units=expert_units,
+        expert_mesh=dims.expert_fsdp_mesh if expert_units else None,
+        expert_gradient_divide_factor=dims.gradient_reduction_size,
+    )
+
+
+def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
+                          tp_plan: TPPlan | None, blocks, experts, experts_layout,
+                          materialises: bool) -> list[nn.Module] | None:
     """Every check :func:`parallelize` can make before it changes ``model`` (each raises the
     error the plugin itself would raise later); returns the blocks, resolved once."""
-    zero1 = zero1_enabled(dims, p)
-    fsdp = not zero1 and (dims.fsdp_enabled or dims.dp_replicate > 1)
-    check_activation_checkpointing(ac.mode, ac.selective_ac_option, ac.selective_op_save_list,
-                                   ac.keep_all_to_all)
-    per_block = [name for name, used in (("activation checkpointing", ac.mode != "none"),
-                                         ("compile", comp.enable and "model" in comp.components),
-                                         ("FSDP", fsdp)) if used]
+    fsdp = r.fsdp(dims)
+    check_activation_checkpointing(r.ac, r.ac_option, r.ac_save_ops, r.keep_all_to_all)
+    per_block = [name for name, used in (("activation checkpointing", r.ac != "none"),
+                                         ("compile", r.compile_model), ("FSDP", fsdp)) if used]
     if per_block or blocks is not None:  # a path, or model.layers
         try:
             blocks = find_blocks(model, blocks)
         except ValueError as e:
             raise ValueError(f"parallelize: {' and '.join(per_block)} need the model's blocks: "
                              f"{e}") from None
-    if fsdp:
-        for name in (t.mixed_precision_param, t.mixed_precision_reduce):
-            mixed_precision_dtype(name, device)
-        resolve_reshard_after_forward(p.fsdp_reshard_after_forward, zero_stage=max(p.zero_stage, 2),
-                                      pp_enabled=dims.pp_enabled)
     if dims.tp_enabled:
-        tp_plan_targets(model, dims.tp, tp_plan, sequence_parallel=p.enable_sequence_parallel,
-                        loss_parallel=loss_parallel_enabled(dims, p))
+        tp_plan_targets(model, dims.tp, tp_plan, sequence_parallel=r.sequence_parallel,
+                        loss_parallel=r.loss_parallel_on(dims))
     if dims.ep_enabled:
         expert_parallel_targets(model, dims.ep, filter_fn=experts, layout=experts_layout,
                                 required=not dims.pp_enabled,
-                                replicate_hot_experts=replicate_hot_experts)
+                                replicate_hot_experts=r.expert_replicas)
     if dims.cp_enabled:
-        check_options(cp_layout(p), p.context_parallel_comm, "auto")
+        check_options(r.cp_layout, r.cp_comm, "auto")
         attention_fn_holders(model)
-    if zero1 and not materialises and any(q.is_meta for q in model.parameters()):
-        raise ValueError("parallelism.zero_stage = 1 wraps the model in DDP, which needs real "
+    if r.zero1(dims) and not materialises and any(q.is_meta for q in model.parameters()):
+        raise ValueError("Recipe(zero_stage=1) wraps the model in DDP, which needs real "
                          "parameters: pass init_weights=... or a materialised model")
     return blocks

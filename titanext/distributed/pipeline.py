@@ -41,8 +41,9 @@ from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import PP_WAIT, phase, pp_chunk
 from titanext.config.degrees import layers_per_stage  # re-exported
-from titanext.config.layout import PipelinePlan, pipeline_plan
+from titanext.config.layout import SPLIT_BACKWARD, PipelinePlan
 from titanext.distributed.failsafe import guarded
+from titanext.distributed.parallelize import parallelize
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
 from titanext.plugins._blocks import block_container
@@ -59,10 +60,7 @@ from titanext.schedules import (  # pipeline_stage_ids is re-exported
 from titanext.schedules.dualpipe import sum_mirrored_grads
 from titanext.schedules.overlap import overlap_schedule_class
 
-#: ``split_backward`` values: queue the linears' weight GEMMs (default), or torch's split.
-SPLIT_BACKWARD = ("deferred", "autograd")
-
-__all__ = ["layers_per_stage", "pipeline_stage_ids", "split_model", "stage_parts",
+__all__ = ["SPLIT_BACKWARD", "layers_per_stage", "pipeline_stage_ids", "split_model", "stage_parts",
            "StageModuleList",
            "run_own_forward", "build_pipeline",
            "pass_position_ids", "ignore_shape_inference_forward",
@@ -275,14 +273,27 @@ def _first_input_name(model: nn.Module) -> str:
     return params[0].name
 
 
+def _default_parallelize_stage(dims, device: torch.device, blocks: str
+                               ) -> Callable[[nn.Module], nn.Module]:
+    """:func:`~titanext.distributed.parallelize.parallelize` with the default recipe, then the
+    stage's ``init_weights()``."""
+    def parallelize_stage(m: nn.Module) -> nn.Module:
+        return parallelize(m, dims, device=device, blocks=blocks,
+                           init_weights=lambda s: s.init_weights())
+
+    return parallelize_stage
+
+
 class PipelineRunner:
     """This rank's pipeline stages of a model and the schedule that trains them.
 
-    Built once from the whole (meta) model, it owns the pipeline's whole life:
+    Built once from the whole (meta) model and a :class:`~titanext.config.PipelinePlan` (a
+    job's ``resolve_job_layout(cfg, n).pipeline``, or ``titanext.config.pipeline_plan(...)``
+    from keywords: the schedule class, the stages per rank and their owners, the blocks per
+    stage, the micro-batches, ``split_backward``, ``comm_overlap``), it owns the pipeline's
+    whole life:
 
-    - the schedule class, resolved once from ``schedule`` (a name or class), and its placement;
-    - the split (:func:`layers_per_stage`, :func:`split_model`) and which stages this rank holds
-      (:func:`pipeline_stage_ids`);
+    - the split (:func:`split_model`) of the plan's stages this rank holds;
     - each stage module shaped by ``parallelize_stage`` (default:
       :func:`titanext.distributed.parallelize.parallelize` with the defaults, then
       ``init_weights()``) and handed ``position_ids``;
@@ -309,9 +320,9 @@ class PipelineRunner:
     The caller sees only :meth:`step` and :meth:`clip_grad_norm`, plus :attr:`parts` (the
     stage modules, for the optimizer and checkpoints). ``titanext.train`` uses it like this::
 
-        runner = PipelineRunner(model, dims, schedule="ZBH1", microbatches=4,
-                                loss_fn=token_loss_sum, device=device,
-                                parallelize_stage=lambda m: parallelize(m, dims, ...))
+        plan = pipeline_plan("ZBH1", pp=dims.pp, microbatches=4, n_layers=len(model.layers))
+        runner = PipelineRunner(model, dims, plan, loss_fn=token_loss_sum, device=device,
+                                parallelize_stage=lambda m: parallelize(m, dims, recipe, ...))
         optimizer = build_optimizer([p for part in runner.parts for p in part.parameters()])
         loss_sum = runner.step(batches, loss_scale=dp_size / global_tokens)
         grad_norm = runner.clip_grad_norm(max_norm)
@@ -321,36 +332,18 @@ class PipelineRunner:
     the trainer).
     """
 
-    def __init__(self, model: nn.Module, dims, *, loss_fn: Callable[[torch.Tensor, torch.Tensor],
-                                                                    torch.Tensor],
-                 device: torch.device, plan: PipelinePlan | None = None,
-                 schedule: str | type | None = None, microbatches: int | None = None,
-                 stages_per_rank: int | None = None, stage_layers: Sequence[int] | None = None,
-                 first_stage_less_layers: int = 0, last_stage_less_layers: int = 0,
-                 position_ids: torch.Tensor | None = None,
+    def __init__(self, model: nn.Module, dims, plan: PipelinePlan, *,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, position_ids: torch.Tensor | None = None,
                  parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
                  reset_stage_state: Callable[[nn.Module], None] | None = None,
                  loss_context: Callable[[], AbstractContextManager] = nullcontext,
-                 split_backward: str = "deferred", comm_overlap: bool = False,
                  blocks: str = "layers", skip_missing: bool = False,
                  first: Sequence[str] | None = None, last: Sequence[str] | None = None):
-        if split_backward not in SPLIT_BACKWARD:
-            raise ValueError(f"split_backward = {split_backward!r}; allowed: "
-                             f"{', '.join(SPLIT_BACKWARD)}")
         # split_model's protocol: blocks at a dotted path; skip_missing runs the model's own
         # forward on every stage, which then takes the inputs by keyword (see step)
         n_blocks = len(block_container(model, blocks))
-        if plan is None:  # the same one resolution a job's layout runs
-            if schedule is None or microbatches is None:
-                raise ValueError("PipelineRunner needs plan= (a resolved PipelinePlan, e.g. "
-                                 "trainer.layout.pipeline) or schedule= and microbatches=")
-            plan = pipeline_plan(schedule, pp=dims.pp, microbatches=microbatches,
-                                 n_layers=n_blocks, stages_per_rank=stages_per_rank,
-                                 first_stage_less_layers=first_stage_less_layers,
-                                 last_stage_less_layers=last_stage_less_layers,
-                                 stage_layers=stage_layers, split_backward=split_backward,
-                                 comm_overlap=comm_overlap)
-        elif plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != n_blocks:
+        if plan.pp != dims.pp or sum(plan.layers_per_stage or ()) != n_blocks:
             raise ValueError(f"plan for pp = {plan.pp} and {sum(plan.layers_per_stage or ())} "
                              f"blocks does not fit pp = {dims.pp} and a model of "
                              f"{n_blocks} blocks at {blocks!r}")
@@ -368,34 +361,11 @@ class PipelineRunner:
         # ranks that hold the last stage report every micro-batch's loss (2 under DualPipe)
         self._loss_copies = plan.loss_copies
         self._input_kwarg = _first_input_name(model) if skip_missing else None
-        counts = plan.layers_per_stage
         self.stage_ids = list(plan.stage_ids(pp_rank))
+        self._embedding_peer = self._mtp_embedding_peer(model, pp_rank)
         if parallelize_stage is None:
-            from titanext.distributed.parallelize import parallelize
-
-            def parallelize_stage(m: nn.Module) -> nn.Module:
-                return parallelize(m, dims, device=device, blocks=blocks,
-                                   init_weights=lambda s: s.init_weights())
-
-        # Deferred weight gradients (schedules with I and W only): the linears' dW GEMMs are
-        # queued during I and run at W; "autograd" keeps torch's stage_backward_input/_weight.
-        self.weight_grad_queue = None
-        ends = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
-        parts = [split_model(model, counts, i, blocks=blocks, skip_missing=skip_missing,
-                             **{**stage_parts(model, i, self.num_stages), **ends})
-                 for i in self.stage_ids]
-        owners = plan.stage_owners
-        # MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
-        # gradient is summed with the first stage's (here, or with the rank that holds it)
-        self._embedding_peer = None
-        if getattr(model, "mtp", None) is not None and not self.mirrored and \
-                owners[0] != owners[-1] and pp_rank in (owners[0], owners[-1]):
-            peer = owners[-1] if pp_rank == owners[0] else owners[0]
-            self._embedding_peer = dist.get_global_rank(self.pp_group, peer)
-        if plan.split_backward == "deferred" and cls.splits_backward:
-            self.weight_grad_queue = WeightGradQueue()
-            for part in parts:  # a converter: before TP / FSDP, on the meta stage
-                defer_weight_grads(part)
+            parallelize_stage = _default_parallelize_stage(dims, device, blocks)
+        parts = self._split(model, blocks, skip_missing, first, last)
         self.parts = [parallelize_stage(part) for part in parts]
         # Every stage runs RoPE but only the first sees the tokens: each is handed the positions
         # its rank's slice of the sequence holds (the same for every micro-batch and step).
@@ -408,6 +378,34 @@ class PipelineRunner:
         self._build()
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
+
+    def _mtp_embedding_peer(self, model: nn.Module, pp_rank: int) -> int | None:
+        """MTP (titanext.models.mtp): the last stage holds a copy of the embedding, whose
+        gradient is summed with the first stage's; the global rank of the other holder, where
+        this rank holds one of them and the other is on another rank."""
+        owners = self.plan.stage_owners
+        if getattr(model, "mtp", None) is None or self.mirrored or owners[0] == owners[-1] \
+                or pp_rank not in (owners[0], owners[-1]):
+            return None
+        peer = owners[-1] if pp_rank == owners[0] else owners[0]
+        return dist.get_global_rank(self.pp_group, peer)
+
+    def _split(self, model: nn.Module, blocks: str, skip_missing: bool,
+               first: Sequence[str] | None, last: Sequence[str] | None) -> list[nn.Module]:
+        """This rank's stage modules, cut from the (meta) model. Deferred weight gradients
+        (schedules with I and W only): the linears' dW GEMMs are queued during I and run at W
+        (a converter: before TP / FSDP); "autograd" keeps torch's stage_backward_input/_weight."""
+        self.weight_grad_queue = None
+        ends = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
+        parts = [split_model(model, self.plan.layers_per_stage, i, blocks=blocks,
+                             skip_missing=skip_missing,
+                             **{**stage_parts(model, i, self.num_stages), **ends})
+                 for i in self.stage_ids]
+        if self.plan.split_backward == "deferred" and self.schedule_class.splits_backward:
+            self.weight_grad_queue = WeightGradQueue()
+            for part in parts:
+                defer_weight_grads(part)
+        return parts
 
     def _build(self) -> None:
         self.stages, self.schedule = build_pipeline(

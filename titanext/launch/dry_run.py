@@ -129,14 +129,10 @@ def stage_activation(trainer) -> torch.Tensor:
     """An empty tensor like the activation between two pipeline stages of the trainer's
     decoder: ``[micro-batch, sequence / cp (/ tp under SP), dim]``, in the compute dtype (FSDP's
     param dtype, else float32), requiring grad."""
-    from titanext.distributed.parallelize import mixed_precision_dtype
-
-    cfg, dims = trainer.cfg, trainer.dims
-    t, p = cfg.training, cfg.parallelism
+    t, dims, recipe = trainer.cfg.training, trainer.dims, trainer.layout.recipe
     mb = t.local_batch_size // trainer.layout.pipeline.microbatches
-    seq = t.seq_len // dims.cp // (dims.tp if dims.tp_enabled and p.enable_sequence_parallel else 1)
-    fsdp = dims.fsdp_enabled or dims.dp_replicate > 1
-    dtype = mixed_precision_dtype(t.mixed_precision_param, "cuda") if fsdp else torch.float32
+    seq = t.seq_len // dims.cp // (dims.tp if recipe.sequence_parallel_on(dims) else 1)
+    dtype = getattr(torch, recipe.param_dtype_on("cuda")) if recipe.fsdp(dims) else torch.float32
     return torch.empty(mb, seq, trainer.model_args.dim, dtype=dtype, device=trainer.device,
                        requires_grad=True)
 

@@ -37,6 +37,58 @@ def _local_batch_sizes(pp: int, microbatches: int) -> tuple[int, ...]:
     return tuple((microbatches if microbatches > 0 else 2 * pp) * b for b in _MICROBATCH_SIZES)
 
 
+def _candidate_specs(base, world_size: int, global_batch: int, too_big: dict[tuple, int], *,
+                     device: Device, gpus_per_node: int, efficiency: float) -> list[tuple]:
+    """Every layout the advice searches, with its tokens/s ceiling: (ceiling, index, config,
+    (tp, pp, cp, ep, local), recompute level); those whose memory floor does not fit mark
+    ``too_big`` instead."""
+    moe = model_shape(base).moe
+    microbatches = base.parallelism.pipeline_parallel_microbatches
+    hbm = 0.9 * device.hbm_bytes
+    specs = []
+    for tp in _divisors(world_size):
+        if tp > 2 * gpus_per_node:
+            continue
+        for pp in _divisors(world_size // tp):
+            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
+                dp = world_size // (tp * pp * cp)
+                # expert parallelism borrows dp_shard x cp ranks (MoE models only)
+                eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
+                for ep, local, (level, ac) in itertools.product(
+                        eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
+                    key = (tp, pp, cp, ep, local)
+                    if (global_batch % (local * dp)
+                            or too_big.get(key, len(_RECOMPUTE)) <= level):
+                        continue
+                    cfg = _candidate_config(base, key, dp, ac, global_batch)
+                    try:
+                        lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
+                                            float8_hardware=device.fp8_flops > 0)
+                        if static_memory_floor(lo) > hbm:
+                            too_big[key] = level
+                            continue
+                        ceiling = tokens_per_s_ceiling(lo, device, efficiency)
+                    except ValueError:  # e.g. fewer layers than stages: validation rejects it
+                        continue
+                    specs.append((ceiling, len(specs), cfg, key, level))
+    return specs
+
+
+def _candidate_config(base, key: tuple, dp: int, ac: str, global_batch: int):
+    """``base`` with a candidate's degrees, micro-batch size and recompute mode."""
+    tp, pp, cp, ep, local = key
+    return dataclasses.replace(
+        base,
+        parallelism=dataclasses.replace(
+            base.parallelism, tensor_parallel_degree=tp,
+            pipeline_parallel_degree=pp, context_parallel_degree=cp,
+            expert_parallel_degree=ep, data_parallel_replicate_degree=1,
+            data_parallel_shard_degree=dp),
+        activation_checkpoint=dataclasses.replace(base.activation_checkpoint, mode=ac),
+        training=dataclasses.replace(base.training, local_batch_size=local,
+                                     global_batch_size=global_batch))
+
+
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
            efficiency: float = 0.6) -> list[Plan]:
@@ -55,50 +107,13 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
         global_batch = base.training.local_batch_size * world_size
-    moe = model_shape(base).moe
-    microbatches = base.parallelism.pipeline_parallel_microbatches
-    hbm = 0.9 * device.hbm_bytes
     # Every candidate with its ceiling (tokens/s without bubble or exposed communication: cheap),
     # then planned in the order of their ceilings until no unplanned one can reach the top.
-    specs = []  # (ceiling, index, config, (tp, pp, cp, ep, local), recompute level)
     # per (tp, pp, cp, ep, local): the least recompute level that does not fit, by its memory
     # floor (static_memory_floor) or, once planned, by its plan; less recomputation keeps more
     too_big: dict[tuple, int] = {}
-    for tp in _divisors(world_size):
-        if tp > 2 * gpus_per_node:
-            continue
-        for pp in _divisors(world_size // tp):
-            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
-                dp = world_size // (tp * pp * cp)
-                # expert parallelism borrows dp_shard x cp ranks (MoE models only)
-                eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
-                for ep, local, (level, ac) in itertools.product(
-                        eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
-                    key = (tp, pp, cp, ep, local)
-                    if (global_batch % (local * dp)
-                            or too_big.get(key, len(_RECOMPUTE)) <= level):
-                        continue
-                    cfg = dataclasses.replace(
-                        base,
-                        parallelism=dataclasses.replace(
-                            base.parallelism, tensor_parallel_degree=tp,
-                            pipeline_parallel_degree=pp, context_parallel_degree=cp,
-                            expert_parallel_degree=ep, data_parallel_replicate_degree=1,
-                            data_parallel_shard_degree=dp),
-                        activation_checkpoint=dataclasses.replace(base.activation_checkpoint,
-                                                                  mode=ac),
-                        training=dataclasses.replace(base.training, local_batch_size=local,
-                                                     global_batch_size=global_batch))
-                    try:
-                        lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
-                                            float8_hardware=device.fp8_flops > 0)
-                        if static_memory_floor(lo) > hbm:
-                            too_big[key] = level
-                            continue
-                        ceiling = tokens_per_s_ceiling(lo, device, efficiency)
-                    except ValueError:  # e.g. fewer layers than stages: validation rejects it
-                        continue
-                    specs.append((ceiling, len(specs), cfg, key, level))
+    specs = _candidate_specs(base, world_size, global_batch, too_big, device=device,
+                             gpus_per_node=gpus_per_node, efficiency=efficiency)
     specs.sort(key=lambda sp: (-sp[0], sp[1]))
     candidates: list[Plan] = []
     valid: dict[int, list[str] | None] = {}  # id(plan) -> its overrides, None: invalid

@@ -26,6 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from titanext._text import format_table
 from titanext.config import ConfigError, load_config, parse_cli
 from titanext.planning.advice import advise, toml_snippet
 from titanext.planning.estimate import Plan, plan_config
@@ -43,9 +44,7 @@ __all__ = ["DEVICES", "Device", "ModelShape", "Plan", "activation_bytes_per_toke
            "toml_snippet", "zero_bytes_per_rank"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from titanext._text import format_table
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="titanext-plan",
                                  description=__doc__.splitlines()[0], add_help=True)
     ap.add_argument("--world-size", type=int, required=True, help="number of GPUs")
@@ -61,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=5, help="layouts to advise")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
-    known, rest = ap.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return ap
+
+
+def _option_problems(known: argparse.Namespace) -> list[str]:
+    """One line per bad planner option (the config's own problems come from load_config)."""
     problems = []
     if known.world_size < 1:
         problems.append(f"--world-size = {known.world_size} must be >= 1")
@@ -71,6 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"--imbalance = {known.imbalance} must be >= 1 (busiest / mean rows)")
     if known.gpus_per_node < 1:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    known, rest = _parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    problems = _option_problems(known)
     device = DEVICES[known.device]
     if known.peak_tflops:
         device = dataclasses.replace(device, bf16_flops=known.peak_tflops * 1e12)
@@ -99,9 +108,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "config": dataclasses.asdict(current),
                           "advice": [dataclasses.asdict(pl) for pl in advice]}, indent=1))
         return 0
+    _print_text(cfg, current, advice, device, known.world_size, known.gpus_per_node)
+    return 0
+
+
+def _print_text(cfg, current: Plan, advice: list[Plan], device: Device, world_size: int,
+                gpus_per_node: int) -> None:
+    """The planner's tables: this config's memory, communication and step, then the advice."""
     shape = model_shape(cfg)
     print(f"{cfg.model.name} {cfg.model.flavor}: {shape.total / 1e9:.2f}B parameters on "
-          f"{known.world_size} x {device.name} ({known.gpus_per_node} per node)\n")
+          f"{world_size} x {device.name} ({gpus_per_node} per node)\n")
     print(f"Memory per rank, this config ({layout_name(current.layout)}):")
     rows = [{"category": k, "GB": v / GB} for k, v in current.memory.items()]
     rows.append({"category": "total", "GB": current.memory_total / GB})
@@ -126,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for i, pl in enumerate(advice)]))
     for i, pl in enumerate(advice[:3]):
         print(f"\n# layout #{i + 1}\n{toml_snippet(pl)}")
-    return 0
 
 
 def ep_all_to_all_line(ep: dict) -> str:

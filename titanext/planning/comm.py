@@ -64,9 +64,8 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         rows, exposed_f, exposed_i = context_parallel_comm(lo, rank, device, mt.attention_f)
         comm += rows
         mt = dataclasses.replace(mt, f=mt.f + exposed_f, i=mt.i + exposed_i)
-    p = lo.cfg.parallelism
-    if ep > 1 and lo.n_moe(rank) and (p.expert_parallel_dispatch != "flat"
-                                      or p.expert_parallel_float8_dispatch):
+    r = lo.recipe
+    if ep > 1 and lo.n_moe(rank) and (r.ep_dispatch != "flat" or r.ep_float8_dispatch):
         rows, mt = expert_dispatch_comm(lo, device, rank, mt, imbalance)
         comm += rows
     elif ep > 1 and lo.n_moe(rank):
@@ -76,7 +75,7 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         n_i = n_f * (2 if lo.recomputes_all_to_all else 1)
         one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a) * imbalance
         counts = lo.n_moe(rank) * (2 if lo.recomputes_all_to_all else 1)  # once per dispatch
-        overlapped = lo.cfg.parallelism.expert_parallel_comm_overlap
+        overlapped = r.ep_comm_overlap
         c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
              "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep),
              "overlap": "paired chunk" if overlapped else "none"}
@@ -84,14 +83,14 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         t_one = comm_time({**c, "collectives": 1, "bytes": one}, device)
         c["a2a_f_s"], c["a2a_i_s"] = n_f * t_one, n_i * t_one
         mt = dataclasses.replace(mt, f=mt.f + n_f * t_one, i=mt.i + n_i * t_one)
-    copies = lo.cfg.moe.replicate_hot_experts
-    if ep > 1 and lo.n_moe(rank) and copies:  # hot-expert copies: weights out, gradients back
+    copies = r.expert_replicas
+    if lo.n_moe(rank) and copies:  # hot-expert copies: weights out, gradients back
         rows, mt = expert_copies_comm(lo, device, rank, mt, copies)
         comm.append(rows)
     p2p = 0.0
     if pp > 1:
         send = tokens * shape.dim * a / (tp if sp else 1)  # one block-boundary activation
-        c = {"parallelism": f"PP p2p ({lo.pipe.schedule})", "collectives": rank.sends * passes,
+        c = {"parallelism": f"PP p2p ({lo.pipe.name})", "collectives": rank.sends * passes,
              "bytes": rank.sends * passes * send, "level": lo.level(lo.strides["pp"], pp),
              "overlap": "in the schedule"}
         comm.append(c)
@@ -111,18 +110,18 @@ def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: Micro
     network part: each token once per destination node) and "EP all-to-all intra-node" (the
     fan-out to the experts inside the node), both on the critical path; the first carries the
     micro-batch's all-to-all seconds of both (``a2a_f_s``, ``a2a_i_s``)."""
-    p, shape, moe, a, tp, ep = lo.cfg.parallelism, lo.shape, lo.shape.moe, lo.a, lo.tp, lo.ep
+    r, shape, moe, a, tp, ep = lo.recipe, lo.shape, lo.shape.moe, lo.a, lo.tp, lo.ep
     n_moe, full, passes = lo.n_moe(rank), lo.recomputes_all_to_all, lo.passes
     row = row_bytes(shape.dim, a)
-    disp_row = row_bytes(shape.dim, a, p.expert_parallel_float8_dispatch)
-    if p.expert_parallel_dispatch == "flat":  # one level; one all-to-all each
+    disp_row = row_bytes(shape.dim, a, r.ep_float8_dispatch)
+    if r.ep_dispatch == "flat":  # one level; one all-to-all each
         def sizes(r: float, routing: bool) -> list[tuple[float, int]]:
             return [(all_to_all_bytes(lo.tokens, dim=1, top_k=moe.top_k, ep=ep, a=1) * r
                      * imbalance, 1)]
         names = [("EP all-to-all", lo.level(tp, ep))]
         exchanges = [1]
     else:  # network (rows, and the routing beside a dispatch's), then NVLink
-        rpn = p.expert_parallel_ranks_per_node
+        rpn = r.ep_ranks_per_node
         if rpn < 1 or ep % rpn or ep == rpn:  # the config rules refuse it (the advice skips it)
             raise ValueError(f"two-level dispatch: ep = {ep} does not split into nodes of "
                              f"expert_parallel_ranks_per_node = {rpn}")
@@ -142,7 +141,7 @@ def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: Micro
     f_parts = [fwd_disp, fwd_comb]
     i_parts = [bwd_comb, bwd_disp, *([fwd_disp, fwd_comb] if full else [])]
     rows, t_f, t_i = [], 0.0, 0.0
-    overlap = "paired chunk" if p.expert_parallel_comm_overlap else "none"
+    overlap = "paired chunk" if r.ep_comm_overlap else "none"
     for lvl, ((name, level), counts) in enumerate(zip(names, exchanges, strict=True)):
         c = {"parallelism": name, "level": level, "overlap": overlap,
              "collectives": passes * n_moe * (counts * (2 if full else 1)
@@ -200,7 +199,7 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
     Counted against the attention's own counter (``count_comm``) in
     tests/multiprocess/test_plan_cp.py.
     """
-    shape, p, a, tp, cp, u = lo.shape, lo.cfg.parallelism, lo.a, lo.tp, lo.cp, lo.ulysses
+    shape, a, tp, cp, u = lo.shape, lo.a, lo.tp, lo.cp, lo.ulysses
     r, tokens, passes = cp // u, lo.tokens, lo.passes
     forwards = 2 if lo.ac == "full" else 1
     head_dim = shape.dim // shape.n_heads
@@ -223,8 +222,8 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
     if r > 1:
         kv = 2 * tokens * u * head_dim * sent_kv / u  # K and V elements of a ring block
         rounds = (r - 1) * forwards
-        ring = p.context_parallel_comm != "allgather"
-        name = p.context_parallel_comm  # p2p or allgather (alltoall has no ring: r = 1)
+        ring = lo.recipe.cp_comm != "allgather"
+        name = lo.recipe.cp_comm  # p2p or allgather (alltoall has no ring: r = 1)
         grad = max(a, 4)  # the dK/dV accumulators' bytes per element
         c = {"parallelism": f"CP ring {name} (r = {r})" if u > 1 else f"CP ({name})",
              "collectives": calls * ((rounds + (r - 1) + r) if ring else forwards + 2)
@@ -242,13 +241,12 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
 def data_parallel_comm(lo: Layout, rank: RankStages, psi_dense: float,
                        psi_experts: float) -> list[dict]:
     """FSDP / HSDP / ZeRO-1 rows of the busiest pp rank (its dense and expert parameters)."""
-    p = lo.cfg.parallelism
     n_fsdp, rep, ep, accum, a = lo.n_fsdp, lo.rep, lo.ep, lo.accum, lo.a
     psi = psi_dense + psi_experts
     units = rank.layers + 1
     comm = []
-    if n_fsdp > 1 and p.zero_stage >= 2:
-        gathers = 1 if (p.zero_stage == 2 or not lo.reshard) else 2
+    if n_fsdp > 1 and lo.fsdp:
+        gathers = 2 if lo.reshard else 1  # ZeRO-2 never reshards
         frac = (n_fsdp - 1) / n_fsdp
         per_element = lo.gathered_per_element * gathers + lo.reduce_bytes
         dense_only = psi_experts and ep > 1  # experts have their own FSDP group
@@ -263,13 +261,13 @@ def data_parallel_comm(lo: Layout, rank: RankStages, psi_dense: float,
                          "bytes": psi_experts * (n_e - 1) / n_e * (a * gathers + lo.reduce_bytes)
                          * accum,
                          "level": lo.level(lo.tp * ep, n_e), "overlap": "compute"})
-    if rep > 1 and p.zero_stage >= 2:
+    if rep > 1 and lo.fsdp:
         comm.append({"parallelism": "HSDP all-reduce (dp_replicate)",
                      "collectives": units * accum,
                      "bytes": 2 * (rep - 1) / rep * lo.reduce_bytes * accum
                      * state_elements(lo, psi_dense, psi_experts, n_fsdp),
                      "level": lo.level(lo.strides["dp_replicate"], rep), "overlap": "compute"})
-    if p.zero_stage == 1 and lo.dp * lo.cp > 1:
+    if lo.zero1:
         d = lo.dp * lo.cp  # DDP all-reduce once per step, then the sharded optimizer's gather
         comm.append({"parallelism": "DP all-reduce + ZeRO-1 gather", "collectives": 2 * units,
                      "bytes": (2 * lo.reduce_bytes + 4) * (d - 1) / d * psi,

@@ -256,8 +256,8 @@ def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
     from titanext.schedules.overlap import OVERLAP_SCHEDULES
 
     out = {"imbalance": imbalance, "per_step_s": per_step}
-    mine = lo.cfg.parallelism.expert_parallel_comm_overlap
-    can = lo.pp > 1 and lo.pipe.schedule in OVERLAP_SCHEDULES
+    mine = lo.recipe.ep_comm_overlap
+    can = lo.pp > 1 and lo.pipe.name in OVERLAP_SCHEDULES
     for on in (False, True):
         if on and not can:
             out["exposed_on_s"] = out["step_on_s"] = None
@@ -316,11 +316,27 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     ``time["ep_all_to_all"]`` out (two more schedule simulations; the advice's search does not
     rank by it).
     """
-    routed = imbalance
-    if cfg.moe.replicate_hot_experts and cfg.parallelism.expert_parallel_degree > 1:
-        imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
     lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
                         float8_hardware=device.fp8_flops > 0)
+    routed = imbalance
+    if lo.recipe.expert_replicas:
+        imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
+    comm, time, memories, top, has_ep = _plan_step(lo, device, world_size, efficiency,
+                                                   imbalance, ep_overlap)
+    if has_ep and compare_replication:
+        time["ep_replication"] = replication_comparison(
+            cfg, world_size, device=device, gpus_per_node=gpus_per_node, efficiency=efficiency,
+            imbalance=routed)
+    total = sum(memories[top].values())
+    return Plan(_layout_summary(lo), memories[top], comm, time,
+                fits=total <= 0.9 * device.hbm_bytes, memory_per_pp_rank=memories)
+
+
+def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
+               imbalance: float, ep_overlap: bool
+               ) -> tuple[list[dict], dict, list, int, bool]:
+    """(comm rows, time, memory per pp rank, the pp rank with the most memory, whether an EP
+    all-to-all row is among the rows) of ``lo``."""
     per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
     per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
     # the rank with the most blocks (MoE blocks first) carries the most model-parallel
@@ -337,8 +353,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     ep_row = next((c for c in comm if c["parallelism"] == "EP all-to-all"), None)
     a2a = (ep_row["a2a_f_s"], ep_row["a2a_i_s"]) if ep_row else (0.0, 0.0)
     costs = stage_costs(lo, per_stage, rank, per_rank[busiest], mt, a2a)
-    overlap = cfg.parallelism.expert_parallel_comm_overlap
-    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, costs, p2p, overlap=overlap)
+    pass_time, bubble, in_flight, events, _ = pipeline_pass(
+        lo, costs, p2p, overlap=lo.recipe.ep_comm_overlap)
     compute = lo.accum * busy_compute(lo, per_stage, events)
     memories, psis = memory_per_pp_rank(lo, in_flight, events)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
@@ -355,21 +371,19 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
         time["ep_all_to_all"] = ep_overlap_times(
             lo, costs, p2p, lo_comm.passes * (a2a[0] + a2a[1]), time["step_s"], pass_time,
             imbalance)
-    if ep_row and compare_replication:
-        time["ep_replication"] = replication_comparison(
-            cfg, world_size, device=device, gpus_per_node=gpus_per_node, efficiency=efficiency,
-            imbalance=routed)
-    p = cfg.parallelism
-    layout = {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
-              "pp": lo.pp, "ep": lo.ep, "zero_stage": p.zero_stage, "ac": lo.ac,
-              "local_batch_size": cfg.training.local_batch_size,
-              "gradient_accumulation": lo.accum, "microbatches": lo.accum,
-              "pp_schedule": lo.pipe.schedule if lo.pp > 1 else None,
-              "pp_microbatches": lo.pp_microbatches,
-              "pp_stages_per_rank": lo.pipe.stages_per_rank, "float8": cfg.float8.enable}
-    total = sum(memories[top].values())
-    return Plan(layout, memories[top], comm, time, fits=total <= 0.9 * device.hbm_bytes,
-                memory_per_pp_rank=memories)
+    return comm, time, memories, top, ep_row is not None
+
+
+def _layout_summary(lo: Layout) -> dict:
+    """The plan's ``layout``: the degrees and the recipe's choices it was made for."""
+    cfg = lo.cfg
+    return {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
+            "pp": lo.pp, "ep": lo.ep, "zero_stage": lo.recipe.zero_stage, "ac": lo.ac,
+            "local_batch_size": cfg.training.local_batch_size,
+            "gradient_accumulation": lo.accum, "microbatches": lo.accum,
+            "pp_schedule": lo.pipe.name if lo.pp > 1 else None,
+            "pp_microbatches": lo.pp_microbatches,
+            "pp_stages_per_rank": lo.pipe.stages_per_rank, "float8": cfg.float8.enable}
 
 
 def replication_comparison(cfg: JobConfig, world_size: int, *, imbalance: float,

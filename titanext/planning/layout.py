@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from titanext.config import JobConfig, JobLayout, resolve_job_layout
+from titanext.config import JobConfig, JobLayout, Recipe, resolve_job_layout
 from titanext.planning.moe import float8_experts, row_bytes, with_ep
 from titanext.planning.roofline import Linear
 from titanext.planning.shapes import ModelShape, float8_flags, model_shape
@@ -73,6 +73,21 @@ class Layout:
     autocast: bool = False  # the forward runs under torch.autocast to ``a`` (no FSDP, no pp)
 
     @property
+    def recipe(self) -> Recipe:
+        """The job's recipe (ZeRO, dtypes, SP, CP, EP dispatch, recompute): the trainer's."""
+        return self.job.recipe
+
+    @property
+    def zero1(self) -> bool:
+        """ZeRO-1's DDP and sharded optimizer (:meth:`Recipe.zero1`)."""
+        return self.job.zero1
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 / HSDP holds the parameters (:meth:`Recipe.fsdp`)."""
+        return self.job.fsdp
+
+    @property
     def residual(self) -> int:
         """Bytes of the residual stream (each block's input): float32 under autocast (the
         embedding's output and the residual adds stay in the parameters' dtype), else ``a``."""
@@ -104,7 +119,7 @@ class Layout:
     def recomputes_all_to_all(self) -> bool:
         """Full AC's recompute runs the EP all-to-alls (and copies) again, unless
         ``[activation_checkpoint] keep_all_to_all`` replays what the forward received."""
-        return self.ac == "full" and not self.cfg.activation_checkpoint.keep_all_to_all
+        return self.ac == "full" and not self.recipe.keep_all_to_all
 
     @property
     def kept_all_to_all_per_token(self) -> float:
@@ -112,9 +127,9 @@ class Layout:
         recompute: the dispatched rows (float8 where the dispatch is) and the expert outputs
         before the combine, ``top_k`` of each (balanced routing: a rank receives what it sends)."""
         moe = self.shape.moe
-        if moe is None or self.ac != "full" or not self.cfg.activation_checkpoint.keep_all_to_all:
+        if moe is None or self.ac != "full" or not self.recipe.keep_all_to_all:
             return 0.0
-        f8 = self.cfg.parallelism.expert_parallel_float8_dispatch
+        f8 = self.recipe.ep_float8_dispatch
         return moe.top_k * (row_bytes(self.shape.dim, self.a, f8) + self.shape.dim * self.a)
 
     def n_moe(self, rank: RankStages) -> int:
@@ -129,11 +144,12 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     with (``float8_hardware``) or without float8 tensor cores (None: this machine's)."""
     from titanext.plugins.fsdp import resolve_reshard_after_forward
 
-    p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
+    t, f8 = cfg.training, cfg.float8
     # the job as the trainer resolves it: the model, degrees, accumulation (the trainer's own
     # rule, a ConfigError where it is not whole), micro-batches, the pipeline's placement and
     # split, the recompute
     job = resolve_job_layout(cfg, world_size)
+    recipe = job.recipe
     shape = model_shape(cfg, job.model_args)
     rep, tp, cp, pp, ep = job.dp_replicate, job.tp, job.cp, job.pp, job.ep
     moe = shape.moe
@@ -141,9 +157,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
     dp, n_fsdp = rep * shard, shard * cp
     # FSDP / HSDP apply the mixed-precision param dtype; without them (one rank, ZeRO-1's DDP)
     # the trainer's forward runs under autocast to it, except in pipeline stages (float32)
-    zero1 = p.zero_stage == 1 and dp * cp > 1
-    fsdp = not zero1 and (n_fsdp > 1 or rep > 1)
-    a = dtype_bytes(t.mixed_precision_param, True) if fsdp or pp == 1 else 4
+    a = dtype_bytes(recipe.param_dtype, True) if job.fsdp or pp == 1 else 4
     accum = job.accumulation_steps
     pp_mb = job.pipeline.microbatches
     pipe = pipeline_layout(job.pipeline)
@@ -154,8 +168,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         if f8.enable else ((False,) * len(shape.linears), False, ()))
     linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe)
                for lin, flag in zip(shape.linears, f8_layer)]
-    reshard = resolve_reshard_after_forward(p.fsdp_reshard_after_forward,
-                                            zero_stage=max(p.zero_stage, 2), pp_enabled=pp > 1)
+    reshard = resolve_reshard_after_forward(recipe.reshard_after_forward,
+                                            zero_stage=recipe.fsdp_zero_stage, pp_enabled=pp > 1)
     f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
     gathered_layer = ((1 if f8.enable_fsdp_float8_all_gather else a) * f8_weights
                       + a * (shape.layer_sharded - f8_weights)) / tp + a * shape.layer_replicated
@@ -172,14 +186,14 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
             moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe)
     return Layout(
         cfg=cfg, shape=shape, rep=rep, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep, a=a,
-        reduce_bytes=2 if t.mixed_precision_reduce == "bfloat16" else 4,
-        sp=tp > 1 and p.enable_sequence_parallel, ac=job.recompute.split(":")[0],
+        reduce_bytes=2 if recipe.reduce_dtype == "bfloat16" else 4,
+        sp=recipe.sequence_parallel_on(job), ac=recipe.ac,
         accum=accum, pp_microbatches=pp_mb, pipe=pipe, tokens_mb=tokens_mb,
         tokens=tokens_mb / cp, linears=linears, moe_linears=moe_linears, head_float8=f8_head,
-        zero_n=n_fsdp if p.zero_stage >= 2 else dp * cp, reshard=reshard,
+        zero_n=n_fsdp if recipe.zero_stage >= 2 else dp * cp, reshard=reshard,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
         gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job,
-        autocast=not fsdp and pp == 1 and a < 4)
+        autocast=recipe.autocast(job, "cuda") is not None)
 
 
 def _auto_filter(f8, float8_hardware: bool | None) -> bool:

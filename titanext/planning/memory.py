@@ -194,14 +194,14 @@ def _two_level_saved(lo: Layout) -> float:
     dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
     moe = lo.shape.moe
     if (moe is None or lo.ep == 1 or lo.ac != "none"
-            or lo.cfg.parallelism.expert_parallel_dispatch != "two_level"):
+            or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
     return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
 
 
 def _ddp(lo: Layout) -> bool:
     """ZeRO-1's DDP: its buckets keep a gradient copy of every parameter all step."""
-    return lo.cfg.parallelism.zero_stage == 1 and lo.dp * lo.cp > 1 and lo.pp == 1
+    return lo.zero1 and lo.pp == 1
 
 
 def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
@@ -236,6 +236,31 @@ def _later_peak(at_backward: dict[str, float], at_step: dict[str, float],
     return step if moment == "optimizer step" else at_backward
 
 
+def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float, float, float]:
+    """(bytes of a pp rank's parameters, gradients, optimizer state, gathered units and hosted
+    expert copies; its dense and expert parameters; the state elements it holds)."""
+    shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
+    n_m = lo.n_moe(rk)
+    psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
+    state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
+    mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
+           # two fp32 moments per element, and a 4-byte step per parameter tensor
+           "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
+           + 4 * tensors}
+    if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
+        mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
+        if not lo.reshard:  # the embedding and the head stay gathered too
+            mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
+                                           + (shape.output / tp if rk.head else 0))
+    else:
+        mem["gathered params"] = 0.0
+    copies = lo.recipe.expert_replicas if moe else 0
+    if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
+        # from the first forward to the last backward (expert_replication.copies_per_step)
+        mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
+    return mem, psi_dense, psi_experts, state
+
+
 def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
                        ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
     """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
@@ -252,8 +277,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     """
     if moment not in MOMENTS:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
-    shape, moe, tp, a = lo.shape, lo.shape.moe, lo.tp, lo.a
-    p = lo.cfg.parallelism
+    shape, tp, a = lo.shape, lo.tp, lo.a
     per_layer, per_moe_layer = saved_bytes_per_token(lo)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
@@ -265,9 +289,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     # the 1B at 2 x 8192 on an H200 peaks there at 1.01x this, docs/planner.md#calibration).
     # Under TP's loss_parallel, torch's sharded nll_loss backward computes both at once from
     # zeros, exp(input) and their sum (12: three float32 tensors alive, the 8B's dry run).
-    loss_parallel = lo.tp > 1 and lo.cfg.parallelism.enable_loss_parallel
+    loss_parallel = lo.recipe.loss_parallel_on(lo)
     loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
-    sharded = p.zero_stage >= 2 and lo.n_fsdp * lo.rep > 1
+    sharded = lo.fsdp
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
     for e in events or ():
@@ -275,24 +299,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
               for e in events or () if e.kind != "W"}
     for r, rk in enumerate(lo.pipe.ranks):
-        n_m = lo.n_moe(rk)
-        psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
-        state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
-        mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
-               # two fp32 moments per element, and a 4-byte step per parameter tensor
-               "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
-               + 4 * tensors}
-        if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
-            mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
-            if not lo.reshard:  # the embedding and the head stay gathered too
-                mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
-                                               + (shape.output / tp if rk.head else 0))
-        else:
-            mem["gathered params"] = 0.0
-        copies = lo.cfg.moe.replicate_hot_experts if lo.ep > 1 and moe else 0
-        if copies and n_m:  # the step's hosted copies: weights and fp32 gradient sums, held
-            # from the first forward to the last backward (expert_replication.copies_per_step)
-            mem["expert copies (step)"] = n_m * copies * moe.experts / moe.num_experts * (a + 4)
+        mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
             mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
@@ -359,8 +366,7 @@ def static_memory_floor(lo: Layout) -> float:
     saved = saved_bytes_per_token(lo)
     pipe = lo.pipe
     counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
-                                 stages_per_rank=pipe.stages_per_rank,
-                                 max_pending_weight_grads=pipe.max_pending_weight_grads)
+                                 stages_per_rank=pipe.stages_per_rank)
               if lo.pp > 1 else None) or (1,) * lo.pp
     return max(sum(m.get(k, 0.0) for k in _STATIC) + max(1, n) * lo.tokens_mb
                * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
@@ -408,9 +414,25 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     in its later stage's second backward, the 70B's (ZBV) in a W, the middle ranks of ZBV and
     DualPipe in the cooldown where the deferred Ws' inputs pile up.
     """
-    shape, moe, a, m = lo.shape, lo.shape.moe, lo.a, lo.pipe.microbatches
+    split = any(e.kind == "W" for e in events)
+    boundary = lo.tokens_mb * lo.a * lo.shape.dim / (lo.tp if lo.sp else 1) / lo.cp
+    per_stage = _stage_terms(lo, rk, split=split, sharded=sharded, grads=grads,
+                             per_layer=per_layer, per_moe_layer=per_moe_layer,
+                             head_act=head_act, loss_backward=loss_backward, boundary=boundary)
+    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
+    return _replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
+                        sharded=sharded, boundary=boundary)
+
+
+def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, per_layer: float,
+                 per_moe_layer: float, head_act: float, loss_backward: float, boundary: float
+                 ) -> tuple[dict, ...]:
+    """Per stage of pp rank ``rk`` (see :func:`_pipeline_peak`): a micro-batch's activations
+    between F and backward, its weight-gradient inputs between I and W, the unsharded
+    gradient accumulators, the sharded gradients, and the backward transients (recompute,
+    loss backward)."""
+    shape, moe, a = lo.shape, lo.shape.moe, lo.a
     last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
-    boundary = lo.tokens_mb * a * shape.dim / (lo.tp if lo.sp else 1) / lo.cp
     none_layer = activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
                                                   cp=lo.cp, ulysses=lo.ulysses)
     none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
@@ -423,7 +445,6 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     # / index_add rows of [k T, h] per block and micro-batch
     wgrad_moe = (_weight_grad_inputs(lo, moe.shared_hidden)
                  + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
-    split = any(e.kind == "W" for e in events)
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
@@ -440,7 +461,15 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
-    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
+    return act, wact, acc, grad, transient
+
+
+def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
+                 frees: list, *, sharded: bool, boundary: float) -> dict[str, float]:
+    """Replay a pp rank's events in execution order, keeping the moment with the most memory
+    (:data:`_PEAK_TERMS`, see :func:`_pipeline_peak`)."""
+    act, wact, acc, grad, transient = per_stage
+    m = lo.pipe.microbatches
     live = dict.fromkeys(rk.stages, 0)
     pending = dict.fromkeys(rk.stages, 0)  # between I and W
     done = dict.fromkeys(rk.stages, 0)
@@ -469,7 +498,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
         if total > best_total:
             best, best_total = now_terms, total
 
-    for e in events_by_rank.get(r, ()):  # in execution order
+    for e in rank_events:  # in execution order
         s = e.stage
         if s not in live:
             continue

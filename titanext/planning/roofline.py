@@ -137,25 +137,9 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
     def fp8_rate(recipe: str) -> float:  # without float8 tensor cores: emulated, bf16 speed
         return bf16_rate * FLOAT8_GEMM_SPEEDUP[recipe] * fp8_scale if fp8_scale else bf16_rate
 
-    fwd_mm = w_mm = cast = autocast_cast = 0.0  # forward (= dgrad) and wgrad GEMMs
-    for lin in linears:
-        split = tp if lin.tp_split else 1
-        k, n = (lin.in_features / split, lin.out_features) if lin.rowwise else (
-            lin.in_features, lin.out_features / split)
-        rows = tokens * lin.token_factor
-        bf16_mm = matmul_seconds(rows, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a,
-                                 weights=lin.weights)
-        if lin.float8:
-            mm = matmul_seconds(rows, k, n, rate=fp8_rate(lin.float8_recipe), bw=bw,
-                                weight_bytes=1, io_bytes=1, weights=lin.weights)
-            fwd_mm += mm
-            w_mm += bf16_mm if lin.float8_recipe == "rowwise_with_gw_hp" else mm
-            # casting the input and the weight: amax read, read, 1-byte write (per pass)
-            cast += (2 * a + 1) * (rows * k + k * n * lin.weights)
-        else:
-            fwd_mm += bf16_mm
-            w_mm += bf16_mm
-            autocast_cast += AUTOCAST_CAST_BYTES * k * n * lin.weights if autocast else 0.0
+    fwd_mm, w_mm, cast, autocast_cast = _linears_cost(linears, tokens, tp=tp, a=a, bw=bw,
+                                                      bf16_rate=bf16_rate, fp8_rate=fp8_rate,
+                                                      autocast=autocast)
     fwd_mm *= layers
     w_mm *= layers
     cast *= layers
@@ -189,6 +173,33 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
         i += mm + tokens * out * (a + 4) / bw
         w += mm + head_cast
     return MicrobatchTime(f=f, i=i, w=w, attention_f=attn_f)
+
+
+def _linears_cost(linears: Sequence[Linear], tokens: float, *, tp: int, a: int, bw: float,
+                  bf16_rate: float, fp8_rate, autocast: bool
+                  ) -> tuple[float, float, float, float]:
+    """One layer's matmuls: (forward (= dgrad) seconds, wgrad seconds, float8 cast bytes,
+    autocast's weight-cast bytes)."""
+    fwd_mm = w_mm = cast = autocast_cast = 0.0
+    for lin in linears:
+        split = tp if lin.tp_split else 1
+        k, n = (lin.in_features / split, lin.out_features) if lin.rowwise else (
+            lin.in_features, lin.out_features / split)
+        rows = tokens * lin.token_factor
+        bf16_mm = matmul_seconds(rows, k, n, rate=bf16_rate, bw=bw, weight_bytes=a, io_bytes=a,
+                                 weights=lin.weights)
+        if lin.float8:
+            mm = matmul_seconds(rows, k, n, rate=fp8_rate(lin.float8_recipe), bw=bw,
+                                weight_bytes=1, io_bytes=1, weights=lin.weights)
+            fwd_mm += mm
+            w_mm += bf16_mm if lin.float8_recipe == "rowwise_with_gw_hp" else mm
+            # casting the input and the weight: amax read, read, 1-byte write (per pass)
+            cast += (2 * a + 1) * (rows * k + k * n * lin.weights)
+        else:
+            fwd_mm += bf16_mm
+            w_mm += bf16_mm
+            autocast_cast += AUTOCAST_CAST_BYTES * k * n * lin.weights if autocast else 0.0
+    return fwd_mm, w_mm, cast, autocast_cast
 
 
 def optimizer_bytes_per_param(*, implementation: str = "fused", name: str = "AdamW",

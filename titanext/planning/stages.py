@@ -21,7 +21,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from titanext.config.layout import PipelinePlan
+from titanext.config.layout import PipelinePlan, pipeline_plan
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,21 @@ class RankStages:
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    schedule: str
+    schedule: type
+    """The class the trainer runs (the plan's: capped at its ``max_pending_weight_grads``;
+    1F1B's over one rank without a pipeline)."""
+    name: str
+    """The schedule as the config names it."""
     pp: int
     stages_per_rank: int
     microbatches: int
     ranks: tuple[RankStages, ...]
-    #: the schedule's cap on pending weight gradients (0: none; titanext.schedules.memory_cap)
-    max_pending_weight_grads: int = 0
+
+    @property
+    def max_pending_weight_grads(self) -> int:
+        """The schedule's cap on pending weight gradients (0: none;
+        titanext.schedules.memory_cap), held by its class."""
+        return getattr(self.schedule, "max_pending_weight_grads", 0)
 
 
 def pipeline_layout(plan: PipelinePlan) -> PipelineLayout:
@@ -68,13 +76,14 @@ def pipeline_layout(plan: PipelinePlan) -> PipelineLayout:
         layer_ids = tuple(i for ids_s in per_stage for i in ids_s)
         ranks.append(RankStages(tuple(stages), len(layer_ids), 0 in stages,
                                 n_stages - 1 in stages, sends, layer_ids, per_stage))
-    # one stage without a pipeline: simulated as 1F1B over one rank
-    return PipelineLayout(plan.name if pp > 1 else "1F1B", pp, plan.stages_per_rank,
-                          plan.microbatches, tuple(ranks), plan.max_pending_weight_grads)
+    if pp == 1:  # one stage without a pipeline: simulated as 1F1B over one rank
+        plan = pipeline_plan("1F1B", pp=1, microbatches=plan.microbatches)
+    return PipelineLayout(plan.schedule, plan.name, pp, plan.stages_per_rank,
+                          plan.microbatches, tuple(ranks))
 
 
 @functools.lru_cache(maxsize=1024)
-def simulate_schedule(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int,
+def simulate_schedule(schedule: str | type, *, pp: int, microbatches: int, stages_per_rank: int,
                       f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
                       max_pending_weight_grads: int = 0, a2a: float = 0.0,
                       a2a_b: float | None = None, overlap: bool = False):
@@ -115,7 +124,6 @@ def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a
     sim = simulate_schedule(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
                             stages_per_rank=layout.stages_per_rank, f=q(f), b=q(i, 0.01),
                             w=q(w, 0.01), comm=q(comm), a2a=q(a2a), a2a_b=q(a2a_i),
-                            overlap=overlap,
-                            max_pending_weight_grads=layout.max_pending_weight_grads)
+                            overlap=overlap)
     return sim.makespan * unit, dataclasses.replace(
         sim, a2a_exposed=[x * unit for x in sim.a2a_exposed]), unit

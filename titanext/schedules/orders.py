@@ -64,7 +64,7 @@ def _order(cls, pp, microbatches, stages_per_rank, max_pending_weight_grads, **c
 
 
 @functools.lru_cache(maxsize=256)
-def forwards_in_flight(name: str, *, pp: int, microbatches: int,
+def forwards_in_flight(name: str | type, *, pp: int, microbatches: int,
                        stages_per_rank: int | None = None, max_pending_weight_grads: int = 0
                        ) -> tuple[int, ...] | None:
     """The most micro-batches each rank holds between a forward and its input-gradient
@@ -75,7 +75,7 @@ def forwards_in_flight(name: str, *, pp: int, microbatches: int,
     >>> forwards_in_flight("1F1B", pp=4, microbatches=8)
     (4, 3, 2, 1)
     """
-    cls = get_schedule_class(name)
+    cls = get_schedule_class(name) if isinstance(name, str) else name
     if getattr(cls, "measures_costs", False):
         return None
     order = schedule_order(cls, pp=pp, microbatches=microbatches,
@@ -93,11 +93,12 @@ def forwards_in_flight(name: str, *, pp: int, microbatches: int,
     return tuple(peaks)
 
 
-def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
+def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
              runtime_order: bool = False, max_pending_weight_grads: int = 0,
              a2a: float = 0.0, a2a_b: float | None = None, overlap: bool = False) -> SimResult:
-    """Replay schedule ``name``'s action lists with these costs.
+    """Replay schedule ``name``'s action lists (a name, or a resolved class such as a
+    :class:`~titanext.config.layout.PipelinePlan`'s) with these costs.
 
     ``f``, ``b`` (input grad I) and ``w`` (weight grad W) are the costs of one micro-batch
     through 1/pp of the model; a schedule with k stages per rank (same model) runs stages of
@@ -123,7 +124,7 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     >>> round(r.bubble_ratio, 4), r.peak_activations
     (0.2727, [4, 3, 2, 1])
     """
-    cls = get_schedule_class(name)
+    cls = get_schedule_class(name) if isinstance(name, str) else name
     spr = resolved_stages_per_rank(cls, stages_per_rank)
     share = 1.0 if cls.placement == "dualpipe" else 1.0 / spr
     def part(c):  # one figure is 1/pp of the model; a tuple is each stage's own cost
@@ -135,10 +136,10 @@ def simulate(name: str, *, pp: int, microbatches: int, f: float = 1.0, b: float 
     if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
         order = combined_order(cls.__name__, pp, microbatches, spr)
     elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
-        raise ValueError(f"schedule {name!r} has no paired forward/backward chunks to overlap; "
-                         f"choose one of {', '.join(OVERLAP_SCHEDULES)}")
+        raise ValueError(f"schedule {cls.__name__!r} has no paired forward/backward chunks to "
+                         f"overlap; choose one of {', '.join(OVERLAP_SCHEDULES)}")
     else:
-        order = schedule_order(name, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+        order = schedule_order(cls, pp=pp, microbatches=microbatches, stages_per_rank=spr,
                                max_pending_weight_grads=max_pending_weight_grads, **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
