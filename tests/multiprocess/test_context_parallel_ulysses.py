@@ -216,6 +216,13 @@ def _traffic(world_size):
         with count_work() as work:
             ring_attention(q, k, v, g, layout=layout, document_ids=ids)
         result["ring-work", layout] = (work.blocks, work.blocks_skipped)
+        # a window shorter than a rank's chunk: only the previous rank's block is visible
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with count_work() as work, count_comm() as fwd:
+            out = ring_attention(q, k, v, g, layout=layout, window=3)
+        with count_comm() as bwd:
+            out.sum().backward()
+        result["ring-window", layout] = (work.blocks, work.blocks_skipped, fwd.sends, bwd.sends)
     return result
 
 
@@ -351,6 +358,38 @@ def test_ring_skips_blocks_that_share_no_document(spawned):
     for per_rank in traffic:
         for layout in ("zigzag", "contiguous"):
             assert per_rank["ring-work", layout] == (1, world - 1), layout
+
+
+def test_a_window_skips_far_blocks_and_a_contiguous_ring_stops_sending(spawned):
+    """Window 3 < chunk: every rank computes its own block and its left neighbour's (rank 0:
+    its own only; zigzag: both neighbours', the end ranks one). A p2p ring of s steps sends s - 1 KV blocks
+    forward and s - 1 KV blocks + s dK/dV accumulators backward: contiguous runs s = 2 steps
+    whatever W, zigzag needs the whole ring (s = W)."""
+    world, _, traffic = spawned
+    for rank, per_rank in enumerate(traffic):
+        blocks, skipped, fwd_sends, bwd_sends = per_rank["ring-window", "contiguous"]
+        assert (blocks, skipped) == (1 + (rank > 0), world - 1 - (rank > 0))
+        assert (fwd_sends, bwd_sends) == (1, 3)
+        blocks, skipped, fwd_sends, bwd_sends = per_rank["ring-window", "zigzag"]
+        assert blocks == (2 if rank in (0, world - 1) else 3) and blocks + skipped == world
+        assert (fwd_sends, bwd_sends) == (world - 1, 2 * world - 1)
+
+
+def test_ring_steps_and_window_plan_offline():
+    from titanext.plugins.context_parallel import plan_work, ring_steps
+
+    # window 1 sees only itself; 16 and 17 reach one rank back, 33 two, 64 all
+    assert [ring_steps("contiguous", True, 4, 16, w) for w in (1, 16, 17, 33, 64)] == [
+        1, 2, 2, 3, 4]
+    assert [ring_steps("zigzag", True, 4, 16, w) for w in (1, 2, 64)] == [1, 4, 4]
+    assert ring_steps("contiguous", True, 4, 16, None) == 4
+    # window 4 on 8-token chunks, tiles of 4: a query tile sees at most two key tiles
+    plan = plan_work("zigzag", True, 4, None, 16, tile=4, window=4)
+    for per_source in plan:
+        for items in per_source:
+            for qs, ks, causal, mask in items:
+                assert ks.stop - ks.start == 4 and (mask is None or mask.shape == (1, 4, 4))
+        assert sum(len(items) for items in per_source) <= 2 * 4
 
 
 def test_tiles_without_a_shared_document_are_skipped_offline():

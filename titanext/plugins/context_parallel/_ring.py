@@ -73,7 +73,7 @@ def ring_steps(layout: str, causal: bool, world: int, local_seq: int,
                window: int | None) -> int:
     """Ring steps the p2p ring must run: 1 + the farthest (rank - source) % world of any block
     some rank may see. Below ``world`` only when a window cuts off the far blocks, which the
-    contiguous layout allows (zigzag always needs its neighbours on both sides).
+    contiguous layout allows (zigzag needs its neighbours on both sides for any window > 1).
 
     >>> ring_steps("contiguous", True, 4, 16, window=8), ring_steps("zigzag", True, 4, 16, 8)
     (2, 4)
