@@ -39,12 +39,13 @@ _MIXERS = (
 )
 _CONV = ("a convolution over the sequence: it mixes neighbouring tokens, which under CP sit on "
          "other ranks")
+_SEQUENCE_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _MAX_LINES = 12
 
 
 def _mixer_reason(module: nn.Module, family: str) -> str | None:
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, _SEQUENCE_CONVS):
         return _CONV
     name = type(module).__name__
     if family and name.startswith(family):  # RecurrentGemmaAttention is attention
