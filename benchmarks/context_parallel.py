@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from titanext._text import format_table
-from titanext.plugins._attention_kernels import block_forward
 from titanext.launch.local import run_distributed
+from titanext.plugins._attention_kernels import block_forward
 from titanext.plugins.context_parallel import (
     _step_slices,
     count_comm,

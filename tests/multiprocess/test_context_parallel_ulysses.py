@@ -362,9 +362,9 @@ def test_ring_skips_blocks_that_share_no_document(spawned):
 
 def test_a_window_skips_far_blocks_and_a_contiguous_ring_stops_sending(spawned):
     """Window 3 < chunk: every rank computes its own block and its left neighbour's (rank 0:
-    its own only; zigzag: both neighbours', the end ranks one). A p2p ring of s steps sends s - 1 KV blocks
-    forward and s - 1 KV blocks + s dK/dV accumulators backward: contiguous runs s = 2 steps
-    whatever W, zigzag needs the whole ring (s = W)."""
+    its own only; zigzag: both neighbours', the end ranks one). A p2p ring of s steps sends
+    s - 1 KV blocks forward and s - 1 KV blocks + s dK/dV accumulators backward: contiguous
+    runs s = 2 steps whatever W, zigzag needs the whole ring (s = W)."""
     world, _, traffic = spawned
     for rank, per_rank in enumerate(traffic):
         blocks, skipped, fwd_sends, bwd_sends = per_rank["ring-window", "contiguous"]
@@ -387,7 +387,7 @@ def test_ring_steps_and_window_plan_offline():
     plan = plan_work("zigzag", True, 4, None, 16, tile=4, window=4)
     for per_source in plan:
         for items in per_source:
-            for qs, ks, causal, mask in items:
+            for _, ks, _, mask in items:
                 assert ks.stop - ks.start == 4 and (mask is None or mask.shape == (1, 4, 4))
         assert sum(len(items) for items in per_source) <= 2 * 4
 

@@ -87,6 +87,7 @@ __all__ = [
     "zigzag_shard", "zigzag_unshard", "shard_sequence", "unshard_sequence", "shard_batch",
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
-    "RingPlan", "plan_work", "ulysses_order", "_step_slices", "ring_steps", "MODEL_COMMS", "cp_attention_fn",
+    "RingPlan", "plan_work", "ulysses_order", "_step_slices",
+    "ring_steps", "MODEL_COMMS", "cp_attention_fn",
     "cp_rank", "cp_world_size", "prepare_batch", "POSITIONS_SHAPES", "attention_fn_holders",
 ]

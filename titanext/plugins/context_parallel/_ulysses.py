@@ -130,7 +130,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     ``layout`` ("zigzag" or "contiguous") over the group, as for :func:`ring_attention`; returns
     [batch, heads, local_seq, head_dim]. heads must divide by the group size W; kv_heads must be a
     multiple of W or divide it. ``document_ids`` ([batch, local_seq]) mask attention across
-    documents; ``window`` and ``sinks`` as :func:`ring_attention`. Differentiable; every all-to-all's backward is the inverse all-to-all.
+    documents; ``window`` and ``sinks`` as :func:`ring_attention`. Differentiable; every
+    all-to-all's backward is the inverse all-to-all.
 
     Inside each rank of a CP group ``g`` of size W, with full q, k, v of shape [B, H, S, D]:
 
