@@ -14,6 +14,10 @@ document-masked work, training tokens/s.
    so machine drift hits all alike; medians, and ratios against the first row of each block.
 4. Training tokens/s of the debug model at cp=1 (dp=2) and cp=2 on 2 ranks, same global batch,
    runs alternating.
+5. Sliding windows (the same plan ring_attention runs): per rank, the ring blocks computed, the
+   query-key pairs the kernels get and the time of its forward kernel calls replayed in one
+   process (ranks and layouts interleaved, median), zigzag against contiguous; and the p2p
+   ring steps the window needs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from titanext._text import format_table
 from titanext.launch.local import run_distributed
+from titanext.plugins._attention_kernels import block_forward
 from titanext.plugins.context_parallel import (
     _step_slices,
     count_comm,
@@ -38,6 +43,7 @@ from titanext.plugins.context_parallel import (
     layout_positions,
     plan_work,
     ring_attention,
+    ring_steps,
     shard_sequence,
     ulysses_attention,
 )
@@ -132,6 +138,49 @@ def document_table(seq: int = 32768, batch: int = 4, tile: int = 1024) -> tuple[
         rows.append(row)
     lengths = torch.cat([torch.unique_consecutive(r, return_counts=True)[1] for r in docs])
     return rows, float(lengths.float().mean())
+
+
+# -- 5. sliding windows ---------------------------------------------------------------------------
+
+def _replay(items, q, kv, dk) -> float:
+    """Seconds to run one rank's forward kernel calls (every source's items) in this process."""
+    start = time.perf_counter()
+    for per_source in items:
+        for qs, ks, causal, mask in per_source:
+            block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], causal=causal,
+                          scale=dk ** -0.5, kernel="flash_cpu", mask=mask)
+    return time.perf_counter() - start
+
+
+def window_table(seq: int, window: int, worlds=(2, 4), heads: int = 8, kv_heads: int = 2,
+                 dim: int = 64, rounds: int = 3) -> list[dict]:
+    """Rows: (W, layout). Per-rank blocks computed, pairs and replayed forward time."""
+    rows = []
+    for world in worlds:
+        local = seq // world
+        plans = {lay: plan_work(lay, True, world, None, local, window=window)
+                 for lay in ("zigzag", "contiguous")}
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, local, dim, generator=g)
+        kv = torch.randn(1, kv_heads, local, 2 * dim, generator=g)
+        times = {(lay, r): [] for lay in plans for r in range(world)}
+        for _ in range(rounds):  # ranks and layouts take turns
+            for r in range(world):
+                for lay, plan in plans.items():
+                    times[lay, r].append(_replay(plan[r], q, kv, dim))
+        for lay, plan in plans.items():
+            blocks = [sum(bool(items) for items in plan[r]) for r in range(world)]
+            pairs = [sum((a.stop - a.start) * (b.stop - b.start) for items in plan[r]
+                         for a, b, _, _ in items) for r in range(world)]
+            secs = [statistics.median(times[lay, r]) for r in range(world)]
+            rows.append({"W": world, "layout": lay,
+                         "blocks per rank": " ".join(map(str, blocks)),
+                         "pairs max/mean": f"{max(pairs) / statistics.mean(pairs):.3f}",
+                         "fwd ms per rank": " ".join(f"{1e3 * t:.0f}" for t in secs),
+                         "time max/mean": f"{max(secs) / statistics.mean(secs):.3f}",
+                         "p2p ring steps": f"{ring_steps(lay, True, world, local, window)} "
+                                           f"of {world}"})
+    return rows
 
 
 # -- 3. one attention layer -----------------------------------------------------------------------
@@ -252,7 +301,21 @@ def main(argv=None) -> int:
     ap.add_argument("--train-repeats", type=int, default=2, help="alternating runs per layout")
     ap.add_argument("--skip-train", action="store_true", help="leave out table 4")
     ap.add_argument("--markdown", action="store_true", help="print tables as Markdown")
+    ap.add_argument("--window", type=int, default=512, help="sliding window of table 5")
+    ap.add_argument("--only-window", action="store_true", help="print table 5 only")
     a = ap.parse_args(argv)
+    if a.window < 1:
+        print(f"--window = {a.window}: must be a positive number of tokens", file=sys.stderr)
+        return 2
+
+    window_title = (f"5. sliding window {a.window}, seq {a.seq}, heads {a.heads}/{a.kv_heads}, "
+                    f"head_dim {a.head_dim}: per-rank work of the ring's plan, forward kernels "
+                    "replayed in one process (median of 3, interleaved)")
+    if a.only_window:
+        print(window_title)
+        print(format_table(window_table(a.seq, a.window, heads=a.heads, kv_heads=a.kv_heads,
+                                        dim=a.head_dim), markdown=a.markdown))
+        return 0
 
     print("1. attention work per rank, causal (max/mean over ranks; 1.000 is balanced)")
     print(format_table(balance_table(), markdown=a.markdown), flush=True)
@@ -270,6 +333,10 @@ def main(argv=None) -> int:
               flush=True)
         print(format_table(layer_rows(world, a.seq, a.heads, a.kv_heads, a.head_dim, a.iters),
                            markdown=a.markdown), flush=True)
+
+    print("\n" + window_title, flush=True)
+    print(format_table(window_table(a.seq, a.window, heads=a.heads, kv_heads=a.kv_heads,
+                                    dim=a.head_dim), markdown=a.markdown), flush=True)
 
     if a.skip_train:
         return 0

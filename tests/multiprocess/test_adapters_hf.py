@@ -350,3 +350,150 @@ def _cp_documents_body(rank, world_size):
 def test_packed_documents_through_the_hf_attention_hook():
     for errs in run_distributed(_cp_documents_body, 2, timeout_s=60):
         assert max(errs.values()) < 1e-5, errs
+
+
+# -- issue 44: sliding-window families under CP, and what CP refuses -----------------------------
+
+def _sliding_model(family):
+    """Tiny random models whose sliding windows (5 or 6) are shorter than a CP chunk (8 tokens
+    of 32 on 2 zigzag ranks) and than the sequence: Gemma 3 (sliding + global layers), Mistral
+    (one window for every layer), GPT-OSS (sliding + global, attention sinks, experts)."""
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0)
+    torch.manual_seed(0)
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **common, intermediate_size=128, head_dim=16, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
+        return transformers.Gemma3ForCausalLM(cfg).float()
+    if family == "mistral":
+        cfg = transformers.MistralConfig(**common, intermediate_size=128, sliding_window=6)
+        return transformers.MistralForCausalLM(cfg).float()
+    cfg = transformers.GptOssConfig(
+        **common, intermediate_size=64, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+        num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(cfg).float()
+    with torch.no_grad():  # sinks away from zero, one per head
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 1.5, 4))
+    return model
+
+
+def _sliding_reference(family):
+    model = _sliding_model(family)
+    tokens, labels = _batch()
+    loss = _loss_sum(model, tokens, labels) / (labels != IGNORE).sum()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _sliding_body(rank, world_size):
+    """Per family and CP flavour: (relative loss error, worst relative gradient error)."""
+    from titanext.hf.transformers import apply_hf_context_parallel, hf_shard_batch
+
+    out = {}
+    for family in ("gemma3", "mistral", "gptoss"):
+        ref_loss, ref_grads = _sliding_reference(family)
+        for layout, comm in (("zigzag", "p2p"), ("contiguous", "p2p"), ("zigzag", "alltoall"),
+                             ("contiguous", "allgather")):
+            model = _sliding_model(family)
+            apply_hf_context_parallel(model, dist.group.WORLD, layout=layout, comm=comm)
+            tokens, labels = _batch()
+            count = (labels != IGNORE).sum()
+            tokens, labels, position_ids = hf_shard_batch(model, tokens, labels)
+            loss = _loss_sum(model, tokens, labels, position_ids)
+            loss.backward()
+            dist.all_reduce(loss)
+            errs = {}
+            for n, p in model.named_parameters():
+                dist.all_reduce(p.grad)
+                errs[n] = ((p.grad / count - ref_grads[n]).norm() / ref_grads[n].norm()).item()
+            worst = max(errs, key=errs.get)
+            out[family, layout, comm] = (abs((loss / count).item() - ref_loss) / ref_loss,
+                                         worst, errs[worst])
+    return out
+
+
+def test_sliding_window_families_under_cp_match_one_process():
+    """Issue 44, case 1: Gemma 3's sliding layers ran full causal attention under CP (gradients
+    1.4 off). Now Gemma 3, Mistral and GPT-OSS (with sinks) match one process."""
+    for per_rank in run_distributed(_sliding_body, 2, timeout_s=60):
+        assert len(per_rank) == 12
+        for key, (loss_err, worst, grad_err) in per_rank.items():
+            assert loss_err < 1e-5 and grad_err < 1e-5, (key, loss_err, worst, grad_err)
+
+
+def _refused_models():
+    """Tiny random hybrids and a model whose attention bypasses the interface."""
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    heads = dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    mamba = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16)
+    return {
+        "Bamba": transformers.BambaForCausalLM(transformers.BambaConfig(
+            **small, **heads, **mamba, attn_layer_indices=[1])),
+        "Mamba2": transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+            **small, num_heads=4, head_dim=32, n_groups=1, state_size=16)),
+        "Jamba": transformers.JambaForCausalLM(transformers.JambaConfig(**small, **heads)),
+        "FalconH1": transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+            **small, **heads, **mamba, mamba_d_ssm=128, head_dim=16)),
+        "Falcon": transformers.FalconForCausalLM(transformers.FalconConfig(
+            **small, num_attention_heads=4)),
+        "Gemma2": transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **small, **heads, head_dim=16)),
+    }
+
+
+def test_cp_refuses_state_space_hybrids_and_bypassing_attention_by_name():
+    """Issue 44, cases 2 and 3, and the Mamba2 message: refused before anything is rewritten,
+    naming the module path (or config key) and the reason; no word of RoPE on Mamba2."""
+    from titanext.hf.transformers import apply_hf_context_parallel
+
+    expected = {
+        "Bamba": ("model.layers.0.mamba (BambaMixer): a state-space (Mamba) mixer",),
+        "Mamba2": ("backbone.layers.0.mixer (Mamba2Mixer)", "backbone.layers.1.mixer"),
+        "Jamba": ("model.layers.0 (JambaMambaDecoderLayer): a state-space",),
+        "FalconH1": ("model.layers.1.mamba (FalconH1Mixer)",),
+        "Falcon": ("FalconForCausalLM: its attention does not go through transformers' "
+                   "attention interface",),
+        "Gemma2": ("config.attn_logit_softcapping = 50.0",),
+    }
+    for name, model in _refused_models().items():
+        before = model.config._attn_implementation
+        with pytest.raises(ValueError) as err:
+            apply_hf_context_parallel(model, None)
+        text = str(err.value)
+        assert "cannot run under context parallelism" in text, name
+        for part in expected[name]:
+            assert part in text, (name, text)
+        assert "RoPE" not in text and "position_ids" not in text, (name, text)
+        assert model.config._attn_implementation == before, name  # nothing was changed
+
+
+def _bypass_body(rank, world_size):
+    """Attention that bypasses the interface after wiring (each attention module given its own
+    config that names SDPA, as a model with its own attention code would behave): each rank
+    would attend to its own chunk only. The first forward raises, naming the block."""
+    import copy
+
+    from titanext.hf.transformers import apply_hf_context_parallel, hf_shard_batch
+
+    model = _model()
+    apply_hf_context_parallel(model, dist.group.WORLD)
+    for layer in model.model.layers:
+        layer.self_attn.config = copy.copy(model.config)
+        layer.self_attn.config._attn_implementation = "sdpa"
+    tokens, labels = _batch()
+    tokens, labels, position_ids = hf_shard_batch(model, tokens, labels)
+    try:
+        _loss_sum(model, tokens, labels, position_ids)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_cp_refuses_a_block_that_never_called_the_attention_function():
+    """Issue 44, case 3 at run time (Falcon itself is refused up front, by its flag)."""
+    for message in run_distributed(_bypass_body, 2, timeout_s=60):
+        assert message is not None and "block model.layers.0 (LlamaDecoderLayer) ran without " \
+            "calling transformers' attention interface" in message, message

@@ -43,8 +43,10 @@ def _inputs(heads, kv_heads, dtype, seed=0):
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, causal, docs):
-    """Full attention with the equivalent boolean mask, one process."""
+def _reference(q, k, v, dout, causal, docs, window=None, sinks=None):
+    """Full attention with the equivalent boolean mask, one process, written out: the window is
+    transformers' (key j visible from query i when i - window < j <= i), and a sink is one more
+    logit per head whose value is zero (GPT-OSS). Returns out, dq, dk, dv (and dsinks)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     mask = torch.ones(BATCH, SEQ, SEQ, dtype=torch.bool)
@@ -52,10 +54,22 @@ def _reference(q, k, v, dout, causal, docs):
         mask &= docs[:, :, None] == docs[:, None, :]
     if causal:
         mask &= torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if window is not None:
+        i = torch.arange(SEQ)
+        mask &= i[None, :] > i[:, None] - window
     k_all, v_all = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None])
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None])
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+    sinks = sinks.clone().requires_grad_()
+    scores = (q @ k_all.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    sink_col = sinks[None, :, None, None].expand(BATCH, -1, SEQ, 1)
+    probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
+    out = probs @ v_all
     out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
 def _rel(a, b):
@@ -87,29 +101,66 @@ def _errors(case, groups):
         ulysses_attention,
     )
 
-    kind, (heads, kv_heads), layout, comm, causal, with_docs, dtype, kernel, tile = case
+    kind, (heads, kv_heads), layout, comm, causal, with_docs, dtype, kernel, tile = case[:9]
+    window, with_sinks = case[9:] if len(case) > 9 else (None, False)
     ring_module._DOC_TILE = tile
     full = _inputs(heads, kv_heads, dtype)
     docs = document_ids(SEQ) if with_docs else None
-    ref = _reference(*full, causal, docs)
+    sinks = torch.linspace(-1.0, 2.0, heads, dtype=dtype) if with_sinks else None
+    ref = _reference(*full, causal, docs, window, sinks)
     world = dist.group.WORLD
     q, k, v, dout = (shard_sequence(t, 2, world, layout).clone() for t in full)
     ids = None if docs is None else shard_sequence(docs, 1, world, layout)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.clone().requires_grad_()
+    extra = {"window": window, "sinks": sinks, "document_ids": ids, "kernel": kernel}
     if kind == "ring":
-        out = ring_attention(q, k, v, world, causal=causal, layout=layout, comm=comm,
-                             kernel=kernel, document_ids=ids)
+        out = ring_attention(q, k, v, world, causal=causal, layout=layout, comm=comm, **extra)
     elif kind == "ulysses":
-        out = ulysses_attention(q, k, v, world, causal=causal, layout=layout, kernel=kernel,
-                                document_ids=ids)
+        out = ulysses_attention(q, k, v, world, causal=causal, layout=layout, **extra)
     else:
         out = hybrid_attention(q, k, v, *groups, causal=causal, layout=layout, comm=comm,
-                               kernel=kernel, document_ids=ids)
+                               **extra)
     out.backward(dout)
     got = [out.detach(), q.grad, k.grad, v.grad]
     assert all(torch.isfinite(t).all() for t in got)
-    mine = [shard_sequence(t, 2, world, layout) for t in ref]
-    return [_rel(a, b) for a, b in zip(got, mine)]
+    mine = [shard_sequence(t, 2, world, layout) for t in ref[:4]]
+    errs = [_rel(a, b) for a, b in zip(got, mine)]
+    if sinks is not None:  # each rank's sink gradient covers its own queries: sum them
+        dist.all_reduce(sinks.grad)
+        errs.append(_rel(sinks.grad, ref[4]))
+    return errs
+
+
+def _window_cases(world):
+    """Sliding windows (shorter than a chunk, between a chunk and the sequence, longer than the
+    sequence) over every kernel entry, layout and comm, with and without documents; sinks."""
+    chunk = SEQ // (2 * world)
+    cases = []
+    for layout in ("zigzag", "contiguous"):
+        for window in (max(1, chunk // 2), chunk + 3, SEQ // 2 + 1, SEQ + 5):
+            for docs in (False, True):
+                cases += [("ring", (4, 2), layout, "p2p", True, docs, torch.float64, "math",
+                           1024, window, False),
+                          ("ring", (4, 2), layout, "allgather", True, docs, torch.float64,
+                           "auto", 5, window, False)]
+                if world in (2, 4):
+                    cases.append(("ulysses", (4, 2), layout, "p2p", True, docs, torch.float64,
+                                  "auto", 7, window, False))
+                if world == 4:
+                    cases.append(("hybrid", (4, 2), layout, "p2p", True, docs, torch.float64,
+                                  "auto", 6, window, False))
+        cases += [("ring", (4, 1), layout, "p2p", True, True, torch.float64, "auto", 1024, 3,
+                   True),
+                  ("ring", (4, 2), layout, "p2p", True, False, torch.float32, "auto", 1024,
+                   chunk + 1, True)]
+        if world in (2, 4):
+            cases.append(("ulysses", (4, 2), layout, "p2p", True, True, torch.float64, "auto",
+                          1024, chunk + 1, True))
+        if world == 4:
+            cases.append(("hybrid", (4, 2), layout, "allgather", True, False, torch.float64,
+                          "math", 1024, 5, True))
+    return cases
 
 
 def _cases(world):
@@ -165,6 +216,13 @@ def _traffic(world_size):
         with count_work() as work:
             ring_attention(q, k, v, g, layout=layout, document_ids=ids)
         result["ring-work", layout] = (work.blocks, work.blocks_skipped)
+        # a window shorter than a rank's chunk: only the previous rank's block is visible
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with count_work() as work, count_comm() as fwd:
+            out = ring_attention(q, k, v, g, layout=layout, window=3)
+        with count_comm() as bwd:
+            out.sum().backward()
+        result["ring-window", layout] = (work.blocks, work.blocks_skipped, fwd.sends, bwd.sends)
     return result
 
 
@@ -237,7 +295,8 @@ def _model_parity(world_size):
 def _body(rank, world_size):
     torch.set_num_threads(1)
     groups = _groups(world_size, 2) if world_size == 4 else (None, None)
-    errors = {case: _errors(case, groups) for case in _cases(world_size)}
+    errors = {case: _errors(case, groups) for case in _cases(world_size) + _window_cases(
+        world_size)}
     model = _model_parity(world_size) if world_size in (2, 4) else {}
     return errors, {**_traffic(world_size), **model}
 
@@ -246,21 +305,33 @@ def _body(rank, world_size):
 def spawned(request):
     world = request.param
     per_rank = run_distributed(_body, world, timeout_s=120)
-    errors = {c: [max(r[0][c][i] for r in per_rank) for i in range(4)] for c in _cases(world)}
+    errors = {c: [max(r[0][c][i] for r in per_rank) for i in range(len(per_rank[0][0][c]))]
+              for c in _cases(world) + _window_cases(world)}
     return world, errors, [r[1] for r in per_rank]
 
 
 def _name(case):
-    kind, (h, kvh), layout, comm, causal, docs, dtype, kernel, tile = case
+    kind, (h, kvh), layout, comm, causal, docs, dtype, kernel, tile = case[:9]
+    extra = "" if len(case) == 9 else f"-window{case[9]}{'-sinks' if case[10] else ''}"
     return (f"{kind}-h{h}kv{kvh}-{layout}-{comm}-{'causal' if causal else 'full'}"
-            f"-{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{kernel}-tile{tile}")
+            f"-{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{kernel}-tile{tile}{extra}")
 
 
 def test_out_and_grads_match_full_attention_with_the_document_mask(spawned):
     world, errors, _ = spawned
     bad = {_name(c): dict(zip(("out", "dq", "dk", "dv"), e)) for c, e in errors.items()
-           if max(e) > BOUND[c[6]]}
+           if len(c) == 9 and max(e) > BOUND[c[6]]}
     assert not bad, bad
+
+
+def test_sliding_windows_and_sinks_match_one_process(spawned):
+    """Windows shorter than a chunk, between a chunk and the sequence and longer than it, with
+    and without documents, on the ring (p2p, allgather), Ulysses and hybrid; sinks' grads too."""
+    world, errors, _ = spawned
+    bad = {_name(c): dict(zip(("out", "dq", "dk", "dv", "dsinks"), e))
+           for c, e in errors.items() if len(c) > 9 and max(e) > BOUND[c[6]]}
+    assert not bad, bad
+    assert sum(len(c) > 9 for c in errors) >= 20
 
 
 def test_ulysses_moves_q_k_v_and_out_in_four_all_to_alls(spawned):
@@ -287,6 +358,38 @@ def test_ring_skips_blocks_that_share_no_document(spawned):
     for per_rank in traffic:
         for layout in ("zigzag", "contiguous"):
             assert per_rank["ring-work", layout] == (1, world - 1), layout
+
+
+def test_a_window_skips_far_blocks_and_a_contiguous_ring_stops_sending(spawned):
+    """Window 3 < chunk: every rank computes its own block and its left neighbour's (rank 0:
+    its own only; zigzag: both neighbours', the end ranks one). A p2p ring of s steps sends
+    s - 1 KV blocks forward and s - 1 KV blocks + s dK/dV accumulators backward: contiguous
+    runs s = 2 steps whatever W, zigzag needs the whole ring (s = W)."""
+    world, _, traffic = spawned
+    for rank, per_rank in enumerate(traffic):
+        blocks, skipped, fwd_sends, bwd_sends = per_rank["ring-window", "contiguous"]
+        assert (blocks, skipped) == (1 + (rank > 0), world - 1 - (rank > 0))
+        assert (fwd_sends, bwd_sends) == (1, 3)
+        blocks, skipped, fwd_sends, bwd_sends = per_rank["ring-window", "zigzag"]
+        assert blocks == (2 if rank in (0, world - 1) else 3) and blocks + skipped == world
+        assert (fwd_sends, bwd_sends) == (world - 1, 2 * world - 1)
+
+
+def test_ring_steps_and_window_plan_offline():
+    from titanext.plugins.context_parallel import plan_work, ring_steps
+
+    # window 1 sees only itself; 16 and 17 reach one rank back, 33 two, 64 all
+    assert [ring_steps("contiguous", True, 4, 16, w) for w in (1, 16, 17, 33, 64)] == [
+        1, 2, 2, 3, 4]
+    assert [ring_steps("zigzag", True, 4, 16, w) for w in (1, 2, 64)] == [1, 4, 4]
+    assert ring_steps("contiguous", True, 4, 16, None) == 4
+    # window 4 on 8-token chunks, tiles of 4: a query tile sees at most two key tiles
+    plan = plan_work("zigzag", True, 4, None, 16, tile=4, window=4)
+    for per_source in plan:
+        for items in per_source:
+            for _, ks, _, mask in items:
+                assert ks.stop - ks.start == 4 and (mask is None or mask.shape == (1, 4, 4))
+        assert sum(len(items) for items in per_source) <= 2 * 4
 
 
 def test_tiles_without_a_shared_document_are_skipped_offline():

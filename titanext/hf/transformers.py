@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanext.distributed.split import pass_on, split_model
+from titanext.hf._cp_checks import AttentionCallCheck, check_cp_model, layer_window
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -205,6 +206,15 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     a 2D (ring, Ulysses) mesh runs hybrid. A ``document_ids=`` keyword of the model call
     ([batch, local_seq], sharded like the inputs) reaches the attention and masks documents.
 
+    First it checks what CP relies on (titanext/hf/_cp_checks.py) and refuses, naming each
+    module or config entry and the reason, before changing anything: every sequence mixer must
+    be attention through transformers' attention interface (state-space, convolution,
+    linear-attention and recurrent mixers, and attention that bypasses the interface, are
+    refused), and every layer's mask must be causal, optionally with the layer's sliding window
+    (``config.layer_types`` / ``config.sliding_window``, as transformers' masks define them).
+    Per-head attention sinks (GPT-OSS) are supported. While running, a decoder block that
+    returns without having called the CP attention raises.
+
     Registers an attention function with ``transformers.AttentionInterface`` (the library's own
     hook for custom kernels) and switches ``model`` to it; returns the registered name. Inputs
     must be sharded with :func:`hf_shard_batch` (or ``shard_batch`` with the same ``layout``)
@@ -219,19 +229,31 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     """
     from transformers import AttentionInterface
 
+    check_cp_model(model)
     ring = cp_attention_fn(cp_mesh, layout=layout, comm=comm, kernel=kernel,
                            ulysses_degree=ulysses_degree)
+    calls = AttentionCallCheck(model)
+    config = model.config.get_text_config()
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query [B, H, S, D], key/value [B, KVH, S, D] (un-expanded), as the ring wants them.
+        calls.called()
         if dropout:
             raise ValueError(f"context parallelism: attention dropout = {dropout} is not "
                              "supported; set the model's attention_dropout to 0")
         if attention_mask is not None and not getattr(module, "is_causal", True):
             raise ValueError("context parallelism supports causal attention without a padding "
                              "mask; got a non-causal attention mask")
-        out = ring(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling,
-                   document_ids=kwargs.get("document_ids"))
+        if kwargs.get("softcap") is not None:
+            raise ValueError(f"context parallelism: {type(module).__name__} asks for attention "
+                             f"logit soft-capping (softcap = {kwargs['softcap']}), which the CP "
+                             "kernels do not apply")
+        causal = getattr(module, "is_causal", True)
+        window = layer_window(getattr(module, "config", config), module,
+                              kwargs.get("sliding_window"))
+        out = ring(query, key, value, causal=causal, scale=scaling,
+                   document_ids=kwargs.get("document_ids"), window=window,
+                   sinks=kwargs.get("s_aux"))
         return out.transpose(1, 2).contiguous(), None  # [B, S, H, D], no attention weights
 
     name = f"titanext_ring_{next(_ids)}"

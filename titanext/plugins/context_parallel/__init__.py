@@ -32,6 +32,10 @@ Beyond the ring (see :func:`ulysses_attention` and :func:`hybrid_attention`):
 - **Hybrid** runs Ulysses inside groups of u ranks and the ring across the cp/u groups.
 - **Document masking**: ``document_ids`` ([batch, local_seq], in q's layout) keep attention
   inside each packed document; the ring skips every block and tile without a shared document.
+- **Sliding windows**: ``window=w`` lets the query at global position i see keys
+  i - w < j <= i (transformers' sliding-window mask, Gemma 3 / Mistral / GPT-OSS); blocks and
+  tiles outside every window are skipped, and a contiguous p2p ring stops sending early.
+  ``sinks`` ([heads]) are GPT-OSS's per-head attention sinks.
 """
 
 from titanext.plugins._attention_kernels import KERNELS
@@ -69,6 +73,7 @@ from titanext.plugins.context_parallel._ring import (
     _step_slices,
     plan_work,
     ring_attention,
+    ring_steps,
 )
 from titanext.plugins.context_parallel._ulysses import (
     check_heads,
@@ -82,6 +87,7 @@ __all__ = [
     "zigzag_shard", "zigzag_unshard", "shard_sequence", "unshard_sequence", "shard_batch",
     "layout_positions", "apply_context_parallel", "ring_attention_sdpa", "RingAttentionFn",
     "check_options", "check_heads", "CommCounter", "count_comm", "WorkCounter", "count_work",
-    "RingPlan", "plan_work", "ulysses_order", "_step_slices", "MODEL_COMMS", "cp_attention_fn",
+    "RingPlan", "plan_work", "ulysses_order", "_step_slices",
+    "ring_steps", "MODEL_COMMS", "cp_attention_fn",
     "cp_rank", "cp_world_size", "prepare_batch", "POSITIONS_SHAPES", "attention_fn_holders",
 ]

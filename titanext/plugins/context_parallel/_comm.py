@@ -108,15 +108,21 @@ class Ring:
             self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dist.Work]:
-        """Post (send this to next, receive that from prev) pairs as one batch (NCCL-safe)."""
+    def start(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], offset: int = 1
+              ) -> list[dist.Work]:
+        """Post (send this to next, receive that from prev) pairs as one batch (NCCL-safe);
+        ``offset`` = k sends to rank r+k and receives from r-k instead."""
+        if not pairs:
+            return []
+        dst, src = self.next, self.prev
+        if offset % self.size != 1:
+            dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+            src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
         ops = []
         for send, recv in pairs:
             _record_send(send)
-            ops.append(dist.P2POp(dist.isend, send, self.next, self.group))
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
-        if not ops:
-            return []
+            ops.append(dist.P2POp(dist.isend, send, dst, self.group))
+            ops.append(dist.P2POp(dist.irecv, recv, src, self.group))
         with phase(CP):
             return dist.batch_isend_irecv(ops)
 

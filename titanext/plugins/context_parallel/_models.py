@@ -20,8 +20,9 @@ MODEL_COMMS = (*COMMS, "alltoall")
 
 
 class RingAttentionFn:
-    """An ``attn_fn(q, k, v, *, causal, scale, document_ids=None)`` running CP attention: the
-    ring on ``group``, Ulysses on ``ulysses_group`` (``group=None``), or both (hybrid)."""
+    """An ``attn_fn(q, k, v, *, causal, scale, document_ids=None, window=None, sinks=None)``
+    running CP attention: the ring on ``group``, Ulysses on ``ulysses_group`` (``group=None``),
+    or both (hybrid)."""
 
     def __init__(self, group: Group | None, layout: str, comm: str, kernel: str,
                  ulysses_group: Group | None = None):
@@ -29,14 +30,15 @@ class RingAttentionFn:
         self.layout, self.comm, self.kernel = layout, comm, kernel
 
     def __call__(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-                 document_ids=None):
+                 document_ids=None, window: int | None = None, sinks=None):
         if self.ulysses_group is None:
             return ring_attention(q, k, v, self.group, causal=causal, layout=self.layout,
                                   comm=self.comm, scale=scale, kernel=self.kernel,
-                                  document_ids=document_ids)
+                                  document_ids=document_ids, window=window, sinks=sinks)
         return hybrid_attention(q, k, v, self.ulysses_group, self.group, causal=causal,
                                 scale=scale, layout=self.layout, comm=self.comm,
-                                kernel=self.kernel, document_ids=document_ids)
+                                kernel=self.kernel, document_ids=document_ids, window=window,
+                                sinks=sinks)
 
     def __repr__(self) -> str:
         kind = ("ring" if self.ulysses_group is None else

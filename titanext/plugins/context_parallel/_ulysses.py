@@ -28,7 +28,12 @@ from titanext.plugins.context_parallel._comm import (
     group_size,
 )
 from titanext.plugins.context_parallel._layout import LAYOUTS, layout_positions
-from titanext.plugins.context_parallel._ring import COMMS, _RingAttention, check_qkv
+from titanext.plugins.context_parallel._ring import (
+    COMMS,
+    _RingAttention,
+    check_qkv,
+    check_window,
+)
 
 
 def ulysses_order(layout: str, ulysses: int, ring: int, ring_rank: int, local_seq: int,
@@ -58,7 +63,8 @@ def check_heads(name: str, heads: int, kv_heads: int, degree: int) -> None:
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ulysses_group: Group, ring_group: Group | None, *, causal: bool = True,
                      scale: float | None = None, layout: str = "zigzag", comm: str = "p2p",
-                     document_ids: torch.Tensor | None = None, kernel: str = "auto"
+                     document_ids: torch.Tensor | None = None, kernel: str = "auto",
+                     window: int | None = None, sinks: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """Ulysses inside ``ulysses_group`` (u ranks), ring attention across ``ring_group`` (r
     ranks); ``ring_group=None`` is pure Ulysses. Exact and differentiable.
@@ -66,6 +72,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Shapes and ``document_ids`` as :func:`ring_attention`; the shards are in ``layout`` over all
     u x r ranks with cp rank = ring_rank * u + ulysses_rank. heads must divide by u; kv_heads
     must be a multiple of u or divide it (then each kv head is replicated to u / kv_heads ranks).
+    ``window`` and ``sinks`` as :func:`ring_attention` (each rank applies its heads' sinks).
 
     On 4 ranks:
 
@@ -82,6 +89,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if comm not in COMMS:
         raise ValueError(f"{name}: comm = {comm!r} is not one of {COMMS}")
     check_qkv(name, q, k, v, document_ids)
+    check_window(name, causal, window, sinks, q.shape[1])
     ug, rg = as_group(ulysses_group), as_group(ring_group)
     if ug is None:
         raise ValueError(f"{name}: needs a process group (or 1D mesh) for the Ulysses ranks")
@@ -101,7 +109,11 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         docs = torch.cat(all_gather(ids, ug, "all_gather_document_ids"), dim=1)[:, order]
     if u > 1:
         q, k, v = SeqToHeads.apply(ug, order, q, k, v)
-    out = _RingAttention.apply(q, k, v, docs, rg, causal, layout, comm, scale, kernel)
+        if sinks is not None:  # this rank now holds head group ``rank`` of every shard
+            hl = q.shape[1]
+            sinks = sinks[group_rank(ug) * hl:(group_rank(ug) + 1) * hl]
+    out = _RingAttention.apply(q, k, v, sinks, docs, rg, causal, layout, comm, scale, kernel,
+                               window)
     if u > 1:
         (out,) = HeadsToSeq.apply(ug, order, out)
     return out
@@ -109,7 +121,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *,
                       causal: bool = True, scale: float | None = None, layout: str = "zigzag",
-                      document_ids: torch.Tensor | None = None, kernel: str = "auto"
+                      document_ids: torch.Tensor | None = None, kernel: str = "auto",
+                      window: int | None = None, sinks: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group`` via two all-to-alls (Ulysses).
 
@@ -117,7 +130,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     ``layout`` ("zigzag" or "contiguous") over the group, as for :func:`ring_attention`; returns
     [batch, heads, local_seq, head_dim]. heads must divide by the group size W; kv_heads must be a
     multiple of W or divide it. ``document_ids`` ([batch, local_seq]) mask attention across
-    documents. Differentiable; every all-to-all's backward is the inverse all-to-all.
+    documents; ``window`` and ``sinks`` as :func:`ring_attention`. Differentiable; every
+    all-to-all's backward is the inverse all-to-all.
 
     Inside each rank of a CP group ``g`` of size W, with full q, k, v of shape [B, H, S, D]:
 
@@ -125,5 +139,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     >>> out = ulysses_attention(*shards, g)  # torchrun  # doctest: +SKIP
     """
     return hybrid_attention(q, k, v, group, None, causal=causal, scale=scale, layout=layout,
-                            document_ids=document_ids, kernel=kernel)
+                            document_ids=document_ids, kernel=kernel, window=window, sinks=sinks)
 
