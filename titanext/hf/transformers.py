@@ -34,6 +34,7 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanext.distributed.split import pass_on, split_model
+from titanext.distributed.split import pass_on, run_own_forward, split_model
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -62,6 +63,7 @@ from titanext.plugins.expert_parallel import (
     apply_expert_parallel,
     detect_experts_layout,
 )
+from titanext.plugins._blocks import block_container
 from titanext.plugins.tensor_parallel import ReplicatedOverTP, VocabParallelEmbedding
 from titanext.plugins.tp_coverage import fqn_matches, unruled_parameters
 
@@ -381,25 +383,23 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)  # torchrun  # doctest: +SKIP
     """
     counts = list(counts)
-    if blocks is not None and not (blocks == "model.layers" and _llama_layout(model)):
-        return _own_forward_stage(model, counts, stage_index, blocks)
-    if not _llama_layout(model):
-        raise ValueError(f"{type(model).__name__} does not have the Llama family's layout "
-                         "(model.layers, model.embed_tokens, model.norm, model.rotary_emb, "
-                         "lm_head); pass blocks= as the dotted path of its block list, e.g. "
-                         "blocks='transformer.h'")
-    n_layers = len(hf_blocks(model))
+    if blocks is None:
+        if not _llama_layout(model):
+            raise ValueError(f"{type(model).__name__} does not have the Llama family's layout "
+                             "(model.layers, model.embed_tokens, model.norm, model.rotary_emb, "
+                             "lm_head); pass blocks= as the dotted path of its block list, e.g. "
+                             "blocks='transformer.h'")
+        blocks = "model.layers"
+    n_layers = len(block_container(model, blocks))
     if sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's "
                          f"{n_layers} decoder layers")
     if not 0 <= stage_index < len(counts):
         raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
-    if len(counts) > 1 and getattr(model.config, "tie_word_embeddings", False):
+    if len(counts) > 1 and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings = True shares one weight between the first and the "
                          "last stage; build the model with tie_word_embeddings=False for PP")
-    start = sum(counts[:stage_index])
-    return HFCausalLMStage(model, range(start, start + counts[stage_index]),
-                           first=stage_index == 0, last=stage_index == len(counts) - 1)
+    return _own_forward_stage(model, counts, stage_index, blocks)
 
 
 def _llama_layout(model: nn.Module) -> bool:
@@ -430,8 +430,27 @@ def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[st
 def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
                        blocks: str) -> nn.Module:
     first, last = _ends(model, blocks.split("."))
-    return split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
-                       skip_missing=True)
+    stage = split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
+                        skip_missing=True)
+    params = inspect.signature(type(model).forward).parameters
+    if "inputs_embeds" in params:  # stage(hidden) alone: the model's forward gets its shapes
+        run_own_forward(stage, blocks, is_first=stage_index == 0,
+                        is_last=stage_index == len(counts) - 1, hidden_as="inputs_embeds",
+                        inputs=("input_ids",))
+    stage.reset_rotary_embedding = functools.partial(_reset_rotary, stage)
+    return stage
+
+
+def _reset_rotary(stage: nn.Module, device: torch.device | str) -> None:
+    """Rebuild every rotary-embedding module of ``stage`` on ``device``: their ``inv_freq`` is a
+    non-persistent buffer, so after a meta-device build and ``to_empty`` no checkpoint restores
+    it."""
+    for name, module in list(stage.named_modules()):
+        if name and type(module).__name__.endswith("RotaryEmbedding") and hasattr(module,
+                                                                                  "config"):
+            parent, _, attr = name.rpartition(".")
+            fresh = type(module)(config=module.config, device=device)
+            setattr(stage.get_submodule(parent) if parent else stage, attr, fresh)
 
 
 class HFExpertParallel(ExpertParallelExperts):
