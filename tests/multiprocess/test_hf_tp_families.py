@@ -52,8 +52,39 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         intermediate_size=64, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2)),
+    # Gemma 3: a scaled embedding (its own forward around the vocabulary-parallel lookup),
+    # sliding windows shorter than the sequence, soft-capping, a tied head, pad_token_id set
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, pad_token_id=0)),
+    "gemma3_untied_no_pad": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention"], query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, pad_token_id=None, tie_word_embeddings=False)),
+    # Granite MoE: every multiplier away from 1, an untied head, pad_token_id None
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        intermediate_size=64, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=3.0, logits_scaling=5.0, residual_multiplier=0.7,
+        attention_multiplier=0.2, tie_word_embeddings=False, pad_token_id=None)),
+    # StableLM reshapes by self.num_heads: the plan gives it the local head counts
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # GPT-NeoX: fused qkv interleaved per head, viewed with -1 heads (a plain column split)
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128)),
+    # refused by name: fused projections (Phi-3 also slices by the config's head count),
+    # a plan that would split nothing but the head
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,
+                                                   pad_token_id=0, eos_token_id=1)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True,
+                                                         num_kv_heads=2)),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_heads=8, head_dim=16, expand=2,
+                                                         n_groups=1, state_size=16)),
 }
-REFUSED = {"gpt_oss": "model.layers.0.self_attn.sinks"}
+REFUSED = {"gpt_oss": "model.layers.0.self_attn.sinks",
+           "phi3": "FusedColwiseParallel",
+           "falcon": "transformer.h.0.self_attention.query_key_value",
+           "mamba2": "would split only the embedding and the LM head"}
 
 
 def _build(family: str):

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanext.distributed.split import pass_on, run_own_forward, split_model
+from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -178,8 +179,13 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     plan.update(_mlp_rules("model.layers.*.mlp"))
     if has("mlp.shared_experts.down_proj"):
         plan.update(_mlp_rules("model.layers.*.mlp.shared_experts"))
+    plan.update(interleaved_qkv_rules(model))  # GPT-NeoX: per-head [q; k; v] rows
+    plan["gpt_neox.embed_in"] = VocabParallelEmbedding(input_layouts=Replicate())
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     plan = {k: v for k, v in plan.items() if _any_match(k, names)}
+    problems = tp_plan_problems(model, plan)
+    if problems:
+        raise ValueError("hf_tp_plan: " + "; ".join(problems))
     unruled = unruled_parameters(model, plan)
     if unruled:
         raise ValueError(
@@ -190,6 +196,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             "(a per-head norm: SequenceParallel(sequence_dim=2, use_local_output=True); a "
             "replicated weight before the split: ReplicatedOverTP()) to the returned plan and "
             "pass it yourself, or leave tp = 1 for this model")
+    local_head_counts(model, plan)  # attention that reshapes by self.num_heads (StableLM)
     return plan
 
 
