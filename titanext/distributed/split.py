@@ -224,6 +224,8 @@ class _Absent(nn.Module):
     """Stands for a part another stage holds: returns zeros shaped like that part's output
     (computed on a parameter-free meta copy), so the model's own forward can still call it."""
 
+    titanext_probe_skip = True  # its zeros are no output to compare (titanext.hf.probe)
+
     def __init__(self, part: nn.Module):
         super().__init__()
         object.__setattr__(self, "_meta_part", copy.deepcopy(part).to("meta"))  # unregistered

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanext.distributed.split import pass_on, run_own_forward, split_model
+from titanext.hf._stage_checks import probe_stage
 from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
 from titanext.plugins.context_parallel import (
     LAYOUTS,
@@ -363,7 +364,7 @@ class HFCausalLMStage(nn.Module):
 
 
 def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int, *,
-                      blocks: str | None = None) -> nn.Module:
+                      blocks: str | None = None, probe: bool = True) -> nn.Module:
     """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
     decoder layers each (see :func:`titanext.distributed.pipeline.layers_per_stage`).
 
@@ -406,7 +407,10 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     if len(counts) > 1 and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings = True shares one weight between the first and the "
                          "last stage; build the model with tie_word_embeddings=False for PP")
-    return _own_forward_stage(model, counts, stage_index, blocks)
+    stage = _own_forward_stage(model, counts, stage_index, blocks)
+    if probe:
+        probe_stage(model, stage, counts, stage_index, blocks)
+    return stage
 
 
 def _llama_layout(model: nn.Module) -> bool:
