@@ -40,7 +40,8 @@ def probe_stage(model: nn.Module, stage: nn.Module, counts: Sequence[int], stage
     def stage_input(ref: dict[str, torch.Tensor]):
         return ids if stage_index == 0 else (ref[f"{blocks}.{start - 1}"],)
 
-    where = first_difference(model, stage, {"input_ids": ids}, rewritten_batch=stage_input)
+    where = first_difference(model, stage, {"input_ids": ids}, rewritten_batch=stage_input,
+                             from_module=f"{blocks}.{start}" if stage_index else None)
     if where is not None:
         raise ValueError(
             f"hf_pipeline_stage: stage {stage_index} of {type(model).__name__} (layer counts "

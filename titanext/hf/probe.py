@@ -20,7 +20,9 @@ such as ``_checkpoint_wrapped_module`` dropped); outputs of different shapes (a 
 linear's local shard) are not compared. DTensor outputs are compared in full; ``gather(fqn,
 tensor)`` maps any other rewritten output to the original's layout first (CP: all-gather the
 sequence shards), returning None to skip it. With a ``group``, every rank returns the same
-answer (the first difference on any rank). The answer is the FQN, ``"<output>"`` when only the
+answer (the first difference on any rank). ``from_module``: compare only what the original
+computes from that module on (a later pipeline stage: its first block; the prelude it runs on
+the received hidden state is discarded). The answer is the FQN, ``"<output>"`` when only the
 final outputs differ, or None.
 """
 
@@ -102,8 +104,8 @@ def _differs(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
 
 def first_difference(original: nn.Module, rewritten: nn.Module, batch: Any, group=None, *,
                      rewritten_batch: Any = None, rtol: float = 1e-4,
-                     gather: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
-                     ) -> str | None:
+                     gather: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None,
+                     from_module: str | None = None) -> str | None:
     """The FQN of the first module whose output differs between ``original`` and ``rewritten``
     on ``batch`` (see the module docstring), ``"<output>"`` or None."""
     modes = [(m, m.training) for m in (*original.modules(), *rewritten.modules())]
@@ -118,6 +120,9 @@ def first_difference(original: nn.Module, rewritten: nn.Module, batch: Any, grou
         for m, training in modes:
             m.training = training
     order = [*ref, OUTPUT]
+    if from_module is not None:  # what the original computes before it is not the rewrite's
+        order = order[next((i for i, f in enumerate(order)
+                            if f == from_module or f.startswith(from_module + ".")), 0):]
     ref[OUTPUT], got[OUTPUT] = ref_out, got_out
     first = len(order)
     for i, fqn in enumerate(order):
