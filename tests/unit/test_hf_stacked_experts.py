@@ -53,8 +53,8 @@ def test_float8_and_deferral_name_hf_stacked_experts(family, caplog):
         apply_float8(_model(family), filter_fqns=["lm_head"], emulate=True)
         defer_weight_grads(_model(family))
     for plugin in ("float8", "weight_grad"):
-        lines = [r.getMessage() for r in caplog.records
-                 if r.getMessage().startswith(f"{plugin}: ") and "stacked 3-D expert" in r.getMessage()]
+        lines = [m for m in (r.getMessage() for r in caplog.records)
+                 if m.startswith(f"{plugin}: ") and "stacked 3-D expert" in m]
         assert len(lines) == 1, (plugin, [r.getMessage() for r in caplog.records])
         assert all(f"{fqn} (" in lines[0] for fqn in experts), lines[0]
         assert "gate_up_proj" in lines[0] or "w1" in lines[0], lines[0]

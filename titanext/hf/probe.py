@@ -15,8 +15,8 @@ API (for every adapter that rewrites structure)::
 ``original`` / ``rewritten`` are modules called as ``m(**batch)`` (a dict), ``m(*batch)`` (a
 tuple) or ``m(batch)``, both in eval mode (restored after); ``rewritten_batch`` is what the
 rewritten module gets when it differs, or a function of the original's recorded outputs
-``{fqn: tensor}`` giving it (a later pipeline stage gets the hidden state its first block saw). Modules are matched by FQN (wrapper components
-such as ``_checkpoint_wrapped_module`` dropped); outputs of different shapes (a column-parallel
+``{fqn: tensor}`` giving it (a later pipeline stage gets the hidden state its first block
+saw). Modules are matched by FQN (wrapper components such as ``_checkpoint_wrapped_module`` dropped); outputs of different shapes (a column-parallel
 linear's local shard) are not compared. DTensor outputs are compared in full; ``gather(fqn,
 tensor)`` maps any other rewritten output to the original's layout first (CP: all-gather the
 sequence shards), returning None to skip it. With a ``group``, every rank returns the same
@@ -62,6 +62,18 @@ def _clean(fqn: str) -> str:
     return ".".join(p for p in fqn.split(".") if p not in _WRAPPERS)
 
 
+class _Keep:
+    """Forward hook: keep a module's first output under its FQN."""
+
+    def __init__(self, outputs: dict[str, torch.Tensor], fqn: str):
+        self.outputs, self.fqn = outputs, fqn
+
+    def __call__(self, _module, _args, out) -> None:
+        t = _tensor(out)
+        if self.fqn and t is not None and self.fqn not in self.outputs:
+            self.outputs[self.fqn] = t.detach()
+
+
 def _record(model: nn.Module, call: Callable[[], Any]) -> tuple[dict[str, torch.Tensor], Any]:
     """Run ``call`` with forward hooks on every module of ``model``: {FQN: first output}."""
     outputs: dict[str, torch.Tensor] = {}
@@ -70,11 +82,7 @@ def _record(model: nn.Module, call: Callable[[], Any]) -> tuple[dict[str, torch.
         if getattr(type(module), "titanext_probe_skip", False):
             continue  # a stand-in for a part held elsewhere (a pipeline stage's)
 
-        def hook(_m, _a, out, fqn=_clean(fqn)):
-            t = _tensor(out)
-            if fqn and t is not None and fqn not in outputs:
-                outputs[fqn] = t.detach()
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_hook(_Keep(outputs, _clean(fqn))))
     try:
         with torch.no_grad():
             result = call()

@@ -17,9 +17,10 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
   recorded layout) and pass its ``position_ids``. Every forward checks them: missing positions,
   or positions of another layout (a batch sharded with ``shard_batch(..., layout=other)``),
   raise a ValueError instead of silently wrong gradients.
-- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM
-  (embedding + rotary on the first stage, its decoder layers, norm + LM head on the last; RoPE
-  computed in every stage from the position ids), to hand to
+- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM that
+  runs the model's own forward (its embedding factors on the first stage, its norm, head,
+  scaling and soft-capping on the last; each block at its global index), probed against the
+  whole model on a materialised one (:mod:`titanext.hf.probe`), to hand to
   :func:`titanext.distributed.pipeline.build_pipeline` with any titanext schedule.
 - EP: ``apply_hf_expert_parallel(model, ep_mesh)`` replaces the library's experts modules
   (Qwen3-MoE, Mixtral: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
@@ -52,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 from titanext.distributed.split import pass_on, run_own_forward, split_model
 from titanext.hf._stage_checks import probe_stage
 from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
+from titanext.plugins._blocks import block_container
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -65,7 +67,6 @@ from titanext.plugins.expert_parallel import (
     apply_expert_parallel,
     detect_experts_layout,
 )
-from titanext.plugins._blocks import block_container
 from titanext.plugins.tensor_parallel import ReplicatedOverTP, VocabParallelEmbedding
 from titanext.plugins.tp_coverage import fqn_matches, unruled_parameters
 
@@ -312,7 +313,8 @@ class _PositionCheck:
 
 
 class HFCausalLMStage(nn.Module):
-    """One pipeline stage of a ``transformers`` decoder-only causal LM (Llama family layout:
+    """A hand-written pipeline stage of a ``transformers`` decoder-only causal LM (Llama family
+    layout; it runs no model-specific factor, so :func:`hf_pipeline_stage` does not use it:
     ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``).
 
     ``forward(x, position_ids=None)`` takes token ids on the first stage and hidden states
@@ -368,22 +370,30 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
     decoder layers each (see :func:`titanext.distributed.pipeline.layers_per_stage`).
 
-    A model of the Llama family's layout (``model.layers``, ``model.embed_tokens``,
-    ``model.norm``, ``model.rotary_emb``, ``lm_head``) gives an :class:`HFCausalLMStage`. Any
-    other causal LM needs ``blocks=``, the dotted path of its block list (``"transformer.h"``
-    for GPT-2): the stage is then :func:`titanext.distributed.split.split_model`'s with
-    ``skip_missing=True``, running the model's own ``forward`` (take its inputs by keyword on
-    every stage: ``schedule.step(input_ids=tokens, ...)``). The parts holding parameters that
-    the model registers before the blocks stay on the first stage, those after them on the
-    last (the order transformers' models define them in); parameter-free parts (dropout, a
-    rotary embedding) run on every stage. The last stage passes on the ``ModelOutput``'s
+    The stage is :func:`titanext.distributed.split.split_model`'s with ``skip_missing=True``: it
+    runs the model's own ``forward``, so the model's own code runs before the first block and
+    after the last (Granite's ``embedding_multiplier`` and ``logits_scaling``, Gemma 3's scaled
+    embedding and soft-capping, the final norm), and every block keeps its global index
+    (``config.layer_types[i]`` means the same layer as in the whole model). The blocks are
+    ``model.layers`` for the Llama family's layout (``model.embed_tokens``, ``model.norm``,
+    ``model.rotary_emb``, ``lm_head``); any other causal LM needs ``blocks=``, the dotted path
+    of its block list (``"transformer.h"`` for GPT-2). The parts holding parameters that the
+    model registers before the blocks stay on the first stage, those after them on the last;
+    parameter-free parts (dropout, a rotary embedding) run on every stage. Call the first stage
+    with the tokens, a later one with the hidden state alone (``stage(hidden)``: the model gets
+    it as ``inputs_embeds`` too, for its masks) or with the model's inputs by keyword after it
+    (``schedule.step(input_ids=tokens, ...)`` on every stage). The last stage passes on the
     logits, the others their last block's hidden state.
 
-    The stage shares its modules with ``model`` (no copy): build the model on the meta device,
-    cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
+    ``probe`` (default True): on a materialised model, compare the stage with the whole model
+    on 16 random tokens (:func:`titanext.hf.probe.first_difference`) and raise a ValueError
+    naming the first module that differs; nothing runs on a meta-device model.
+
+    The stage holds a copy of its part (free on the meta device): build the model on meta, cut
+    this rank's stages, then ``to_empty``, ``stage.reset_rotary_embedding(device)`` and load or
     initialise the weights. Tied input and output embeddings cannot live on two stages; untie
-    them (``tie_word_embeddings=False``). Tested in
-    tests/multiprocess/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
+    them (``tie_word_embeddings=False``). Tested in tests/multiprocess/test_adapters_hf.py and
+    test_pipeline_hf_outputs.py (Granite MoE, Gemma 3, GPT-2) against one process.
 
     >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)  # your model  # doctest: +SKIP
     >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)  # in a process group  # doctest: +SKIP

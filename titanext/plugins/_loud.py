@@ -138,7 +138,8 @@ def unconverted_line(plugin: str, modules: list[tuple[str, nn.Module]]) -> str |
 
 # -- stacked 3-D expert weights -------------------------------------------------------------------
 
-def stacked_experts(model: nn.Module, handled: tuple[type, ...] = ()) -> list[tuple[str, nn.Module]]:
+def stacked_experts(model: nn.Module, handled: tuple[type, ...] = ()
+                    ) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of every module that multiplies by its own floating 3-D parameters
     (stacked expert weights: transformers' OLMoE / Granite MoE / DeepSeek-V2 experts with
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]), except instances of ``handled``."""

@@ -50,10 +50,10 @@ from torch import nn
 from titanext.plugins._loud import (
     log_rank0,
     matmul_kind,
-    stacked_experts,
-    stacked_experts_line,
     own_forward_line,
     param_matmul_reason,
+    stacked_experts,
+    stacked_experts_line,
     unconverted_line,
 )
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
