@@ -16,8 +16,9 @@ API (for every adapter that rewrites structure)::
 tuple) or ``m(batch)``, both in eval mode (restored after); ``rewritten_batch`` is what the
 rewritten module gets when it differs, or a function of the original's recorded outputs
 ``{fqn: tensor}`` giving it (a later pipeline stage gets the hidden state its first block
-saw). Modules are matched by FQN (wrapper components such as ``_checkpoint_wrapped_module`` dropped); outputs of different shapes (a column-parallel
-linear's local shard) are not compared. DTensor outputs are compared in full; ``gather(fqn,
+saw). Modules are matched by FQN (wrapper components such as ``_checkpoint_wrapped_module``
+dropped); outputs of different shapes (a column-parallel linear's local shard) are not
+compared. DTensor outputs are compared in full; ``gather(fqn,
 tensor)`` maps any other rewritten output to the original's layout first (CP: all-gather the
 sequence shards), returning None to skip it. With a ``group``, every rank returns the same
 answer (the first difference on any rank). ``from_module``: compare only what the original
