@@ -198,3 +198,28 @@ def test_what_a_stage_cannot_pass_on_is_refused_with_the_fix():
     stage = hf_pipeline_stage(gpt2(), [2, 2], 1, blocks="transformer.h")
     assert {n.split(".")[0] for n, _ in stage.named_parameters()} == {"transformer", "lm_head"}
     assert not any(n.startswith("transformer.wte") for n, _ in stage.named_parameters())
+
+
+def test_stages_cut_from_a_meta_model_match_after_loading():
+    """The documented recipe: build on meta, cut, ``to_empty``, ``reset_rotary_embedding``,
+    load (Llama: the rotary ``inv_freq`` is the only non-persistent buffer)."""
+    import transformers
+
+    from titanext.hf.transformers import hf_pipeline_stage
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    stages = [hf_pipeline_stage(meta, [1, 1], i) for i in (0, 1)]
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        stage.reset_rotary_embedding("cpu")
+        stage.load_state_dict(ref.state_dict(), strict=False)
+        stage.eval()
+    tokens = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), ref(input_ids=tokens).logits)

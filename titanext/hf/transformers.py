@@ -341,8 +341,7 @@ class HFCausalLMStage(nn.Module):
     def reset_rotary_embedding(self, device: torch.device | str) -> None:
         """Rebuild the rotary module on ``device``: its ``inv_freq`` is a non-persistent buffer,
         so after a meta-device build and ``to_empty`` no checkpoint restores it."""
-        rotary = self.model.rotary_emb
-        self.model.rotary_emb = type(rotary)(config=self.config, device=device)
+        self.model.rotary_emb = _fresh_rotary(self.model.rotary_emb, self.config, device)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -470,8 +469,15 @@ def _reset_rotary(stage: nn.Module, device: torch.device | str) -> None:
         if name and type(module).__name__.endswith("RotaryEmbedding") and hasattr(module,
                                                                                   "config"):
             parent, _, attr = name.rpartition(".")
-            fresh = type(module)(config=module.config, device=device)
-            setattr(stage.get_submodule(parent) if parent else stage, attr, fresh)
+            setattr(stage.get_submodule(parent) if parent else stage, attr,
+                    _fresh_rotary(module, module.config, device))
+
+
+def _fresh_rotary(module: nn.Module, config, device: torch.device | str) -> nn.Module:
+    """A new rotary module of ``module``'s class built on ``device`` (some take ``device=``,
+    some build on the default device)."""
+    with torch.device(device):
+        return type(module)(config=config)
 
 
 class HFExpertParallel(ExpertParallelExperts):
