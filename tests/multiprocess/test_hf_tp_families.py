@@ -2,7 +2,10 @@
 ``transformers`` configs: ``hf_tp_plan(model)`` at tp = 2 gives one process's loss and gradients
 (~1e-5) and gradients that agree over the tp ranks, or refuses by name (GPT-OSS's per-head
 attention sinks). Removing the QK-norm rules makes the replicated-gradient check name ``q_norm``
-at the first optimizer step. Add a family to FAMILIES to keep it so. One spawn for all."""
+at the first optimizer step. Every exact family also passes the wiring-time probe
+(``titanext.hf.probe.first_difference``: no module's output differs from one process), which
+names Gemma 3's embedding when its own forward is replaced. Add a family to FAMILIES to keep it
+so. One spawn for all."""
 
 from __future__ import annotations
 
@@ -52,8 +55,39 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         intermediate_size=64, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2)),
+    # Gemma 3: a scaled embedding (its own forward around the vocabulary-parallel lookup),
+    # sliding windows shorter than the sequence, soft-capping, a tied head, pad_token_id set
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, pad_token_id=0)),
+    "gemma3_untied_no_pad": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention"], query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, pad_token_id=None, tie_word_embeddings=False)),
+    # Granite MoE: every multiplier away from 1, an untied head, pad_token_id None
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        intermediate_size=64, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=3.0, logits_scaling=5.0, residual_multiplier=0.7,
+        attention_multiplier=0.2, tie_word_embeddings=False, pad_token_id=None)),
+    # StableLM reshapes by self.num_heads: the plan gives it the local head counts
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
+        intermediate_size=128, num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # GPT-NeoX: fused qkv interleaved per head, viewed with -1 heads (a plain column split)
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128)),
+    # refused by name: fused projections (Phi-3 also slices by the config's head count),
+    # a plan that would split nothing but the head
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,
+                                                   pad_token_id=0, eos_token_id=1)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True,
+                                                         num_kv_heads=2)),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_heads=8, head_dim=16, expand=2,
+                                                         n_groups=1, state_size=16)),
 }
-REFUSED = {"gpt_oss": "model.layers.0.self_attn.sinks"}
+REFUSED = {"gpt_oss": "model.layers.0.self_attn.sinks",
+           "phi3": "FusedColwiseParallel",
+           "falcon": "transformer.h.0.self_attention.query_key_value",
+           "mamba2": "would split only the embedding and the LM head"}
 
 
 def _build(family: str):
@@ -81,6 +115,7 @@ def _rel(a, b):
 
 
 def _family_case(family: str, tp_mesh) -> dict:
+    from titanext.hf.probe import first_difference
     from titanext.hf.transformers import hf_tp_plan
     from titanext.plugins.replicated_grads import replicated_grad_problems
     from titanext.plugins.tensor_parallel import apply_tensor_parallel
@@ -97,13 +132,15 @@ def _family_case(family: str, tp_mesh) -> dict:
     except ValueError as e:
         return {"refused": str(e)}
     apply_tensor_parallel(model, tp_mesh, plan=plan)
+    probe = first_difference(_build(family), model, {"input_ids": _batch()[0]},
+                             tp_mesh.get_group())
     loss = _loss(model)
     loss.backward()
     errors = {}
     for n, p in model.named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         errors[n] = _rel(g, ref_grads[n]) if g is not None else float("inf")
-    return {"loss": (loss.item(), ref_loss.item()), "grad_errors": errors,
+    return {"loss": (loss.item(), ref_loss.item()), "grad_errors": errors, "probe": probe,
             "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
             "replicated": replicated_grad_problems(model, {"tp": tp_mesh})}
 
@@ -130,12 +167,31 @@ def _qk_norm_rule_removed(tp_mesh) -> str:
     return "no error"
 
 
+def _stock_lookup_probed(tp_mesh) -> str | None:
+    """The old VocabParallelEmbedding (its lookup in place of Gemma 3's own forward, dropping
+    the sqrt(hidden) scale): the wiring-time probe names the embedding."""
+    from titanext.hf.probe import first_difference
+    from titanext.hf.transformers import hf_tp_plan
+    from titanext.plugins.tensor_parallel import (
+        _vocab_parallel_embedding_forward,
+        apply_tensor_parallel,
+    )
+
+    model = _build("gemma3_untied_no_pad")
+    apply_tensor_parallel(model, tp_mesh, plan=hf_tp_plan(model))
+    embed = model.model.embed_tokens
+    embed.forward = _vocab_parallel_embedding_forward.__get__(embed)
+    return first_difference(_build("gemma3_untied_no_pad"), model, {"input_ids": _batch()[0]},
+                            tp_mesh.get_group())
+
+
 def _body(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out = {family: _family_case(family, mesh["tp"]) for family in FAMILIES}
     out["qk_norm_rule_removed"] = _qk_norm_rule_removed(mesh["tp"])
+    out["stock_lookup_probed"] = _stock_lookup_probed(mesh["tp"])
     dist.barrier()
     return out
 
@@ -162,6 +218,12 @@ def test_hf_tp_plan_matches_one_process_or_refuses_by_name(results, family):
         assert not bad, bad
         assert case["sharded"] > 0
         assert case["replicated"] == [], case["replicated"]
+        assert case["probe"] is None, case["probe"]  # the wiring-time probe: no module differs
+
+
+def test_the_probe_names_an_embedding_that_lost_its_own_forward(results):
+    for r in results:
+        assert r["stock_lookup_probed"] == "model.embed_tokens", r["stock_lookup_probed"]
 
 
 def test_removing_the_qk_norm_rule_is_named_at_the_first_step(results):

@@ -77,11 +77,99 @@ def _three_ways(rank: int, world_size: int) -> dict:
     loss_sum = runner.step([(inputs, labels)], loss_scale=1.0 / labels.numel())
     out["PipelineRunner"] = _errors(runner.parts, loss_sum.item() / labels.numel() / 2,
                                     ref_loss, ref)  # (each rank returns the summed loss)
+    for family in ZOO:  # the same spawn: models with their own factors and layer types
+        out.update(_zoo_stages(rank, family))
     return out
 
 
-def test_gpt2_stages_train_like_one_process_three_ways():
-    r0, r1 = run_distributed(_three_ways, 2, timeout_s=60)
+#: family -> (config class, model class, config keywords): every factor away from neutral,
+#: untied heads (a pipeline cannot split a tied one), pad_token_id set and None
+ZOO = {
+    # Granite MoE: embedding_multiplier / logits_scaling in the model's own forward
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+        logits_scaling=5.0, residual_multiplier=0.7, attention_multiplier=0.2, pad_token_id=None)),
+    # Gemma 3: stage 1's block is a sliding layer (window 4 < 12 tokens) at global index 1, so a
+    # stage that renumbers it from 0 runs it as the full layer 0; scaled embedding, soft-caps
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=128, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+        layer_types=["full_attention", "sliding_attention"], final_logit_softcapping=3.0,
+        attn_logit_softcapping=20.0, pad_token_id=0)),
+}
+
+
+def _zoo_model(family: str):
+    import transformers
+
+    cfg_cls, model_cls, kw = ZOO[family]
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0,
+        tie_word_embeddings=False, eos_token_id=1, bos_token_id=2, **kw)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg).float()
+
+
+def _zoo_stages(rank: int, family: str) -> dict:
+    """``family`` over pp = 2 (one block per stage) under 1F1B, through ``hf_pipeline_stage``
+    (tokens to the first stage) and ``split_model(skip_missing=True)`` (inputs by keyword)."""
+    from titanext.distributed.pipeline import build_pipeline, split_model
+    from titanext.hf.transformers import hf_pipeline_stage
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 128, (4, 13), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    model = _zoo_model(family)
+    ref_loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten())
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / (
+            labels.numel())
+
+    out = {}
+    for way in ("hf_pipeline_stage", "split_model"):
+        model = _zoo_model(family)
+        if way == "hf_pipeline_stage":
+            stage = hf_pipeline_stage(model, [1, 1], rank)
+            first, kwargs = (inputs,) if rank == 0 else (), {}
+        else:
+            stage = split_model(model, [1, 1], rank, blocks="model.layers",
+                                first=["model.embed_tokens"], last=["model.norm", "lm_head"],
+                                skip_missing=True)
+            first, kwargs = (), {"input_ids": inputs}
+        _, schedule = build_pipeline([stage], [rank], num_stages=2, pp_group=dist.group.WORLD,
+                                     device=torch.device("cpu"), schedule="1F1B",
+                                     microbatches=2, loss_fn=loss_fn)
+        losses: list[torch.Tensor] = []
+        last = {"target": labels, "losses": losses} if rank == 1 else {}
+        schedule.step(*first, return_outputs=False, **kwargs, **last)
+        out[f"{family}/{way}"] = _errors([stage], sum(x.item() for x in losses), ref_loss.item(),
+                                         ref)
+    return out
+
+
+@pytest.mark.parametrize("way", [f"{f}/{w}" for f in ZOO
+                                 for w in ("hf_pipeline_stage", "split_model")])
+def test_stages_keep_the_models_own_factors_and_global_layer_indices(three_ways, way):
+    r0, r1 = three_ways
+    assert r0[way]["loss_err"] < 1e-5, (way, r0[way]["loss_err"])
+    family = way.split("/")[0]
+    assert set(r0[way]["grad_errs"]) | set(r1[way]["grad_errs"]) == {
+        n for n, _ in _zoo_model(family).named_parameters()}
+    for res in (r0, r1):
+        worst = max(res[way]["grad_errs"], key=res[way]["grad_errs"].get)
+        assert res[way]["grad_errs"][worst] < 1e-5, (way, worst, res[way]["grad_errs"][worst])
+
+
+@pytest.fixture(scope="module")
+def three_ways():
+    return run_distributed(_three_ways, 2, timeout_s=60)
+
+
+def test_gpt2_stages_train_like_one_process_three_ways(three_ways):
+    r0, r1 = three_ways
     for way in ("split_model", "hf_pipeline_stage", "PipelineRunner"):
         assert r0[way]["loss_err"] < 1e-5, (way, r0[way]["loss_err"])
         assert "transformer.h.0.attn.c_attn.weight" in r0[way]["grad_errs"]  # a Conv1D
@@ -113,3 +201,28 @@ def test_what_a_stage_cannot_pass_on_is_refused_with_the_fix():
     stage = hf_pipeline_stage(gpt2(), [2, 2], 1, blocks="transformer.h")
     assert {n.split(".")[0] for n, _ in stage.named_parameters()} == {"transformer", "lm_head"}
     assert not any(n.startswith("transformer.wte") for n, _ in stage.named_parameters())
+
+
+def test_stages_cut_from_a_meta_model_match_after_loading():
+    """The documented recipe: build on meta, cut, ``to_empty``, ``reset_rotary_embedding``,
+    load (Llama: the rotary ``inv_freq`` is the only non-persistent buffer)."""
+    import transformers
+
+    from titanext.hf.transformers import hf_pipeline_stage
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    stages = [hf_pipeline_stage(meta, [1, 1], i) for i in (0, 1)]
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        stage.reset_rotary_embedding("cpu")
+        stage.load_state_dict(ref.state_dict(), strict=False)
+        stage.eval()
+    tokens = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), ref(input_ids=tokens).logits)

@@ -103,7 +103,8 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
         names = list(src.keys())
         kept = nn.ModuleDict({names[i]: copy.deepcopy(src[names[i]]) for i in keep})
     else:
-        kept = StageModuleList([copy.deepcopy(src[i]) for i in keep], start=start)
+        kept = StageModuleList([copy.deepcopy(src[i]) for i in keep], start=start,
+                               total=len(src))
     _set_submodule(stage, blocks, kept)
     is_first, is_last = stage_index == 0, stage_index == len(counts) - 1
     for name in (*(first if not is_first else ()), *(last if not is_last else ())):
@@ -156,10 +157,19 @@ class StageModuleList(nn.ModuleList):
     (['4', '5'], 2, True)
     """
 
-    def __init__(self, modules: Sequence[nn.Module] = (), start: int = 0):
+    def __init__(self, modules: Sequence[nn.Module] = (), start: int = 0, total: int = 0):
         super().__init__()
         for i, module in enumerate(modules):
             self.add_module(str(start + i), module)
+        self._global_view = False
+        self._total = max(int(total), start + len(modules))
+
+    def global_view(self) -> list:
+        """The whole model's block list, this stage's blocks at their global positions and a
+        :class:`_SkippedBlock` elsewhere: what the model's own ``forward`` iterates over while
+        a stage runs it (:func:`run_own_forward`), so ``enumerate(self.layers)`` and
+        ``config.layer_types[i]`` see each block's global index ``i``."""
+        return [self._modules.get(str(i)) or _SkippedBlock(i) for i in range(self._total)]
 
     def _key(self, idx: int) -> str:
         keys = list(self._modules)
@@ -167,7 +177,15 @@ class StageModuleList(nn.ModuleList):
             raise IndexError(f"index {idx} is out of range for {len(keys)} blocks")
         return keys[idx]
 
+    def __len__(self) -> int:
+        return self._total if self._global_view else len(self._modules)
+
+    def __iter__(self):
+        return iter(self.global_view() if self._global_view else list(self._modules.values()))
+
     def __getitem__(self, idx):
+        if self._global_view:
+            return self.global_view()[idx]
         if isinstance(idx, slice):
             return nn.ModuleList(list(self._modules.values())[idx])
         return self._modules[self._key(idx)]
@@ -187,9 +205,26 @@ class StageModuleList(nn.ModuleList):
         raise TypeError("StageModuleList keeps the original block indices: do not insert blocks")
 
 
+class _SkippedBlock:
+    """A block another stage holds, as the model's own ``forward`` sees it on this stage: it
+    passes its first argument on unchanged (what it computes never reaches this stage's blocks:
+    the received hidden state replaces it). Not a module, so no FQN changes."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if args else kwargs.get("hidden_states")
+
+    def __repr__(self) -> str:
+        return f"_SkippedBlock({self.index})"
+
+
 class _Absent(nn.Module):
     """Stands for a part another stage holds: returns zeros shaped like that part's output
     (computed on a parameter-free meta copy), so the model's own forward can still call it."""
+
+    titanext_probe_skip = True  # its zeros are no output to compare (titanext.hf.probe)
 
     def __init__(self, part: nn.Module):
         super().__init__()
@@ -236,8 +271,12 @@ class _OwnForwardStage:
                 raise ValueError("a later pipeline stage is called as stage(hidden, **inputs): "
                                  "it got no hidden state (pass the model inputs by keyword)")
             hidden, args = args[0], args[1:]
-        kept = list(block_container(self, spec["blocks"]))
+        container = block_container(self, spec["blocks"])
+        kept = list(container)
         handles = []
+        if hidden is not None and spec.get("hidden_as") and not args and not any(
+                k in kwargs for k in spec["inputs"]):
+            kwargs = {**kwargs, spec["hidden_as"]: hidden}  # shapes for masks and positions
         if hidden is not None:
             def feed(module, a, k):
                 if not a:
@@ -250,6 +289,9 @@ class _OwnForwardStage:
             def done(module, a, out):
                 raise _StageOutput(out)
             handles.append(kept[-1].register_forward_hook(done))
+        global_view = isinstance(container, StageModuleList)
+        if global_view:  # the model's forward sees every block at its global index
+            container._global_view = True
         try:
             return pass_on(spec["forward"](self, *args, **kwargs),
                            f"{type(self).__mro__[2].__name__}.forward", last=True)
@@ -257,6 +299,8 @@ class _OwnForwardStage:
             return pass_on(stop.output, f"the last block of {spec['blocks']} on this stage",
                            last=False)
         finally:
+            if global_view:
+                container._global_view = False
             for handle in handles:
                 handle.remove()
 
@@ -291,13 +335,21 @@ def pass_on(output, where: str, *, last: bool) -> torch.Tensor:
                      "module around the blocks or the model")
 
 
-def run_own_forward(stage: nn.Module, blocks: str, *, is_first: bool, is_last: bool) -> None:
+def run_own_forward(stage: nn.Module, blocks: str, *, is_first: bool, is_last: bool,
+                    hidden_as: str | None = None, inputs: Sequence[str] = ()) -> None:
     """Make ``stage`` (a split model) a pipeline stage that runs the model's own ``forward``
     (see :func:`split_model`, ``skip_missing=True``, which calls this), in place. Its class
-    becomes a subclass of the model's, so FQNs, ``isinstance`` and FSDP / TP are unchanged."""
+    becomes a subclass of the model's, so FQNs, ``isinstance`` and FSDP / TP are unchanged.
+    While it runs, the model's ``forward`` sees every block at its global index (a
+    ``StageModuleList`` iterates over all of them, another stage's blocks passing the hidden
+    state on), so ``enumerate(self.layers)`` and ``config.layer_types[i]`` mean what they mean
+    in the whole model. ``hidden_as``: a keyword of the model's forward that a later stage
+    called as ``stage(hidden)`` alone also gets the hidden state under (a Hugging Face model's
+    ``inputs_embeds``, for its shapes), unless one of ``inputs`` is given."""
     cls = type(stage)
     if isinstance(stage, _OwnForwardStage):
         cls = cls.__mro__[2]  # already converted: re-target the model's own class
     stage.__class__ = type(f"{cls.__name__}Stage", (_OwnForwardStage, cls), {})
     stage._titanext_stage = {"blocks": blocks, "is_first": is_first, "is_last": is_last,
-                             "forward": cls.forward}
+                             "forward": cls.forward, "hidden_as": hidden_as,
+                             "inputs": (*inputs, hidden_as) if hidden_as else tuple(inputs)}

@@ -17,9 +17,10 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
   recorded layout) and pass its ``position_ids``. Every forward checks them: missing positions,
   or positions of another layout (a batch sharded with ``shard_batch(..., layout=other)``),
   raise a ValueError instead of silently wrong gradients.
-- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM
-  (embedding + rotary on the first stage, its decoder layers, norm + LM head on the last; RoPE
-  computed in every stage from the position ids), to hand to
+- PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM that
+  runs the model's own forward (its embedding factors on the first stage, its norm, head,
+  scaling and soft-capping on the last; each block at its global index), probed against the
+  whole model on a materialised one (:mod:`titanext.hf.probe`), to hand to
   :func:`titanext.distributed.pipeline.build_pipeline` with any titanext schedule.
 - EP: ``apply_hf_expert_parallel(model, ep_mesh)`` replaces the library's experts modules
   (Qwen3-MoE, Mixtral: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
@@ -34,6 +35,7 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -48,8 +50,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanext.distributed.split import pass_on, split_model
+from titanext.distributed.split import pass_on, run_own_forward, split_model
 from titanext.hf._cp_checks import AttentionCallCheck, check_cp_model, layer_window
+from titanext.hf._stage_checks import probe_stage
+from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
+from titanext.plugins._blocks import block_container
 from titanext.plugins.context_parallel import (
     LAYOUTS,
     cp_attention_fn,
@@ -177,8 +182,13 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     plan.update(_mlp_rules("model.layers.*.mlp"))
     if has("mlp.shared_experts.down_proj"):
         plan.update(_mlp_rules("model.layers.*.mlp.shared_experts"))
+    plan.update(interleaved_qkv_rules(model))  # GPT-NeoX: per-head [q; k; v] rows
+    plan["gpt_neox.embed_in"] = VocabParallelEmbedding(input_layouts=Replicate())
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     plan = {k: v for k, v in plan.items() if _any_match(k, names)}
+    problems = tp_plan_problems(model, plan)
+    if problems:
+        raise ValueError("hf_tp_plan: " + "; ".join(problems))
     unruled = unruled_parameters(model, plan)
     if unruled:
         raise ValueError(
@@ -189,6 +199,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             "(a per-head norm: SequenceParallel(sequence_dim=2, use_local_output=True); a "
             "replicated weight before the split: ReplicatedOverTP()) to the returned plan and "
             "pass it yourself, or leave tp = 1 for this model")
+    local_head_counts(model, plan)  # attention that reshapes by self.num_heads (StableLM)
     return plan
 
 
@@ -324,7 +335,8 @@ class _PositionCheck:
 
 
 class HFCausalLMStage(nn.Module):
-    """One pipeline stage of a ``transformers`` decoder-only causal LM (Llama family layout:
+    """A hand-written pipeline stage of a ``transformers`` decoder-only causal LM (Llama family
+    layout; it runs no model-specific factor, so :func:`hf_pipeline_stage` does not use it:
     ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``).
 
     ``forward(x, position_ids=None)`` takes token ids on the first stage and hidden states
@@ -351,8 +363,7 @@ class HFCausalLMStage(nn.Module):
     def reset_rotary_embedding(self, device: torch.device | str) -> None:
         """Rebuild the rotary module on ``device``: its ``inv_freq`` is a non-persistent buffer,
         so after a meta-device build and ``to_empty`` no checkpoint restores it."""
-        rotary = self.model.rotary_emb
-        self.model.rotary_emb = type(rotary)(config=self.config, device=device)
+        self.model.rotary_emb = _fresh_rotary(self.model.rotary_emb, self.config, device)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -376,26 +387,34 @@ class HFCausalLMStage(nn.Module):
 
 
 def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int, *,
-                      blocks: str | None = None) -> nn.Module:
+                      blocks: str | None = None, probe: bool = True) -> nn.Module:
     """Stage ``stage_index`` of ``model`` split into ``len(counts)`` stages holding ``counts``
     decoder layers each (see :func:`titanext.distributed.pipeline.layers_per_stage`).
 
-    A model of the Llama family's layout (``model.layers``, ``model.embed_tokens``,
-    ``model.norm``, ``model.rotary_emb``, ``lm_head``) gives an :class:`HFCausalLMStage`. Any
-    other causal LM needs ``blocks=``, the dotted path of its block list (``"transformer.h"``
-    for GPT-2): the stage is then :func:`titanext.distributed.split.split_model`'s with
-    ``skip_missing=True``, running the model's own ``forward`` (take its inputs by keyword on
-    every stage: ``schedule.step(input_ids=tokens, ...)``). The parts holding parameters that
-    the model registers before the blocks stay on the first stage, those after them on the
-    last (the order transformers' models define them in); parameter-free parts (dropout, a
-    rotary embedding) run on every stage. The last stage passes on the ``ModelOutput``'s
+    The stage is :func:`titanext.distributed.split.split_model`'s with ``skip_missing=True``: it
+    runs the model's own ``forward``, so the model's own code runs before the first block and
+    after the last (Granite's ``embedding_multiplier`` and ``logits_scaling``, Gemma 3's scaled
+    embedding and soft-capping, the final norm), and every block keeps its global index
+    (``config.layer_types[i]`` means the same layer as in the whole model). The blocks are
+    ``model.layers`` for the Llama family's layout (``model.embed_tokens``, ``model.norm``,
+    ``model.rotary_emb``, ``lm_head``); any other causal LM needs ``blocks=``, the dotted path
+    of its block list (``"transformer.h"`` for GPT-2). The parts holding parameters that the
+    model registers before the blocks stay on the first stage, those after them on the last;
+    parameter-free parts (dropout, a rotary embedding) run on every stage. Call the first stage
+    with the tokens, a later one with the hidden state alone (``stage(hidden)``: the model gets
+    it as ``inputs_embeds`` too, for its masks) or with the model's inputs by keyword after it
+    (``schedule.step(input_ids=tokens, ...)`` on every stage). The last stage passes on the
     logits, the others their last block's hidden state.
 
-    The stage shares its modules with ``model`` (no copy): build the model on the meta device,
-    cut this rank's stages, then ``to_empty``, ``reset_rotary_embedding(device)`` and load or
+    ``probe`` (default True): on a materialised model, compare the stage with the whole model
+    on 16 random tokens (:func:`titanext.hf.probe.first_difference`) and raise a ValueError
+    naming the first module that differs; nothing runs on a meta-device model.
+
+    The stage holds a copy of its part (free on the meta device): build the model on meta, cut
+    this rank's stages, then ``to_empty``, ``stage.reset_rotary_embedding(device)`` and load or
     initialise the weights. Tied input and output embeddings cannot live on two stages; untie
-    them (``tie_word_embeddings=False``). Tested in
-    tests/multiprocess/test_adapters_hf.py::test_pipeline_stages_of_hf_llama_match_the_plain_model.
+    them (``tie_word_embeddings=False``). Tested in tests/multiprocess/test_adapters_hf.py and
+    test_pipeline_hf_outputs.py (Granite MoE, Gemma 3, GPT-2) against one process.
 
     >>> counts = layers_per_stage(model.config.num_hidden_layers, 2)  # your model  # doctest: +SKIP
     >>> ids = pipeline_stage_ids("ZBH1", pp_rank=rank, pp=2)  # in a process group  # doctest: +SKIP
@@ -403,25 +422,26 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     >>> _, schedule = build_pipeline(stages, ids, num_stages=2, ...)  # torchrun  # doctest: +SKIP
     """
     counts = list(counts)
-    if blocks is not None and not (blocks == "model.layers" and _llama_layout(model)):
-        return _own_forward_stage(model, counts, stage_index, blocks)
-    if not _llama_layout(model):
-        raise ValueError(f"{type(model).__name__} does not have the Llama family's layout "
-                         "(model.layers, model.embed_tokens, model.norm, model.rotary_emb, "
-                         "lm_head); pass blocks= as the dotted path of its block list, e.g. "
-                         "blocks='transformer.h'")
-    n_layers = len(hf_blocks(model))
+    if blocks is None:
+        if not _llama_layout(model):
+            raise ValueError(f"{type(model).__name__} does not have the Llama family's layout "
+                             "(model.layers, model.embed_tokens, model.norm, model.rotary_emb, "
+                             "lm_head); pass blocks= as the dotted path of its block list, e.g. "
+                             "blocks='transformer.h'")
+        blocks = "model.layers"
+    n_layers = len(block_container(model, blocks))
     if sum(counts) != n_layers or min(counts) < 1:
         raise ValueError(f"layer counts {counts} must be >= 1 each and sum to the model's "
                          f"{n_layers} decoder layers")
     if not 0 <= stage_index < len(counts):
         raise ValueError(f"stage_index = {stage_index} is not in 0..{len(counts) - 1}")
-    if len(counts) > 1 and getattr(model.config, "tie_word_embeddings", False):
+    if len(counts) > 1 and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings = True shares one weight between the first and the "
                          "last stage; build the model with tie_word_embeddings=False for PP")
-    start = sum(counts[:stage_index])
-    return HFCausalLMStage(model, range(start, start + counts[stage_index]),
-                           first=stage_index == 0, last=stage_index == len(counts) - 1)
+    stage = _own_forward_stage(model, counts, stage_index, blocks)
+    if probe:
+        probe_stage(model, stage, counts, stage_index, blocks)
+    return stage
 
 
 def _llama_layout(model: nn.Module) -> bool:
@@ -452,8 +472,34 @@ def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[st
 def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
                        blocks: str) -> nn.Module:
     first, last = _ends(model, blocks.split("."))
-    return split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
-                       skip_missing=True)
+    stage = split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
+                        skip_missing=True)
+    params = inspect.signature(type(model).forward).parameters
+    if "inputs_embeds" in params:  # stage(hidden) alone: the model's forward gets its shapes
+        run_own_forward(stage, blocks, is_first=stage_index == 0,
+                        is_last=stage_index == len(counts) - 1, hidden_as="inputs_embeds",
+                        inputs=("input_ids",))
+    stage.reset_rotary_embedding = functools.partial(_reset_rotary, stage)
+    return stage
+
+
+def _reset_rotary(stage: nn.Module, device: torch.device | str) -> None:
+    """Rebuild every rotary-embedding module of ``stage`` on ``device``: their ``inv_freq`` is a
+    non-persistent buffer, so after a meta-device build and ``to_empty`` no checkpoint restores
+    it."""
+    for name, module in list(stage.named_modules()):
+        if name and type(module).__name__.endswith("RotaryEmbedding") and hasattr(module,
+                                                                                  "config"):
+            parent, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(parent) if parent else stage, attr,
+                    _fresh_rotary(module, module.config, device))
+
+
+def _fresh_rotary(module: nn.Module, config, device: torch.device | str) -> nn.Module:
+    """A new rotary module of ``module``'s class built on ``device`` (some take ``device=``,
+    some build on the default device)."""
+    with torch.device(device):
+        return type(module)(config=config)
 
 
 class HFExpertParallel(ExpertParallelExperts):

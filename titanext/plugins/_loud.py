@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["is_conv1d", "linear_kind", "log_rank0", "matmul_kind", "matmul_params",
+           "stacked_experts", "stacked_experts_line",
            "own_forward_line", "param_matmul_reason", "unconverted_line"]
 
 logger = logging.getLogger("titanext")
@@ -133,3 +134,33 @@ def unconverted_line(plugin: str, modules: list[tuple[str, nn.Module]]) -> str |
     names = "; ".join(f"{fqn or '<root>'} ({param_matmul_reason(m, plugin)})"
                       for fqn, m in modules)
     return f"{plugin}: {len(modules)} matmul module(s) not converted: {names}"
+
+
+# -- stacked 3-D expert weights -------------------------------------------------------------------
+
+def stacked_experts(model: nn.Module, handled: tuple[type, ...] = ()
+                    ) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of every module that multiplies by its own floating 3-D parameters
+    (stacked expert weights: transformers' OLMoE / Granite MoE / DeepSeek-V2 experts with
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]), except instances of ``handled``."""
+    out = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, handled) or getattr(type(module), "titanext_convert", True) is False:
+            continue
+        if any(p.dim() == 3 and torch.is_floating_point(p)
+               for p in module.parameters(recurse=False)) and _forward_multiplies(module):
+            out.append((fqn, module))
+    return out
+
+
+def stacked_experts_line(plugin: str, modules: list[tuple[str, nn.Module]], fix: str
+                         ) -> str | None:
+    """One line naming the stacked 3-D expert modules ``plugin`` leaves as they are, or None."""
+    if not modules:
+        return None
+    names = ", ".join(
+        f"{fqn or '<root>'} ({type(m).__name__}: "
+        + "/".join(n for n, p in m.named_parameters(recurse=False) if p.dim() == 3) + ")"
+        for fqn, m in modules)
+    return (f"{plugin}: {len(modules)} module(s) with stacked 3-D expert weights not converted: "
+            f"{names}. {fix}")

@@ -52,6 +52,8 @@ from titanext.plugins._loud import (
     matmul_kind,
     own_forward_line,
     param_matmul_reason,
+    stacked_experts,
+    stacked_experts_line,
     unconverted_line,
 )
 from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
@@ -303,7 +305,13 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
             chosen.append(fqn)
         else:
             skipped.append(f"{fqn or '<root>'} ({reason})")
-    for line in (own_forward_line("float8", own, set(chosen)), unconverted_line("float8", outside)):
+    experts = stacked_experts_line(
+        "float8", stacked_experts(model, _grouped_experts_types()),
+        "apply_float8 converts nn.Linear and Conv1D; titanext's GroupedExperts convert with "
+        "apply_float8_experts ([float8] moe_experts); these run the library's own expert loop, "
+        "which nothing converts: they stay in high precision")
+    for line in (own_forward_line("float8", own, set(chosen)), unconverted_line("float8", outside),
+                 experts):
         if line:
             _log(logging.WARNING, "%s", line)
     if not chosen:
@@ -320,6 +328,12 @@ def _choose(model: nn.Module, recipe: str, filter_fqns: tuple[str, ...], auto_fi
             f"auto_filter; found: {'; '.join(skipped) or 'no matmul module at all'}. Fix: "
             + ", ".join(fixes) + ", or leave float8 off for this model (docs/float8.md)")
     return chosen, skipped
+
+
+def _grouped_experts_types() -> tuple[type, ...]:
+    from titanext.models.moe import GroupedExperts  # converted by apply_float8_experts
+
+    return (GroupedExperts,)
 
 
 def _convert_conv1d(model: nn.Module, fqns: set[str], recipe: str, config, emulate: bool

@@ -44,7 +44,7 @@ from torch import nn
 
 from titanext._compat import grouped_mm
 from titanext._fake_backend import is_fake
-from titanext.plugins._loud import log_rank0
+from titanext.plugins._loud import log_rank0, stacked_experts, stacked_experts_line
 from titanext.plugins.options import FLOAT8_EXPERT_RECIPES
 
 __all__ = ["FLOAT8_EXPERT_RECIPES", "Float8GroupedMM", "apply_float8_experts",
@@ -311,6 +311,13 @@ def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
             "'auto' or true")
     mm = Float8GroupedMM(recipe, emulate=emulate is True or not kernels)
     fqns = [fqn for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    other = stacked_experts_line(
+        "apply_float8_experts", stacked_experts(model, (GroupedExperts,)),
+        "Only titanext's GroupedExperts (titanext.models.moe) run float8 grouped GEMMs; these "
+        "would stay in high precision. Turn float8 moe_experts off for this model (or build its "
+        "MoE layers from GroupedExperts)")
+    if other:
+        raise ValueError(other)
     if not fqns:
         raise ValueError(f"apply_float8_experts: {type(model).__name__} has no GroupedExperts "
                          "(titanext.models.moe) to convert; turn float8 moe_experts off for this "

@@ -97,8 +97,29 @@ class VocabParallelEmbedding(RowwiseParallel):
         module = super()._apply(module, device_mesh)
         if (isinstance(module, nn.Embedding) and module.padding_idx is None
                 and module.max_norm is None and not module.sparse):
-            module.forward = _vocab_parallel_embedding_forward.__get__(module)
+            _use_local_lookup(module)
         return module
+
+
+class _LocalLookup(nn.Embedding):
+    """``nn.Embedding``'s lookup, done on the rank's own vocabulary rows."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Embedding's name)
+        return _vocab_parallel_embedding_forward(self, input)
+
+
+def _use_local_lookup(module: nn.Embedding) -> None:
+    """Replace only ``nn.Embedding.forward`` under ``module``'s own forward: the module's class
+    becomes a subclass of its class and of :class:`_LocalLookup`, which sits before
+    ``nn.Embedding`` in the MRO. A subclass's forward (Gemma 3's scaled embedding:
+    ``super().forward(ids) * scale``) keeps running around the local lookup; one that does not
+    call ``super().forward`` keeps DTensor's embedding (correct, with a full-vocabulary
+    gradient buffer)."""
+    cls = type(module)
+    if issubclass(cls, _LocalLookup):
+        return
+    bases = (_LocalLookup,) if cls is nn.Embedding else (cls, _LocalLookup)
+    module.__class__ = type(cls.__name__, bases, {"__module__": cls.__module__})
 
 
 class ReplicatedOverTP(ParallelStyle):

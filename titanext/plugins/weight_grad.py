@@ -72,7 +72,14 @@ from torch.distributed.pipelining import PipelineStage
 from titanext._compat import grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 from titanext.plugins._baton_threads import register_side_state
-from titanext.plugins._loud import log_rank0, matmul_kind, own_forward_line, unconverted_line
+from titanext.plugins._loud import (
+    log_rank0,
+    matmul_kind,
+    own_forward_line,
+    stacked_experts,
+    stacked_experts_line,
+    unconverted_line,
+)
 
 __all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
            "has_deferred_modules", "weight_grad_deferral"]
@@ -453,8 +460,10 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
             continue
         module.__class__ = target
         converted.append(fqn)
+    experts = stacked_experts(model, (GroupedExperts,))
     for line in (own_forward_line("weight_grad", own, set(converted)),
-                 unconverted_line("weight_grad", outside)):
+                 unconverted_line("weight_grad", outside),
+                 stacked_experts_line("weight_grad", experts, _EXPERTS_FIX)):
         if line:
             log_rank0(logging.WARNING, "%s", line)
     if float8:
@@ -464,7 +473,8 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
     if not converted and not float8 and not already:
         found = [f"{fqn or '<root>'} ({type(m).__name__}, {why})"
                  for group, why in ((own, "overrides forward"),
-                                    (outside, "multiplies by its own 2-D parameter"))
+                                    (outside, "multiplies by its own 2-D parameter"),
+                                    (experts, "stacked 3-D expert weights"))
                  for fqn, m in group]
         fixes = []
         if own:
@@ -482,6 +492,10 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
             + ", ".join([*fixes, "or use split_backward = 'autograd' for this model "
                          "(docs/pipeline.md)"]))
     return converted
+
+
+_EXPERTS_FIX = ("Only titanext's GroupedExperts defer their grouped GEMMs' weight gradients; these "
+                "compute theirs in the input-gradient step (correct, not deferred)")
 
 
 def has_deferred_modules(model: nn.Module) -> bool:
