@@ -29,10 +29,11 @@ instead of returning it: the CPU stand-in for a GPU's caching allocator), unless
 ``--against REV``: the same benchmark for this tree and for ``REV`` (any git revision of this
 repository, built in a temporary ``git worktree``), the trees taking turns: ``--rounds`` runs of
 each, in the order A B B A A B ..., each run a fresh spawn of this script with ``PYTHONPATH`` set
-to its tree's root (so it imports that tree's titanext) doing one round of every schedule in
-turn. Per tree and schedule: the median step, tokens/s, the median over runs of the run's
-ratio to 1F1B, and that ratio's spread (min - max over runs); then each schedule's step time
-in this tree against REV's (median over runs of this run / REV's run of the same turn).
+to its tree's root (so it imports that tree's titanext) doing ``--steps-per-turn`` rounds of
+one step of every schedule in turn. Per tree and schedule: the median step, tokens/s, the
+median over runs of the run's ratio to 1F1B, and that ratio's spread (min - max over runs);
+then each schedule's step time in this tree against REV's (median over runs of this run /
+REV's run of the same turn).
 """
 
 from __future__ import annotations
@@ -242,8 +243,9 @@ def _run_tree(tree: str, a) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "times.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", out, "--rounds", "1",
-               "--steps-per-turn", str(a.steps_per_turn), "--warmup", str(a.warmup),
+        # --steps-per-turn rounds of one step each: a burst of load lands on all schedules
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", out, "--rounds",
+               str(a.steps_per_turn), "--steps-per-turn", "1", "--warmup", str(a.warmup),
                "--schedules", a.schedules, *(["--pin"] if a.pin else []),
                *(["--glibc-default"] if a.glibc_default else [])]
         subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL)

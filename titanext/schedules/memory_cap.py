@@ -28,6 +28,7 @@ planner and the dry run alike.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from titanext.schedules._torch_ir import I, W, action, leaves
@@ -94,10 +95,13 @@ def max_pending_weight_grads(order: dict[int, list]) -> dict[int, int]:
     return peaks
 
 
+@functools.cache  # one class per (schedule, cap): caches key on it
 def capped_schedule_class(cls: type, cap: int) -> type:
     """Schedule class ``cls`` (one of :data:`CAPPABLE`) whose generated lists are capped at
     ``cap`` pending W's per rank; ``cap <= 0`` returns ``cls``. Raises ValueError for a class
-    that does not generate its own lists (torch's schedules)."""
+    that does not generate its own lists (torch's schedules). The same class for the same
+    arguments, so a plan's class keys the schedule caches (``schedule_order``, the planner's
+    ``simulate_schedule``) as its name and cap did."""
     if cap <= 0:
         return cls
     if not hasattr(cls, "generate") or cls.__name__ not in CAPPABLE:
