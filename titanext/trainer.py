@@ -59,7 +59,7 @@ from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
-from titanext.plugins.expert_replication import copies_per_step
+from titanext.plugins.expert_parallel.replication import copies_per_step
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.float8_experts import apply_float8_experts
 from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts

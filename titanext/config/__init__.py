@@ -13,8 +13,10 @@ The package has four parts, each with one job:
   into one report (:func:`collect_problems`, :func:`check_config`).
 
 Where a rule lives: a rule about one package's own options sits in that package, torch-free,
-taking plain values, and the config calls it: ``plugins/options.py`` (float8, hot-expert
-replication, whose bound is the plugin's own :func:`~titanext.plugins.options.max_replicas`),
+taking plain values, in a module named ``rules`` (``*_rules`` where a package has rules on several
+topics), and the config calls it: ``plugins/rules.py`` (float8, activation checkpointing),
+``plugins/expert_parallel/rules.py`` (dispatch, hot-expert replication, whose bound is the
+plugin's own :func:`~titanext.plugins.expert_parallel.rules.max_replicas`),
 ``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/checks.py``
 (datasets, token shards), ``hf/checks.py`` (HF assets, vocab, initial load), ``config/degrees.py``
 (the plain-int layout arithmetic). What stays here involves several sections at once (degrees,

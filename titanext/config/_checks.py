@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from titanext._text import did_you_mean as _did_you_mean
-from titanext.plugins.options import DEFAULT_SAVE_OPS
+from titanext.plugins.rules import DEFAULT_SAVE_OPS
 
 __all__ = ["writable_folder_problem"]
 

@@ -36,13 +36,8 @@ from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, field_problems
 from titanext.data.checks import data_problems
 from titanext.errors import ConfigError
-from titanext.plugins.ep_dispatch_rules import dispatch_problems
-from titanext.plugins.options import (
-    float8_experts_problems,
-    float8_problems,
-    keep_all_to_all_problem,
-    replication_problems,
-)
+from titanext.plugins.expert_parallel.rules import dispatch_problems, replication_problems
+from titanext.plugins.rules import float8_experts_problems, float8_problems, keep_all_to_all_problem
 
 __all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
 

@@ -25,12 +25,8 @@ from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._fields import _field, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
-from titanext.plugins.options import (
-    DEFAULT_SAVE_OPS,
-    EP_DISPATCH_MODES,
-    FLOAT8_EXPERT_RECIPES,
-    FLOAT8_RECIPES,
-)
+from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES
+from titanext.plugins.rules import DEFAULT_SAVE_OPS, FLOAT8_EXPERT_RECIPES, FLOAT8_RECIPES
 
 __all__ = ["SECTIONS", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Float8", "Job",
            "JobConfig", "LRSchedulerConfig", "Metrics", "MoEConfig", "Model", "OptimizerConfig",
@@ -341,7 +337,7 @@ class Parallelism:
     expert_parallel_degree > 1."""
 
 
-_DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.options owns the list
+_DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.rules owns the list
 
 
 @dataclass

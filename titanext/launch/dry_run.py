@@ -232,7 +232,7 @@ def measure(cfg: JobConfig) -> DryRunResult:
         notes.append(f"gradient accumulation: {MEASURED_ROUNDS} of {rounds} rounds run (the "
                      "peak is the second round's); step comm is scaled by "
                      f"{rounds}/{MEASURED_ROUNDS}")
-    from titanext.plugins._ep_comm import count_comm
+    from titanext.plugins.expert_parallel._comm import count_comm
 
     with count_comm() as ep_comm:
         memory, peak, comm = _measure_step(trainer, batches, mode)

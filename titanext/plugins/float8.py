@@ -54,7 +54,7 @@ from titanext.plugins._loud import (
     param_matmul_reason,
     unconverted_line,
 )
-from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
+from titanext.plugins.rules import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
 
 __all__ = [
     "FLOAT8_ALL_GATHER_RECIPES",

@@ -45,7 +45,7 @@ from torch import nn
 from titanext._compat import grouped_mm
 from titanext._fake_backend import is_fake
 from titanext.plugins._loud import log_rank0
-from titanext.plugins.options import FLOAT8_EXPERT_RECIPES
+from titanext.plugins.rules import FLOAT8_EXPERT_RECIPES
 
 __all__ = ["FLOAT8_EXPERT_RECIPES", "Float8GroupedMM", "apply_float8_experts",
            "float8_experts_kernels_usable", "has_emulated_float8_experts"]

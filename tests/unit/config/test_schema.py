@@ -145,7 +145,7 @@ def test_schedule_names_known_without_importing_schedules_are_real():
 def test_default_save_ops_are_aten_ops():
     import torch
 
-    from titanext.plugins.options import DEFAULT_SAVE_OPS
+    from titanext.plugins.rules import DEFAULT_SAVE_OPS
 
     # The config skips the aten lookup for the defaults, so they must be real ops.
     assert all(hasattr(torch.ops.aten, name) for name in DEFAULT_SAVE_OPS)

@@ -2,7 +2,7 @@
 traffic counters.
 
 Shared by :mod:`titanext.plugins.expert_parallel` (token dispatch / combine, flat or two-level:
-:mod:`titanext.plugins._ep_dispatch`) and :mod:`titanext.plugins.expert_replication` (hot-expert
+:mod:`titanext.plugins.expert_parallel._dispatch`) and :mod:`titanext.plugins.expert_parallel.replication` (hot-expert
 weight copies), which re-export :class:`CommCounter` and :func:`count_comm` through
 ``expert_parallel``.
 
