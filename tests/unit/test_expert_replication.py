@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from titanext.plugins.expert_parallel.replication import SLACK, nominal_plan, plan_replicas, rank_routing
+from titanext.plugins.expert_parallel.replication import (
+    SLACK,
+    nominal_plan,
+    plan_replicas,
+    rank_routing,
+)
 from titanext.plugins.expert_parallel.rules import max_replicas
 
 

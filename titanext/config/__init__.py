@@ -17,9 +17,11 @@ taking plain values, in a module named ``rules`` (``*_rules`` where a package ha
 topics), and the config calls it: ``plugins/rules.py`` (float8, activation checkpointing),
 ``plugins/expert_parallel/rules.py`` (dispatch, hot-expert replication, whose bound is the
 plugin's own :func:`~titanext.plugins.expert_parallel.rules.max_replicas`),
-``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/checks.py``
-(datasets, token shards), ``hf/checks.py`` (HF assets, vocab, initial load), ``config/degrees.py``
-(the plain-int layout arithmetic). What stays here involves several sections at once (degrees,
+``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/rules.py``
+(datasets, token shards), ``config/degrees.py`` (the plain-int layout arithmetic). The HF path's
+rules (``hf_rules.py``: HF assets, vocab, initial load) sit here, since ``hf`` is above the
+config; they read the HF pieces that live below it (``models.hf_configs``, ``models.hf_names``,
+``data.hf_tokenizer``). What stays here involves several sections at once (degrees,
 batch, pipeline composition, MTP against the layout: ``mtp_rules.py``) or guards code that sits
 above the config and so cannot hold it (``[profiling]``: ``profiling_rules.py``).
 

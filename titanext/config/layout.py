@@ -282,8 +282,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
     1
     """
-    from titanext.hf.configs import model_args_from_hf
     from titanext.models import get_model_args, with_moe_overrides
+    from titanext.models.hf_configs import model_args_from_hf
 
     if cfg.model.flavor == "hf":
         base = model_args_from_hf(cfg.model.hf_assets_path)

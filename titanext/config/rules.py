@@ -34,7 +34,7 @@ from titanext.config.layout import (
 from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, field_problems
-from titanext.data.checks import data_problems
+from titanext.data.rules import data_problems
 from titanext.errors import ConfigError
 from titanext.plugins.expert_parallel.rules import dispatch_problems, replication_problems
 from titanext.plugins.rules import float8_experts_problems, float8_problems, keep_all_to_all_problem
@@ -159,7 +159,7 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if m.flavor == "hf":
         if problems or not m.hf_assets_path:
             return problems
-        from titanext.hf.configs import model_args_from_hf
+        from titanext.models.hf_configs import model_args_from_hf
 
         args = model_args_from_hf(m.hf_assets_path)
     else:
@@ -243,9 +243,9 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
-    from titanext.hf.checks import hf_problems
-    from titanext.hf.configs import hf_config_from_model_args
+    from titanext.config.hf_rules import hf_problems
     from titanext.models import get_model_args
+    from titanext.models.hf_configs import hf_config_from_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []

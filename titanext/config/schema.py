@@ -22,9 +22,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from titanext._text import did_you_mean as _did_you_mean
-from titanext.config._checks import _ac_option, _aten_ops, _pp_schedule
 from titanext.config._fields import _field, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
+from titanext.config.field_rules import _ac_option, _aten_ops, _pp_schedule
 from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES
 from titanext.plugins.rules import DEFAULT_SAVE_OPS, FLOAT8_EXPERT_RECIPES, FLOAT8_RECIPES
 

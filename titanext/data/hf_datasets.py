@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from titanext.data import streaming
-from titanext.data.checks import FILE_BUILDERS
 from titanext.data.readers import Unit, corpus_fingerprint
+from titanext.data.rules import FILE_BUILDERS
 from titanext.data.sources import Tokenizer
 from titanext.data.streaming import StreamingTextWindows
 from titanext.errors import ConfigError

@@ -46,8 +46,8 @@ def load_tokenizer(spec: tuple[str, ...]) -> Any:
     name such as ``"byte"``, with the ``hf_assets_path`` it reads) or ``("path", DIR_OR_JSON)``
     (a Hugging Face tokenizer.json or the directory holding it). A spec is plain strings, so
     that every worker process builds its own."""
+    from titanext.data.hf_tokenizer import HFTokenizer
     from titanext.data.tokenizer import build_tokenizer
-    from titanext.hf.tokenizer import HFTokenizer
 
     kind, *rest = spec
     if kind == "path":

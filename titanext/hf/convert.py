@@ -29,17 +29,11 @@ import warnings
 
 import torch
 
+from titanext.data.hf_tokenizer import TOKENIZER_FILES
 from titanext.errors import ConfigError
-from titanext.hf.checkpoint import (
-    _expected,
-    _is_stacked,
-    check_hf_checkpoint,
-    hf_names,
-    to_hf_state_dict,
-    write_hf_assets,
-)
-from titanext.hf.tokenizer import TOKENIZER_FILES
+from titanext.hf.checkpoint import to_hf_state_dict, write_hf_assets
 from titanext.models.args import ModelArgs
+from titanext.models.hf_names import _expected, _is_stacked, check_hf_checkpoint, hf_names
 
 __all__ = ["dcp_to_hf", "hf_to_dcp"]
 
@@ -81,7 +75,7 @@ def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from titanext.hf.configs import model_args_from_hf
+    from titanext.models.hf_configs import model_args_from_hf
 
     args = model_args_from_hf(src)
     index = check_hf_checkpoint(src, args)
@@ -116,7 +110,7 @@ def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
 def _args_for(src: str, model_args: ModelArgs | None,
               hf_assets: str | None) -> tuple[ModelArgs, str | None]:
     """(model args, directory with config.json / tokenizer files or None) for dcp-to-hf."""
-    from titanext.hf.configs import model_args_from_hf
+    from titanext.models.hf_configs import model_args_from_hf
 
     if model_args is not None:
         return model_args, hf_assets

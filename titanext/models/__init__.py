@@ -32,8 +32,9 @@ def _choices(value: str, choices) -> str:
 
 def get_model_args(name: str, flavor: str) -> ModelArgs:
     """The :class:`ModelArgs` of a named flavor; KeyError lists the choices. (Flavor ``"hf"``,
-    a Hugging Face ``config.json``, is read by :func:`titanext.hf.configs.model_args_from_hf`;
-    :func:`titanext.config.model_args` picks the one a job config names.)"""
+    a Hugging Face ``config.json``, is read by
+    :func:`titanext.models.hf_configs.model_args_from_hf`; :func:`titanext.config.model_args`
+    picks the one a job config names.)"""
     if name not in MODEL_FLAVORS:
         raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     flavors = MODEL_FLAVORS[name]

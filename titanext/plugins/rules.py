@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_EXPERT_RECIPES",
-           "FLOAT8_RECIPES", "float8_experts_problems", "float8_problems", "keep_all_to_all_problem"]
+           "FLOAT8_RECIPES", "float8_experts_problems", "float8_problems",
+           "keep_all_to_all_problem"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")

@@ -136,10 +136,10 @@ def test_edge_values_that_are_allowed(override):
 # -- the package stays light and names stay unambiguous ------------------------------------------
 
 def test_schedule_names_known_without_importing_schedules_are_real():
-    from titanext.config import _checks
+    from titanext.config import field_rules
     from titanext.schedules import SCHEDULE_NAMES
 
-    assert set(_checks._KNOWN_SCHEDULES) <= set(SCHEDULE_NAMES)
+    assert set(field_rules._KNOWN_SCHEDULES) <= set(SCHEDULE_NAMES)
 
 
 def test_default_save_ops_are_aten_ops():

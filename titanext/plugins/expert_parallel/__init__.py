@@ -39,9 +39,9 @@ does not).
 
 Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``
 sends each token once to every node holding one of its experts, then to the experts inside it,
-and sums each node's weighted outputs there (:mod:`titanext.plugins.expert_parallel._dispatch`: the module
-then takes the routing, ``experts(tokens, TokenRouting(ids, weights))``); ``float8_dispatch``
-sends the dispatched rows as float8 with 1 x 128 scales (:mod:`titanext.plugins.expert_parallel._comm`).
+and sums each node's weighted outputs there (``_dispatch``: the module then takes the routing,
+``experts(tokens, TokenRouting(ids, weights))``); ``float8_dispatch`` sends the dispatched rows
+as float8 with 1 x 128 scales (``_comm``).
 
 Under torchrun, with ``ep_mesh`` a 1D DeviceMesh over the ranks that split the experts:
 

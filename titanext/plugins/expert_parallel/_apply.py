@@ -207,10 +207,10 @@ def detect_experts_layout(fqn: str, module: nn.Module) -> ExpertsLayout | str | 
     """The layout of ``module`` if it is an experts module titanext knows: "protocol" for
     :class:`~titanext.models.moe.GroupedExperts` and any module called as ``forward(x,
     num_tokens_per_expert)`` that holds its stacked expert weights directly (torchtitan's
-    ``GroupedExperts``: :func:`~titanext.plugins.expert_parallel._layouts.follows_experts_protocol`), a
-    :class:`StackedExperts` for 3-D
-    ``gate_up_proj``/``down_proj`` (``is_transposed`` read from the module),
-    ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
+    ``GroupedExperts``:
+    :func:`~titanext.plugins.expert_parallel._layouts.follows_experts_protocol`), a
+    :class:`StackedExperts` for 3-D ``gate_up_proj``/``down_proj`` (``is_transposed`` read from
+    the module), ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
     :class:`ModuleListExperts` for an ``nn.ModuleList`` named ``experts``; else None."""
     if is_grouped_experts(fqn, module) or follows_experts_protocol(module):
         return "protocol"

@@ -42,9 +42,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext._fake_backend import balanced_counts
-from titanext.plugins.expert_parallel._comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins._mesh import one_dim_group
-from titanext.plugins.expert_parallel.replication import ReplicationPlan, StepCopies, dispatch_replicated
+from titanext.plugins.expert_parallel._comm import PLAIN, AllToAll, Wire, swap_counts
+from titanext.plugins.expert_parallel.replication import (
+    ReplicationPlan,
+    StepCopies,
+    dispatch_replicated,
+)
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
            "dispatch_tokens", "dispatch_two_level", "ep_group", "node_groups"]
@@ -85,12 +89,13 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
 
     Differentiable in ``x``. One device-to-host sync (the split sizes).
     ``replicate_hot_experts`` > 0: up to that many hot experts are copied to the least loaded
-    ranks (:mod:`~titanext.plugins.expert_parallel.replication`): the counts are all-gathered instead, the
-    rows of a copy come after the rank's own experts' (counts [L + copies hosted here]), and
-    ``route.plan`` says which weights :func:`~titanext.plugins.expert_parallel.replication.copy_experts`
-    must fetch. ``wire``: the rows as float8 (``Wire(float8=True)``, see
-    :mod:`~titanext.plugins.expert_parallel._comm`) and the node size the counters use. ``step``: the
-    step's copies (:func:`~titanext.plugins.expert_parallel.replication.copies_per_step`).
+    ranks (:mod:`~titanext.plugins.expert_parallel.replication`): the counts are all-gathered
+    instead, the rows of a copy come after the rank's own experts' (counts [L + copies hosted
+    here]), and ``route.plan`` says which weights
+    :func:`~titanext.plugins.expert_parallel.replication.copy_experts` must fetch. ``wire``: the
+    rows as float8 (``Wire(float8=True)``, see :mod:`~titanext.plugins.expert_parallel._comm`)
+    and the node size the counters use. ``step``: the step's copies
+    (:func:`~titanext.plugins.expert_parallel.replication.copies_per_step`).
     """
     pg = ep_group(group)
     world = dist.get_world_size(pg)

@@ -57,7 +57,14 @@ import torch.distributed as dist
 
 from titanext._fake_backend import balanced_counts, is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins.expert_parallel._comm import COUNTERS, PLAIN, AllToAll, Wire, _all_to_all, taped
+from titanext.plugins.expert_parallel._comm import (
+    COUNTERS,
+    PLAIN,
+    AllToAll,
+    Wire,
+    _all_to_all,
+    taped,
+)
 from titanext.plugins.expert_parallel.rules import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
