@@ -17,8 +17,8 @@ CPU_GROUPS = ["ring", "deferred", "grouped", "float8", "split", "float8_speed", 
 
 
 def test_every_group_is_known_and_ordered():
-    # (side_by_side has its own test: tests/multiprocess/test_side_by_side.py)
-    assert set(CPU_GROUPS) | {"trainer", "side_by_side"} == set(ROWS)
+    # (the side-by-side benchmark has its own test: tests/multiprocess/test_side_by_side.py)
+    assert set(CPU_GROUPS) | {"trainer"} == set(ROWS)
 
 
 def test_float8_rows_say_torchao_missing(monkeypatch):
