@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from titanext.config import ConfigError, config_help, load_config, parse_cli, to_toml
-from titanext.distributed.faults import exit_process, print_output, report_once, run_guarded
+from titanext.distributed.failsafe import exit_process, print_output, report_once, run_guarded
 
 __all__ = ["main"]  # and Trainer, loaded on first use (see __getattr__)
 

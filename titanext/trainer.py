@@ -38,7 +38,8 @@ from titanext.components.validation import Validator
 from titanext.config import JobConfig, resolve_job_layout
 from titanext.data import dataloader_from_config
 from titanext.data.tokenizer import build_tokenizer
-from titanext.distributed.faults import inject_test_fault
+from titanext.distributed.determinism import set_determinism
+from titanext.distributed.grad_clip import clip_grad_norm_
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import (
     cp_layout,
@@ -48,12 +49,7 @@ from titanext.distributed.parallelize import (
     zero1_enabled,
 )
 from titanext.distributed.pipeline import PipelineRunner
-from titanext.distributed.utils import (
-    clip_grad_norm_,
-    init_distributed,
-    set_determinism,
-    set_process_group_timeout,
-)
+from titanext.distributed.process_group import init_distributed, set_process_group_timeout
 from titanext.errors import TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
@@ -340,7 +336,7 @@ class Trainer:
 
     def _after_step(self, metrics: MetricsLogger, tokens_per_step: int, loss: float,
                     grad_norm: float, lr: float) -> None:
-        """Metrics, validation, checkpoints (and an injected test fault) after a step."""
+        """Metrics, validation, checkpoints after a step."""
         cfg, c = self.cfg, self.cfg.checkpoint
         metrics.record_tokens(tokens_per_step)
         shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
@@ -349,7 +345,6 @@ class Trainer:
         metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown, tb_extra=tb)
         self.validator.maybe_run(self.step, metrics)
         self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
-        inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
         if self.step == cfg.training.steps and c.last_save_in_hf and c.enable:
             save_hf_checkpoint(self.model_parts, os.path.join(
                 cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,

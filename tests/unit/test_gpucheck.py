@@ -75,7 +75,7 @@ def test_cli_writes_json_and_exit_codes(tmp_path, capsys):
 
 
 def test_ranks_share_a_gpu_only_when_nccl_is_told(monkeypatch):
-    from titanext.distributed import utils
+    from titanext.distributed import process_group as utils
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")

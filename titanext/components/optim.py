@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule.
 
-Gradient clipping is :func:`titanext.distributed.utils.clip_grad_norm_`.
+Gradient clipping is :func:`titanext.distributed.grad_clip.clip_grad_norm_`.
 
 
 >>> import torch
