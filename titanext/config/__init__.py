@@ -49,21 +49,23 @@ from titanext.config.loader import config_help, field_docs, load_config, parse_c
 from titanext.config.rules import check_config
 from titanext.config.schema import (
     SECTIONS,
-    ActivationCheckpoint,
     Checkpoint,
     Comm,
-    Compile,
-    Float8,
     Job,
     JobConfig,
     LRSchedulerConfig,
     Metrics,
     Model,
-    MoEConfig,
     OptimizerConfig,
-    Parallelism,
     Profiling,
     Training,
+)
+from titanext.config.schema_parallel import (
+    ActivationCheckpoint,
+    Compile,
+    Float8,
+    MoEConfig,
+    Parallelism,
 )
 from titanext.errors import ConfigError
 

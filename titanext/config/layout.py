@@ -42,7 +42,8 @@ from titanext.config.degrees import (
     resolve_dp_shard,
     resolve_microbatches,
 )
-from titanext.config.schema import JobConfig, MoEConfig
+from titanext.config.schema import JobConfig
+from titanext.config.schema_parallel import MoEConfig
 from titanext.errors import ConfigError
 
 if TYPE_CHECKING:
