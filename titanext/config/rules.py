@@ -21,6 +21,7 @@ from typing import Any
 
 from titanext._text import did_you_mean as _did_you_mean
 from titanext.config.degrees import batch_problem, ep_layout_problem
+from titanext.config.hf_rules import hf_problems
 from titanext.config.layout import (
     PipelinePlan,
     PipelinePlanError,
@@ -35,7 +36,10 @@ from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, field_problems
 from titanext.data.rules import data_problems
+from titanext.data.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
+from titanext.models import MODEL_FLAVORS, get_model_args
+from titanext.models.hf_configs import hf_config_from_model_args, model_args_from_hf
 from titanext.plugins.expert_parallel.rules import dispatch_problems, replication_problems
 from titanext.plugins.rules import float8_experts_problems, float8_problems, keep_all_to_all_problem
 
@@ -56,8 +60,7 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
 def _pipeline_problems(cfg: JobConfig) -> tuple[list[str], PipelinePlan | None]:
     """(the pipeline's problems, its :class:`~titanext.config.layout.PipelinePlan` where one can
     be resolved), through the one resolution the trainer and the planner run."""
-    from titanext.models import MODEL_FLAVORS, get_model_args
-    from titanext.schedules import schedule_problems
+    from titanext.schedules import schedule_problems  # the config loads without torch
 
     p, t, m = cfg.parallelism, cfg.training, cfg.model
     pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
@@ -140,7 +143,6 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str],
 
 def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[str]:
     """Name and flavor against the registry, then the rules that need the model's shape."""
-    from titanext.models import MODEL_FLAVORS, get_model_args
 
     m, t, p = cfg.model, cfg.training, cfg.parallelism
     if skip & {"model.name", "model.flavor"}:
@@ -159,7 +161,6 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if m.flavor == "hf":
         if problems or not m.hf_assets_path:
             return problems
-        from titanext.models.hf_configs import model_args_from_hf
 
         args = model_args_from_hf(m.hf_assets_path)
     else:
@@ -187,7 +188,6 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
                         f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
     if "model.tokenizer" not in skip and m.tokenizer != "hf":  # 'hf': in _hf_rule_problems
-        from titanext.data.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(m.tokenizer).vocab_size
         if args.vocab_size < vocab:
@@ -243,9 +243,6 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
-    from titanext.config.hf_rules import hf_problems
-    from titanext.models import get_model_args
-    from titanext.models.hf_configs import hf_config_from_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -288,7 +285,6 @@ def _checkpoint_export_problems(c: Any) -> list[str]:
 
 def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """[moe] against the flavor: only for MoE flavors, and the merged values must fit together."""
-    from titanext.models import MODEL_FLAVORS
 
     m = cfg.model
     if skip & {"model.name", "model.flavor"} or m.flavor not in MODEL_FLAVORS.get(m.name, {}):
@@ -377,7 +373,7 @@ def ep_overlap_problems(cfg: JobConfig, plan: PipelinePlan | None) -> list[str]:
         return [f"{key} overlaps the paired forward/backward chunks of a pipeline schedule, but "
                 "parallelism.pipeline_parallel_degree = 1 has none; use pp > 1 with DualPipeV, "
                 "DualPipe, 1F1B or Interleaved1F1B, or set it false"]
-    from titanext.schedules.overlap import overlap_problems
+    from titanext.schedules.overlap import overlap_problems  # the config loads without torch
 
     if plan is None:  # reported by the pipeline rules
         return []

@@ -51,7 +51,7 @@ def open_hf_split(dataset_path: str, name: str | None = None, split: str = "trai
     """``datasets.load_dataset(..., split=split, streaming=True)`` for ``dataset_path``; any
     failure (no such hub dataset, config or split) is a one-line :class:`ConfigError`."""
     try:
-        import datasets
+        import datasets  # optional dependency (Hugging Face datasets)
     except ImportError as e:
         raise ConfigError(f"{key.split('.')[0]}.dataset = 'hf' needs the datasets package, "
                           f"which is not installed; {_INSTALL}") from e

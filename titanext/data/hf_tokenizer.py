@@ -49,7 +49,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional dependency (the tokenizers library)
 
         self.directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path

@@ -94,13 +94,13 @@ def _rebuild_peer_failed(rank: int, where: str, error: str, message: str) -> Pee
 
 
 def _initialized() -> bool:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
     return dist.get_rank() if _initialized() else int(os.environ.get("RANK", "0"))
 
@@ -171,9 +171,9 @@ def settle_failure(where: str, e: Exception) -> PeerFailed | None:
     else None (the ranks failed alike, or the group was aborted for this rank's own error).
     Settles each exception once: a :class:`PeerFailed` is returned as it is, another exception
     already settled (by an inner guard) returns None."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
-    from titanext import _compat
+    from titanext import _compat  # torch-free at import: --help and bad configs end here
 
     if isinstance(e, PeerFailed):  # settled by an inner guard already
         return e
@@ -292,7 +292,7 @@ def report_once(lines: list[str], prefix: str = "titanext: config error: ") -> i
 def _teardown() -> None:
     if not _initialized():
         return
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
     dist.barrier()
     dist.destroy_process_group()

@@ -39,13 +39,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from titanext.gpucheck import kernels, ranks, speed, training
 from titanext.gpucheck._common import Ctx, Row, guarded
 
 __all__ = ["ROWS", "Row", "run_gpucheck"]
 
 
 def _rows() -> dict[str, tuple[str, Callable]]:
-    from titanext.gpucheck import kernels, ranks, speed, training
 
     return {
         "ring": ("check", kernels.check_ring_kernels),

@@ -33,10 +33,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titanext._safe_load import PlainBytesLoadPlanner
+from titanext.data.hf_tokenizer import TOKENIZER_FILES
 from titanext.models.args import ModelArgs
+from titanext.models.hf_configs import hf_config_from_model_args
 from titanext.models.hf_names import (
     _is_stacked,
     _permuted_heads,
@@ -70,7 +75,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
 
 def _read_slice(handles: dict[str, Any], index: dict, name: str,
                 slices: Sequence[slice]) -> torch.Tensor:
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional dependency (the HF path)
 
     file = index[name][0]
     if file not in handles:
@@ -106,7 +111,7 @@ def _load_by_slices(fqn: str, param: torch.Tensor, args: ModelArgs, index: dict,
 
 
 def _dcp_load(state: dict[str, torch.Tensor], path: str) -> None:
-    import torch.distributed.checkpoint as dcp
+    # newer torch only: probed where used
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     with warnings.catch_warnings():  # one process without a process group is intended
@@ -201,8 +206,6 @@ def write_hf_assets(out: str, args: ModelArgs, *, dtype: torch.dtype,
                     tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
     """config.json (from ``args``; the source config.json's other fields kept) and the
     tokenizer files (those of ``tokenizer.asset_files()``, or of ``hf_assets_path``)."""
-    from titanext.data.hf_tokenizer import TOKENIZER_FILES
-    from titanext.models.hf_configs import hf_config_from_model_args
 
     base = None
     if hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "config.json")):
@@ -230,7 +233,7 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
     tensors of its parts; the lowest rank holding a tensor writes it, one
     ``model-<k>-of-<n>.safetensors`` file per writing rank (a pipeline stage each), and rank 0
     writes the index, config.json and the tokenizer files."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional dependency (the HF path)
 
     held: dict[str, torch.Tensor] = {}
     for part in model_parts:
@@ -295,15 +298,12 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
     ``in_hf`` (:func:`load_hf_weights`), else the model of a titanext DCP checkpoint (a
     training ``step-N`` folder or ``titanext-convert hf-to-dcp`` output; optimizer
     and trainer state are not read). Collective; any layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if in_hf:
         load_hf_weights(model_parts, path, args)
         if _rank() == 0:
             print(f"titanext: initial weights from the Hugging Face checkpoint {path}", flush=True)
         return
-    from titanext._safe_load import PlainBytesLoadPlanner
 
     check_dcp_checkpoint(path, args)
     states = [get_model_state_dict(part) for part in model_parts]

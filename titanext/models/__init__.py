@@ -62,8 +62,9 @@ def with_moe_overrides(args: ModelArgs, **overrides: Any) -> ModelArgs:
 
 def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta") -> nn.Module:
     """Build model ``name`` with ``args`` on ``device`` (meta by default: no memory is used)."""
-    import torch
+    import torch  # torch-free at import: the config reads the flavors
 
+    # torch-free at import: the config reads the flavors
     from titanext.models.llama import Transformer
 
     if name not in MODEL_FLAVORS:

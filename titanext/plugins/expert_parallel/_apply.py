@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from titanext.models.moe import GroupedExperts
 from titanext.plugins.expert_parallel._comm import PLAIN, CommCounter, Wire, count_comm
 from titanext.plugins.expert_parallel._dispatch import (
     NodeGroups,
@@ -346,10 +347,6 @@ def call_experts(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
 
 def is_grouped_experts(name: str, module: nn.Module) -> bool:
     """The default selection: instances of ``titanext.models.moe.GroupedExperts``."""
-    try:
-        from titanext.models.moe import GroupedExperts
-    except ImportError:
-        return False
     return isinstance(module, GroupedExperts)
 
 
