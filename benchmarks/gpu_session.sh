@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine, everything that needs a GPU in one go (about 8
 # minutes on one H200): the wheels fetched by benchmarks/gpu_wheels.sh, the machine's NCCL, then
-# python -m titanext.gpucheck with every row group (its JSON and log under $OUT, or ./gpu_out).
+# python -m titanext.gpucheck with every row group (arguments go to it), then the side-by-side
+# benchmark (benchmarks/side_by_side.py; SIDE_BY_SIDE=0 skips it); JSON and logs under $OUT, or
+# ./gpu_out.
 #   here:  bash benchmarks/gpu_wheels.sh
 #   there: bash benchmarks/gpu_session.sh         (carry .whl)
 set -uo pipefail
@@ -18,5 +20,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv | tee "$out/machine.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version())" \
   | tee -a "$out/machine.txt"
-timeout "${GPUCHECK_TIMEOUT:-480}" python3 -m titanext.gpucheck --json "$out/gpucheck.json" \
+timeout "${GPUCHECK_TIMEOUT:-300}" python3 -m titanext.gpucheck --json "$out/gpucheck.json" \
   --markdown "$@" 2>&1 | tee "$out/gpucheck.log"
+if [ "${SIDE_BY_SIDE:-1}" != 0 ]; then
+  timeout "${SIDE_BY_SIDE_TIMEOUT:-180}" python3 benchmarks/side_by_side.py \
+    --json "$out/side_by_side.json" --markdown 2>&1 | tee "$out/side_by_side.log"
+fi

@@ -8,8 +8,8 @@ tokens/s, MFU, each variant's own peak memory, and titanext / plain (target >= 0
 titanext / torchtitan (target >= 1.0x). On a GPU: the 1B flavor at 2x8192, bf16, compile and
 op-level selective AC. ``--tiny`` (the default without CUDA): the debug flavor at 2x64 on CPU,
 no compile, no timing worth quoting. torchtitan comes from benchmarks/wheels/ (see
-titanext/gpucheck/side_by_side.py); where it does not import, its row says why.
-``python -m titanext.gpucheck --only side_by_side`` runs the same rows.
+benchmarks/side_by_side_variants.py, the variants and the wheel loader); where it does not
+import, its row says why. benchmarks/gpu_session.sh runs it after ``python -m titanext.gpucheck``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ import torch
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES",
                       "0" if torch.cuda.is_available() else "1")
 
+# the variants beside this script, also when it is loaded from elsewhere (the tests)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from side_by_side_variants import SHAPE, measure_side_by_side  # noqa: E402
+
 from titanext._text import format_table  # noqa: E402
 from titanext.gpucheck._common import Ctx  # noqa: E402
-from titanext.gpucheck.side_by_side import SHAPE, measure_side_by_side  # noqa: E402
 
 
 def _at_least(low: int):
@@ -63,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ctx = Ctx(device, args.tiny or device.type != "cuda")
     shape = list(SHAPE["quick" if ctx.quick else "gpu"])
-    for i, v in enumerate((args.flavor, args.batch, args.seq_len, args.warmup, args.rounds)):
+    given = (args.flavor, args.batch, args.seq_len, args.warmup, args.rounds)
+    for i, v in enumerate(given):
         shape[i] = shape[i] if v is None else v
-    rows = measure_side_by_side(ctx, tuple(shape), args.wheels)
+    # no shape given: the default, which a card under 100 GiB runs at 2 x SMALL_GPU_SEQ
+    rows = measure_side_by_side(ctx, None if given == (None,) * 5 else tuple(shape), args.wheels)
     print(format_table([{"row": r.name, "status": r.status, "value": r.value,
                          "target": r.target, "note": r.note} for r in rows],
                        markdown=args.markdown))

@@ -8,7 +8,7 @@ dense parameters are replicated, so average them over the ranks; an expert's gra
 sums the tokens of every rank (they came to it), so divide it by the world size to match.
 Step 1 is checked against the same model on all the ranks' sequences in one process.
 Your own experts module works too: ``apply_expert_parallel(model, mesh, filter_fn=lambda fqn, m:
-isinstance(m, MyExperts))``, if it follows the protocol in titanext/plugins/expert_parallel.py.
+isinstance(m, MyExperts))``, if it follows the protocol in titanext/plugins/expert_parallel/.
 """
 
 import copy

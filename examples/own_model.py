@@ -9,8 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from titanext.distributed.grad_clip import clip_grad_norm_
 from titanext.distributed.parallel_dims import ParallelDims
-from titanext.distributed.utils import clip_grad_norm_, init_distributed
+from titanext.distributed.process_group import init_distributed
 from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 from titanext.plugins.fsdp import apply_fsdp
 from titanext.plugins.tensor_parallel import apply_tensor_parallel

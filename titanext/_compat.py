@@ -39,10 +39,12 @@ Leaf module: imports torch only.
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
 
 __all__ = ["aten_op_names", "cuda_memory_snapshot", "flash_attention_cpu",
@@ -99,6 +101,7 @@ def aten_op_names() -> list[str]:
 def set_pg_timeout(seconds: float) -> bool:
     """Set the default process group's collective timeout; False where this torch cannot."""
     try:
+        # feature probe: this torch may lack it
         from torch.distributed.distributed_c10d import _set_pg_timeout
     except ImportError:
         return False
@@ -196,14 +199,12 @@ def pinned_async_save_options() -> dict:
     into plain CPU memory and writes from a thread). Pinning and non-blocking copies need an
     accelerator; on a CPU-only machine the staging is a plain copy. The caller closes
     ``options["async_stager"]`` after the last save."""
-    import inspect
 
-    import torch.distributed.checkpoint as dcp
 
     params = inspect.signature(dcp.async_save).parameters
     if "async_stager" not in params or "async_checkpointer_type" not in params:
         return {}
-    try:
+    try:  # feature probes: this torch may lack them
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     except ImportError:

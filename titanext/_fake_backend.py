@@ -19,6 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -31,6 +32,7 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     """Make this process rank ``rank`` of ``world_size`` over torch's fake backend: every
     collective returns at once without moving data."""
     try:  # an empty store class; torch's fake backend accepts any store (HashStore too)
+        # private torch module: loaded only for a dry run
         from torch.testing._internal.distributed.fake_pg import FakeStore as Store
     except ImportError:
         Store = dist.HashStore
@@ -71,7 +73,6 @@ def to_empty(module: torch.nn.Module, device: torch.device | str) -> None:
     """``module.to_empty(device=device)``; under a dry run's fake mode a model without DTensor
     parameters gets new fake parameters and buffers instead (torch cannot swap a parameter the
     fake-tensor converter holds a weak reference to; FSDP's and TP's DTensors swap fine)."""
-    from torch.distributed.tensor import DTensor
 
     if not fake_mode_active() or any(isinstance(p, DTensor) for p in module.parameters()):
         module.to_empty(device=device)
@@ -112,6 +113,7 @@ def mem_tracker():
     Gradient accumulation calls the root module once per micro-batch, which MemTracker takes
     for a second iteration; here a root's second forward drops only its per-module stats (the
     step's totals and peak are kept)."""
+    # private torch module: loaded only for a dry run
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepTracker(MemTracker):
@@ -180,6 +182,7 @@ def _patch_sharding_propagation() -> None:
     and a bfloat16 copy of the whole ``[vocabulary, dim]`` embedding gradient (11.7 GiB) that
     no run allocates. Patched once per process, a no-op outside a tracker.
     """
+    # private torch module: loaded only for a dry run
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     name = "_propagate_tensor_meta_non_cached"

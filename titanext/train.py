@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from titanext.config import ConfigError, config_help, load_config, parse_cli, to_toml
-from titanext.distributed.faults import exit_process, print_output, report_once, run_guarded
+from titanext.distributed.failsafe import exit_process, print_output, report_once, run_guarded
 
 __all__ = ["main"]  # and Trainer, loaded on first use (see __getattr__)
 
@@ -28,7 +28,7 @@ __all__ = ["main"]  # and Trainer, loaded on first use (see __getattr__)
 def __getattr__(name: str):
     # ``from titanext.train import Trainer`` keeps working without loading torch for --help.
     if name == "Trainer":
-        from titanext.trainer import Trainer
+        from titanext.trainer import Trainer  # --help and a bad config never load torch
 
         return Trainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -47,13 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flags.get("print_config"):
         return print_output(to_toml(cfg))
     if cfg.comm.mode == "fake_backend":  # one process plays one rank of a fake world
-        from titanext.launch.dry_run import dry_run
+        from titanext.launch.dry_run import dry_run  # --help and a bad config never load torch
 
         return dry_run(cfg)
 
     def run() -> None:
+        # --help and a bad config never load torch
         from titanext.launch.preflight import check_preflight
-        from titanext.trainer import Trainer
+        from titanext.trainer import Trainer  # --help and a bad config never load torch
 
         check_preflight(cfg)  # output folders and the checkpoint, before the process group
         trainer = Trainer(cfg)

@@ -38,22 +38,18 @@ from titanext.components.validation import Validator
 from titanext.config import JobConfig, Recipe, resolve_job_layout
 from titanext.data import dataloader_from_config
 from titanext.data.tokenizer import build_tokenizer
-from titanext.distributed.faults import inject_test_fault
+from titanext.distributed.determinism import set_determinism
+from titanext.distributed.grad_clip import clip_grad_norm_
 from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import parallelize
 from titanext.distributed.pipeline import PipelineRunner
-from titanext.distributed.utils import (
-    clip_grad_norm_,
-    init_distributed,
-    set_determinism,
-    set_process_group_timeout,
-)
+from titanext.distributed.process_group import init_distributed, set_process_group_timeout
 from titanext.errors import TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
 from titanext.plugins.context_parallel import prepare_batch, shard_sequence
-from titanext.plugins.expert_replication import copies_per_step
+from titanext.plugins.expert_parallel.replication import copies_per_step
 from titanext.plugins.float8 import apply_float8, precompute_float8_scales
 from titanext.plugins.float8_experts import apply_float8_experts
 from titanext.plugins.moe_balancing import MoEBalancing, reset_routing_counts
@@ -349,7 +345,7 @@ class Trainer:
 
     def _after_step(self, metrics: MetricsLogger, tokens_per_step: int, loss: float,
                     grad_norm: float, lr: float) -> None:
-        """Metrics, validation, checkpoints (and an injected test fault) after a step."""
+        """Metrics, validation, checkpoints after a step."""
         cfg, c = self.cfg, self.cfg.checkpoint
         metrics.record_tokens(tokens_per_step)
         shown, tb = self.moe_balancing.metrics(self.model_parts, pp_group=self._pp_group)
@@ -358,7 +354,6 @@ class Trainer:
         metrics.log(self.step, loss=loss, grad_norm=grad_norm, lr=lr, extra=shown, tb_extra=tb)
         self.validator.maybe_run(self.step, metrics)
         self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
-        inject_test_fault(self.rank, self.step)  # no-op unless TITANEXT_TEST_FAULT
         if self.step == cfg.training.steps and c.last_save_in_hf and c.enable:
             save_hf_checkpoint(self.model_parts, os.path.join(
                 cfg.job.dump_folder, c.folder, f"step-{self.step}-hf"), self.model_args,

@@ -39,20 +39,18 @@ COMMANDS = {
     "titanext-config-docs": "titanext.config.docs",
 }
 
-#: titanext's packages and top-level modules from the bottom up. A module imports its own package
-#: and what is listed before it, never what comes after; so no import runs back up, and no two
-#: packages import each other. Hugging Face code lives in ``hf``, below ``data`` (whose tokenizer
-#: builds HF's) and ``config`` (which checks HF assets while loading); the commands that read a job
-#: config (titanext-convert, titanext-data) sit in ``launch``.
+#: titanext's packages and top-level modules from the bottom up, one entry each. A module imports
+#: its own package and what is listed before it, never what comes after; so no import runs back
+#: up, and no two packages import each other. ``hf`` (HF weights in and out, the transformers
+#: adapters that drive the plugins and the pipeline split) sits above ``distributed``; what the
+#: layers below read of HF lives with them (``models.hf_configs``, ``models.hf_names``,
+#: ``data.hf_tokenizer``, ``config.hf_rules``). The commands that read a job config
+#: (titanext-convert, titanext-data) sit in ``launch``.
 LAYERS = (
     "titanext", "titanext.errors", "titanext._text", "titanext._compat",
     "titanext._profiler_ranges", "titanext._safe_load", "titanext._fake_backend",
-    "titanext.models", "titanext.plugins", "titanext.schedules", "titanext.hf", "titanext.data",
-    "titanext.config", "titanext.components", "titanext.distributed",
-    # the transformers adapters drive titanext's plugins and pipeline split on transformers
-    # models: above distributed, while the rest of hf (configs, tokenizer, checkpoints, the
-    # checks the config runs) sits below data and config
-    "titanext.hf.transformers",
+    "titanext.models", "titanext.plugins", "titanext.schedules", "titanext.data",
+    "titanext.config", "titanext.components", "titanext.distributed", "titanext.hf",
     "titanext.planning", "titanext.trainer", "titanext.launch", "titanext.parity",
     "titanext.gpucheck", "titanext.train",
 )
@@ -213,7 +211,6 @@ def test_a_lazy_import_that_closes_a_cycle_is_reported(tmp_path, monkeypatch):
 
 def test_every_module_has_a_layer():
     unplaced = sorted({".".join(m.split(".")[:2]) for m in import_graph()} - set(LAYERS))
-    # (a module listed on its own, like titanext.hf.transformers, has its package listed too)
     assert not unplaced, f"place these in LAYERS (tests/docs/test_imports.py): {unplaced}"
 
 

@@ -1,7 +1,8 @@
 """The trainer under faults, as a user runs it: a raising rank, unwritable folders, checkpoint
 errors, a changed config on resume, the pipeline banner, and torchrun's elastic restarts.
 
-Fault injection is the test-only ``TITANEXT_TEST_FAULT`` variable (titanext.distributed.faults).
+Faults are injected by a wrapped entry point, ``tests/e2e/fault_entry.py`` (``TITANEXT_TEST_FAULT``
+says which); titanext itself holds no test hook.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def _ranks_by_hand(args, logs: Path, world_size=2, **extra):
     """``python -m titanext.train`` in ``world_size`` processes without torchrun (nobody tears
     the others down: each rank must leave on its own); output to ``logs/<rank>.out|err``."""
     port = free_port()
+    entry = "tests.e2e.fault_entry" if "TITANEXT_TEST_FAULT" in extra else "titanext.train"
     procs = []
     for r in range(world_size):
         env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), **extra)
         with open(logs / f"{r}.out", "w") as out, open(logs / f"{r}.err", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-m", "titanext.train", *args],
+            procs.append(subprocess.Popen([sys.executable, "-m", entry, *args],
                                           cwd=ROOT, env=env, stdout=out, stderr=err))
     return procs
 
@@ -161,8 +163,14 @@ def test_pipeline_banner_counts_the_whole_model_and_this_ranks_share(tmp_path):
 
 
 def _torchrun(args, dump, restarts=0, **extra):
-    cmd = [sys.executable, "-m", "titanext.launch", "--standalone", "--nproc_per_node", "2",
-           f"--max-restarts={restarts}", *SMALL, "--training.steps=8",
+    # titanext-run (validate, then torchrun -m titanext.train); torchrun itself for the wrapped
+    # entry point that injects a fault
+    launch = (["torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               f"--max-restarts={restarts}", "-m", "tests.e2e.fault_entry"]
+              if "TITANEXT_TEST_FAULT" in extra else
+              ["titanext.launch", "--standalone", "--nproc_per_node", "2",
+               f"--max-restarts={restarts}"])
+    cmd = [sys.executable, "-m", *launch, *SMALL, "--training.steps=8",
            "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval=5",
            f"--job.dump_folder={dump}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,

@@ -34,7 +34,7 @@ def _run(model, xs, cs, mine, step_microbatches: int | None):
     import contextlib
 
     from titanext.plugins.expert_parallel import count_comm
-    from titanext.plugins.expert_replication import copies_per_step
+    from titanext.plugins.expert_parallel.replication import copies_per_step
 
     ctx = (contextlib.nullcontext() if step_microbatches is None
            else copies_per_step([model], step_microbatches))

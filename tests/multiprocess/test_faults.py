@@ -20,7 +20,7 @@ ROOT = REPO_ROOT
 # Rank 0 raises while rank 1 waits in an all-reduce (the TensorBoard-writer case of the issue).
 WORKER = """
 import datetime, sys, torch, torch.distributed as dist
-from titanext.distributed.faults import exit_process, run_guarded
+from titanext.distributed.failsafe import exit_process, run_guarded
 
 def body():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -68,7 +68,7 @@ def test_each_torchrun_attempt_gets_its_own_store_keys(monkeypatch):
 
     import torch.distributed as dist
 
-    from titanext.distributed.utils import elastic_store
+    from titanext.distributed.process_group import elastic_store
 
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -17,8 +17,8 @@ from tests.spawn import run_distributed
 from tests.unit import test_hf_checkpoint as in_process
 from tests.unit.test_hf_checkpoint import _tensors
 from titanext.hf.checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint
-from titanext.hf.configs import model_args_from_hf
 from titanext.models import build_model
+from titanext.models.hf_configs import model_args_from_hf
 
 hf_dirs = in_process.hf_dirs  # the tiny HF checkpoints: a module-scoped fixture
 

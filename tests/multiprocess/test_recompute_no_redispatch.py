@@ -199,7 +199,7 @@ def test_a_recompute_that_routes_otherwise_raises():
 
 
 def test_a_received_tensor_written_in_place_raises():
-    from titanext.plugins._ep_comm import CommTape, taped
+    from titanext.plugins.expert_parallel._comm import CommTape, taped
 
     tape, x = CommTape(), torch.ones(3)
     with tape.session():

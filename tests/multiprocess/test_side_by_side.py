@@ -1,7 +1,7 @@
-"""benchmarks/side_by_side.py (and gpucheck's side_by_side group) at CPU sizes on one pooled
-rank: every variant that can run here runs, the plain loop computes what the trainer computes
-(same first loss), torchtitan's row says why it did not run, and the JSON holds the figures.
-No timing is asserted (CPU)."""
+"""benchmarks/side_by_side.py (its variants: benchmarks/side_by_side_variants.py) at CPU sizes on
+one pooled rank: every variant that can run here runs, the plain loop computes what the trainer
+computes (same first loss), torchtitan's row says why it did not run, and the JSON holds the
+figures. No timing is asserted (CPU)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ from tests.spawn import run_distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", file))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load_cli():
-    spec = importlib.util.spec_from_file_location(
-        "side_by_side_cli", os.path.join(ROOT, "benchmarks", "side_by_side.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return _load("side_by_side_cli", "side_by_side.py")
 
 
 def _cli(rank: int, world_size: int, path: str, wheels: str, out_dir: str) -> dict:
-    from titanext.gpucheck.side_by_side import OUT_ENV
+    OUT_ENV = _load("side_by_side_variants", "side_by_side_variants.py").OUT_ENV
 
     os.environ[OUT_ENV] = out_dir  # the traced step's files (the pool restores the environment)
     code = _load_cli().main(["--tiny", "--rounds", "1", "--json", path, "--wheels", wheels])
@@ -75,8 +78,9 @@ def test_tiny_side_by_side(tmp_path):
 def _plain_fails_at_step_2(rank: int, world_size: int, wheels: str) -> list:
     import torch
 
-    from titanext.gpucheck import side_by_side
     from titanext.gpucheck._common import Ctx
+
+    side_by_side = _load("side_by_side_variants", "side_by_side_variants.py")
 
     real = side_by_side._Plain._step
 

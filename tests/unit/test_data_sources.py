@@ -416,7 +416,7 @@ def test_document_masking_adds_ids_and_leaves_inputs_and_labels_alone(corpus, tm
 
 def test_hf_tokenizer_shards_match_the_text_stream_and_refuse_the_byte_tokenizer(corpus, tmp_path):
     from tests.hf_artifacts import make_bpe_tokenizer
-    from titanext.hf.tokenizer import HFTokenizer
+    from titanext.data.hf_tokenizer import HFTokenizer
 
     hf_dir = make_bpe_tokenizer(str(tmp_path / "hf"))
     hf = HFTokenizer(hf_dir)

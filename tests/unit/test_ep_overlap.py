@@ -189,7 +189,7 @@ def test_float8_rows_round_trip_with_no_rows():
     error (the overlapped 671B dry run crashed on 0 rows)."""
     import torch
 
-    from titanext.plugins._ep_comm import dequantize_rows, quantize_rows
+    from titanext.plugins.expert_parallel._comm import dequantize_rows, quantize_rows
 
     for rows, dim in ((0, 7168), (0, 100), (3, 200)):
         x = torch.randn(rows, dim, dtype=torch.bfloat16)

@@ -8,8 +8,13 @@ import random
 
 import pytest
 
-from titanext.plugins.expert_replication import SLACK, nominal_plan, plan_replicas, rank_routing
-from titanext.plugins.options import max_replicas
+from titanext.plugins.expert_parallel.replication import (
+    SLACK,
+    nominal_plan,
+    plan_replicas,
+    rank_routing,
+)
+from titanext.plugins.expert_parallel.rules import max_replicas
 
 
 def _table(rng: random.Random, world: int, n_exp: int) -> list[list[int]]:
@@ -107,7 +112,7 @@ def test_planner_counts_the_copies_once_per_step():
 def test_planner_plans_replication_within_the_slack_and_compares_both():
     from titanext.config import load_config
     from titanext.planning.estimate import plan_config
-    from titanext.plugins.options import REPLICATION_SLACK
+    from titanext.plugins.expert_parallel.rules import REPLICATION_SLACK
 
     base = ["--model.flavor=debugmoe", "--parallelism.expert_parallel_degree=2"]
     plain = load_config(None, base, world_size=4)

@@ -17,8 +17,8 @@ CPU_GROUPS = ["ring", "deferred", "grouped", "float8", "split", "float8_speed", 
 
 
 def test_every_group_is_known_and_ordered():
-    # (side_by_side has its own test: tests/multiprocess/test_side_by_side.py)
-    assert set(CPU_GROUPS) | {"trainer", "side_by_side"} == set(ROWS)
+    # (the side-by-side benchmark has its own test: tests/multiprocess/test_side_by_side.py)
+    assert set(CPU_GROUPS) | {"trainer"} == set(ROWS)
 
 
 def test_float8_rows_say_torchao_missing(monkeypatch):
@@ -75,7 +75,7 @@ def test_cli_writes_json_and_exit_codes(tmp_path, capsys):
 
 
 def test_ranks_share_a_gpu_only_when_nccl_is_told(monkeypatch):
-    from titanext.distributed import utils
+    from titanext.distributed import process_group as utils
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -19,10 +19,10 @@ from tests.hf_artifacts import (
 from titanext.data.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
 from titanext.hf.checkpoint import load_hf_weights, load_initial_weights, save_hf_checkpoint
-from titanext.hf.configs import model_args_from_hf
 from titanext.hf.convert import hf_to_dcp
 from titanext.launch.convert import main as convert_main
 from titanext.models import build_model
+from titanext.models.hf_configs import model_args_from_hf
 
 pytest.importorskip("transformers")
 

@@ -19,10 +19,11 @@ import torch
 from tests import REPO_ROOT
 from tests.hf_artifacts import deepseek_mtp_reference, make_tiny_deepseek_v3
 from titanext.errors import ConfigError
-from titanext.hf.checkpoint import check_hf_checkpoint, load_hf_weights, save_hf_checkpoint
-from titanext.hf.configs import model_args_from_hf
+from titanext.hf.checkpoint import load_hf_weights, save_hf_checkpoint
 from titanext.launch.convert import main as convert_main
 from titanext.models import build_model
+from titanext.models.hf_configs import model_args_from_hf
+from titanext.models.hf_names import check_hf_checkpoint
 from titanext.models.mtp import mtp_labels
 
 pytest.importorskip("transformers")

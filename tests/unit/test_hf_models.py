@@ -18,12 +18,13 @@ from tests.hf_artifacts import (
     make_tiny_mixtral,
     make_tiny_qwen3,
 )
+from titanext.data.hf_tokenizer import HFTokenizer
 from titanext.data.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
-from titanext.hf.checkpoint import check_hf_checkpoint, load_hf_weights
-from titanext.hf.configs import model_args_from_hf
-from titanext.hf.tokenizer import HFTokenizer
+from titanext.hf.checkpoint import load_hf_weights
 from titanext.models import build_model
+from titanext.models.hf_configs import model_args_from_hf
+from titanext.models.hf_names import check_hf_checkpoint
 
 pytest.importorskip("transformers")
 

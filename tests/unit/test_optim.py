@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titanext.components.optim import build_lr_scheduler, build_optimizer, lr_lambda
-from titanext.distributed.utils import clip_grad_norm_
+from titanext.distributed.grad_clip import clip_grad_norm_
 
 
 def factors(total, **kw):

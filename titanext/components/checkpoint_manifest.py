@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -113,7 +114,6 @@ def manifest_info(cfg: Any, layout: Any = None) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         titanext_version = version("titanext")

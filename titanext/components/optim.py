@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule.
 
-Gradient clipping is :func:`titanext.distributed.utils.clip_grad_norm_`.
+Gradient clipping is :func:`titanext.distributed.grad_clip.clip_grad_norm_`.
 
 
 >>> import torch
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -57,7 +58,6 @@ def build_optimizer(
         )
         params = [{"params": group} for group in kinds if group]
     if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(
             params, optimizer_class=_OPTIMIZERS[name], process_group=zero1_group, **kwargs

@@ -48,6 +48,7 @@ from titanext._text import format_table
 from titanext.components.step_table import breakdown_rows, simulated_idle, step_breakdown
 from titanext.components.trace_svg import write_timeline
 from titanext.config import PipelinePlan, Profiling
+from titanext.schedules._torch_ir import around_stage_init, record_p2p_waits
 
 __all__ = ["PipelineShape", "StepProfiler", "dump_cuda_history", "memory_svg",
            "record_cuda_history", "window_steps"]
@@ -117,7 +118,6 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         if self.cfg.enable_profiling:
             if self._pipeline_schedule is not None:  # torch's schedules' P2P waits, marked
-                from titanext.schedules._torch_ir import record_p2p_waits
 
                 record_p2p_waits()
             activities = [ProfilerActivity.CPU]
@@ -144,7 +144,6 @@ class StepProfiler:
         if not (self.breakdown and self._breakdown_step(step)):
             yield
             return
-        from titanext.schedules._torch_ir import around_stage_init
 
         tracker = mem_tracker()
         tracker.track_external(*self.parts, self.optimizer)

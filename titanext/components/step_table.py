@@ -52,6 +52,8 @@ from titanext._profiler_ranges import (
     PP_WAIT,
     PREFIX,
 )
+from titanext.schedules import schedule_order
+from titanext.schedules.simulator import replay
 
 __all__ = ["TraceRanges", "breakdown_rows", "read_ranges", "simulated_idle", "step_breakdown",
            "step_number"]
@@ -206,8 +208,6 @@ def simulated_idle(plan: PipelinePlan, *, pp_rank: int,
     measured per-stage chunk costs (``chunks``: every stage's, as :func:`step_breakdown`
     gives them; a full B stands for I + W where the schedule does not split), on the lists of
     the job's resolved pipeline ``plan`` (capped as the trainer ran them)."""
-    from titanext.schedules import schedule_order
-    from titanext.schedules.simulator import replay
 
     chain = plan.num_stages
 

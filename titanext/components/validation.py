@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanext.data import dataloader_from_config
+from titanext.plugins.context_parallel import prepare_batch
 
 __all__ = ["Validator", "pipeline_forward"]
 
@@ -146,7 +147,6 @@ class Validator:
         saved = _moe_counts(parts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
         tokens = torch.zeros((), dtype=torch.float64, device=tr.device)
-        from titanext.plugins.context_parallel import prepare_batch
 
         for batch in self._batches():  # as in training: CP shards, document positions and ids
             inputs, labels, positions, docs = prepare_batch(

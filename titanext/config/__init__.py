@@ -13,11 +13,15 @@ The package has four parts, each with one job:
   into one report (:func:`collect_problems`, :func:`check_config`).
 
 Where a rule lives: a rule about one package's own options sits in that package, torch-free,
-taking plain values, and the config calls it: ``plugins/options.py`` (float8, hot-expert
-replication, whose bound is the plugin's own :func:`~titanext.plugins.options.max_replicas`),
-``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/checks.py``
-(datasets, token shards), ``hf/checks.py`` (HF assets, vocab, initial load), ``config/degrees.py``
-(the plain-int layout arithmetic). What stays here involves several sections at once (degrees,
+taking plain values, in a module named ``rules`` (``*_rules`` where a package has rules on several
+topics), and the config calls it: ``plugins/rules.py`` (float8, activation checkpointing),
+``plugins/expert_parallel/rules.py`` (dispatch, hot-expert replication, whose bound is the
+plugin's own :func:`~titanext.plugins.expert_parallel.rules.max_replicas`),
+``schedules`` (:func:`~titanext.schedules.schedule_problems`, overlap), ``data/rules.py``
+(datasets, token shards), ``config/degrees.py`` (the plain-int layout arithmetic). The HF path's
+rules (``hf_rules.py``: HF assets, vocab, initial load) sit here, since ``hf`` is above the
+config; they read the HF pieces that live below it (``models.hf_configs``, ``models.hf_names``,
+``data.hf_tokenizer``). What stays here involves several sections at once (degrees,
 batch, pipeline composition, MTP against the layout: ``mtp_rules.py``) or guards code that sits
 above the config and so cannot hold it (``[profiling]``: ``profiling_rules.py``).
 
@@ -48,21 +52,23 @@ from titanext.config.loader import config_help, field_docs, load_config, parse_c
 from titanext.config.rules import check_config
 from titanext.config.schema import (
     SECTIONS,
-    ActivationCheckpoint,
     Checkpoint,
     Comm,
-    Compile,
-    Float8,
     Job,
     JobConfig,
     LRSchedulerConfig,
     Metrics,
     Model,
-    MoEConfig,
     OptimizerConfig,
-    Parallelism,
     Profiling,
     Training,
+)
+from titanext.config.schema_parallel import (
+    ActivationCheckpoint,
+    Compile,
+    Float8,
+    MoEConfig,
+    Parallelism,
 )
 from titanext.errors import ConfigError
 

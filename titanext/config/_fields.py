@@ -89,3 +89,7 @@ def constraint_problem(f: dataclasses.Field, value: Any) -> str | None:
         if allowed:
             return f"is not allowed; allowed: {allowed}"
     return None
+
+
+def _minus_one_or_positive(value: int) -> str | None:
+    return None if value == -1 or value >= 1 else "-1 or an integer >= 1"

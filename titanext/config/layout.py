@@ -46,9 +46,11 @@ from titanext.config.degrees import (
     resolve_dp_shard,
     resolve_microbatches,
 )
-from titanext.config.schema import JobConfig, MoEConfig
+from titanext.config.schema import JobConfig
+from titanext.config.schema_parallel import MoEConfig
 from titanext.errors import ConfigError
-from titanext.plugins.options import DEFAULT_SAVE_OPS, EP_DISPATCH_MODES
+from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES
+from titanext.plugins.rules import DEFAULT_SAVE_OPS
 
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
@@ -500,8 +502,8 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
     1
     """
-    from titanext.hf.configs import model_args_from_hf
     from titanext.models import get_model_args, with_moe_overrides
+    from titanext.models.hf_configs import model_args_from_hf
 
     if cfg.model.flavor == "hf":
         base = model_args_from_hf(cfg.model.hf_assets_path)

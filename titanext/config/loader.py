@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from titanext._text import did_you_mean as _did_you_mean
-from titanext.config import schema
+from titanext.config import schema, schema_parallel
 from titanext.config._fields import field_rule
 from titanext.config._values import (
     _coerce,
@@ -60,14 +60,16 @@ def _read_attribute_docs() -> dict[str, dict[str, str]]:
     """class name -> field name -> the string literal written under the field.
 
     Python keeps no attribute docstrings at runtime, so they are read from the source of
-    :mod:`titanext.config.schema` with ``ast``; that is done once, at import.
+    :mod:`titanext.config.schema` and :mod:`titanext.config.schema_parallel` with ``ast``; that
+    is done once, at import.
     """
     try:
-        tree = ast.parse(inspect.getsource(schema))
+        body = [node for module in (schema, schema_parallel)
+                for node in ast.parse(inspect.getsource(module)).body]
     except (OSError, TypeError):  # shipped without source: help text loses its descriptions
         return {}
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    for node in body:
         if not isinstance(node, ast.ClassDef):
             continue
         docs[node.name] = {}

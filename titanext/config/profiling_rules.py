@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from titanext.config._checks import writable_folder_problem
+from titanext.config.field_rules import writable_folder_problem
 from titanext.config.schema import JobConfig
 
 __all__ = ["profiling_problems"]

@@ -21,6 +21,7 @@ from typing import Any
 
 from titanext._text import did_you_mean as _did_you_mean
 from titanext.config.degrees import batch_problem, ep_layout_problem
+from titanext.config.hf_rules import hf_problems
 from titanext.config.layout import (
     PipelinePlan,
     PipelinePlanError,
@@ -34,15 +35,13 @@ from titanext.config.layout import (
 from titanext.config.mtp_rules import mtp_problems
 from titanext.config.profiling_rules import profiling_problems
 from titanext.config.schema import JobConfig, field_problems
-from titanext.data.checks import data_problems
+from titanext.data.rules import data_problems
+from titanext.data.tokenizer import build_tokenizer
 from titanext.errors import ConfigError
-from titanext.plugins.ep_dispatch_rules import dispatch_problems
-from titanext.plugins.options import (
-    float8_experts_problems,
-    float8_problems,
-    keep_all_to_all_problem,
-    replication_problems,
-)
+from titanext.models import MODEL_FLAVORS, get_model_args
+from titanext.models.hf_configs import hf_config_from_model_args, model_args_from_hf
+from titanext.plugins.expert_parallel.rules import dispatch_problems, replication_problems
+from titanext.plugins.rules import float8_experts_problems, float8_problems, keep_all_to_all_problem
 
 __all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
 
@@ -61,8 +60,7 @@ def pipeline_config_problems(cfg: JobConfig) -> list[str]:
 def _pipeline_problems(cfg: JobConfig) -> tuple[list[str], PipelinePlan | None]:
     """(the pipeline's problems, its :class:`~titanext.config.layout.PipelinePlan` where one can
     be resolved), through the one resolution the trainer and the planner run."""
-    from titanext.models import MODEL_FLAVORS, get_model_args
-    from titanext.schedules import schedule_problems
+    from titanext.schedules import schedule_problems  # the config loads without torch
 
     p, t, m = cfg.parallelism, cfg.training, cfg.model
     pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
@@ -145,7 +143,6 @@ def _pipeline_composition_problems(cfg: JobConfig, skip: set[str],
 
 def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[str]:
     """Name and flavor against the registry, then the rules that need the model's shape."""
-    from titanext.models import MODEL_FLAVORS, get_model_args
 
     m, t, p = cfg.model, cfg.training, cfg.parallelism
     if skip & {"model.name", "model.flavor"}:
@@ -164,7 +161,6 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
     if m.flavor == "hf":
         if problems or not m.hf_assets_path:
             return problems
-        from titanext.hf.configs import model_args_from_hf
 
         args = model_args_from_hf(m.hf_assets_path)
     else:
@@ -192,7 +188,6 @@ def _model_problems(cfg: JobConfig, skip: set[str], degrees_ok: bool) -> list[st
         problems.append(f"parallelism.pipeline_parallel_degree = {pp} is more than the model's "
                         f"n_layers = {args.n_layers} ({which}); every stage needs a layer")
     if "model.tokenizer" not in skip and m.tokenizer != "hf":  # 'hf': in _hf_rule_problems
-        from titanext.data.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(m.tokenizer).vocab_size
         if args.vocab_size < vocab:
@@ -248,9 +243,6 @@ def _ulysses_head_problems(p: Any, args: Any, which: str) -> list[str]:
 def _hf_rule_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """The HF path (docs/hf_checkpoints.md): hf_assets_path files, tokenizer vocab against the
     model, tied embeddings against TP / PP, initial_load_path against the model, HF export."""
-    from titanext.hf.checks import hf_problems
-    from titanext.hf.configs import hf_config_from_model_args
-    from titanext.models import get_model_args
 
     m, c, p = cfg.model, cfg.checkpoint, cfg.parallelism
     problems = []
@@ -293,7 +285,6 @@ def _checkpoint_export_problems(c: Any) -> list[str]:
 
 def _moe_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
     """[moe] against the flavor: only for MoE flavors, and the merged values must fit together."""
-    from titanext.models import MODEL_FLAVORS
 
     m = cfg.model
     if skip & {"model.name", "model.flavor"} or m.flavor not in MODEL_FLAVORS.get(m.name, {}):
@@ -382,7 +373,7 @@ def ep_overlap_problems(cfg: JobConfig, plan: PipelinePlan | None) -> list[str]:
         return [f"{key} overlaps the paired forward/backward chunks of a pipeline schedule, but "
                 "parallelism.pipeline_parallel_degree = 1 has none; use pp > 1 with DualPipeV, "
                 "DualPipe, 1F1B or Interleaved1F1B, or set it false"]
-    from titanext.schedules.overlap import overlap_problems
+    from titanext.schedules.overlap import overlap_problems  # the config loads without torch
 
     if plan is None:  # reported by the pipeline rules
         return []
@@ -410,7 +401,45 @@ def collect_problems(cfg: JobConfig, world_size: int | None = None,
     return found
 
 
+def _ok(skip: set[str], *keys: str) -> bool:
+    """True when none of ``keys`` failed its own check (bare names are parallelism keys)."""
+    return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
+
+
 def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]) -> list[str]:
+    """Every rule that involves several keys, in report order: the layout, then the features
+    on it, then batch and ZeRO, then data and outputs."""
+    problems, shard, degrees_ok = _layout_problems(cfg, world_size, skip)
+    ac = cfg.activation_checkpoint
+    keep = ac.keep_all_to_all and _ok(skip, "activation_checkpoint.mode",
+                                      "activation_checkpoint.selective_ac_option")
+    if keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option):
+        problems.append(keep_all_to_all_problem(ac.mode, ac.selective_ac_option))
+    problems += _model_problems(cfg, skip, degrees_ok)
+    plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
+    if degrees_ok and cfg.parallelism.pipeline_parallel_degree > 1 and _ok(
+            skip, "pipeline_parallel_schedule"):
+        found, plan = _pipeline_problems(cfg)
+        problems += found
+    problems += float8_problems(cfg.float8, cfg.parallelism, skip)
+    problems += float8_experts_problems(cfg, skip, model_args)
+    problems += _moe_problems(cfg, skip)
+    problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
+    problems += replication_problems(cfg, skip, model_args)
+    problems += dispatch_problems(cfg, skip, model_args)
+    if degrees_ok and _ok(skip, "expert_parallel_degree", "pipeline_parallel_schedule"):
+        problems += ep_overlap_problems(cfg, plan)
+    if degrees_ok:
+        problems += _pipeline_composition_problems(cfg, skip, plan)
+    problems += _batch_and_zero_problems(cfg, skip, shard)
+    problems += _data_and_output_problems(cfg, skip)
+    return problems
+
+
+def _layout_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
+                     ) -> tuple[list[str], int | None, bool]:
+    """The world size, the degrees against it and the sequence split: (problems, the resolved
+    dp_shard degree or None, whether the degrees passed their own checks)."""
     problems: list[str] = []
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
@@ -418,8 +447,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
         world_size = None
 
     def ok(*keys: str) -> bool:
-        """True when none of ``keys`` failed its own check (bare names are parallelism keys)."""
-        return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
+        return _ok(skip, *keys)
 
     p, t = cfg.parallelism, cfg.training
     if cfg.comm.mode == "fake_backend" and ok("comm.fake_world_size", "comm.fake_rank"):
@@ -431,8 +459,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     degrees_ok = ok("data_parallel_replicate_degree", "data_parallel_shard_degree",
                     "context_parallel_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree")
-    rep, cp = p.data_parallel_replicate_degree, p.context_parallel_degree
-    tp = p.tensor_parallel_degree
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
 
     shard = None
     if degrees_ok:
@@ -458,54 +485,45 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
 
     if degrees_ok and ok("context_parallel_ulysses_degree", "context_parallel_comm"):
         problems += _ulysses_degree_problems(p)
-    ac = cfg.activation_checkpoint
-    keep = ac.keep_all_to_all and ok("activation_checkpoint.mode",
-                                     "activation_checkpoint.selective_ac_option")
-    if keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option):
-        problems.append(keep_all_to_all_problem(ac.mode, ac.selective_ac_option))
-    problems += _model_problems(cfg, skip, degrees_ok)
-    plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
-    if degrees_ok and p.pipeline_parallel_degree > 1 and ok("pipeline_parallel_schedule"):
-        found, plan = _pipeline_problems(cfg)
-        problems += found
-    problems += float8_problems(cfg.float8, cfg.parallelism, skip)
-    problems += float8_experts_problems(cfg, skip, model_args)
-    problems += _moe_problems(cfg, skip)
-    problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
-    problems += replication_problems(cfg, skip, model_args)
-    problems += dispatch_problems(cfg, skip, model_args)
-    if degrees_ok and ok("expert_parallel_degree", "pipeline_parallel_schedule"):
-        problems += ep_overlap_problems(cfg, plan)
-    if degrees_ok:
-        problems += _pipeline_composition_problems(cfg, skip, plan)
+    return problems, shard, degrees_ok
 
-    if shard is not None and ok("training.local_batch_size", "training.global_batch_size"):
+
+def _batch_and_zero_problems(cfg: JobConfig, skip: set[str], shard: int | None) -> list[str]:
+    """The batch against the data-parallel degrees, and ZeRO against the layout."""
+    problems: list[str] = []
+    p, t = cfg.parallelism, cfg.training
+    rep, tp = p.data_parallel_replicate_degree, p.tensor_parallel_degree
+    if shard is not None and _ok(skip, "training.local_batch_size", "training.global_batch_size"):
         problem = batch_problem(global_batch_size=t.global_batch_size,
                                 local_batch_size=t.local_batch_size, dp_replicate=rep,
                                 dp_shard=shard)
         if problem:
             problems.append(problem)
 
-    if ok("zero_stage", "tensor_parallel_degree", "data_parallel_replicate_degree") \
+    if _ok(skip, "zero_stage", "tensor_parallel_degree", "data_parallel_replicate_degree") \
             and p.zero_stage == 1 and (tp > 1 or rep > 1):
         problems.append(
             f"parallelism.zero_stage = 1 (DDP + sharded optimizer state over replicated "
             f"parameters) needs tensor_parallel_degree = 1 and data_parallel_replicate_degree = 1,"
             f" got {tp} and {rep}; use zero_stage 2 or 3")
-    if ok("zero_stage", "fsdp_reshard_after_forward") and p.zero_stage == 2 \
+    if _ok(skip, "zero_stage", "fsdp_reshard_after_forward") and p.zero_stage == 2 \
             and p.fsdp_reshard_after_forward != "default":
         problems.append(
             f"parallelism.fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward!r} conflicts "
             "with zero_stage = 2, which never reshards after forward; leave it 'default' or use "
             "zero_stage = 3")
+    return problems
 
+
+def _data_and_output_problems(cfg: JobConfig, skip: set[str]) -> list[str]:
+    """The datasets, and what a run writes out (profiling, wandb)."""
     sections = [("training", cfg.training)] + ([("validation", cfg.validation)]
                                                if cfg.validation.enable else [])
-    problems += data_problems(
+    problems = list(data_problems(
         [(name, sec.dataset, sec.dataset_path) for name, sec in sections
          if not {f"{name}.dataset", f"{name}.dataset_path", "training.dataset_text_field"} & skip],
         text_field=cfg.training.dataset_text_field, tokenizer=cfg.model.tokenizer,
-        hf_assets_path=cfg.model.hf_assets_path)
+        hf_assets_path=cfg.model.hf_assets_path))
     hf_used = cfg.training.dataset == "hf" or (cfg.validation.enable
                                                 and cfg.validation.dataset == "hf")
     if cfg.training.dataset_name and not hf_used and not {

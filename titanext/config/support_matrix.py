@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from titanext.config import ConfigError, load_config
-from titanext.plugins.options import FLOAT8_RECIPES
+from titanext.plugins.rules import FLOAT8_RECIPES
 from titanext.schedules import SCHEDULE_NAMES
 
 __all__ = ["ROWS", "COLUMNS", "Cell", "Matrix", "support_matrix", "to_markdown", "to_text",

@@ -53,7 +53,7 @@ _EXPORTS = {
     "DATASETS": "loader", "TokenDataLoader": "loader", "build_dataloader": "loader",
     "dataloader_from_config": "loader",
     "document_ids": "loader", "document_positions": "loader", "load_documents": "loader",
-    "check_dataset": "checks", "TEXT_SUFFIXES": "readers", "SyntheticWindows": "sources",
+    "check_dataset": "rules", "TEXT_SUFFIXES": "readers", "SyntheticWindows": "sources",
     "TokenWindows": "sources", "pack_documents": "sources",
     "StreamingTextWindows": "streaming", "TokenShardWindows": "tokens",
     "HFStreamingWindows": "hf_datasets",

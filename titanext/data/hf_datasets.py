@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from titanext.data import streaming
-from titanext.data.checks import FILE_BUILDERS
 from titanext.data.readers import Unit, corpus_fingerprint
+from titanext.data.rules import FILE_BUILDERS
 from titanext.data.sources import Tokenizer
 from titanext.data.streaming import StreamingTextWindows
 from titanext.errors import ConfigError
@@ -51,7 +51,7 @@ def open_hf_split(dataset_path: str, name: str | None = None, split: str = "trai
     """``datasets.load_dataset(..., split=split, streaming=True)`` for ``dataset_path``; any
     failure (no such hub dataset, config or split) is a one-line :class:`ConfigError`."""
     try:
-        import datasets
+        import datasets  # optional dependency (Hugging Face datasets)
     except ImportError as e:
         raise ConfigError(f"{key.split('.')[0]}.dataset = 'hf' needs the datasets package, "
                           f"which is not installed; {_INSTALL}") from e

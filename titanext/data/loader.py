@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from titanext.data.checks import check_dataset
 from titanext.data.hf_datasets import HFStreamingWindows
 from titanext.data.readers import list_files, read_units
+from titanext.data.rules import check_dataset
 from titanext.data.sources import (
     SyntheticWindows,
     Tokenizer,

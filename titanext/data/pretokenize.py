@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from titanext.data.hf_tokenizer import HFTokenizer
 from titanext.data.readers import list_files, read_units
+from titanext.data.tokenizer import build_tokenizer
 from titanext.data.tokens import MANIFEST, token_dtype
 from titanext.errors import ConfigError
 
@@ -46,8 +48,6 @@ def load_tokenizer(spec: tuple[str, ...]) -> Any:
     name such as ``"byte"``, with the ``hf_assets_path`` it reads) or ``("path", DIR_OR_JSON)``
     (a Hugging Face tokenizer.json or the directory holding it). A spec is plain strings, so
     that every worker process builds its own."""
-    from titanext.data.tokenizer import build_tokenizer
-    from titanext.hf.tokenizer import HFTokenizer
 
     kind, *rest = spec
     if kind == "path":

@@ -63,7 +63,7 @@ def _check_not_a_dataset_dict(path: Path, key: str) -> None:
 def import_pyarrow():
     """``pyarrow.parquet``, or a ConfigError naming the ``data`` extra that installs it."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency (the data extra)
     except ImportError as e:
         raise ConfigError("reading .parquet files needs pyarrow, which is not installed; install "
                           "the data extra: pip install 'titanext[data]'") from e
@@ -174,7 +174,7 @@ def _jsonl_units(path: Path, field: str, offset: int, line: int, key: str) -> It
 
 
 def _string_column(schema, path: Path, field: str, key: str) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency (the data extra)
 
     if field not in schema.names:
         raise ConfigError(f"{key} file {str(path)!r} has no column {field!r} "
@@ -230,7 +230,7 @@ def _arrow_reader(path: Path, field: str, key: str):
     writes (``data-00000-of-00004.arrow``), or the file format, memory-mapped (skipping rows on
     a resume reads nothing), after checking that ``field`` is a string column."""
     import_pyarrow()
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency (the data extra)
 
     source = pa.memory_map(str(path))
     try:

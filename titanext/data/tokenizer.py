@@ -4,7 +4,7 @@
 files, round-trips any text exactly, and keeps the debug model's embedding tiny (258 rows),
 which is what a CPU-runnable reference stack wants.
 
-``"hf"``: :class:`~titanext.hf.tokenizer.HFTokenizer` reads ``tokenizer.json`` from
+``"hf"``: :class:`~titanext.data.hf_tokenizer.HFTokenizer` reads ``tokenizer.json`` from
 ``[model] hf_assets_path`` with the ``tokenizers`` library (no ``transformers`` needed); BOS
 and EOS come from ``tokenizer_config.json`` or, failing that, from the tokenizer's special
 tokens.
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the config builds a tokenizer to check its vocabulary; keep that torch-free
     import torch
 
+from titanext.data.hf_tokenizer import HFTokenizer
 from titanext.errors import ConfigError
-from titanext.hf.tokenizer import HFTokenizer
 
 __all__ = ["TOKENIZERS", "ByteTokenizer", "build_tokenizer"]
 

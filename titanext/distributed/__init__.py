@@ -6,8 +6,11 @@
   -> AC -> compile -> FSDP2/HSDP or DDP), callable on any model.
 - :mod:`~titanext.distributed.pipeline`: split a model into stages, place them, build and run
   the schedule (:class:`PipelineRunner`).
-- :mod:`~titanext.distributed.utils`: process-group start-up, determinism, timeouts and global
-  gradient-norm clipping.
+- :mod:`~titanext.distributed.process_group`: process-group start-up and timeouts;
+  :mod:`~titanext.distributed.determinism`: seeding; :mod:`~titanext.distributed.grad_clip`:
+  global gradient-norm clipping.
+- :mod:`~titanext.distributed.failsafe`: rank failure (no rank left waiting; the training
+  command's end).
 
 Importing this package imports none of them.
 """

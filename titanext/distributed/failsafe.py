@@ -1,9 +1,10 @@
-"""No rank left waiting: an exception on one rank ends every rank within seconds.
+"""No rank left waiting: an exception on one rank ends every rank within seconds, and the
+training command ends once, on every rank. Rank failure lives here, in one module.
 
-The trainer's fail-safe (:mod:`titanext.distributed.faults`) aborts the process group when a rank
-fails, so that peers blocked in a collective fail at once instead of waiting out the timeout.
-The same mechanism guards the library calls a user's own script makes, where nothing else
-would (:func:`~titanext.distributed.split.split_model`,
+The library guard. The process group is aborted when a rank fails, so that peers blocked in a
+collective fail at once instead of waiting out the timeout. The same mechanism guards the library
+calls a user's own script makes, where nothing else would
+(:func:`~titanext.distributed.split.split_model`,
 :func:`~titanext.distributed.pipeline.build_pipeline` and the ``step`` of the schedule it
 returns, :class:`~titanext.distributed.pipeline.PipelineRunner`,
 :func:`~titanext.distributed.parallelize.parallelize`, the parity check's run):
@@ -16,23 +17,43 @@ returns, :class:`~titanext.distributed.pipeline.PipelineRunner`,
   the other ranks' collectives then fail within a second, and those ranks raise
   :class:`PeerFailed`, whose message names the rank that failed first and its error.
 
-Without a process group nothing changes:
+The training command's end (:func:`run_guarded`, which ``titanext.train`` runs):
+
+- An unexpected exception on one rank is printed once, naming the rank, and the process group
+  is aborted without waiting for peers (no barrier): their collectives fail at once ("connection
+  closed by peer") instead of waiting for the timeout, they exit non-zero too, and under
+  torchrun the agent stops the rest as soon as one worker has exited non-zero.
+- Errors every rank raises alike (a config or checkpoint problem, a diverged loss) are printed
+  once, by rank 0, with their exit code: 2 for bad input, 1 for divergence, 130 for Ctrl-C;
+  the process group is aborted all the same, so a rank that raised alone never blocks.
+- A clean run ends with a barrier and ``destroy_process_group``.
+
+Importing this module does not import torch (``--help`` and a bad config end through it). Without
+a process group nothing changes:
 
 >>> with fail_together("split_model"):
 ...     pass
+>>> run_guarded(lambda: None)   # no process group: nothing to tear down
+0
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import wraps
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
-__all__ = ["ALIKE_GRACE_S", "PEER_GONE", "PeerFailed", "abort_process_group", "fail_together",
-           "guarded", "settle_failure"]
+from titanext.errors import CheckpointError, ConfigError, TrainingDiverged
+
+__all__ = ["ALIKE_GRACE_S", "PEER_GONE", "PeerFailed", "abort_process_group", "exit_process",
+           "fail_together", "guarded", "print_output", "report_once", "run_guarded",
+           "settle_failure"]
 
 #: Seconds a failed rank waits for the other ranks to fail alike before it aborts the group.
 ALIKE_GRACE_S = 5.0
@@ -73,13 +94,13 @@ def _rebuild_peer_failed(rank: int, where: str, error: str, message: str) -> Pee
 
 
 def _initialized() -> bool:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
     return dist.get_rank() if _initialized() else int(os.environ.get("RANK", "0"))
 
@@ -150,9 +171,9 @@ def settle_failure(where: str, e: Exception) -> PeerFailed | None:
     else None (the ranks failed alike, or the group was aborted for this rank's own error).
     Settles each exception once: a :class:`PeerFailed` is returned as it is, another exception
     already settled (by an inner guard) returns None."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
 
-    from titanext import _compat
+    from titanext import _compat  # torch-free at import: --help and bad configs end here
 
     if isinstance(e, PeerFailed):  # settled by an inner guard already
         return e
@@ -214,3 +235,99 @@ def guarded(fn: F, where: str | None = None) -> F:
             return fn(*args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+# -- the training command's end ---------------------------------------------------------------
+# Under torchrun the first worker to exit non-zero gets the others SIGTERMed: ranks that stay
+# silent wait this long, so that rank 0 (slower to start, say) prints the shared error first.
+_QUIET_RANK_GRACE_S = 3.0
+
+
+def _env_rank() -> int:
+    """This process's rank from torchrun's environment (no torch: bad-config paths print)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def exit_process(code: int) -> NoReturn:
+    """``sys.exit(code)``; a failed run skips the interpreter's shutdown (no thread or writer
+    may keep a dead job alive), after flushing what it printed."""
+    if code:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
+def print_output(text: str) -> int:
+    """Print what ``--help`` or ``--print-config`` asked for; exit code 0 even when the reader
+    closed the pipe early (``--help | head``: no BrokenPipeError traceback)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+def _say(message: str, everyone: bool = False) -> None:
+    if everyone or _env_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def report_once(lines: list[str], prefix: str = "titanext: config error: ") -> int:
+    """Print an error every rank found alike from rank 0 only; exit code 2.
+
+    Other ranks linger for a moment first: under torchrun the first worker to exit gets the
+    rest stopped, and that must not be before rank 0 has printed.
+    """
+    for line in lines:
+        _say(prefix + line)
+    if _env_rank() != 0:
+        time.sleep(_QUIET_RANK_GRACE_S)
+    return 2
+
+
+def _teardown() -> None:
+    if not _initialized():
+        return
+    import torch.distributed as dist  # torch-free at import: --help and bad configs end here
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_guarded(body: Callable[[], object]) -> int:
+    """Run ``body`` (build the trainer and train) and end the process group; the exit code.
+
+    Ctrl-C and SIGTERM (torchrun stopping the workers) stop the run without saving anything
+    partial (checkpoint writes are atomic anyway).
+    """
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        body()
+    except (ConfigError, CheckpointError) as e:  # raised alike on every rank
+        kind = "config" if isinstance(e, ConfigError) else "checkpoint"
+        abort_process_group()
+        return report_once(getattr(e, "problems", None) or [str(e)], f"titanext: {kind} error: ")
+    except TrainingDiverged as e:
+        _say(f"titanext: training diverged: {e}")
+        abort_process_group()
+        return 1
+    except KeyboardInterrupt:
+        _say("titanext: interrupted; nothing partial was saved")
+        abort_process_group()
+        return 130
+    except Exception as e:  # noqa: BLE001 - any other error must not leave the peers waiting
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, PeerFailed) or any(marker in str(e) for marker in PEER_GONE):
+            _say(f"titanext: rank {_env_rank()}: stopping, another rank failed ({first[:160]})",
+                 everyone=True)
+        else:
+            _say(f"titanext: rank {_env_rank()} failed:\n{traceback.format_exc().rstrip()}",
+                 everyone=True)
+        abort_process_group()
+        return 1
+    _teardown()
+    return 0

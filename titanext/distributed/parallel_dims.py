@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanext._fake_backend import real_tensors
 from titanext.config.degrees import degree_problems, mesh_dims, resolve_dp_shard
-from titanext.distributed.utils import device_type
+from titanext.distributed.process_group import device_type
 from titanext.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ Example (4 CPU processes: ``torchrun --nproc_per_node 4 this_file.py``)::
     from titanext.config import Recipe
     from titanext.distributed.parallel_dims import ParallelDims
     from titanext.distributed.parallelize import parallelize
-    from titanext.distributed.utils import init_distributed
+    from titanext.distributed.process_group import init_distributed
 
     class Block(nn.Module):
         def __init__(self, d):

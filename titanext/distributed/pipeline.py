@@ -43,9 +43,9 @@ from titanext._profiler_ranges import PP_WAIT, phase, pp_chunk
 from titanext.config.degrees import layers_per_stage  # re-exported
 from titanext.config.layout import SPLIT_BACKWARD, PipelinePlan
 from titanext.distributed.failsafe import guarded
+from titanext.distributed.grad_clip import clip_grad_norm_, clip_mirrored_grads
 from titanext.distributed.parallelize import parallelize
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
-from titanext.distributed.utils import clip_grad_norm_, clip_mirrored_grads
 from titanext.plugins._blocks import block_container
 from titanext.plugins.weight_grad import (
     DeferredPipelineStage,

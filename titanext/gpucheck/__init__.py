@@ -15,8 +15,9 @@ Measurements, variants side by side in turns (medians and ratios): float8 agains
 linear and one 1B block (against torchao's published 1.39x), and for DeepSeek-V3-shaped grouped
 experts (SM90); the deferred split's (I+W)/B;
 tokens/s and MFU of the 1B flavor through the trainer; the planner's memory against
-``torch.cuda.max_memory_allocated``; the trainer side by side with a plain PyTorch loop and
-torchtitan (:mod:`titanext.gpucheck.side_by_side`, also ``benchmarks/side_by_side.py``).
+``torch.cuda.max_memory_allocated``. (The trainer side by side with a plain PyTorch loop and
+torchtitan is a benchmark: ``benchmarks/side_by_side.py``, which ``benchmarks/gpu_session.sh``
+runs after this command.)
 
 It prints one table and writes it as JSON (``--json``). Without CUDA every row runs its logic at
 CPU sizes and the rows that need a GPU say "skipped" (the tests run it so); without torchao the
@@ -38,13 +39,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from titanext.gpucheck import kernels, ranks, speed, training
 from titanext.gpucheck._common import Ctx, Row, guarded
 
 __all__ = ["ROWS", "Row", "run_gpucheck"]
 
 
 def _rows() -> dict[str, tuple[str, Callable]]:
-    from titanext.gpucheck import kernels, ranks, side_by_side, speed, training
 
     return {
         "ring": ("check", kernels.check_ring_kernels),
@@ -55,14 +56,13 @@ def _rows() -> dict[str, tuple[str, Callable]]:
         "float8_speed": ("measure", speed.measure_float8),
         "split": ("measure", speed.measure_deferred_split),
         "throughput": ("measure", training.measure_trainer),
-        "side_by_side": ("measure", side_by_side.measure_side_by_side),
         "ranks": ("check", ranks.check_multi_rank),
     }
 
 
 #: the row groups, in the order they run (``--only`` takes these names)
 ROWS = ("ring", "deferred", "grouped", "float8", "split", "float8_speed", "throughput",
-        "side_by_side", "trainer", "ranks")
+        "trainer", "ranks")
 
 
 def run_gpucheck(device: str | None = None, *, quick: bool | None = None,

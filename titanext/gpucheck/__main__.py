@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from titanext._text import format_table
 from titanext.gpucheck import ROWS, Row, run_gpucheck
@@ -23,7 +24,7 @@ from titanext.gpucheck import ROWS, Row, run_gpucheck
 def machine() -> dict:
     """What ran: device, torch, torchao, CUDA, date."""
     try:
-        import torchao
+        import torchao  # optional dependency (torchao)
 
         ao = torchao.__version__
     except ImportError:
@@ -91,7 +92,6 @@ def _write_json(path: str, info: dict, rows: Sequence[Row], seconds: float) -> N
 
 
 def _close_process_group() -> None:
-    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()

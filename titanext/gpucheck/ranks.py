@@ -27,10 +27,15 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 
 import torch
+import torch.distributed as dist
 
+from titanext.config import load_config
 from titanext.gpucheck._common import Ctx, Row, rel_err
+from titanext.launch.local import run_distributed
+from titanext.trainer import Trainer
 
 __all__ = ["LAYOUTS", "check_multi_rank", "layout_losses", "nccl_version"]
 
@@ -68,8 +73,6 @@ def layout_losses(rank: int, world_size: int, name: str, dump_folder: str) -> li
     """Inside an initialised process group (any backend): train layout ``name`` (its one-process
     reference when ``world_size`` is 1) and return the per-step losses (the same on every
     rank)."""
-    from titanext.config import load_config
-    from titanext.trainer import Trainer
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -95,9 +98,7 @@ def check_multi_rank(ctx: Ctx) -> list[Row]:
         return [Row(SECTION, f"2 ranks on one GPU: {name}", "skipped",
                     note="skipped: needs CUDA (the suite runs these layouts on gloo)")
                 for name in LAYOUTS]
-    import tempfile
 
-    from titanext.launch.local import run_distributed
 
     logging.getLogger("titanext").setLevel(logging.ERROR)
     version = nccl_version()
@@ -133,7 +134,6 @@ def check_multi_rank(ctx: Ctx) -> list[Row]:
 
 
 def _close_default_group() -> None:
-    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()

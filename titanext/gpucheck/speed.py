@@ -11,7 +11,14 @@ from torch import nn
 
 from titanext.gpucheck._common import Ctx, Row, Skip, time_pairs
 from titanext.gpucheck.kernels import torchao_available
+from titanext.models import get_model_args
+from titanext.models.llama import TransformerBlock, rope_cos_sin, rope_inv_freq
+from titanext.models.moe import GroupedExperts
 from titanext.plugins.float8 import apply_float8, has_float8_hardware
+from titanext.plugins.float8_experts import (
+    apply_float8_experts,
+    float8_experts_kernels_usable,
+)
 from titanext.plugins.weight_grad import WeightGradQueue, defer_weight_grads, weight_grad_deferral
 
 __all__ = ["TORCHAO_PUBLISHED", "block_inputs", "measure_deferred_split", "measure_float8"]
@@ -23,8 +30,6 @@ TORCHAO_PUBLISHED = 1.39
 
 def block_inputs(ctx: Ctx, batch: int, seq: int, dtype: torch.dtype):
     """A 1B-flavor transformer block (or the debug flavor's, quick) and its inputs."""
-    from titanext.models import get_model_args
-    from titanext.models.llama import TransformerBlock, rope_cos_sin, rope_inv_freq
 
     args = get_model_args("llama3", "debugmodel" if ctx.quick else "1B")
     torch.manual_seed(0)
@@ -80,11 +85,6 @@ def _experts_speed_rows(ctx: Ctx) -> list[Row]:
     """Forward+backward of 8 grouped SwiGLU experts of DeepSeek-V3's shape (dim 7168, hidden
     2048, 16384 rows in uneven groups), eager: bf16 grouped GEMMs against torchao's float8
     rowwise ones ([float8] moe_experts). Needs SM90 and torchao's prototype.moe_training."""
-    from titanext.models.moe import GroupedExperts
-    from titanext.plugins.float8_experts import (
-        apply_float8_experts,
-        float8_experts_kernels_usable,
-    )
 
     what = "MoE experts 8x(7168->2048) 16384 rows"
     if not float8_experts_kernels_usable(ctx.device):

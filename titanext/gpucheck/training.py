@@ -16,6 +16,9 @@ from titanext.components.metrics import device_peak_flops
 from titanext.config import load_config
 from titanext.gpucheck._common import Ctx, Row, rel_err
 from titanext.gpucheck.kernels import torchao_available
+from titanext.planning.estimate import plan_config
+from titanext.planning.hardware import DEVICES
+from titanext.trainer import Trainer
 
 __all__ = ["FLAVORS", "check_trainer", "measure_trainer", "trainer_overrides"]
 
@@ -48,7 +51,6 @@ class _Run:
     """One single-device Trainer built from overrides, stepped on demand (timed, synced)."""
 
     def __init__(self, overrides: list[str], ctx: Ctx):
-        from titanext.trainer import Trainer
 
         self.ctx, self.cfg = ctx, load_config(None, overrides, world_size=1)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -167,8 +169,6 @@ def measure_trainer(ctx: Ctx) -> list[Row]:
 
 
 def _plan(ctx: Ctx, run: _Run):
-    from titanext.planning.estimate import plan_config
-    from titanext.planning.hardware import DEVICES
 
     name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else ""
     return plan_config(run.cfg, 1, device=DEVICES["h200" if "H200" in name else "h100"])

@@ -1,10 +1,8 @@
 """Hugging Face safetensors checkpoints in and out of titanext models.
 
-- :func:`hf_names`: the state-dict adapter, titanext FQN -> HF tensor names (a stacked expert
-  weight maps to one HF tensor per expert).
-- :func:`check_hf_checkpoint`: every tensor the model needs is there with the right shape, or
-  a :class:`~titanext.errors.ConfigError` naming the first mismatched tensor, both shapes and
-  the file. It reads only the safetensors headers, so validation runs it before training.
+The names (titanext FQN -> HF tensor names) and the header-only checks that a checkpoint holds
+a model are :mod:`titanext.models.hf_names`, which the config runs while loading.
+
 - :func:`load_hf_weights`: fill a (meta-built, parallelized, materialised) model, or the
   pipeline stages one rank holds, from an HF directory under any layout (FSDP, TP, PP, EP).
   Each rank reads only its own shards: the 1:1 tensors through
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -36,107 +33,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from titanext.errors import ConfigError
+from titanext._safe_load import PlainBytesLoadPlanner
+from titanext.data.hf_tokenizer import TOKENIZER_FILES
 from titanext.models.args import ModelArgs
+from titanext.models.hf_configs import hf_config_from_model_args
+from titanext.models.hf_names import (
+    _is_stacked,
+    _permuted_heads,
+    check_dcp_checkpoint,
+    check_hf_checkpoint,
+    hf_names,
+)
 
-__all__ = ["check_dcp_checkpoint", "check_hf_checkpoint", "hf_names", "hf_tensor_index",
-           "load_hf_weights", "load_initial_weights",
-           "permute_for_rope", "save_hf_checkpoint", "to_hf_state_dict"]
-
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
-_EXPERTS = {"moe.experts.w1": "w1", "moe.experts.w2": "w2", "moe.experts.w3": "w3"}
-# MoE names per family: Mixtral's, and Qwen3-MoE's (the models with QK-norm).
-_ROUTER = {False: "block_sparse_moe.gate.weight", True: "mlp.gate.weight"}
-_EXPERT_NAME = {False: "block_sparse_moe.experts.{e}.{w}.weight",
-                True: "mlp.experts.{e}.{w}.weight"}
-_QWEN_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-# titanext state with no HF counterpart: the aux-loss-free routing bias (zero unless trained
-# with load_balance_coeff) is skipped, with a warning on export when it is not zero.
-_NO_HF = ("moe.router.expert_bias",)
-# DeepSeek-V3 (MLA models): attention, the router with its bias, shared experts; its MTP
-# modules are model.layers.{n_layers + k} (enorm, hnorm, eh_proj, shared_head.norm, the block)
-_DEEPSEEK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-}
-_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
-_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-            "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
-
-
-def hf_names(fqn: str, args: ModelArgs) -> list[str] | None:
-    """HF names of titanext tensor ``fqn``: one name, or one per expert for a stacked expert
-    weight ([num_experts, ...]); None for state HF does not have (tied ``output.weight``, the
-    routing bias).
-
-    >>> from titanext.models import ModelArgs
-    >>> hf_names("layers.3.attention.wq.weight", ModelArgs())
-    ['model.layers.3.self_attn.q_proj.weight']
-    """
-    if fqn == "tok_embeddings.weight":
-        return ["model.embed_tokens.weight"]
-    if fqn == "norm.weight":
-        return ["model.norm.weight"]
-    if fqn == "output.weight":
-        return None if args.tie_embeddings else ["lm_head.weight"]
-    m = _MTP.match(fqn)
-    if m is not None:
-        layer, rest = args.n_layers + int(m.group(1)), m.group(2)
-        if rest in _MTP_OWN:
-            return [f"model.layers.{layer}.{_MTP_OWN[rest]}"]
-        if rest.startswith("block."):
-            return hf_names(f"layers.{layer}.{rest.removeprefix('block.')}", args)
-        raise KeyError(f"{fqn!r} has no Hugging Face name")
-    m = _LAYER.match(fqn)
-    if m is None:
-        raise KeyError(f"{fqn!r} has no Hugging Face name")
-    layer, rest = m.groups()
-    prefix = f"model.layers.{layer}."
-    if args.mla and rest in _DEEPSEEK:
-        return [prefix + _DEEPSEEK[rest]]
-    if rest in _PER_LAYER:
-        return [prefix + _PER_LAYER[rest]]
-    if rest == "moe.router.gate.weight":
-        return [prefix + _ROUTER[args.qk_norm]]
-    if rest in _EXPERTS:
-        w = _EXPERTS[rest]
-        w = _QWEN_EXPERT_W[w] if args.qk_norm or args.mla else w
-        template = _EXPERT_NAME[args.qk_norm or args.mla]
-        return [prefix + template.format(e=e, w=w) for e in range(args.moe.num_experts)]
-    if rest in _NO_HF:
-        return None
-    raise KeyError(f"{fqn!r} has no Hugging Face name")
-
-
-def _is_stacked(fqn: str) -> bool:
-    """Whether ``fqn`` is a stacked expert weight [num_experts, ...] (one HF tensor each)."""
-    return fqn.endswith(tuple(_EXPERTS))
+__all__ = ["load_hf_weights", "load_initial_weights", "permute_for_rope", "save_hf_checkpoint",
+           "to_hf_state_dict"]
 
 
 def permute_for_rope(w: torch.Tensor, n_heads: int, *, to_hf: bool) -> torch.Tensor:
@@ -147,76 +62,6 @@ def permute_for_rope(w: torch.Tensor, n_heads: int, *, to_hf: bool) -> torch.Ten
     if to_hf:
         return w.unflatten(0, (n_heads, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
     return w.unflatten(0, (n_heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
-
-
-def _permuted_heads(fqn: str, args: ModelArgs) -> int | None:
-    """Heads of ``fqn`` if it is a q/k projection that needs the RoPE permutation, else None."""
-    if args.rope_layout == "half" or args.mla:  # MLA: HF's rope_interleave is the layout
-        return None
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
-
-
-# -- reading --------------------------------------------------------------------------------
-def hf_tensor_index(path: str) -> dict[str, tuple[str, list[int], str]]:
-    """HF tensor name -> (file, shape, dtype) from the safetensors headers under ``path``."""
-    from safetensors import safe_open
-
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a directory")
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ConfigError(f"checkpoint.initial_load_path = {path!r} holds no *.safetensors "
-                          "file (with initial_load_in_hf = true it must be a Hugging Face "
-                          "model directory)")
-    index: dict[str, tuple[str, list[int], str]] = {}
-    for name in files:
-        file = os.path.join(path, name)
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    index[key] = (file, list(sl.get_shape()), sl.get_dtype())
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise ConfigError(f"{file} is not a valid safetensors file: {e}") from None
-    return index
-
-
-def _expected(args: ModelArgs) -> Iterator[tuple[str, str, list[int]]]:
-    """(titanext fqn, HF name, HF shape) of every tensor the whole model loads, in order."""
-    from titanext.models import build_model
-
-    model = build_model("llama3", args, device="meta")
-    for fqn, t in model.state_dict().items():
-        names = hf_names(fqn, args)
-        if names is None:
-            continue
-        shape = list(t.shape[1:]) if _is_stacked(fqn) else list(t.shape)
-        for name in names:
-            yield fqn, name, shape
-
-
-def check_hf_checkpoint(path: str, args: ModelArgs) -> dict[str, tuple[str, list[int], str]]:
-    """The tensor index of ``path`` if it holds every tensor of the model ``args`` describes,
-    with matching shapes; else ConfigError naming the first missing or mismatched tensor, its
-    file and both shapes. Reads only headers."""
-    index = hf_tensor_index(path)
-    for fqn, name, shape in _expected(args):
-        if name not in index:
-            fix = ("; it has no multi-token prediction weights (transformers' save_pretrained "
-                   "leaves them out): set model.num_mtp_layers = 0 to train without MTP"
-                   if fqn.startswith("mtp.") else "; the checkpoint does not match the model")
-            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor {name!r} (for "
-                              f"{fqn}) is missing{fix}")
-        file, found, _ = index[name]
-        if found != shape:
-            raise ConfigError(f"checkpoint.initial_load_path: {file}: tensor {name!r} has shape "
-                              f"{found}, but the model's {fqn} needs {shape}; the checkpoint does "
-                              "not match model.flavor")
-    return index
 
 
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -230,7 +75,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
 
 def _read_slice(handles: dict[str, Any], index: dict, name: str,
                 slices: Sequence[slice]) -> torch.Tensor:
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional dependency (the HF path)
 
     file = index[name][0]
     if file not in handles:
@@ -266,7 +111,7 @@ def _load_by_slices(fqn: str, param: torch.Tensor, args: ModelArgs, index: dict,
 
 
 def _dcp_load(state: dict[str, torch.Tensor], path: str) -> None:
-    import torch.distributed.checkpoint as dcp
+    # newer torch only: probed where used
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     with warnings.catch_warnings():  # one process without a process group is intended
@@ -361,8 +206,6 @@ def write_hf_assets(out: str, args: ModelArgs, *, dtype: torch.dtype,
                     tokenizer: Any = None, hf_assets_path: str | None = None) -> None:
     """config.json (from ``args``; the source config.json's other fields kept) and the
     tokenizer files (those of ``tokenizer.asset_files()``, or of ``hf_assets_path``)."""
-    from titanext.hf.configs import hf_config_from_model_args
-    from titanext.hf.tokenizer import TOKENIZER_FILES
 
     base = None
     if hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "config.json")):
@@ -390,7 +233,7 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
     tensors of its parts; the lowest rank holding a tensor writes it, one
     ``model-<k>-of-<n>.safetensors`` file per writing rank (a pipeline stage each), and rank 0
     writes the index, config.json and the tokenizer files."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional dependency (the HF path)
 
     held: dict[str, torch.Tensor] = {}
     for part in model_parts:
@@ -448,32 +291,6 @@ def save_hf_checkpoint(model_parts: Sequence[nn.Module], out: str, args: ModelAr
 
 
 # -- initial weights ------------------------------------------------------------------------
-def check_dcp_checkpoint(path: str, args: ModelArgs) -> None:
-    """ConfigError unless the titanext DCP checkpoint ``path`` holds every model tensor of
-    ``args`` with the right shape (names the first mismatched tensor and both shapes)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from titanext.models import build_model
-
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint (no "
-                          ".metadata file); for a Hugging Face directory set "
-                          "checkpoint.initial_load_in_hf = true")
-    from titanext._safe_load import check_dcp_metadata
-
-    check_dcp_metadata(os.path.join(path, ".metadata"))  # a pickle: nothing in it may run
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    for fqn, t in build_model("llama3", args, device="meta").state_dict().items():
-        meta = saved.get(f"model.{fqn}")
-        if meta is None:
-            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} is "
-                              "missing; the checkpoint does not match model.flavor")
-        if list(meta.size) != list(t.shape):
-            raise ConfigError(f"checkpoint.initial_load_path = {path!r}: tensor model.{fqn} has "
-                              f"shape {list(meta.size)}, but the model needs {list(t.shape)}; "
-                              "the checkpoint does not match model.flavor")
-
-
 @torch.no_grad()
 def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: ModelArgs, *,
                          in_hf: bool) -> None:
@@ -481,15 +298,12 @@ def load_initial_weights(model_parts: Sequence[nn.Module], path: str, args: Mode
     ``in_hf`` (:func:`load_hf_weights`), else the model of a titanext DCP checkpoint (a
     training ``step-N`` folder or ``titanext-convert hf-to-dcp`` output; optimizer
     and trainer state are not read). Collective; any layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if in_hf:
         load_hf_weights(model_parts, path, args)
         if _rank() == 0:
             print(f"titanext: initial weights from the Hugging Face checkpoint {path}", flush=True)
         return
-    from titanext._safe_load import PlainBytesLoadPlanner
 
     check_dcp_checkpoint(path, args)
     states = [get_model_state_dict(part) for part in model_parts]

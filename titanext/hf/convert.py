@@ -28,18 +28,17 @@ import time
 import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
+from titanext._safe_load import PlainBytesLoadPlanner, check_dcp_metadata
+from titanext.data.hf_tokenizer import TOKENIZER_FILES
 from titanext.errors import ConfigError
-from titanext.hf.checkpoint import (
-    _expected,
-    _is_stacked,
-    check_hf_checkpoint,
-    hf_names,
-    to_hf_state_dict,
-    write_hf_assets,
-)
-from titanext.hf.tokenizer import TOKENIZER_FILES
+from titanext.hf.checkpoint import to_hf_state_dict, write_hf_assets
+from titanext.models import build_model
 from titanext.models.args import ModelArgs
+from titanext.models.hf_configs import model_args_from_hf
+from titanext.models.hf_names import _expected, _is_stacked, check_hf_checkpoint, hf_names
 
 __all__ = ["dcp_to_hf", "hf_to_dcp"]
 
@@ -78,10 +77,8 @@ def _copy_assets(src: str, dst: str) -> None:
 def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
     """Convert the HF directory ``src`` into the DCP checkpoint ``dst``; returns the number of
     tensors written. ConfigError for a bad config.json or mismatched safetensors."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional dependency (the HF path)
 
-    from titanext.hf.configs import model_args_from_hf
 
     args = model_args_from_hf(src)
     index = check_hf_checkpoint(src, args)
@@ -116,7 +113,6 @@ def hf_to_dcp(src: str, dst: str, *, progress: bool = True) -> int:
 def _args_for(src: str, model_args: ModelArgs | None,
               hf_assets: str | None) -> tuple[ModelArgs, str | None]:
     """(model args, directory with config.json / tokenizer files or None) for dcp-to-hf."""
-    from titanext.hf.configs import model_args_from_hf
 
     if model_args is not None:
         return model_args, hf_assets
@@ -135,14 +131,11 @@ def dcp_to_hf(src: str, dst: str, *, model_args: ModelArgs | None = None,
     number of HF tensors written. The model's shape is ``model_args`` (a training config's:
     ``titanext.config.model_args(cfg)``, with ``hf_assets`` its ``[model] hf_assets_path``),
     else ``hf_assets/config.json``, else ``src/config.json``."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
+    from safetensors.torch import save_file  # optional dependency (the HF path)
 
     args, assets = _args_for(src, model_args, hf_assets)
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise ConfigError(f"dcp-to-hf: {src!r} is not a DCP checkpoint (no .metadata file)")
-    from titanext._safe_load import PlainBytesLoadPlanner, check_dcp_metadata
 
     check_dcp_metadata(os.path.join(src, ".metadata"))  # a pickle: nothing in it may run
     meta = FileSystemReader(src).read_metadata().state_dict_metadata
@@ -203,7 +196,6 @@ def dcp_to_hf(src: str, dst: str, *, model_args: ModelArgs | None = None,
 
 
 def _model_shapes(args: ModelArgs) -> list[tuple[str, list[int]]]:
-    from titanext.models import build_model
 
     model = build_model("llama3", args, device="meta")
     return [(fqn, list(t.shape)) for fqn, t in model.state_dict().items()]

@@ -11,7 +11,7 @@
 - :mod:`~titanext.launch.local`: a function run in several local gloo processes (tests and
   benchmarks).
 
-Fail-fast on every rank is :mod:`titanext.distributed.faults`, below the trainer that uses it.
+Fail-fast on every rank is :mod:`titanext.distributed.failsafe`, below the trainer that uses it.
 
 Importing this package imports none of them.
 """

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from titanext.config import load_config, model_args
 from titanext.errors import ConfigError
 from titanext.hf import convert
 
@@ -40,7 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             args, assets = None, ns.hf_assets
             if ns.config is not None:
-                from titanext.config import load_config, model_args
 
                 cfg = load_config(ns.config)
                 args, assets = model_args(cfg), cfg.model.hf_assets_path or None

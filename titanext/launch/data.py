@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from titanext.config import load_config
 from titanext.data.pretokenize import tokenize_corpus
 from titanext.errors import ConfigError
 
@@ -44,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         field = args.text_field
         if args.config:
-            from titanext.config import load_config
 
             cfg = load_config(args.config, overrides)
             spec: tuple[str, ...] = ("name", cfg.model.tokenizer, cfg.model.hf_assets_path)

@@ -41,9 +41,14 @@ from titanext._fake_backend import (
     mem_tracker,
     tree_leaves,
 )
+from titanext._text import format_table
 from titanext.config import JobConfig
 from titanext.config.layout import fake_world_size
+from titanext.models.llama import sdpa_attention
+from titanext.planning.estimate import plan_config
+from titanext.plugins.expert_parallel._comm import count_comm
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
+from titanext.trainer import Trainer
 
 __all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
            "measure_real", "planner_peak_bytes", "use_fused_attention"]
@@ -98,7 +103,6 @@ class DryRunResult:
 
 def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int) -> float:
     """What :func:`titanext.planning.cli.plan_config` gives for ``rank``'s pipeline position."""
-    from titanext.planning.estimate import plan_config
 
     plan = plan_config(cfg, world_size)
     pp = cfg.parallelism.pipeline_parallel_degree
@@ -141,7 +145,6 @@ def _flash_shaped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             **kwargs) -> torch.Tensor:
     """:func:`~titanext.models.llama.sdpa_attention` with ``v`` zero-padded to the query's head
     dim and the output cut back (the same values)."""
-    from titanext.models.llama import sdpa_attention
 
     dv, pad = v.shape[-1], q.shape[-1] - v.shape[-1]
     if pad <= 0:
@@ -159,7 +162,6 @@ def use_fused_attention(model_parts) -> int:
     ``seq x seq`` scores per head (16 GiB more at the DeepSeek-V3 671B's pp rank 8). The dry
     run pads ``v`` with zeros so the CPU's flash kernel runs: the saved tensors are the fused
     kernels' (``v`` and the output a little wider)."""
-    from titanext.models.llama import sdpa_attention
 
     changed = 0
     for part in model_parts:
@@ -202,7 +204,6 @@ def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommByte
 
 def measure(cfg: JobConfig) -> DryRunResult:
     """Build the trainer on the fake backend and measure one training step."""
-    from titanext.trainer import Trainer
 
     world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
     start = time.time()
@@ -228,7 +229,6 @@ def measure(cfg: JobConfig) -> DryRunResult:
         notes.append(f"gradient accumulation: {MEASURED_ROUNDS} of {rounds} rounds run (the "
                      "peak is the second round's); step comm is scaled by "
                      f"{rounds}/{MEASURED_ROUNDS}")
-    from titanext.plugins._ep_comm import count_comm
 
     with count_comm() as ep_comm:
         memory, peak, comm = _measure_step(trainer, batches, mode)
@@ -263,7 +263,6 @@ def measure_real(cfg: JobConfig, steps: int = 2) -> DryRunResult:
     alive for the next few ops and a step's peak can count it (+1.2 MB on the cp debug run,
     one rank in ~80). The delay only ever adds: the lowest of two steps is the program's own
     peak."""
-    from titanext.trainer import Trainer
 
     start = time.time()
     cfg, notes = dry_run_config(cfg)
@@ -281,7 +280,6 @@ def measure_real(cfg: JobConfig, steps: int = 2) -> DryRunResult:
 
 def dry_run(cfg: JobConfig) -> int:
     """``python -m titanext.train`` in fake_backend mode: measure, print the table, return 0."""
-    from titanext._text import format_table
 
     result = measure(cfg)
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]

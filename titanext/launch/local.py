@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titanext.distributed.process_group import local_cuda_index
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -45,7 +47,6 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir, backen
     )
     device_id = None
     if backend == "nccl":  # (several ranks may share one GPU: see local_cuda_index)
-        from titanext.distributed.utils import local_cuda_index
 
         device_id = torch.device("cuda", local_cuda_index())
         torch.cuda.set_device(device_id)

@@ -21,6 +21,8 @@ import os
 import tempfile
 from typing import Any
 
+from titanext.errors import ConfigError
+
 __all__ = ["check_preflight", "folder_problem", "output_folders", "preflight_problems"]
 
 
@@ -55,6 +57,7 @@ def folder_problem(key: str, path: str) -> str | None:
 
 def preflight_problems(cfg: Any) -> list[str]:
     """Every problem found before start-up (checkpoint first: it writes nothing), one per line."""
+    # titanext-run's checks stay torch-free
     from titanext.components.checkpoint import resume_problems
 
     problems = resume_problems(cfg)
@@ -69,7 +72,6 @@ def preflight_problems(cfg: Any) -> list[str]:
 
 def check_preflight(cfg: Any) -> None:
     """Raise a ConfigError with :func:`preflight_problems`' lines, if any."""
-    from titanext.errors import ConfigError
 
     problems = preflight_problems(cfg)
     if problems:

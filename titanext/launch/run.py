@@ -23,7 +23,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from titanext.config import config_help, load_config, parse_cli, to_toml
 from titanext.errors import ConfigError
+from titanext.launch.preflight import preflight_problems
 
 __all__ = ["main", "split_argv", "world_size_of"]
 
@@ -63,6 +65,7 @@ def world_size_of(nnodes: str, nproc_per_node: str) -> tuple[int, str | None]:
     >>> world_size_of("2", "4")
     (8, None)
     """
+    # titanext-run checks its arguments before loading torch
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
     try:
@@ -87,8 +90,6 @@ def world_size_of(nnodes: str, nproc_per_node: str) -> tuple[int, str | None]:
 
 def _check(train_args: list[str], world_size: int) -> tuple[object | None, dict[str, bool]]:
     """Load, validate and preflight the config; (JobConfig or None for --help, flags)."""
-    from titanext.config import load_config, parse_cli
-    from titanext.launch.preflight import preflight_problems
 
     config_path, overrides, flags = parse_cli(train_args)
     if flags.get("help"):
@@ -111,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(a.split("=", 1)[0] == "--config" for a in train_args):
         print(f"titanext: config error: --config FILE is missing\n{USAGE}", file=sys.stderr)
         return 2
+    # titanext-run checks its arguments before loading torch
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -126,12 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"titanext: config error: {problem}", file=sys.stderr)
         return 2
     if cfg is None:  # --help after --config: the config reference
-        from titanext.config import config_help
 
         print(config_help())
         return 0
     if flags.get("print_config"):
-        from titanext.config import to_toml
 
         print(to_toml(cfg))
         return 0
@@ -142,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _hand_over(args) -> int:
     """torchrun's ``run``; a failed worker gives torchrun's summary and that worker's exit code."""
+    # titanext-run checks its arguments before loading torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    from torch.distributed.run import run  # titanext-run checks its arguments before loading torch
 
     try:
         run(args)

@@ -32,8 +32,9 @@ def _choices(value: str, choices) -> str:
 
 def get_model_args(name: str, flavor: str) -> ModelArgs:
     """The :class:`ModelArgs` of a named flavor; KeyError lists the choices. (Flavor ``"hf"``,
-    a Hugging Face ``config.json``, is read by :func:`titanext.hf.configs.model_args_from_hf`;
-    :func:`titanext.config.model_args` picks the one a job config names.)"""
+    a Hugging Face ``config.json``, is read by
+    :func:`titanext.models.hf_configs.model_args_from_hf`; :func:`titanext.config.model_args`
+    picks the one a job config names.)"""
     if name not in MODEL_FLAVORS:
         raise KeyError(f"unknown model name {name!r}; {_choices(name, MODEL_FLAVORS)}")
     flavors = MODEL_FLAVORS[name]
@@ -61,8 +62,9 @@ def with_moe_overrides(args: ModelArgs, **overrides: Any) -> ModelArgs:
 
 def build_model(name: str, args: ModelArgs, device: str | torch.device = "meta") -> nn.Module:
     """Build model ``name`` with ``args`` on ``device`` (meta by default: no memory is used)."""
-    import torch
+    import torch  # torch-free at import: the config reads the flavors
 
+    # torch-free at import: the config reads the flavors
     from titanext.models.llama import Transformer
 
     if name not in MODEL_FLAVORS:

@@ -14,6 +14,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from titanext.parity import ParityCheck, check_all, lm_loss, problems_of
+
 PROG = "python -m titanext.parity"
 
 
@@ -84,7 +86,6 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from titanext.parity import ParityCheck, check_all, lm_loss, problems_of
 
     problems, fns = [], {}
     for key, flag in (("model", "--model"), ("wiring", "--wiring"), ("loss", "--loss")):

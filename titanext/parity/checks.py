@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from titanext.launch.local import run_distributed
+from titanext.parity._run import RunSpec, run_ranks, run_reference
 from titanext.parity.context import DATA_DIMS, ParityContext, lm_loss, reference_lm_loss
 from titanext.parity.report import EXPECTATIONS, ParityReport, build_report
 
@@ -97,8 +99,6 @@ def _vocab(c: ParityCheck) -> int:
 def check_all(checks: Sequence[ParityCheck], *, timeout_s: float = 120.0) -> list[ParityReport]:
     """Run several checks of the same ``world_size`` in one set of processes (one spawn),
     each against its own one-process reference. Raises ValueError on bad settings."""
-    from titanext.launch.local import run_distributed
-    from titanext.parity._run import RunSpec, run_ranks, run_reference
 
     if not checks:
         return []

@@ -161,7 +161,7 @@ def expert_copies_comm(lo: Layout, device: Device, rank: RankStages, mt: Microba
     """The "EP expert copies" row of ``[moe] replicate_hot_experts`` and ``mt`` with its time.
 
     Per MoE block and optimizer step (the copies are fixed, sent and returned once per step:
-    :func:`~titanext.plugins.expert_replication.copies_per_step`) a rank sends at most
+    :func:`~titanext.plugins.expert_parallel.replication.copies_per_step`) a rank sends at most
     ``copies`` experts' weights (the step's first forward; recomputes and later micro-batches
     reuse them) and, hosting copies, at most ``copies`` summed gradients back (the step's last
     backward): the bound the dry run measures (``expert_replication.nominal_plan``). On the

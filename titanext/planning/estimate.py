@@ -35,7 +35,7 @@ from titanext.planning.roofline import (
     optimizer_time,
 )
 from titanext.planning.stages import RankStages, simulate_times
-from titanext.plugins.options import REPLICATION_SLACK
+from titanext.plugins.expert_parallel.rules import REPLICATION_SLACK
 
 __all__ = ["Plan", "StageCosts", "busy_compute", "ep_overlap_times", "microbatch_times",
            "mtp_time", "pipeline_pass", "plan_config", "stage_costs", "stage_times", "step_time"]

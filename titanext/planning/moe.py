@@ -147,7 +147,7 @@ def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) ->
 
 def row_bytes(dim: int, a: int, float8: bool = False) -> int:
     """Bytes of one token row on the wire: ``dim x a``, or float8 with one exponent byte per
-    1 x 128 block (``titanext.plugins._ep_comm.quantize_rows``).
+    1 x 128 block (``titanext.plugins.expert_parallel._comm.quantize_rows``).
 
     >>> row_bytes(7168, 2), row_bytes(7168, 2, float8=True)
     (14336, 7224)

@@ -42,7 +42,7 @@ MEMORY_EFFICIENCY = 0.8
 FOREACH_ADAM_BYTES = 4 * 19
 #: the fused kernel reads param, grad and both moments and writes param and both moments
 FUSED_ADAM_BYTES = 4 * 7
-#: gradient clipping (titanext.distributed.utils.clip_grad_norm_): the norm reads each
+#: gradient clipping (titanext.distributed.grad_clip.clip_grad_norm_): the norm reads each
 #: gradient (4), the clip multiplies it in place (8); max_norm = 0 only measures
 CLIP_BYTES, NORM_BYTES = 12, 4
 #: float8 GEMM speed over bf16's at the same shape, by recipe, net of the casts (which the

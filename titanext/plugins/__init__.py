@@ -14,7 +14,8 @@ module                                      entry points
                                             ``zigzag_shard`` / ``zigzag_unshard``,
                                             ``apply_context_parallel``
 :mod:`~titanext.plugins.expert_parallel`    ``apply_expert_parallel`` (flat or two-level
-                                            dispatch, float8 dispatch)
+                                            dispatch, float8 dispatch, hot-expert
+                                            replication; its config rules in ``rules``)
 :mod:`~titanext.plugins.moe_balancing`      ``MoEBalancing`` (bias and aux-loss balancing)
 :mod:`~titanext.plugins.float8`             ``apply_float8`` (torchao; a converter; Linear
                                             and transformers' Conv1D)
@@ -22,8 +23,8 @@ module                                      entry points
 :mod:`~titanext.plugins.weight_grad`        ``defer_weight_grads`` (zero-bubble I/W split)
 :mod:`~titanext.plugins.activation_checkpoint`  ``apply_activation_checkpointing``
 :mod:`~titanext.plugins.compile`            ``apply_compile`` (per block)
-:mod:`~titanext.plugins.options`            option values, importable without torch
-:mod:`~titanext.plugins.ep_dispatch_rules`  config rules of the EP dispatch keys (no torch)
+:mod:`~titanext.plugins.rules`              option values and config rules of the flat
+                                            plugins, importable without torch
 ==========================================  ================================================
 
 :func:`titanext.distributed.parallelize.parallelize` applies them in the trainer's order.

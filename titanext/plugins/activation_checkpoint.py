@@ -9,7 +9,7 @@
   checkpointed call also keeps what its expert-parallel collectives received (the dispatched
   token rows, the expert outputs as they come back before the combine's weighted sum, the
   routing and split sizes, hot-expert copies), and its recompute replays them instead of
-  communicating (:class:`~titanext.plugins._ep_comm.CommTape`): no all-to-all and no
+  communicating (:class:`~titanext.plugins.expert_parallel._comm.CommTape`): no all-to-all and no
   device-to-host sync runs twice, and the recompute is bitwise the forward. Without expert
   parallelism in the block it is plain full AC.
 
@@ -35,8 +35,8 @@ from torch.utils.checkpoint import (
 )
 
 from titanext.plugins._blocks import find_blocks
-from titanext.plugins._ep_comm import CommTape
-from titanext.plugins.options import DEFAULT_SAVE_OPS, keep_all_to_all_problem
+from titanext.plugins.expert_parallel._comm import CommTape
+from titanext.plugins.rules import DEFAULT_SAVE_OPS, keep_all_to_all_problem
 
 __all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing"]
 

@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from titanext._text import did_you_mean
+from titanext.plugins._float8_fsdp import ByteAllGatherFloat8Weight
 from titanext.plugins._loud import (
     log_rank0,
     matmul_kind,
@@ -56,7 +58,8 @@ from titanext.plugins._loud import (
     stacked_experts_line,
     unconverted_line,
 )
-from titanext.plugins.options import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
+from titanext.plugins.float8_blockwise import Float8BlockwiseLinear, float8_blockwise_linear
+from titanext.plugins.rules import FLOAT8_ALL_GATHER_RECIPES, FLOAT8_RECIPES
 
 __all__ = [
     "FLOAT8_ALL_GATHER_RECIPES",
@@ -176,7 +179,6 @@ def float8_module_filter(*, recipe: str = "tensorwise", filter_fqns: Sequence[st
 
 def _check_args(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
     if recipe not in FLOAT8_RECIPES:
-        from titanext._text import did_you_mean
 
         raise ValueError(f"apply_float8: recipe = {recipe!r}; allowed: {', '.join(FLOAT8_RECIPES)}"
                          f"{did_you_mean(recipe, FLOAT8_RECIPES, fallback=False)}")
@@ -255,6 +257,7 @@ def apply_float8(
     else:
         _quiet_torchao_import()
         try:
+            # optional dependency (torchao)
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         except ImportError as e:
             raise ImportError(f"apply_float8: recipe {recipe!r} needs torchao >= 0.17 (pip install "
@@ -349,7 +352,6 @@ def _convert_conv1d(model: nn.Module, fqns: set[str], recipe: str, config, emula
 
 
 def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
-    from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
 
     if "" in fqns:
         raise ValueError("apply_float8: recipe 'blockwise' swaps child modules and the model is "
@@ -365,7 +367,6 @@ def _swap_blockwise(model: nn.Module, fqns: set[str], emulate: bool) -> None:
 
 def float8_linear_fqns(model: nn.Module) -> list[str]:
     """FQNs of the float8 matmul modules in ``model`` (torchao's, blockwise, Conv1D)."""
-    from titanext.plugins.float8_blockwise import Float8BlockwiseLinear
 
     names = []
     for fqn, m in model.named_modules():
@@ -380,8 +381,8 @@ def supports_float8_tp(model: nn.Module, fqns: Sequence[str]) -> bool:
     torchao's float8 TP styles (float8 all-gathers of activations) require."""
     _quiet_torchao_import()
     try:
-        from torchao.float8.config import ScalingGranularity
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.config import ScalingGranularity  # optional dependency (torchao)
+        from torchao.float8.float8_linear import Float8Linear  # optional dependency (torchao)
     except ImportError:  # no torchao: no torchao float8 linears either
         return False
 
@@ -399,6 +400,7 @@ def precompute_float8_scales(model: nn.Module) -> None:
     """After ``optimizer.step()``: compute every float8-all-gathered weight's scale with one
     all-reduce, so FSDP's pre-all-gather does not need one per layer. A no-op without them."""
     _quiet_torchao_import()
+    # optional dependency (torchao)
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
@@ -418,10 +420,10 @@ class Float8Conv1DMixin(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float8_recipe == "blockwise":
-            from titanext.plugins.float8_blockwise import float8_blockwise_linear
 
             y = float8_blockwise_linear(x, self.weight.t().contiguous(), emulate=self.emulate)
         else:
+            # optional dependency (torchao)
             from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
             if torch.is_autocast_enabled():  # as Float8Linear: keep the autocast dtype
@@ -444,7 +446,7 @@ def _float8_conv1d(module: nn.Module, recipe: str, config=None, emulate: bool = 
     module.__class__ = _float8_conv1d_class(type(module))
     module.float8_recipe, module.emulate = recipe, emulate
     if config is not None:
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear  # optional dependency (torchao)
 
         # torchao's per-GEMM settings (emulation, fast accumulation, padding) as Float8Linear
         # builds them; a meta Float8Linear of the same shape lends them.
@@ -458,6 +460,7 @@ def _float8_conv1d(module: nn.Module, recipe: str, config=None, emulate: bool = 
 
 def _use_byte_all_gather_weights(model: nn.Module) -> None:
     """Re-wrap torchao's float8-all-gather weights so that gloo moves their bytes as uint8."""
+    # optional dependency (torchao)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     cls = _byte_weight_class()
@@ -470,6 +473,5 @@ def _use_byte_all_gather_weights(model: nn.Module) -> None:
 
 def _byte_weight_class():
     _quiet_torchao_import()
-    from titanext.plugins._float8_fsdp import ByteAllGatherFloat8Weight
 
     return ByteAllGatherFloat8Weight

@@ -114,6 +114,7 @@ def _kernel_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """torchao's blockwise Triton GEMMs, run eagerly: Inductor on torch 2.11 (H200, checked by
     ``python -m titanext.gpucheck``) writes these kernels' ``torch.bfloat16`` constexpr into
     generated code that does not import torch ("NameError: name 'torch' is not defined")."""
+    # optional dependency (torchao)
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
     return fp8_blockwise_mm.apply(x, weight, BLOCK_SIZE, torch.bfloat16, True)

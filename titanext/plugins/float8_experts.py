@@ -44,8 +44,9 @@ from torch import nn
 
 from titanext._compat import grouped_mm
 from titanext._fake_backend import is_fake
+from titanext.models.moe import GroupedExperts
 from titanext.plugins._loud import log_rank0, stacked_experts, stacked_experts_line
-from titanext.plugins.options import FLOAT8_EXPERT_RECIPES
+from titanext.plugins.rules import FLOAT8_EXPERT_RECIPES
 
 __all__ = ["FLOAT8_EXPERT_RECIPES", "Float8GroupedMM", "apply_float8_experts",
            "float8_experts_kernels_usable", "has_emulated_float8_experts"]
@@ -260,6 +261,7 @@ def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     """torchao's FP8 rowwise grouped GEMM. It needs each expert's rows to be a multiple of 16,
     so the rows are padded per expert (zeros, which change no amax and no dW) and gathered back;
     all with static shapes, no host sync."""
+    # optional dependency (torchao)
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
     rows = x.shape[0]
@@ -294,7 +296,6 @@ def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
     Returns the converted FQNs. Raises ``ValueError`` when ``model`` has no ``GroupedExperts``,
     or when ``emulate=False`` and this device cannot run the kernels.
     """
-    from titanext.models.moe import GroupedExperts
 
     if recipe not in FLOAT8_EXPERT_RECIPES:
         raise ValueError(f"apply_float8_experts: recipe = {recipe!r}; allowed: "

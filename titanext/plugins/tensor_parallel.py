@@ -57,6 +57,7 @@ from titanext.plugins._tp_conv1d import (
     Conv1DRowwiseParallel,
     check_conv1d_styles,
 )
+from titanext.plugins.float8 import supports_float8_tp
 from titanext.plugins.tp_coverage import unruled_parameters
 
 __all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "FusedColwiseParallel",
@@ -213,6 +214,7 @@ def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True,
     """
     colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     if float8:
+        # optional dependency (torchao)
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
@@ -612,7 +614,6 @@ def _matching(pattern: str, names: list[str]) -> list[str]:
 def _float8_comm_possible(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
                           loss_parallel: bool) -> bool:
     """Whether torchao's float8 TP styles can run here; logs why not."""
-    from titanext.plugins.float8 import supports_float8_tp
 
     backend = str(dist.get_backend(tp_mesh.get_group()))
     if "nccl" not in backend:

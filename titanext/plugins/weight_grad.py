@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from titanext._compat import grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
@@ -177,7 +178,6 @@ class WeightGradQueue:
 
 
 def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
@@ -346,7 +346,6 @@ def _grouped_weight_grad(x, dy, param, extra) -> torch.Tensor:
                                           strict=True)):
             dw[e] = dye.t().mm(xe)
     if _is_dtensor(param):
-        from torch.distributed.tensor import DTensor
 
         dw = DTensor.from_local(dw.to(local.dtype), param.device_mesh, param.placements,
                                 run_check=False, shape=param.shape, stride=param.stride())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -390,7 +391,6 @@ def torch_pipeline_order(cls: type, pp: int, microbatches: int, stages_per_rank:
     torch computes every rank's list in the constructor from the stages' metadata only, so
     stand-in stage objects carrying that metadata are enough.
     """
-    from types import SimpleNamespace
 
     n = pp * stages_per_rank
     stages = [SimpleNamespace(stage_index=i, num_stages=n, group_size=pp, group_rank=0,
@@ -432,6 +432,7 @@ _META_NAMES = ("InferenceMode", "_StageForwardMeta", "_StageBackwardMeta", "_der
 
 
 def _has_meta_protocol(schedule, stages: list) -> bool:
+    # torch's private pipelining: loaded only to build a schedule
     from torch.distributed.pipelining import _utils as u
 
     return (all(hasattr(u, n) for n in _META_NAMES) and hasattr(schedule, "_warmup_p2p")
@@ -440,6 +441,7 @@ def _has_meta_protocol(schedule, stages: list) -> bool:
 
 def _loopback_meta_protocol(schedule, stages: list, hidden: torch.Tensor) -> None:
     """torch 2.13+: every stage infers its shapes (DYNAMIC) and receives ``hidden``'s metadata."""
+    # torch's private pipelining: loaded only to build a schedule
     from torch.distributed.pipelining import _utils as u
 
     fwd = u._StageForwardMeta(forward_metas=u.extract_tensor_metas((hidden,)))

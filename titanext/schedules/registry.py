@@ -32,6 +32,7 @@ _OURS: dict[str, type] = {
 
 
 def _gpipe_order(pp: int, m: int) -> dict[int, list]:
+    # torch's private pipelining: loaded only to build a schedule
     from titanext.schedules._torch_ir import B, F, action
     return {r: [action(r, F, j) for j in range(m)] + [action(r, B, j) for j in range(m)]
             for r in range(pp)}

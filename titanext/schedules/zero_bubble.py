@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import B, F, I, ListRuntime, W, action
+from titanext.schedules.simulator import replay
 from titanext.schedules.zbv import zbv_candidates
 
 
@@ -188,7 +189,6 @@ def zbh2(pp: int, microbatches: int, **costs: float) -> dict[int, list]:
 
 def _fastest(orders, pp: int, **costs: float) -> dict[int, list]:
     """The first of ``orders`` with the smallest simulated makespan (V placement)."""
-    from titanext.schedules.simulator import replay
 
     best, best_time = None, float("inf")
     for order in orders:
@@ -226,7 +226,6 @@ def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float
     It keeps the fastest; ties go to the earlier candidate (ZB-V's own order first). The
     search is deterministic, so every rank derives the same lists.
     """
-    from titanext.schedules.simulator import replay
 
     cap = 2 * (pp if mem_limit is None else mem_limit)
     if cap < 2:

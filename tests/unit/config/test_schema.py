@@ -136,16 +136,16 @@ def test_edge_values_that_are_allowed(override):
 # -- the package stays light and names stay unambiguous ------------------------------------------
 
 def test_schedule_names_known_without_importing_schedules_are_real():
-    from titanext.config import _checks
+    from titanext.config import field_rules
     from titanext.schedules import SCHEDULE_NAMES
 
-    assert set(_checks._KNOWN_SCHEDULES) <= set(SCHEDULE_NAMES)
+    assert set(field_rules._KNOWN_SCHEDULES) <= set(SCHEDULE_NAMES)
 
 
 def test_default_save_ops_are_aten_ops():
     import torch
 
-    from titanext.plugins.options import DEFAULT_SAVE_OPS
+    from titanext.plugins.rules import DEFAULT_SAVE_OPS
 
     # The config skips the aten lookup for the defaults, so they must be real ops.
     assert all(hasattr(torch.ops.aten, name) for name in DEFAULT_SAVE_OPS)

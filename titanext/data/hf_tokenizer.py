@@ -1,29 +1,23 @@
 """Hugging Face tokenizer files: ``tokenizer.json`` through the ``tokenizers`` library.
 
 :class:`HFTokenizer` is ``[model] tokenizer = "hf"`` (built by
-:func:`titanext.data.tokenizer.build_tokenizer`); :func:`read_json` reads the JSON files of
-an HF model directory (config.json, tokenizer_config.json) with errors that name the file.
-Importing this module does not import torch (the config checks a tokenizer's vocabulary).
-
->>> read_json("no/such/config.json")
-Traceback (most recent call last):
-...
-titanext.errors.ConfigError: no/such/config.json does not exist
+:func:`titanext.data.tokenizer.build_tokenizer`). Importing this module does not import torch
+(the config checks a tokenizer's vocabulary).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from titanext.errors import ConfigError
+from titanext.models.hf_configs import read_json
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HFTokenizer", "TOKENIZER_FILES", "read_json"]
+__all__ = ["HFTokenizer", "TOKENIZER_FILES"]
 
 #: Files of an HF directory that belong to the tokenizer (copied into HF exports when present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -31,22 +25,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Special tokens tried, in order, when tokenizer_config.json names no BOS / EOS.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>", "[BOS]")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "[EOS]")
-
-
-
-def read_json(path: str) -> dict:
-    """``path`` parsed, or a ConfigError naming the file (missing, unreadable or not JSON)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not valid JSON: expected an object, got "
-                          f"{type(data).__name__}")
-    return data
 
 
 def _token_text(value: object) -> str | None:
@@ -71,7 +49,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional dependency (the tokenizers library)
 
         self.directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path

@@ -2,8 +2,8 @@
 traffic counters.
 
 Shared by :mod:`titanext.plugins.expert_parallel` (token dispatch / combine, flat or two-level:
-:mod:`titanext.plugins._ep_dispatch`) and :mod:`titanext.plugins.expert_replication` (hot-expert
-weight copies), which re-export :class:`CommCounter` and :func:`count_comm` through
+``_dispatch``) and :mod:`titanext.plugins.expert_parallel.replication` (hot-expert weight
+copies), which re-export :class:`CommCounter` and :func:`count_comm` through
 ``expert_parallel``.
 
 Float8 dispatch (:class:`Wire` ``float8=True``): the rows a dispatch sends travel as float8 e4m3

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from titanext.data.hf_tokenizer import HFTokenizer
 from titanext.errors import ConfigError
-from titanext.hf.configs import model_args_from_hf
-from titanext.hf.tokenizer import HFTokenizer
 from titanext.models.args import ModelArgs
+from titanext.models.hf_configs import model_args_from_hf
+from titanext.models.hf_names import check_dcp_checkpoint, check_hf_checkpoint
 
 __all__ = ["hf_problems"]
 
@@ -68,8 +69,6 @@ def hf_problems(*, flavor: str, tokenizer: str, hf_assets_path: str | None, mode
             "embeddings (config.json tie_word_embeddings = true), which live on the first and "
             "the last pipeline stage; use FSDP / HSDP / TP / CP / EP, or an untied model")
     if initial_load_path and args is not None and not problems:
-        from titanext.hf.checkpoint import check_dcp_checkpoint, check_hf_checkpoint  # torch
-
         try:
             if initial_load_in_hf:
                 check_hf_checkpoint(initial_load_path, args)

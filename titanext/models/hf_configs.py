@@ -4,7 +4,8 @@
 :class:`~titanext.models.ModelArgs` of the same network, or raises
 :class:`~titanext.errors.ConfigError` naming every field titanext does not implement (a
 different model is never built silently). :func:`hf_config_from_model_args` goes the other way
-for exports.
+for exports; :func:`read_json` reads the JSON files of an HF model directory (config.json,
+tokenizer_config.json) with errors that name the file.
 
 Supported architectures: ``LlamaForCausalLM`` and ``MistralForCausalLM`` without a sliding
 window, ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim), and the MoE models
@@ -13,32 +14,51 @@ window, ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim), and the MoE models
 ``route_norm``; dense layers from ``mlp_only_layers`` / ``decoder_sparse_step`` when they
 form titanext's "first k dense, then every n-th" pattern), and ``DeepseekV3ForCausalLM``
 (multi-head latent attention, DeepSeek-V3 routing, multi-token prediction:
-:mod:`titanext.hf.deepseek`). The model uses HF's RoPE pairing
+:mod:`titanext.models.hf_deepseek`). The model uses HF's RoPE pairing
 (``rope_layout="half"``; DeepSeek-V3: its ``rope_interleave``), so HF weights load without any
 permutation.
 
->>> from titanext.hf.configs import model_args_from_hf
+>>> from titanext.models.hf_configs import model_args_from_hf
 >>> args = model_args_from_hf("path/to/hf_dir")   # an HF model directory  # doctest: +SKIP
+>>> read_json("no/such/config.json")
+Traceback (most recent call last):
+...
+titanext.errors.ConfigError: no/such/config.json does not exist
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 from titanext.errors import ConfigError
-from titanext.hf.deepseek import DEEPSEEK_V3, deepseek_v3_args, deepseek_v3_config
-from titanext.hf.tokenizer import read_json
 from titanext.models.args import ModelArgs, MoEArgs, RopeScaling
+from titanext.models.hf_deepseek import DEEPSEEK_V3, deepseek_v3_args, deepseek_v3_config
 
 __all__ = ["HF_ARCHITECTURES", "hf_config_from_model_args", "load_hf_config",
-           "model_args_from_hf"]
+           "model_args_from_hf", "read_json"]
 
 #: architecture -> model_type of the HF configs the ``hf`` flavor builds.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
                     "Qwen3MoeForCausalLM": "qwen3_moe", DEEPSEEK_V3: "deepseek_v3"}
 _ROPE_TYPES = ("default", "llama3")
+
+
+def read_json(path: str) -> dict:
+    """``path`` parsed, or a ConfigError naming the file (missing, unreadable or not JSON)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not valid JSON: expected an object, got "
+                          f"{type(data).__name__}")
+    return data
 
 
 def load_hf_config(path: str) -> tuple[dict[str, Any], str]:
@@ -90,7 +110,7 @@ def model_args_from_hf(source: str | dict[str, Any], *, where: str | None = None
             f"{where}: architectures = {archs} (model_type {model_type!r}) is not supported by "
             f"flavor 'hf'; supported: {', '.join(HF_ARCHITECTURES)}")
     model_type = model_type or HF_ARCHITECTURES[arch]
-    if model_type == "deepseek_v3":  # MLA, DeepSeek routing, MTP: titanext.hf.deepseek
+    if model_type == "deepseek_v3":  # MLA, DeepSeek routing, MTP: titanext.models.hf_deepseek
         return deepseek_v3_args(cfg, where)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size")

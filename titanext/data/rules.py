@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from titanext.data.readers import check_text_file, list_files
+from titanext.data.tokenizer import build_tokenizer
 from titanext.data.tokens import check_token_shards
 from titanext.errors import ConfigError
 
@@ -112,7 +113,6 @@ def data_problems(sections: Sequence[tuple[str, str, str | None]], *, text_field
 def _tokenizer_ids(tokenizer: str, hf_assets_path: str | None) -> tuple[int | None, int | None]:
     """(vocab size, EOS id) of the tokenizer, or Nones when it cannot be built (its own rule
     reports why)."""
-    from titanext.data.tokenizer import build_tokenizer
 
     try:
         tok = build_tokenizer(tokenizer, hf_assets_path)

@@ -11,7 +11,7 @@ config.json takes the default of transformers' ``DeepseekV3Config``. Fields tita
 map (another router, attention biases, another activation, another rope type) are a
 :class:`~titanext.errors.ConfigError`, one line per field.
 
->>> from titanext.hf.configs import model_args_from_hf
+>>> from titanext.models.hf_configs import model_args_from_hf
 >>> args = model_args_from_hf({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
 ...     "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
 ...     "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,

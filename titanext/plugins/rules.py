@@ -1,9 +1,11 @@
-"""Plain option values the plugins accept, importable without torch.
+"""The config rules of the flat plugins (float8, activation checkpointing) and the plain option
+values they accept, importable without torch.
 
 The config validates ``[float8] recipe`` and ``[activation_checkpoint] selective_op_save_list``
 against these while loading a TOML file, so they live in a module that imports nothing; the
 plugins (:mod:`titanext.plugins.float8`, :mod:`titanext.plugins.activation_checkpoint`)
-import and re-export them.
+import and re-export them. A plugin package keeps its own rules in its ``rules`` module
+(:mod:`titanext.plugins.expert_parallel.rules`).
 
 >>> "tensorwise" in FLOAT8_RECIPES, DEFAULT_SAVE_OPS[0]
 (True, 'mm')
@@ -15,10 +17,9 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_SAVE_OPS", "EP_DISPATCH_MODES", "FLOAT8_ALL_GATHER_RECIPES",
-           "FLOAT8_EXPERT_RECIPES", "FLOAT8_RECIPES", "REPLICATION_SLACK",
-           "float8_experts_problems", "float8_problems", "keep_all_to_all_problem", "max_replicas",
-           "replication_problems"]
+__all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_EXPERT_RECIPES",
+           "FLOAT8_RECIPES", "float8_experts_problems", "float8_problems",
+           "keep_all_to_all_problem"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -39,69 +40,6 @@ DEFAULT_SAVE_OPS = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )
-
-#: Hot-expert replication makes no new copy while the busiest ep rank is within this fraction
-#: of the mean rows (a copy would cost more than the rows it moves).
-REPLICATION_SLACK = 0.05
-
-#: ``[parallelism] expert_parallel_dispatch`` and ``apply_expert_parallel(dispatch=...)``: every
-#: (token, expert) row sent on its own, or each token once per destination node, then fanned
-#: out inside it (:mod:`titanext.plugins._ep_dispatch`).
-EP_DISPATCH_MODES = ("flat", "two_level")
-
-def max_replicas(num_experts: int, ep: int) -> int:
-    """The largest useful ``replicate_hot_experts``: the experts a rank does not hold."""
-    return num_experts - num_experts // ep
-
-
-def max_replicas_within(num_experts: int, ep: int, copies_within: int = 0) -> int:
-    """:func:`max_replicas` where a copy can only go to ``copies_within`` ranks (two-level
-    dispatch keeps copies inside a node of that many ep ranks; 0: any of the ``ep``): the experts
-    of those ranks that a rank does not hold, ``num_experts / nodes - num_experts / ep``.
-
-    >>> max_replicas_within(64, 8), max_replicas_within(64, 8, copies_within=4)
-    (56, 24)
-    """
-    homes = copies_within or ep
-    return max_replicas(num_experts * homes // ep, homes)
-
-
-def replication_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]
-                         ) -> list[str]:
-    """One line per problem of ``[moe] replicate_hot_experts`` (its sign is a field check): it
-    needs expert parallelism, and at most :func:`max_replicas` copies, the bound
-    ``apply_expert_parallel`` enforces at run time. ``model_args(cfg)`` gives the job's model.
-
-    >>> from titanext.config import ConfigError, load_config
-    >>> try:
-    ...     load_config(None, ["--model.flavor=debugmoe", "--moe.replicate_hot_experts=2"])
-    ... except ConfigError as e:
-    ...     print(e.problems[0][:64])
-    moe.replicate_hot_experts = 2 needs expert parallelism: parallel
-    """
-    n = cfg.moe.replicate_hot_experts
-    if not n or n < 0 or skip & {"moe.replicate_hot_experts", "model.name", "model.flavor",
-                                 "parallelism.expert_parallel_degree"}:
-        return []
-    key = f"moe.replicate_hot_experts = {n}"
-    ep = cfg.parallelism.expert_parallel_degree
-    if ep == 1:
-        return [f"{key} needs expert parallelism: parallelism.expert_parallel_degree = 1 (copies "
-                "go from one ep rank to another); set expert_parallel_degree > 1 or "
-                "replicate_hot_experts = 0"]
-    try:
-        args = model_args(cfg)
-    except (KeyError, ValueError):  # a bad name, flavor or [moe] value: reported elsewhere
-        return []
-    if args.moe is None or args.moe.num_experts % ep:
-        return []  # reported by the expert-parallel rules
-    most = max_replicas(args.moe.num_experts, ep)
-    if n > most:
-        return [f"{key} is more than the experts there are to copy: at most num_experts - "
-                f"num_experts / expert_parallel_degree = {args.moe.num_experts} - "
-                f"{args.moe.num_experts // ep} = {most} (the experts a rank does not hold)"]
-    return []
-
 
 def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
     """``[float8]`` (``f``) combinations that cannot work against ``[parallelism]`` (``p``),

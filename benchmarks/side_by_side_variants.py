@@ -1,4 +1,6 @@
-"""titanext's trainer against a plain PyTorch loop and torchtitan's trainer path, on one device.
+"""titanext's trainer against a plain PyTorch loop and torchtitan's trainer path, on one device:
+the variants and the torchtitan loader behind ``benchmarks/side_by_side.py`` (harness code, so it
+lives here and not in the titanext package).
 
 Same model shape, batch and device; the variants are stepped in turns (A B C A B C ...) and each
 reports the median step time after warm-up as tokens/s, MFU (against the device's bf16 peak) and
@@ -55,7 +57,7 @@ BIG_GPU_BYTES, SMALL_GPU_SEQ = 100 * 2**30, 4096
 TARGETS = {"plain": 0.98, "torchtitan": 1.0}
 VARIANTS = ("titanext", "plain", "torchtitan")
 #: where the torchtitan wheel is looked for (relative to the repository root)
-WHEEL_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "wheels")
+WHEEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wheels")
 SAVE_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
             "_scaled_dot_product_flash_attention_for_cpu")

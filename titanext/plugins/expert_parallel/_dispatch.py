@@ -42,9 +42,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext._fake_backend import balanced_counts
-from titanext.plugins._ep_comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins._mesh import one_dim_group
-from titanext.plugins.expert_replication import ReplicationPlan, StepCopies, dispatch_replicated
+from titanext.plugins.expert_parallel._comm import PLAIN, AllToAll, Wire, swap_counts
+from titanext.plugins.expert_parallel.replication import (
+    ReplicationPlan,
+    StepCopies,
+    dispatch_replicated,
+)
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
            "dispatch_tokens", "dispatch_two_level", "ep_group", "node_groups"]
@@ -59,7 +63,7 @@ class Route:
     device permutation. ``send_splits[r]``: rows this rank sent to ep rank r;
     ``recv_splits[r]``: rows it received from r; ``order``: received-row index of each row of
     the expert input (local-expert order). With replication, ``send_order`` and ``plan`` (see
-    :mod:`~titanext.plugins.expert_replication`)."""
+    :mod:`~titanext.plugins.expert_parallel.replication`)."""
 
     send_splits: list[int]
     recv_splits: list[int]
@@ -85,12 +89,13 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
 
     Differentiable in ``x``. One device-to-host sync (the split sizes).
     ``replicate_hot_experts`` > 0: up to that many hot experts are copied to the least loaded
-    ranks (:mod:`~titanext.plugins.expert_replication`): the counts are all-gathered instead, the
-    rows of a copy come after the rank's own experts' (counts [L + copies hosted here]), and
-    ``route.plan`` says which weights :func:`~titanext.plugins.expert_replication.copy_experts`
-    must fetch. ``wire``: the rows as float8 (``Wire(float8=True)``, see
-    :mod:`~titanext.plugins._ep_comm`) and the node size the counters use. ``step``: the
-    step's copies (:func:`~titanext.plugins.expert_replication.copies_per_step`).
+    ranks (:mod:`~titanext.plugins.expert_parallel.replication`): the counts are all-gathered
+    instead, the rows of a copy come after the rank's own experts' (counts [L + copies hosted
+    here]), and ``route.plan`` says which weights
+    :func:`~titanext.plugins.expert_parallel.replication.copy_experts` must fetch. ``wire``: the
+    rows as float8 (``Wire(float8=True)``, see :mod:`~titanext.plugins.expert_parallel._comm`)
+    and the node size the counters use. ``step``: the step's copies
+    (:func:`~titanext.plugins.expert_parallel.replication.copies_per_step`).
     """
     pg = ep_group(group)
     world = dist.get_world_size(pg)
@@ -223,7 +228,7 @@ def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     (``top_k_index`` [T, k], global expert ids), then to its experts inside the node. Returns
     (rows for this rank's experts in local-expert order, their counts, the
     :class:`TwoLevelRoute` for :func:`combine_two_level`). ``float8``: the rows travel as
-    float8 on both levels (:mod:`~titanext.plugins._ep_comm`)."""
+    float8 on both levels (:mod:`~titanext.plugins.expert_parallel._comm`)."""
     world = groups.nodes * groups.ranks_per_node
     if num_experts % world:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world} ep ranks")

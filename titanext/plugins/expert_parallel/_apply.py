@@ -1,55 +1,5 @@
-"""Expert parallelism: the experts of MoE layers split over ranks, tokens sent by all-to-all.
-
-``apply_expert_parallel(model, ep_mesh)`` finds every *experts module* and turns it into an
-``ExpertParallel`` module (a ``ParallelStyle`` built on ``distribute_module``): each of its
-parameters becomes a DTensor ``Shard(0)`` over ``ep_mesh`` (rank r of W holds experts
-``r*E/W .. (r+1)*E/W - 1``) and its call is wrapped in dispatch / combine.
-
-The experts-module protocol (``titanext.models.moe.GroupedExperts`` follows it, so does
-torchtitan's ``GroupedExperts`` inside its router / reorderer MoE, found by its call:
-:mod:`titanext.plugins._ep_layouts`; so can yours):
-
-- every parameter has the expert index as its first dimension (e.g. w1/w2/w3 of shape
-  [num_experts, ...]);
-- ``forward(x, num_tokens_per_expert)`` is called with positional arguments: x [N, dim] with
-  rows grouped by expert in expert order, ``num_tokens_per_expert`` a LongTensor [experts]
-  (rows per expert, summing to N); it returns [N, out_dim] in the same row order, and computes
-  as many experts as its parameters' *local* first dimension (use ``p.to_local()`` for DTensor
-  parameters). Routing weights are applied by the caller, after the experts module returns.
-
-Dispatch (forward pre-hook), for W = ep ranks and L = E / W local experts:
-
-1. ``all_to_all_single`` of the per-expert counts [E] (equal splits of L): rank r learns how
-   many rows every source rank sends to each of its experts;
-2. **the one device-to-host sync**: both count vectors are copied to the host at once, since
-   ``all_to_all_single`` takes its split sizes as Python lists;
-3. ``all_to_all_single`` of the token rows with those uneven splits (the rows arrive in
-   (source rank, local expert) order);
-4. a local permutation into local-expert order (``repeat_interleave`` with a known output
-   size and a stable ``argsort``, on the device: no sync).
-
-Combine (forward hook) is the exact inverse: inverse permutation, then the reverse
-``all_to_all_single`` with the two split lists swapped. Backward of each all-to-all is the
-all-to-all with swapped splits, and reuses the host lists kept from the forward: the backward
-has no sync at all. Where syncs remain: one per dispatch (step 2), once more when activation
-checkpointing recomputes the layer (not with ``keep_all_to_all``, which replays the forward's
-collectives: :mod:`titanext.plugins.activation_checkpoint`), and inside the experts module if it
-needs host counts (``GroupedExperts``' per-expert loop does ``tolist()``; its grouped-GEMM path
-does not).
-
-Two other wires (``apply_expert_parallel`` arguments; docs/moe_ep.md): ``dispatch="two_level"``
-sends each token once to every node holding one of its experts, then to the experts inside it,
-and sums each node's weighted outputs there (:mod:`titanext.plugins._ep_dispatch`: the module
-then takes the routing, ``experts(tokens, TokenRouting(ids, weights))``); ``float8_dispatch``
-sends the dispatched rows as float8 with 1 x 128 scales (:mod:`titanext.plugins._ep_comm`).
-
-Under torchrun, with ``ep_mesh`` a 1D DeviceMesh over the ranks that split the experts:
-
->>> apply_expert_parallel(model, ep_mesh)  # in a process group  # doctest: +SKIP
-['layers.1.moe.experts', 'layers.3.moe.experts']
-
-Runnable example with a user's own model: ``examples/expert_parallel.py``.
-"""
+"""The expert-parallel style and ``apply_expert_parallel`` (the package docstring tells the whole
+story: :mod:`titanext.plugins.expert_parallel`)."""
 
 from __future__ import annotations
 
@@ -64,8 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titanext.plugins._ep_comm import PLAIN, CommCounter, Wire, count_comm
-from titanext.plugins._ep_dispatch import (
+from titanext.models.moe import GroupedExperts
+from titanext.plugins.expert_parallel._comm import PLAIN, CommCounter, Wire, count_comm
+from titanext.plugins.expert_parallel._dispatch import (
     NodeGroups,
     Route,
     TwoLevelRoute,
@@ -75,10 +26,10 @@ from titanext.plugins._ep_dispatch import (
     dispatch_two_level,
     node_groups,
 )
-from titanext.plugins._ep_dispatch import ep_group as _group
-from titanext.plugins._ep_layouts import follows_experts_protocol
-from titanext.plugins.expert_replication import copy_experts, step_copies
-from titanext.plugins.options import EP_DISPATCH_MODES, max_replicas_within
+from titanext.plugins.expert_parallel._dispatch import ep_group as _group
+from titanext.plugins.expert_parallel._layouts import follows_experts_protocol
+from titanext.plugins.expert_parallel.replication import copy_experts, step_copies
+from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES, max_replicas_within
 
 __all__ = [
     "ExpertParallel", "apply_expert_parallel", "dispatch_tokens", "combine_tokens", "Route",
@@ -257,10 +208,10 @@ def detect_experts_layout(fqn: str, module: nn.Module) -> ExpertsLayout | str | 
     """The layout of ``module`` if it is an experts module titanext knows: "protocol" for
     :class:`~titanext.models.moe.GroupedExperts` and any module called as ``forward(x,
     num_tokens_per_expert)`` that holds its stacked expert weights directly (torchtitan's
-    ``GroupedExperts``: :func:`~titanext.plugins._ep_layouts.follows_experts_protocol`), a
-    :class:`StackedExperts` for 3-D
-    ``gate_up_proj``/``down_proj`` (``is_transposed`` read from the module),
-    ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
+    ``GroupedExperts``:
+    :func:`~titanext.plugins.expert_parallel._layouts.follows_experts_protocol`), a
+    :class:`StackedExperts` for 3-D ``gate_up_proj``/``down_proj`` (``is_transposed`` read from
+    the module), ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` weights, a
     :class:`ModuleListExperts` for an ``nn.ModuleList`` named ``experts``; else None."""
     if is_grouped_experts(fqn, module) or follows_experts_protocol(module):
         return "protocol"
@@ -396,10 +347,6 @@ def call_experts(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
 
 def is_grouped_experts(name: str, module: nn.Module) -> bool:
     """The default selection: instances of ``titanext.models.moe.GroupedExperts``."""
-    try:
-        from titanext.models.moe import GroupedExperts
-    except ImportError:
-        return False
     return isinstance(module, GroupedExperts)
 
 
@@ -425,12 +372,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *,
             pipeline stage may legitimately have none: ``parallelize`` passes False there).
         replicate_hot_experts: N > 0 copies up to N of the most loaded experts to the least
             loaded ranks (chosen once per step inside
-            :func:`~titanext.plugins.expert_replication.copies_per_step`, which the trainer
+            :func:`~titanext.plugins.expert_parallel.replication.copies_per_step`, which the trainer
             uses; else at every dispatch), so that each rank's rows come within
             ``ceil(mean)`` of the mean where N copies allow (exact: the same rows meet the same
             weights; the copies' gradients are summed into the home experts'). At most
             ``num_experts - num_experts / ep``. See
-            :mod:`~titanext.plugins.expert_replication` for the plan and its cost. Under
+            :mod:`~titanext.plugins.expert_parallel.replication` for the plan and its cost. Under
             two-level dispatch the copies stay inside a node: at most ``num_experts / nodes -
             num_experts / ep``.
         dispatch: ``"flat"`` (every (token, expert) row travels on its own) or ``"two_level"``

@@ -57,8 +57,15 @@ import torch.distributed as dist
 
 from titanext._fake_backend import balanced_counts, is_fake
 from titanext._profiler_ranges import EP_ALL_TO_ALL, phase
-from titanext.plugins._ep_comm import COUNTERS, PLAIN, AllToAll, Wire, _all_to_all, taped
-from titanext.plugins.options import REPLICATION_SLACK, max_replicas
+from titanext.plugins.expert_parallel._comm import (
+    COUNTERS,
+    PLAIN,
+    AllToAll,
+    Wire,
+    _all_to_all,
+    taped,
+)
+from titanext.plugins.expert_parallel.rules import REPLICATION_SLACK, max_replicas
 
 SLACK = REPLICATION_SLACK  # no new copy while the busiest rank is within 5% of the mean
 
@@ -370,7 +377,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, copies: int,
                     rows: int, step: StepCopies | None = None) -> ReplicationPlan:
     """All-gather every ep rank's per-expert counts ``[E]`` and plan the copies (the dispatch's
     one device-to-host sync; replayed in a recompute, see
-    :class:`~titanext.plugins._ep_comm.CommTape`). Under the dry run's fake tensors:
+    :class:`~titanext.plugins.expert_parallel._comm.CommTape`). Under the dry run's fake tensors:
     :func:`nominal_plan`. With ``step``: the step's first dispatch chooses its copies, every
     dispatch of the step (this one included) gives rows to those copies only."""
     return taped(("replication plan", tuple(counts.shape), copies, rows),

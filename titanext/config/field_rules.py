@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from titanext._text import did_you_mean as _did_you_mean
-from titanext.plugins.options import DEFAULT_SAVE_OPS
+from titanext.plugins.rules import DEFAULT_SAVE_OPS
 
 __all__ = ["writable_folder_problem"]
 
@@ -26,7 +26,7 @@ _KNOWN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "Interleave
 def _pp_schedule(value: str) -> str | None:
     if value in _KNOWN_SCHEDULES:
         return None
-    from titanext.schedules import SCHEDULE_NAMES
+    from titanext.schedules import SCHEDULE_NAMES  # the config loads without torch
 
     if value in SCHEDULE_NAMES:
         return None
@@ -55,7 +55,7 @@ def _aten_ops(names: list[str]) -> str | None:
 
 def _aten_hint(name: str) -> str:
     try:  # private, but only feeds a hint; losing it loses nothing else
-        from titanext._compat import aten_op_names
+        from titanext._compat import aten_op_names  # the config loads without torch
 
         known = {n.split("::", 1)[1].split(".", 1)[0]
                  for n in aten_op_names() if n.startswith("aten::")}
