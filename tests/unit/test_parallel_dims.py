@@ -56,14 +56,14 @@ def test_ep_must_fit_dp_shard_times_cp():
       "--parallelism.pipeline_parallel_schedule=1F1B"], 2, None),  # stages keep float32
 ])
 def test_trainer_autocasts_where_fsdp_does_not_cast(args, world, expect):
-    from titanext.config import load_config
+    from titanext.config import load_config, recipe_from_config
     from titanext.trainer import Trainer
 
     cfg = load_config(None, args, world_size=world)
     p = cfg.parallelism
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=p.pipeline_parallel_degree,
                         ep=1, world_size=world)
-    ctx = Trainer._autocast_context(cfg, dims, torch.device("cpu"))()
+    ctx = Trainer._autocast_context(recipe_from_config(cfg), dims, torch.device("cpu"))()
     with ctx:
         got = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
     assert got == expect
