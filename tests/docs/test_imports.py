@@ -37,6 +37,7 @@ COMMANDS = {
     "titanext-data": "titanext.launch.data",
     "titanext-support-matrix": "titanext.config.support_matrix",
     "titanext-config-docs": "titanext.config.docs",
+    "titanext-zoo": "titanext.hf.zoo",
 }
 
 #: titanext's packages and top-level modules from the bottom up. A module imports its own package
@@ -53,6 +54,8 @@ LAYERS = (
     # models: above distributed, while the rest of hf (configs, tokenizer, checkpoints, the
     # checks the config runs) sits below data and config
     "titanext.hf.transformers",
+    # the zoo certification runs every plugin and the pipeline through the adapters above
+    "titanext.hf.zoo",
     "titanext.planning", "titanext.trainer", "titanext.launch", "titanext.parity",
     "titanext.gpucheck", "titanext.train",
 )
