@@ -116,9 +116,9 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
     Takes this rank's share of the batch (:meth:`ParityContext.local_batch`), calls
     ``model(tokens)`` (plus ``position_ids=`` under cp when the forward accepts it) and returns
-    the mean cross entropy over the tokens it saw (a ``transformers`` model gets the positions as
-    [rows, local_seq], as its rotary embedding wants them); with equal shares, averaging gradients over
-    the data and cp ranks (what FSDP does) gives the one-process gradient.
+    the mean cross entropy over the tokens it saw (a ``transformers`` model gets the positions
+    as [rows, local_seq], as its rotary embedding wants them); with equal shares, averaging
+    gradients over the data and cp ranks (what FSDP does) gives the one-process gradient.
     """
     tokens, labels, positions = ctx.local_batch(inputs, labels)
     if positions is not None and _takes(model, "position_ids"):

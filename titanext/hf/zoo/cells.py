@@ -73,7 +73,7 @@ def _ends(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
     """The parameter-holding parts registered before and after the block list at ``path``."""
     before, after, module, prefix = [], [], model, ""
     parts = path.split(".")
-    for depth, part in enumerate(parts):
+    for part in parts:
         seen = False
         for name, child in module.named_children():
             if name == part:

@@ -4,6 +4,7 @@
     titanext-zoo --only llama,gemma3_text --plugins tp,cp
     titanext-zoo --write-docs                   # the table into docs/zoo.md
     titanext-zoo --list                         # what is certified, what is excluded and why
+    titanext-zoo --results zoo.jsonl            # keep each result; a rerun resumes
 
 Prints one progress line per architecture, then the table and the total time. Exits 1 when any
 cell is WRONG, 2 on bad arguments (one line per problem).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-docs", nargs="?", const=str(DOCS), metavar="PATH",
                    help=f"write the table between the markers of PATH (default {DOCS})")
     p.add_argument("--list", action="store_true", help="list certified and excluded types")
+    p.add_argument("--results", metavar="PATH", help="append each architecture's cells to PATH "
+                   "(JSON lines) and skip those already there: a long run resumes where it "
+                   "stopped")
     p.add_argument("--deadline", type=float, default=600.0,
                    help="seconds one architecture may take before its case counts as hung")
     return p
@@ -54,17 +59,37 @@ def _names(text: str | None, allowed, key: str, problems: list[str]) -> list[str
     return names if names else problems.append(f"{key}: {text!r} names nothing") or None
 
 
-def certify(model_types, plugins=PLUGINS, *, deadline_s: float = 600.0, log=print) -> tuple:
+def _load_results(path: Path | None, plugins) -> tuple[dict, dict]:
+    rows, unbuilt = {}, {}
+    if path is None or not path.exists():
+        return rows, unbuilt
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if "build" in entry:
+            unbuilt[entry["type"]] = entry["build"]
+        elif all(p in entry["cells"] for p in plugins):
+            rows[entry["type"]] = {p: tuple(entry["cells"][p]) for p in plugins}
+    return rows, unbuilt
+
+
+def certify(model_types, plugins=PLUGINS, *, deadline_s: float = 600.0, log=print,
+            results: Path | None = None) -> tuple:
     """Run the zoo over ``model_types`` on a persistent group of 2 gloo ranks.
 
     Returns (rows, failed_to_build): rows maps a type to ``{plugin: (kind, text)}``;
-    failed_to_build maps a type whose tiny copy fails in one process to the error."""
+    failed_to_build maps a type whose tiny copy fails in one process to the error. With
+    ``results`` (a JSON-lines file), types already there are not run again, and each new one is
+    appended as it finishes."""
     from titanext.hf.zoo.pool import ZooPool
 
     pool = ZooPool(2, deadline_s=deadline_s)
-    rows, unbuilt = {}, {}
+    rows, unbuilt = _load_results(results, plugins)
+    rows = {t: r for t, r in rows.items() if t in model_types}
+    unbuilt = {t: r for t, r in unbuilt.items() if t in model_types}
     try:
         for i, t in enumerate(model_types, 1):
+            if t in rows or t in unbuilt:
+                continue
             start = time.monotonic()
             try:
                 result = certify_type(pool.run, t, plugins)
@@ -73,15 +98,23 @@ def certify(model_types, plugins=PLUGINS, *, deadline_s: float = 600.0, log=prin
                 result = {p: {"": ("WRONG", f"case failed: {lines[-1][:160]}")} for p in plugins}
             if "_build" in result:
                 unbuilt[t] = result["_build"]
+                _append(results, {"type": t, "build": unbuilt[t]})
                 log(f"[{i}/{len(model_types)}] {t}: excluded (fails to build tiny: "
                     f"{result['_build'][:120]})")
                 continue
             rows[t] = {p: cell(result[p]) for p in plugins}
+            _append(results, {"type": t, "cells": rows[t]})
             summary = ", ".join(f"{p} {rows[t][p][0]}" for p in plugins)
             log(f"[{i}/{len(model_types)}] {t}: {time.monotonic() - start:.1f} s  {summary}")
     finally:
         pool.close()
     return rows, unbuilt
+
+
+def _append(path: Path | None, entry: dict) -> None:
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"titanext-zoo: {len(chosen)} architecture(s) x {len(plugins)} plugin(s) on 2 gloo ranks")
     start = time.monotonic()
-    rows, unbuilt = certify(chosen, plugins, deadline_s=args.deadline, log=log)
+    rows, unbuilt = certify(chosen, plugins, deadline_s=args.deadline, log=log,
+                            results=Path(args.results) if args.results else None)
     seconds = time.monotonic() - start
     excluded.update({t: f"fails to build tiny: {e}" for t, e in unbuilt.items()})
     if only:

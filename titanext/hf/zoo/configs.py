@@ -26,14 +26,16 @@ WINDOW = 3
 #: canonical size keywords; each goes to the config under the name its attribute_map gives
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=128, head_dim=16,
-             max_position_embeddings=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             max_position_embeddings=64, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32,
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
              n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
              decoder_sparse_step=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=16, n_embd=64, n_layer=2, n_head=4, n_inner=128,
              d_model=64, ffn_dim=128, n_positions=64, n_ctx=64, sliding_window=WINDOW,
              attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-             attn_pdrop=0.0, dropout=0.0, rotary_dim=8, hidden_dropout_prob=0.0, initializer_range=0.2,
+             attn_pdrop=0.0, dropout=0.0, rotary_dim=8, hidden_dropout_prob=0.0,
+             initializer_range=0.2,
              state_size=8, expand=2, conv_kernel=4, n_groups=1, mamba_n_heads=8,
              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, chunk_size=8,
              time_step_rank=8, num_heads=8, mlp_expansion_factor=2)
@@ -42,7 +44,8 @@ _SIZE_NAME = re.compile(r"(size|dim|rank|hidden|intermediate|embd|inner|d_model|
 _LAYER_NAME = re.compile(r"^(num_.*layers|n_layers?|num_layers)$")
 #: scalar factors: moved away from neutral (1 for a multiplier or scale, None/0 for a soft-cap)
 _FACTOR_NAME = re.compile(r"(multiplier|scale|scaling|softcap|soft_cap|logit_scale|scalar)")
-_NOT_A_FACTOR = re.compile(r"(rope|init|eps|dropout|norm|coef|aux|std|range|theta|base|type)")
+_NOT_A_FACTOR = re.compile(
+    r"(rope|init|eps|dropout|norm|coef|aux|std|range|theta|base|type)")
 #: the two variants every architecture runs as
 VARIANTS = {"untied, pad None": dict(tie_word_embeddings=False, pad_token_id=None),
             "tied, pad 0": dict(tie_word_embeddings=True, pad_token_id=0)}
@@ -140,7 +143,8 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
             continue
         if _LAYER_NAME.match(name) and value > 2:
             kwargs[name] = 2
-        elif _SIZE_NAME.search(name) and value > 256 and "vocab" not in name and "position" not in name:
+        elif (_SIZE_NAME.search(name) and value > 256 and "vocab" not in name
+              and "position" not in name):
             kwargs[name] = 32
     for name, value in vars(default).items():
         factor = non_neutral(name, value)
@@ -149,12 +153,14 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
     if "layer_types" in accepted:
         kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or []))
         if len(kinds) >= 2:  # two kinds in two layers, a sliding one first where there is one
-            kwargs["layer_types"] = kinds[:2][::-1] if kinds[0] != "sliding_attention" else kinds[:2]
+            pair = kinds[:2]
+            kwargs["layer_types"] = pair[::-1] if pair[0] != "sliding_attention" else pair
         elif kinds:
             kwargs["layer_types"] = kinds * 2
     if "kv_lora_rank" in kwargs or "qk_rope_head_dim" in kwargs:
         kwargs.pop("head_dim", None)  # MLA: the rotary part's size is qk_rope_head_dim
-        kwargs[amap.get("num_key_value_heads", "num_key_value_heads")] = SIZES["num_attention_heads"]
+        kv = amap.get("num_key_value_heads", "num_key_value_heads")
+        kwargs[kv] = SIZES["num_attention_heads"]
     kwargs["use_cache"] = False  # no generation; state-space caches refuse a training forward
     kwargs = {k: v for k, v in kwargs.items()
               if (k in accepted or hasattr(default, k)) and not isinstance(

@@ -11,7 +11,7 @@ __all__ = ["BEGIN", "END", "cell", "counts", "markdown", "write_docs"]
 BEGIN, END = "<!-- zoo table: begin -->", "<!-- zoo table: end -->"
 KINDS = ("exact", "refused", "WRONG")
 #: the widest reason a table cell shows
-WIDTH = 110
+WIDTH = 160
 
 
 def _short(text: str) -> str:
