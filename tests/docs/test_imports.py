@@ -54,9 +54,11 @@ LAYERS = (
     # models: above distributed, while the rest of hf (configs, tokenizer, checkpoints, the
     # checks the config runs) sits below data and config
     "titanext.hf.transformers",
-    # the zoo certification runs every plugin and the pipeline through the adapters above
+    "titanext.planning", "titanext.trainer", "titanext.launch",
+    # the zoo certification runs every plugin and the pipeline through the HF adapters, in its
+    # own group of local processes (launch.local's port)
     "titanext.hf.zoo",
-    "titanext.planning", "titanext.trainer", "titanext.launch", "titanext.parity",
+    "titanext.parity",
     "titanext.gpucheck", "titanext.train",
 )
 

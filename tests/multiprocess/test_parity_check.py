@@ -243,11 +243,13 @@ def build_hf_llama():
 
 
 def wire_hf_cp(model, ctx):
-    """The adapter alone: the default loss hands the model its sharded positions."""
-    from titanext.hf.transformers import apply_hf_context_parallel
+    """The adapter and FSDP over cp (averaging the ranks' gradients); the default loss hands
+    the model its sharded positions."""
+    from titanext.hf.transformers import apply_hf_context_parallel, hf_blocks
+    from titanext.plugins.fsdp import apply_fsdp
 
     apply_hf_context_parallel(model, ctx.cp_mesh)
-    return model
+    return apply_fsdp(model, ctx.cp_mesh, blocks=hf_blocks(model))
 
 
 def wire_fails_on_rank_1(model, ctx):
