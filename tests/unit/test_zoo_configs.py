@@ -1,5 +1,6 @@
 """The zoo's tiny configs can show a dropped factor, its exclusions name their reason, its
-table merges variants as documented, and its command line refuses bad input with exit 2."""
+table merges variants as documented, and its command line refuses bad input with exit 2; the
+parity check counts a flattened mesh dim as its parts."""
 
 from __future__ import annotations
 
@@ -60,3 +61,14 @@ def test_bad_arguments_exit_2_one_line_each(capsys):
     assert len(lines) == 3 and all(x.startswith("titanext-zoo: ") for x in lines), lines
     assert any("'nosuch'" in x for x in lines) and any("'warp'" in x for x in lines)
     assert any("'bart' is excluded: encoder-decoder" in x for x in lines)
+
+
+def test_parity_counts_a_flattened_dim_as_its_parts():
+    """parallelize shards over ``dp_shard_cp``: the parity check's ``dp_shard`` expectation is
+    met by it (issue 44: "no dp_shard parallelism" although the numbers agreed to 2e-7)."""
+    from titanext.parity.report import expectation_problems
+
+    flat = {"w": {"dp_shard_cp": "Shard(dim=0)"}}
+    assert expectation_problems({"dp_shard": 2}, None, flat, {}) == []
+    assert expectation_problems({"dp_shard": 2}, None, {"w": {"tp": "Shard(dim=0)"}}, {})
+    assert expectation_problems({"tp": 2}, None, {"w": {"dp_tp_x": "Replicate()"}}, {})
