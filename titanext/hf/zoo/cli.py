@@ -120,15 +120,18 @@ def _append(path: Path | None, entry: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     import transformers
 
-    from titanext.hf.zoo.configs import zoo_types
+    from titanext.hf.zoo.configs import causal_lm_types, classify
 
     args = _parser().parse_args(argv)
-    types = zoo_types()
+    transformers.logging.set_verbosity_error()  # the default configs' token-id warnings
+    mapping = causal_lm_types()
+    problems: list[str] = []
+    only = _names(args.only, set(mapping), "--only", problems)
+    plugins = _names(args.plugins, set(PLUGINS), "--plugins", problems) or list(PLUGINS)
+    chosen = [t for t in only if t in mapping] if only else [] if problems else sorted(mapping)
+    types = [classify(t, mapping[t]) for t in chosen]
     certified = [t.model_type for t in types if not t.excluded]
     excluded = {t.model_type: t.excluded for t in types if t.excluded}
-    problems: list[str] = []
-    only = _names(args.only, {t.model_type for t in types}, "--only", problems)
-    plugins = _names(args.plugins, set(PLUGINS), "--plugins", problems) or list(PLUGINS)
     for t in only or ():
         if t in excluded:
             problems.append(f"--only: {t!r} is excluded: {excluded[t]}")
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{t}" for t in certified))
         print("\n".join(f"excluded {t}: {r}" for t, r in excluded.items()))
         return 0
-    chosen = only or certified
+    chosen = certified
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"titanext-zoo: {len(chosen)} architecture(s) x {len(plugins)} plugin(s) on 2 gloo ranks")
     start = time.monotonic()

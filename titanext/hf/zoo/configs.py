@@ -15,8 +15,8 @@ import inspect
 import re
 from dataclasses import dataclass
 
-__all__ = ["SEQ", "VARIANTS", "VOCAB", "ZooType", "build_tiny", "classify", "non_neutral",
-           "tiny_config", "zoo_types"]
+__all__ = ["SEQ", "VARIANTS", "VOCAB", "ZooType", "build_tiny", "causal_lm_types", "classify",
+           "non_neutral", "tiny_config", "zoo_types"]
 
 VOCAB = 128
 #: the global sequence length: zigzag CP over 2 ranks cuts it into 4 chunks of 4
@@ -69,7 +69,8 @@ class ZooType:
     excluded: str = ""
 
 
-def _mapping() -> dict[str, str]:
+def causal_lm_types() -> dict[str, str]:
+    """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: model type -> causal-LM class name."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -103,7 +104,7 @@ def classify(model_type: str, model_class: str) -> ZooType:
 
 def zoo_types() -> list[ZooType]:
     """Every type of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, classified."""
-    return [classify(t, c) for t, c in sorted(_mapping().items())]
+    return [classify(t, c) for t, c in sorted(causal_lm_types().items())]
 
 
 def _first_line(e: BaseException) -> str:
@@ -204,7 +205,7 @@ def build_tiny(model_type: str, variant: str = "untied, pad None", seed: int = 0
     import transformers
 
     cfg = tiny_config(model_type, variant)
-    cls = getattr(transformers, _mapping()[model_type])
+    cls = getattr(transformers, causal_lm_types()[model_type])
     torch.manual_seed(seed)
     model = cls(cfg).float()
     model.eval()  # no dropout anywhere: the ranks and the reference must compute the same
