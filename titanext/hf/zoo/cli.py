@@ -5,6 +5,7 @@
     titanext-zoo --write-docs                   # the table into docs/zoo.md
     titanext-zoo --list                         # what is certified, what is excluded and why
     titanext-zoo --results zoo.jsonl            # keep each result; a rerun resumes
+    titanext-zoo --results zoo.jsonl --from-results --write-docs   # the table of a saved run
 
 Prints one progress line per architecture, then the table and the total time. Exits 1 when any
 cell is WRONG, 2 on bad arguments (one line per problem).
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--results", metavar="PATH", help="append each architecture's cells to PATH "
                    "(JSON lines) and skip those already there: a long run resumes where it "
                    "stopped")
+    p.add_argument("--from-results", action="store_true", help="run nothing: the table from "
+                   "--results alone (types not in it are listed as not run)")
     p.add_argument("--deadline", type=float, default=600.0,
                    help="seconds one architecture may take before its case counts as hung")
     return p
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in only or ():
         if t in excluded:
             problems.append(f"--only: {t!r} is excluded: {excluded[t]}")
+    if args.from_results and not args.results:
+        problems.append("--from-results: needs --results PATH (the JSON lines of a run)")
     if problems:
         print("\n".join(f"titanext-zoo: {p}" for p in problems), file=sys.stderr)
         return 2
@@ -146,16 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"titanext-zoo: {len(chosen)} architecture(s) x {len(plugins)} plugin(s) on 2 gloo ranks")
     start = time.monotonic()
-    rows, unbuilt = certify(chosen, plugins, deadline_s=args.deadline, log=log,
-                            results=Path(args.results) if args.results else None)
-    seconds = time.monotonic() - start
+    results = Path(args.results) if args.results else None
+    if args.from_results:
+        rows, unbuilt = _load_results(results, plugins)
+        seconds = None
+    else:
+        rows, unbuilt = certify(chosen, plugins, deadline_s=args.deadline, log=log,
+                                results=results)
+        seconds = time.monotonic() - start
+    not_run = [t for t in chosen if t not in rows and t not in unbuilt]
     excluded.update({t: f"fails to build tiny: {e}" for t, e in unbuilt.items()})
     if only:
         excluded = {t: r for t, r in excluded.items() if t in only}
     section = markdown(rows, plugins, excluded, version=transformers.__version__,
-                       date=datetime.date.today().isoformat(), seconds=seconds)
+                       date=datetime.date.today().isoformat(), seconds=seconds, not_run=not_run)
     print(section)
-    print(f"titanext-zoo: {len(rows)} architecture(s) in {seconds:.0f} s")
+    print(f"titanext-zoo: {len(rows)} architecture(s)"
+          + (f" in {seconds:.0f} s" if seconds is not None else " (from --results)"))
     if args.write_docs:
         write_docs(Path(args.write_docs), section)
         print(f"titanext-zoo: wrote the table into {args.write_docs}")

@@ -54,7 +54,7 @@ def counts(rows: dict[str, dict], plugins) -> dict[str, dict[str, int]]:
 
 
 def markdown(rows: dict[str, dict], plugins, excluded: dict[str, str], *, version: str,
-             date: str, seconds: float | None = None) -> str:
+             date: str, seconds: float | None = None, not_run=()) -> str:
     """The table, the counts and the exclusion list, in Markdown."""
     lines = [f"Certified with transformers {version} on {date}: {len(rows)} architectures"
              + (f", {seconds / 60:.1f} minutes on 2 gloo ranks" if seconds else "") + ".", "",
@@ -68,6 +68,9 @@ def markdown(rows: dict[str, dict], plugins, excluded: dict[str, str], *, versio
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
     lines += ["", f"Excluded ({len(excluded)}):", ""]
     lines += [f"- `{t}`: {_short(r)}" for t, r in sorted(excluded.items())]
+    if not_run:
+        lines += ["", f"Not run in this table ({len(not_run)}): "
+                  + ", ".join(f"`{t}`" for t in not_run)]
     return "\n".join(lines) + "\n"
 
 
