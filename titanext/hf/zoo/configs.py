@@ -144,6 +144,8 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
             continue
         if _LAYER_NAME.match(name) and value > 2:
             kwargs[name] = 2
+        elif "vocab_size" in name and value > VOCAB:  # per-layer input tables (Gemma 3n / 4)
+            kwargs[name] = VOCAB
         elif (_SIZE_NAME.search(name) and value > 256 and "vocab" not in name
               and "position" not in name):
             kwargs[name] = 32
