@@ -70,8 +70,9 @@ def _load_results(path: Path | None, plugins) -> tuple[dict, dict]:
         entry = json.loads(line)
         if "build" in entry:
             unbuilt[entry["type"]] = entry["build"]
-        elif all(p in entry["cells"] for p in plugins):
-            rows[entry["type"]] = {p: tuple(entry["cells"][p]) for p in plugins}
+        elif all(p in entry["variants"] for p in plugins):
+            rows[entry["type"]] = {p: cell({v: tuple(kt) for v, kt in entry["variants"][p].items()})
+                                   for p in plugins}
     return rows, unbuilt
 
 
@@ -106,7 +107,7 @@ def certify(model_types, plugins=PLUGINS, *, deadline_s: float = 600.0, log=prin
                     f"{result['_build'][:120]})")
                 continue
             rows[t] = {p: cell(result[p]) for p in plugins}
-            _append(results, {"type": t, "cells": rows[t]})
+            _append(results, {"type": t, "variants": {p: result[p] for p in plugins}})
             summary = ", ".join(f"{p} {rows[t][p][0]}" for p in plugins)
             log(f"[{i}/{len(model_types)}] {t}: {time.monotonic() - start:.1f} s  {summary}")
     finally:

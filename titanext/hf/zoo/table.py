@@ -31,8 +31,10 @@ def cell(per_variant: dict[str, tuple[str, str]]) -> tuple[str, str]:
         return "n/a", ""
     refused = [v for v, k in kinds.items() if k == "refused"]
     if any(k == "exact" for k in kinds.values()):
-        note = "; ".join(f"{v}: refused ({_short(texts[v])})" for v in refused)
-        return "exact", note
+        notes = list(dict.fromkeys(texts[v].split("; ", 1)[1] for v, k in kinds.items()
+                                   if k == "exact" and "; " in texts[v]))  # past the figure
+        notes += [f"{v}: refused ({_short(texts[v])})" for v in refused]
+        return "exact", "; ".join(notes)
     reasons = list(dict.fromkeys(texts[v] for v in refused))
     return "refused", " / ".join(reasons)
 
