@@ -37,6 +37,7 @@ COMMANDS = {
     "titanext-data": "titanext.launch.data",
     "titanext-support-matrix": "titanext.config.support_matrix",
     "titanext-config-docs": "titanext.config.docs",
+    "titanext-zoo": "titanext.hf.zoo",
 }
 
 #: titanext's packages and top-level modules from the bottom up, one entry each. A module imports

@@ -1,8 +1,10 @@
 """titanext.parity on models written here in other libraries' styles: right wirings pass, the
 issue's silent traps fail it (FusedColwiseParallel on a qkv grouped per KV head; CP without
 the global positions; EP on experts it cannot see), and so does a one-line bug in a wiring.
+parallelize's FSDP over its flattened ``dp_shard_cp`` counts as dp_shard parallelism, the default
+loss runs a transformers model under CP, and a rank's failure keeps its traceback (issue 44).
 
-All seven checks share one 2-rank spawn (check_all); the CLI test runs the example's wiring.
+All ten checks share one 2-rank spawn (check_all); the CLI test runs the example's wiring.
 """
 
 from __future__ import annotations
@@ -219,6 +221,43 @@ def wire_ep_bug(model, ctx):  # the one-line bug: dense gradients summed, not av
     return _ep(model, ctx, divide=False)
 
 
+# -- issue 44: parallelize's composite mesh dim, an HF model under CP, the failing rank --------
+
+def wire_parallelize_fsdp(model, ctx):
+    """parallelize's FSDP: it shards over its own flattened dim ``dp_shard_cp``."""
+    from titanext.distributed.parallel_dims import ParallelDims
+    from titanext.distributed.parallelize import parallelize
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2)
+    dims.build_mesh("cpu")
+    return parallelize(model, dims, blocks="layers")
+
+
+def build_hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
+        tie_word_embeddings=False))
+
+
+def wire_hf_cp(model, ctx):
+    """The adapter and FSDP over cp (averaging the ranks' gradients); the default loss hands
+    the model its sharded positions."""
+    from titanext.hf.transformers import apply_hf_context_parallel, hf_blocks
+    from titanext.plugins.fsdp import apply_fsdp
+
+    apply_hf_context_parallel(model, ctx.cp_mesh)
+    return apply_fsdp(model, ctx.cp_mesh, blocks=hf_blocks(model))
+
+
+def wire_fails_on_rank_1(model, ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("deliberate failure in wire_fails_on_rank_1")
+    return model
+
+
 # -- the checks --------------------------------------------------------------------------------
 
 def _checks():
@@ -235,6 +274,10 @@ def _checks():
         "ep": c(build_moe, wire_ep, ("ep",)),
         "ep_unseen_experts": c(build_moe_list, wire_ep, ("ep",)),
         "ep_one_line_bug": c(build_moe, wire_ep_bug, ("ep",)),
+        "parallelize_fsdp": c(build_grouped, wire_parallelize_fsdp, ("dp_shard",)),
+        "hf_cp": c(build_hf_llama, wire_hf_cp, ("cp",)),
+        # last: a failure on one rank ends the group, and the checks after it would respawn
+        "fails_on_rank_1": c(build_grouped, wire_fails_on_rank_1, ("dp",)),
     }
 
 
@@ -287,6 +330,29 @@ def test_ep_on_experts_it_cannot_see_is_flagged(reports):
 def test_a_one_line_bug_in_a_wiring_fails_it(reports):
     report = reports["ep_one_line_bug"]
     assert not report.ok and report.grad_errors[0][1] > 0.1, str(report)
+
+
+def test_parallelize_fsdp_over_dp_shard_cp_counts_as_dp_shard(reports):
+    """parallelize shards over the flattened ``dp_shard_cp``: no "no dp_shard parallelism"."""
+    report = reports["parallelize_fsdp"]
+    assert report.ok, str(report)
+    assert any("dp_shard_cp" in pl for pl in report.placements.values()), report.placements
+
+
+def test_default_loss_runs_an_hf_model_under_cp(reports):
+    """The default loss gives a transformers model [rows, local_seq] positions (1-D ones
+    crashed in its rotary embedding: "size of tensor a (4) must match ... (8)")."""
+    pytest.importorskip("transformers")
+    report = reports["hf_cp"]
+    assert report.ok, str(report)
+    assert report.comm["cp_sends"] + report.comm["cp_collectives"] > 0
+
+
+def test_the_failing_rank_traceback_is_kept(reports):
+    report = reports["fails_on_rank_1"]
+    assert not report.ok and "rank 1" in report.error, str(report)
+    assert report.traceback.startswith("rank 1:"), report.traceback
+    assert "wire_fails_on_rank_1" in report.traceback and "Traceback" in report.traceback
 
 
 def test_bad_settings_name_each_problem():

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    "and converters that must have converted a module (float8, deferred) "
                    "(default: every dim of size > 1); 'none' for no such check")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    p.add_argument("--traceback", action="store_true", help="when a rank fails, also print "
+                   "the traceback of the rank that failed first")
     return p
 
 
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     print(report)
+    if args.traceback and report.traceback:
+        print(f"\ntraceback of the failing {report.traceback}")
+    elif report.traceback:
+        print("(--traceback shows the failing rank's traceback)")
     return 0 if report.ok else 1
 
 

@@ -271,10 +271,10 @@ def run_rank(rank: int, world_size: int, spec: RunSpec) -> dict:
         peer = settle_failure(f"the parity check's {stage}", e)
         if peer is not None:
             return {"error": f"{stage} failed on rank {peer.rank} (in {peer.where}): "
-                             f"{peer.error}", "traceback": traceback.format_exc()}
+                             f"{peer.error}", "traceback": traceback.format_exc(), "own": False}
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"error": f"{stage} failed on rank {rank}: {last}",
-                "traceback": traceback.format_exc()}
+                "traceback": traceback.format_exc(), "own": True, "rank": rank}
     comm = {"ep_all_to_alls": ep.all_to_alls, "ep_rows_sent": ep.rows_sent,
             "cp_sends": cp.sends, "cp_collectives": sum(cp.collectives.values()),
             "cp_blocks": work.blocks, "pipeline_stages": len(stages),

@@ -98,6 +98,11 @@ def _takes(module: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+def _from_transformers(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers`` model (by class, without importing the library)."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def _logits(out) -> torch.Tensor:
     out = getattr(out, "logits", out)  # an output object (Hugging Face style) or a tensor
     if isinstance(out, tuple | list):
@@ -111,11 +116,14 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
     Takes this rank's share of the batch (:meth:`ParityContext.local_batch`), calls
     ``model(tokens)`` (plus ``position_ids=`` under cp when the forward accepts it) and returns
-    the mean cross entropy over the tokens it saw; with equal shares, averaging gradients over
-    the data and cp ranks (what FSDP does) gives the one-process gradient.
+    the mean cross entropy over the tokens it saw (a ``transformers`` model gets the positions
+    as [rows, local_seq], as its rotary embedding wants them); with equal shares, averaging
+    gradients over the data and cp ranks (what FSDP does) gives the one-process gradient.
     """
     tokens, labels, positions = ctx.local_batch(inputs, labels)
     if positions is not None and _takes(model, "position_ids"):
+        if _from_transformers(model):  # their rotary wants [batch, seq], sharded like the tokens
+            positions = positions.expand(tokens.shape[0], -1)
         out = model(tokens, position_ids=positions)
     else:
         out = model(tokens)

@@ -44,6 +44,8 @@ class ParityReport:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    #: the traceback of the rank that failed first (``python -m titanext.parity --traceback``)
+    traceback: str | None = None
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{n}={s}" for n, s in self.mesh.items())
@@ -133,6 +135,13 @@ EXPECTATIONS = {
 }
 
 
+def covers(dim: str, name: str) -> bool:
+    """Whether mesh dim ``dim`` runs ``name``'s parallelism: the dim itself, or a flattened one
+    made of it (``parallelize`` shards over ``dp_shard_cp``, dp_shard and cp flattened)."""
+    return dim == name or dim.startswith(f"{name}_") or dim.endswith(f"_{name}") or (
+        f"_{name}_" in dim)
+
+
 def expectation_problems(mesh: dict[str, int], expect, placements, comm,
                          converted: dict[str, list[str]] | None = None) -> list[str]:
     """One line per mesh dim of size > 1 (or named in ``expect``) whose parallelism did not
@@ -143,7 +152,8 @@ def expectation_problems(mesh: dict[str, int], expect, placements, comm,
     problems = []
     for name in names:
         if name in ("tp", "dp_shard", "fsdp"):
-            ran = any("Shard" in pl.get(name, "") for pl in placements.values())
+            ran = any("Shard" in placement for pl in placements.values()
+                      for dim, placement in pl.items() if covers(dim, name))
         elif name == "ep":
             ran = comm.get("ep_all_to_alls", 0) > 0
         elif name == "cp":
@@ -172,6 +182,11 @@ def build_report(ranks: list[dict], ref: dict, *, tol: float, mesh: dict[str, in
     if errors:
         report.error = errors[0]
         report.problems = [errors[0]]
+        failed = [r for r in ranks if r.get("own")] or [r for r in ranks if "traceback" in r]
+        if failed:
+            rank = failed[0].get("rank")
+            report.traceback = (f"rank {rank}:\n" if rank is not None else "") + failed[0][
+                "traceback"]
         return report
     first = ranks[0]
     for par, ref_loss in zip(first["losses"], ref["losses"]):
