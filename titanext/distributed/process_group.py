@@ -23,8 +23,15 @@ import torch.distributed as dist
 
 from titanext._compat import set_pg_timeout
 
-__all__ = ["device_type", "elastic_store", "init_distributed", "local_cuda_index",
+__all__ = ["device_type", "elastic_store", "free_port", "init_distributed", "local_cuda_index",
            "set_process_group_timeout"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a local group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device_type() -> str:

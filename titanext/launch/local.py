@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -26,13 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titanext.distributed.process_group import local_cuda_index
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from titanext.distributed.process_group import free_port, local_cuda_index
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, out_dir, backend="gloo"):

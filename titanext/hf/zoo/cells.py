@@ -23,9 +23,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from titanext.distributed.split import split_model
+from titanext.hf.transformers import (
+    apply_hf_context_parallel,
+    apply_hf_expert_parallel,
+    hf_pipeline_stage,
+    hf_shard_batch,
+    hf_tp_plan,
+)
 from titanext.hf.zoo.configs import SEQ, VARIANTS, VOCAB, build_tiny
+from titanext.plugins._loud import matmul_kind
+from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
+from titanext.plugins.float8 import apply_float8
+from titanext.plugins.fsdp import apply_fsdp
+from titanext.plugins.tensor_parallel import apply_tensor_parallel
+from titanext.plugins.weight_grad import defer_weight_grads
 
 __all__ = ["PLUGINS", "TOL", "block_path", "certify_rank", "certify_type", "matmul_modules",
            "verdict"]
@@ -145,7 +160,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fsdp(model, mesh, ref):
-    from titanext.plugins.fsdp import apply_fsdp
 
     apply_fsdp(model, mesh, blocks=block_path(model))
     x, y = _batch()
@@ -155,8 +169,6 @@ def _fsdp(model, mesh, ref):
 
 
 def _tp(model, mesh, ref):
-    from titanext.hf.transformers import hf_tp_plan
-    from titanext.plugins.tensor_parallel import apply_tensor_parallel
 
     apply_tensor_parallel(model, mesh, plan=hf_tp_plan(model))
     x, y = _batch()
@@ -174,7 +186,6 @@ def _tp(model, mesh, ref):
 
 
 def _cp(model, mesh, ref):
-    from titanext.hf.transformers import apply_hf_context_parallel, hf_shard_batch
 
     apply_hf_context_parallel(model, mesh)
     x, y = _batch()
@@ -204,7 +215,6 @@ def _composed(stages: list[nn.Module], ref, *, by_keyword: bool) -> None:
 
 
 def _pp_stage(model, mesh, ref):
-    from titanext.hf.transformers import hf_pipeline_stage
 
     n = dist.get_world_size()
     path = block_path(model)
@@ -214,7 +224,6 @@ def _pp_stage(model, mesh, ref):
 
 
 def _pp_split(model, mesh, ref):
-    from titanext.distributed.split import split_model
 
     n, path = dist.get_world_size(), block_path(model)
     first, last = _ends(model, path)
@@ -229,7 +238,6 @@ def _has_experts(model: nn.Module) -> bool:
 
 
 def _ep(model, mesh, ref):
-    from titanext.hf.transformers import apply_hf_expert_parallel
 
     if not _has_experts(model):
         raise Verdict("n/a", "no 3-D experts")
@@ -252,7 +260,6 @@ def _ep(model, mesh, ref):
 
 
 def _ac(model, mesh, ref):
-    from titanext.plugins.activation_checkpoint import apply_activation_checkpointing
 
     apply_activation_checkpointing(model, mode="full", blocks=block_path(model))
     x, y = _batch()
@@ -261,16 +268,19 @@ def _ac(model, mesh, ref):
     _compare(loss.item(), _full_grads(model), ref)
 
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+          nn.ConvTranspose3d)
+
+
 def matmul_modules(model: nn.Module) -> list[str]:
     """FQNs of the modules that multiply by a parameter of their own: what titanext's converters
     see (``matmul_kind``), plus modules holding a 3-D floating parameter (stacked experts) that
     is not a convolution's kernel."""
-    from titanext.plugins._loud import matmul_kind
 
     out = []
     for fqn, m in model.named_modules():
         own = [p for p in m.parameters(recurse=False) if torch.is_floating_point(p)]
-        conv = isinstance(m, nn.modules.conv._ConvNd)
+        conv = isinstance(m, _CONVS)
         if matmul_kind(m) in ("linear", "own_forward", "conv1d", "param_matmul", "kept") or (
                 not conv and any(p.dim() == 3 for p in own)):
             out.append(fqn)
@@ -306,8 +316,6 @@ def _accounted(model: nn.Module, convert: Callable[[nn.Module], Sequence[str]]) 
 
 
 def _fp8_defer(model_type: str, variant: str):
-    from titanext.plugins.float8 import apply_float8
-    from titanext.plugins.weight_grad import defer_weight_grads
 
     results = []
     for name, convert in (("float8", lambda m: apply_float8(m, emulate=True)),
@@ -349,7 +357,6 @@ def certify_rank(rank: int, world_size: int, model_type: str,
     every rank of the default group. A cell whose failure ends the process group (the pipeline's
     fail-safe does, so that no rank waits on a dead peer) stops the case: the result then holds
     ``"_incomplete": True``, and :func:`certify_type` goes on in a new group."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     home = dist.group.WORLD
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("zoo",))

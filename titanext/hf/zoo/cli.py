@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from titanext.hf.zoo.cells import PLUGINS, certify_type
+from titanext.hf.zoo.configs import causal_lm_types, classify
+from titanext.hf.zoo.pool import ZooPool
 from titanext.hf.zoo.table import cell, markdown, write_docs
 
 __all__ = ["certify", "main"]
@@ -84,8 +86,6 @@ def certify(model_types, plugins=PLUGINS, *, deadline_s: float = 600.0, log=prin
     failed_to_build maps a type whose tiny copy fails in one process to the error. With
     ``results`` (a JSON-lines file), types already there are not run again, and each new one is
     appended as it finishes."""
-    from titanext.hf.zoo.pool import ZooPool
-
     pool = ZooPool(2, deadline_s=deadline_s)
     rows, unbuilt = _load_results(results, plugins)
     rows = {t: r for t, r in rows.items() if t in model_types}
@@ -122,9 +122,7 @@ def _append(path: Path | None, entry: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import transformers
-
-    from titanext.hf.zoo.configs import causal_lm_types, classify
+    import transformers  # the dev extra: only the zoo needs transformers
 
     args = _parser().parse_args(argv)
     transformers.logging.set_verbosity_error()  # the default configs' token-id warnings

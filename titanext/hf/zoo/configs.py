@@ -71,6 +71,7 @@ class ZooType:
 
 def causal_lm_types() -> dict[str, str]:
     """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: model type -> causal-LM class name."""
+    # transformers is the dev extra: imported only when the zoo runs
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -78,6 +79,7 @@ def causal_lm_types() -> dict[str, str]:
 
 def classify(model_type: str, model_class: str) -> ZooType:
     """Why ``model_type`` is excluded from the zoo, from its config class (no model built)."""
+    # transformers is the dev extra: imported only when the zoo runs
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -128,6 +130,7 @@ def non_neutral(name: str, value):
 def tiny_config(model_type: str, variant: str = "untied, pad None"):
     """The tiny config of ``model_type`` in ``variant`` (a key of :data:`VARIANTS`), with the
     record of what was set (``config.titanext_zoo_settings``)."""
+    # transformers is the dev extra: imported only when the zoo runs
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -203,8 +206,8 @@ def _fit_lists(cfg, default) -> None:
 
 def build_tiny(model_type: str, variant: str = "untied, pad None", seed: int = 0):
     """The tiny random fp32 model of ``model_type`` (same weights for the same seed)."""
-    import torch
-    import transformers
+    import torch  # noqa: I001 (the zoo's configs load without torch for --list)
+    import transformers  # the dev extra: imported only when the zoo runs
 
     cfg = tiny_config(model_type, variant)
     cls = getattr(transformers, causal_lm_types()[model_type])

@@ -12,7 +12,11 @@ import pickle
 import traceback
 from multiprocessing.connection import wait
 
-from titanext.launch.local import free_port
+import torch
+import torch.distributed as dist
+
+from titanext.distributed.process_group import free_port
+from titanext.hf.zoo.cells import certify_rank
 
 __all__ = ["ZooPool"]
 
@@ -21,11 +25,6 @@ START_S = 300.0
 
 
 def _worker(rank: int, world_size: int, port: int, conn, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from titanext.hf.zoo.cells import certify_rank
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
