@@ -26,7 +26,7 @@ LONG_FUNCTION = 80
 #: and 7, on their own branch) reaches: lower this to the count once both are in.
 MAX_LONG_FUNCTIONS = 13
 #: 172 before issue 43; the imports that needed no deferring moved to the top of their module.
-MAX_FUNCTION_LEVEL_IMPORTS = 90
+MAX_FUNCTION_LEVEL_IMPORTS = 91
 #: Modules being rewritten on a parallel branch when this test came (issue 43: the recipe in
 #: config/layout.py and parallelize, the planner's functions, the transformers adapters): their
 #: function-level imports are counted but not yet held to the comment. Merging both branches

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from titanext._text import did_you_mean
-from titanext.plugins._float8_fsdp import ByteAllGatherFloat8Weight
 from titanext.plugins._loud import (
     log_rank0,
     matmul_kind,
@@ -473,5 +472,7 @@ def _use_byte_all_gather_weights(model: nn.Module) -> None:
 
 def _byte_weight_class():
     _quiet_torchao_import()
+    # optional dependency (torchao): that module imports it
+    from titanext.plugins._float8_fsdp import ByteAllGatherFloat8Weight
 
     return ByteAllGatherFloat8Weight
