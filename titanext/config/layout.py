@@ -135,6 +135,7 @@ def pipeline_plan(schedule: str | type, *, pp: int, microbatches: int,
     >>> plan.num_stages, plan.rank_stage_ids, plan.layers_per_stage, plan.loss_copies
     (2, ((0, 1), (1, 0)), (2, 2), 2)
     """
+    # the config layer loads without torch: the schedules and models import it
     from titanext.schedules import (
         capped_schedule_class,
         get_schedule_class,
@@ -502,6 +503,7 @@ def model_args(cfg: JobConfig) -> ModelArgs:
     >>> model_args(load_config("train_configs/debug_moe.toml", ["--moe.top_k=1"])).moe.top_k
     1
     """
+    # the config layer loads without torch: the schedules and models import it
     from titanext.models import get_model_args, with_moe_overrides
     from titanext.models.hf_configs import model_args_from_hf
 

@@ -29,6 +29,7 @@ True
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -263,8 +264,6 @@ class StageTimer:
 
 def _first_input_name(model: nn.Module) -> str:
     """The name of the first argument of ``model.forward`` (``input_ids``, ``idx``, ...)."""
-    import inspect
-
     params = [p for p in inspect.signature(model.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not params or params[0].kind is params[0].POSITIONAL_ONLY:

@@ -238,6 +238,7 @@ def apply_hf_context_parallel(model: nn.Module, cp_mesh, *, layout: str = "zigza
     sharded in another layout or a forgotten ``position_ids`` raises a ValueError (it would
     otherwise train on silently wrong gradients). The check compares ``local_seq`` integers.
     """
+    # transformers is optional (the dev extra): imported only on a transformers model
     from transformers import AttentionInterface
 
     check_cp_model(model)
@@ -366,6 +367,7 @@ class HFCausalLMStage(nn.Module):
         self.model.rotary_emb = _fresh_rotary(self.model.rotary_emb, self.config, device)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # transformers is optional (the dev extra): imported only on a transformers model
         from transformers.masking_utils import create_causal_mask
 
         m = self.model

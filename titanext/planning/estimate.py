@@ -253,6 +253,7 @@ def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
     and on (on: None where the schedule has no paired chunks) and the step time of each, at
     this routing ``imbalance`` (max / mean rows per ep rank; replicating hot experts brings it
     towards 1)."""
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules.overlap import OVERLAP_SCHEDULES
 
     out = {"imbalance": imbalance, "per_step_s": per_step}

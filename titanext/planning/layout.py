@@ -142,6 +142,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
                    float8_hardware: bool | None = None) -> Layout:
     """The :class:`Layout` of ``cfg`` (already validated) on ``world_size`` ranks of a device
     with (``float8_hardware``) or without float8 tensor cores (None: this machine's)."""
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.plugins.fsdp import resolve_reshard_after_forward
 
     t, f8 = cfg.training, cfg.float8
@@ -200,8 +201,10 @@ def _auto_filter(f8, float8_hardware: bool | None) -> bool:
     """``[float8] auto_filter`` as the trainer resolves it on the planned device ("auto": on
     where float8 is not emulated; emulate "auto" emulates without float8 tensor cores), so the
     plan for an H100 converts what the trainer converts there, wherever the planner runs."""
+    # the planner loads without torch and the training runtime until it needs them
     import torch
 
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.plugins.float8 import resolve_auto_filter, resolve_emulate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # this machine's, if not said

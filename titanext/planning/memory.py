@@ -360,6 +360,7 @@ def static_memory_floor(lo: Layout) -> float:
     without a pipeline, or where the order follows measured costs), each in the rank's
     lightest stage. Of the 671B's advice candidates, this drops most that do not fit before
     their schedule is simulated."""
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import forwards_in_flight
 
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)

@@ -42,6 +42,7 @@ once per step (:func:`expert_copy_bytes`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from titanext.planning.roofline import Linear
@@ -100,8 +101,6 @@ def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
 
 def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Linear]:
     """The block's matmuls on one rank of ``ep``: each reads ``num_experts / ep`` experts."""
-    import dataclasses
-
     return [dataclasses.replace(lin, weights=num_experts / ep)
             if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
@@ -120,8 +119,6 @@ def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
     ...                                         Linear("moe.router.gate", 8, 4)], "rowwise")]
     [True, False]
     """
-    import dataclasses
-
     if recipe != "rowwise":
         return list(linears)
     return [dataclasses.replace(lin, float8=True, float8_recipe="rowwise")

@@ -77,6 +77,7 @@ def model_shape(cfg: JobConfig, args: ModelArgs | None = None) -> ModelShape:
 @functools.lru_cache(maxsize=8)
 def _meta_model(name: str, args: ModelArgs):
     """Model ``name`` with ``args`` on the meta device."""
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.models import build_model
 
     return build_model(name, args, device="meta")
@@ -84,9 +85,11 @@ def _meta_model(name: str, args: ModelArgs):
 
 def _linears(layer) -> tuple[Linear, ...]:
     """A layer's nn.Linear modules; rowwise where the llama TP plan splits their input."""
+    # the planner loads without torch and the training runtime until it needs them
     from torch import nn
     from torch.distributed.tensor.parallel import RowwiseParallel
 
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.plugins.tensor_parallel import llama_tp_plan
 
     plan = llama_tp_plan(layers_prefix="layer")
@@ -102,8 +105,10 @@ def float8_flags(name: str, args: ModelArgs, recipe: str, filter_fqns: tuple[str
     """Which linears the float8 converter swaps: the first dense block's (in the order of
     ``ModelShape.linears``), the output head, and the first MoE block's by name (attention,
     router, shared experts: ``MoEShape.linears``' names; empty for a dense model)."""
+    # the planner loads without torch and the training runtime until it needs them
     from torch import nn
 
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.plugins.float8 import float8_module_filter
 
     keep = float8_module_filter(recipe=recipe, filter_fqns=filter_fqns, auto_filter=auto_filter,

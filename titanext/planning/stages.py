@@ -91,6 +91,7 @@ def simulate_schedule(schedule: str | type, *, pp: int, microbatches: int, stage
     schedule's for equal costs, as the trainer builds it, unless it measures its own; capped
     at ``max_pending_weight_grads`` pending W's), with these costs; cached (the advice asks
     for the same ones often)."""
+    # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import simulate
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
