@@ -3,7 +3,7 @@
 (~1e-5) and gradients that agree over the tp ranks, or refuses by name (GPT-OSS's per-head
 attention sinks). Removing the QK-norm rules makes the replicated-gradient check name ``q_norm``
 at the first optimizer step. Every exact family also passes the wiring-time probe
-(``titanext.hf.probe.first_difference``: no module's output differs from one process), which
+(``titanext.distributed.probe.first_difference``: no module's output differs from one process), which
 names Gemma 3's embedding when its own forward is replaced. Add a family to FAMILIES to keep it
 so. One spawn for all."""
 
@@ -115,7 +115,7 @@ def _rel(a, b):
 
 
 def _family_case(family: str, tp_mesh) -> dict:
-    from titanext.hf.probe import first_difference
+    from titanext.distributed.probe import first_difference
     from titanext.hf.transformers import hf_tp_plan
     from titanext.plugins.replicated_grads import replicated_grad_problems
     from titanext.plugins.tensor_parallel import apply_tensor_parallel
@@ -170,7 +170,7 @@ def _qk_norm_rule_removed(tp_mesh) -> str:
 def _stock_lookup_probed(tp_mesh) -> str | None:
     """The old VocabParallelEmbedding (its lookup in place of Gemma 3's own forward, dropping
     the sqrt(hidden) scale): the wiring-time probe names the embedding."""
-    from titanext.hf.probe import first_difference
+    from titanext.distributed.probe import first_difference
     from titanext.hf.transformers import hf_tp_plan
     from titanext.plugins.tensor_parallel import (
         _vocab_parallel_embedding_forward,

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from titanext.distributed._stage_probe import probe_stage
 from titanext.distributed.failsafe import guarded
 from titanext.plugins._blocks import block_container
 
@@ -24,8 +25,8 @@ __all__ = ["split_model", "StageModuleList", "pass_on", "run_own_forward"]
 @guarded  # an error on one rank ends every rank (titanext.distributed.failsafe)
 def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
                 blocks: str = "layers", first: Sequence[str] = ("tok_embeddings",),
-                last: Sequence[str] = ("norm", "output"), skip_missing: bool = False
-                ) -> nn.Module:
+                last: Sequence[str] = ("norm", "output"), skip_missing: bool = False,
+                probe: bool = True) -> nn.Module:
     """A copy of ``model`` that keeps only stage ``stage_index``'s blocks.
 
     ``model.<blocks>`` (a dotted path such as ``"transformer.h"``) is an ``nn.ModuleDict`` or
@@ -47,7 +48,12 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
       inputs as keyword arguments, the later ones after the received hidden state:
       ``schedule.step(target=..., losses=..., idx=tokens)`` on every rank (torch hands the
       keywords of ``step`` to every stage). Blocks must take the hidden state as their first
-      positional argument, and every stage needs at least one block.
+      positional argument, and every stage needs at least one block. ``probe`` (default True),
+      on a materialised token model (``config.vocab_size``, a forward taking ``input_ids``):
+      before returning, the stage runs on 16 random tokens beside the whole model and a
+      ValueError names the first module that differs, or the error the stage raised (a forward
+      that reads a block or a weight another stage holds); nothing runs on the meta device
+      (:func:`titanext.distributed._stage_probe.probe_stage`).
 
     What a stage passes on is one tensor: the last block's output on a stage before the last,
     the model's output on the last. A ``ModelOutput`` (Hugging Face) gives its ``logits`` (or
@@ -112,6 +118,8 @@ def split_model(model: nn.Module, counts: Sequence[int], stage_index: int, *,
         _set_submodule(stage, name, _Absent(part) if skip_missing else None)
     if skip_missing:
         run_own_forward(stage, blocks, is_first=is_first, is_last=is_last)
+        if probe:
+            probe_stage(model, stage, counts, stage_index, blocks, who="split_model")
     return stage
 
 
@@ -224,7 +232,7 @@ class _Absent(nn.Module):
     """Stands for a part another stage holds: returns zeros shaped like that part's output
     (computed on a parameter-free meta copy), so the model's own forward can still call it."""
 
-    titanext_probe_skip = True  # its zeros are no output to compare (titanext.hf.probe)
+    titanext_probe_skip = True  # its zeros are no output to compare (titanext.distributed.probe)
 
     def __init__(self, part: nn.Module):
         super().__init__()

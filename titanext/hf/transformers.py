@@ -20,7 +20,7 @@ Covered (tested in tests/multiprocess/test_adapters_hf.py against the unparallel
 - PP: ``hf_pipeline_stage(model, counts, stage_index)`` cuts one stage out of a causal LM that
   runs the model's own forward (its embedding factors on the first stage, its norm, head,
   scaling and soft-capping on the last; each block at its global index), probed against the
-  whole model on a materialised one (:mod:`titanext.hf.probe`), to hand to
+  whole model on a materialised one (:mod:`titanext.distributed.probe`), to hand to
   :func:`titanext.distributed.pipeline.build_pipeline` with any titanext schedule.
 - EP: ``apply_hf_expert_parallel(model, ep_mesh)`` replaces the library's experts modules
   (Qwen3-MoE, Mixtral: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as
@@ -50,9 +50,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from titanext.distributed._stage_probe import probe_stage
 from titanext.distributed.split import pass_on, run_own_forward, split_model
 from titanext.hf._cp_checks import AttentionCallCheck, check_cp_model, layer_window
-from titanext.hf._stage_checks import probe_stage
 from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
 from titanext.plugins._blocks import block_container
 from titanext.plugins.context_parallel import (
@@ -176,7 +176,13 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         "model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate())}
     if has("self_attn.kv_a_proj_with_mqa"):
         cfg = model.config
-        plan.update(_mla_rules(cfg.qk_rope_head_dim, getattr(cfg, "q_lora_rank", None) is not None))
+        try:
+            rope = cfg.qk_rope_head_dim
+        except Exception as e:  # a per-layer config: transformers refuses one global value
+            raise ValueError(f"hf_tp_plan: {type(model).__name__}'s config gives no one "
+                             f"qk_rope_head_dim ({type(e).__name__}); the MLA rules split every "
+                             "layer by one rope dim") from e
+        plan.update(_mla_rules(rope, getattr(cfg, "q_lora_rank", None) is not None))
     else:
         plan.update(_gqa_rules(qk_norm=has("self_attn.q_norm")))
     plan.update(_mlp_rules("model.layers.*.mlp"))
@@ -409,7 +415,7 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     logits, the others their last block's hidden state.
 
     ``probe`` (default True): on a materialised model, compare the stage with the whole model
-    on 16 random tokens (:func:`titanext.hf.probe.first_difference`) and raise a ValueError
+    on 16 random tokens (:func:`titanext.distributed.probe.first_difference`) and raise a ValueError
     naming the first module that differs; nothing runs on a meta-device model.
 
     The stage holds a copy of its part (free on the meta device): build the model on meta, cut
@@ -475,7 +481,7 @@ def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
                        blocks: str) -> nn.Module:
     first, last = _ends(model, blocks.split("."))
     stage = split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
-                        skip_missing=True)
+                        skip_missing=True, probe=False)  # probed whole below
     params = inspect.signature(type(model).forward).parameters
     if "inputs_embeds" in params:  # stage(hidden) alone: the model's forward gets its shapes
         run_own_forward(stage, blocks, is_first=stage_index == 0,
@@ -536,7 +542,34 @@ def apply_hf_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
     >>> apply_hf_expert_parallel(model, mesh["ep"])  # in a process group  # doctest: +SKIP
     ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
     """
-    if not any(_is_hf_experts(fqn, m) for fqn, m in model.named_modules()):
+    found = [(fqn, m) for fqn, m in model.named_modules() if _is_hf_experts(fqn, m)]
+    if not found:
         raise ValueError(f"{type(model).__name__} has no experts module with gate_up_proj / "
                          "down_proj; expert parallelism needs an MoE model")
+    problems = [p for fqn, m in found if (p := _hf_experts_problem(fqn, m))]
+    if problems:
+        raise ValueError("apply_hf_expert_parallel: " + "; ".join(problems) + " (nothing was "
+                         "changed)")
     return apply_expert_parallel(model, ep_mesh, filter_fn=_is_hf_experts)
+
+
+def _positional(fn) -> list[str]:
+    """The positional parameters of ``fn`` without a default (``self`` left out)."""
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.name != "self"
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+
+
+def _hf_experts_problem(fqn: str, m: nn.Module) -> str | None:
+    """Why :class:`HFExpertParallel` cannot stand in for ``m``, or None: it is called as
+    transformers' MoE blocks call their experts, ``experts(tokens, top_k_index,
+    top_k_weights)``, and applies ``act_fn(gate) * up``, so it checks both on the model."""
+    call = _positional(type(m).forward)
+    if len(call) != 3:
+        return (f"{fqn} ({type(m).__name__}) is called as forward({', '.join(call)}), not as "
+                "experts(hidden_states, top_k_index, top_k_weights), the call EP replaces")
+    act = m.act_fn
+    act_in = _positional(type(act).forward if isinstance(act, nn.Module) else act)
+    if len(act_in) != 1:
+        return (f"{fqn}.act_fn ({type(act).__name__}) takes {len(act_in)} inputs "
+                f"({', '.join(act_in)}); EP's experts apply act_fn(gate) * up")
+    return None

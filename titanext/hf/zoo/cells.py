@@ -275,14 +275,14 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2
 def matmul_modules(model: nn.Module) -> list[str]:
     """FQNs of the modules that multiply by a parameter of their own: what titanext's converters
     see (``matmul_kind``), plus modules holding a 3-D floating parameter (stacked experts) that
-    is not a convolution's kernel."""
+    is not a convolution's kernel (a [1, 1, H] mixing factor, as RWKV's, multiplies no matrix)."""
 
     out = []
     for fqn, m in model.named_modules():
         own = [p for p in m.parameters(recurse=False) if torch.is_floating_point(p)]
         conv = isinstance(m, _CONVS)
         if matmul_kind(m) in ("linear", "own_forward", "conv1d", "param_matmul", "kept") or (
-                not conv and any(p.dim() == 3 for p in own)):
+                not conv and any(p.dim() == 3 and min(p.shape[1:]) > 1 for p in own)):
             out.append(fqn)
     return out
 

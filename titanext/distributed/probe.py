@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["first_difference", "ProbeMismatch", "OUTPUT"]
+__all__ = ["Call", "first_difference", "ProbeMismatch", "OUTPUT"]
 
 OUTPUT = "<output>"
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -93,7 +93,17 @@ def _record(model: nn.Module, call: Callable[[], Any]) -> tuple[dict[str, torch.
     return outputs, _tensor(result)
 
 
+class Call:
+    """A probe batch given as positional and keyword arguments together:
+    ``Call(hidden, input_ids=ids)`` calls ``m(hidden, input_ids=ids)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs = args, kwargs
+
+
 def _call(module: nn.Module, batch: Any) -> Callable[[], Any]:
+    if isinstance(batch, Call):
+        return lambda: module(*batch.args, **batch.kwargs)
     if isinstance(batch, Mapping):
         return lambda: module(**batch)
     if isinstance(batch, tuple):
