@@ -458,15 +458,17 @@ def _llama_layout(model: nn.Module) -> bool:
         model, "lm_head") and all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb"))
 
 
-def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[str], list[str]]:
-    """The parameter-holding parts registered before and after the block list at ``path``."""
+def stage_ends(module: nn.Module, path: list[str], prefix: str = ""
+               ) -> tuple[list[str], list[str]]:
+    """The parameter-holding parts registered before and after the block list at ``path``
+    (its dotted path, split): what stays on the first and on the last pipeline stage."""
     before: list[str] = []
     after: list[str] = []
     seen = False
     for name, child in module.named_children():
         if name == path[0]:
             if len(path) > 1:
-                inner_before, inner_after = _ends(child, path[1:], f"{prefix}{name}.")
+                inner_before, inner_after = stage_ends(child, path[1:], f"{prefix}{name}.")
                 before, after = before + inner_before, after + inner_after
             seen = True
         elif any(True for _ in child.parameters()):
@@ -479,7 +481,7 @@ def _ends(module: nn.Module, path: list[str], prefix: str = "") -> tuple[list[st
 
 def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
                        blocks: str) -> nn.Module:
-    first, last = _ends(model, blocks.split("."))
+    first, last = stage_ends(model, blocks.split("."))
     stage = split_model(model, counts, stage_index, blocks=blocks, first=first, last=last,
                         skip_missing=True, probe=False)  # probed whole below
     params = inspect.signature(type(model).forward).parameters

@@ -33,6 +33,7 @@ from titanext.hf.transformers import (
     hf_pipeline_stage,
     hf_shard_batch,
     hf_tp_plan,
+    stage_ends,
 )
 from titanext.hf.zoo.configs import SEQ, VARIANTS, VOCAB, build_tiny
 from titanext.plugins._loud import matmul_kind
@@ -82,21 +83,6 @@ def block_path(model: nn.Module) -> str:
         if isinstance(m, nn.ModuleList) and len(m) == n and name:
             return name
     raise ValueError(f"{type(model).__name__}: no ModuleList of {n} blocks")
-
-
-def _ends(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
-    """The parameter-holding parts registered before and after the block list at ``path``."""
-    before, after, module, prefix = [], [], model, ""
-    parts = path.split(".")
-    for part in parts:
-        seen = False
-        for name, child in module.named_children():
-            if name == part:
-                seen = True
-            elif any(True for _ in child.parameters()):
-                (after if seen else before).append(prefix + name)
-        module, prefix = getattr(module, part), prefix + part + "."
-    return before, after
 
 
 #: a parameter's gradient error is relative to its own norm, or to this fraction of the whole
@@ -226,7 +212,7 @@ def _pp_stage(model, mesh, ref):
 def _pp_split(model, mesh, ref):
 
     n, path = dist.get_world_size(), block_path(model)
-    first, last = _ends(model, path)
+    first, last = stage_ends(model, path.split("."))
     stages = [split_model(model, [1] * n, i, blocks=path, first=first, last=last,
                           skip_missing=True) for i in range(n)]
     _composed(stages, ref, by_keyword=True)
