@@ -4,8 +4,8 @@
 attention sinks). Removing the QK-norm rules makes the replicated-gradient check name ``q_norm``
 at the first optimizer step. Every exact family also passes the wiring-time probe
 (``titanext.distributed.probe.first_difference``: no module's output differs from one
-process), which names Gemma 3's embedding when its own forward is replaced. Add a family to FAMILIES to keep it
-so. One spawn for all."""
+process), which names Gemma 3's embedding when its own forward is replaced. Add a family to
+FAMILIES to keep it so. One spawn for all."""
 
 from __future__ import annotations
 
