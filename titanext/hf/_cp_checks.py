@@ -22,6 +22,8 @@ import re
 
 from torch import nn
 
+_CONV = ("a convolution over the sequence: it mixes neighbouring tokens, which under CP sit on "
+         "other ranks")
 # (class-name pattern, why CP cannot split it); the first match names a module.
 _MIXERS = (
     (re.compile(r"mamba|mixer|ssm", re.I),
@@ -33,12 +35,8 @@ _MIXERS = (
     (re.compile(r"recurrent|rglru", re.I),
      "a recurrent mixer: it carries a state along the sequence, so under CP each rank would "
      "start from an empty state on its own slice"),
-    (re.compile(r"shortconv|hyena", re.I),
-     "a convolution over the sequence: it mixes neighbouring tokens, which under CP sit on "
-     "other ranks"),
+    (re.compile(r"shortconv|hyena", re.I), _CONV),
 )
-_CONV = ("a convolution over the sequence: it mixes neighbouring tokens, which under CP sit on "
-         "other ranks")
 _SEQUENCE_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _MAX_LINES = 12
@@ -161,15 +159,24 @@ class AttentionCallCheck:
         return leave
 
 
-def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, block) of the model's decoder blocks: the ModuleList with as many entries as
-    ``config.num_hidden_layers`` (else the longest one); ValueError when there is none."""
+def block_list_path(model: nn.Module) -> str | None:
+    """The dotted path of the first ``nn.ModuleList`` below ``model`` with as many entries as
+    its (text) config's ``num_hidden_layers`` (``model.layers``, ``transformer.h``,
+    ``backbone.layers``, ...), or None."""
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)()
     layers = getattr(config, "num_hidden_layers", None)
+    return next((p for p, m in model.named_modules()
+                 if p and isinstance(m, nn.ModuleList) and len(m) and len(m) == layers), None)
+
+
+def decoder_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, block) of the model's decoder blocks: the ModuleList with as many entries as
+    ``config.num_hidden_layers`` (else the longest one); ValueError when there is none."""
+    path = block_list_path(model)
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    exact = [(p, m) for p, m in lists if len(m) == layers]
-    candidates = exact or sorted(lists, key=lambda pm: -len(pm[1]))
+    candidates = ([(path, model.get_submodule(path))] if path is not None
+                  else sorted(lists, key=lambda pm: -len(pm[1])))
     if not candidates:
         raise ValueError(f"apply_hf_context_parallel: {type(model).__name__} has no list of "
                          "decoder blocks (an nn.ModuleList), so titanext cannot check that "

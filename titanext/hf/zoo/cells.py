@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titanext.distributed.split import split_model
+from titanext.hf._cp_checks import block_list_path
 from titanext.hf.transformers import (
     apply_hf_context_parallel,
     apply_hf_expert_parallel,
@@ -78,11 +79,11 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> 
 def block_path(model: nn.Module) -> str:
     """The dotted path of the decoder block list: the first ``nn.ModuleList`` as long as the
     config's layer count (``model.layers``, ``transformer.h``, ``backbone.layers``, ...)."""
-    n = model.config.num_hidden_layers
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) == n and name:
-            return name
-    raise ValueError(f"{type(model).__name__}: no ModuleList of {n} blocks")
+    path = block_list_path(model)
+    if path is None:
+        raise ValueError(f"{type(model).__name__}: no ModuleList of "
+                         f"{model.config.num_hidden_layers} blocks")
+    return path
 
 
 #: a parameter's gradient error is relative to its own norm, or to this fraction of the whole
