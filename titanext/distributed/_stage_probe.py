@@ -45,23 +45,32 @@ def probe_stage(model: nn.Module, stage: nn.Module, counts: Sequence[int], stage
     ids = torch.randint(0, vocab, (1, seq), generator=g).to(params[0].device)
     start = sum(counts[:stage_index])
 
-    def stage_input(ref: dict[str, torch.Tensor]):
-        # a later stage: the hidden state it receives, then the model's inputs by keyword
-        return ids if stage_index == 0 else Call(ref[f"{blocks}.{start - 1}"], input_ids=ids)
-
+    # a later stage is fed the hidden state it receives, with the model's inputs by keyword
+    # and, where the stage takes the hidden state alone (hf_pipeline_stage), without them
+    forms = {"": True}
+    if stage_index and getattr(stage, "_titanext_stage", {}).get("hidden_as"):
+        forms[" called as stage(hidden) alone"] = False
     what = (f"{who}: stage {stage_index} of {type(model).__name__} (layer counts {list(counts)})")
-    try:
-        where = first_difference(model, stage, {"input_ids": ids}, rewritten_batch=stage_input,
-                                 from_module=f"{blocks}.{start}" if stage_index else None)
-    except Exception as e:  # any crash of the stage on the probe batch is a refusal by name
-        raise ValueError(
-            f"{what} fails on a probe batch of {seq} tokens ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}): the model's own forward needs "
-            "parts of the model that another stage holds, so this split cannot run it; pass "
-            "probe=False to skip this check") from e
-    if where is not None:
-        raise ValueError(
-            f"{who}: stage {stage_index} of {type(model).__name__} (layer counts "
-            f"{list(counts)}) computes something else than the whole model on a probe batch of "
-            f"{seq} tokens; the first module that differs is {where}. The stage cannot run this "
-            "model's own code there; report it, or pass probe=False to skip this check")
+    for form, by_keyword in forms.items():
+        def stage_input(ref: dict[str, torch.Tensor], by_keyword=by_keyword):
+            if not stage_index:
+                return ids
+            hidden = ref[f"{blocks}.{start - 1}"]
+            return Call(hidden, input_ids=ids) if by_keyword else Call(hidden)
+
+        try:
+            where = first_difference(model, stage, {"input_ids": ids},
+                                     rewritten_batch=stage_input,
+                                     from_module=f"{blocks}.{start}" if stage_index else None)
+        except Exception as e:  # any crash of the stage on the probe batch is a refusal by name
+            raise ValueError(
+                f"{what}{form} fails on a probe batch of {seq} tokens ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}): the model's own forward "
+                "needs parts of the model that another stage holds, so this split cannot run "
+                "it; pass probe=False to skip this check") from e
+        if where is not None:
+            raise ValueError(
+                f"{what}{form} computes something else than the whole model on a probe batch "
+                f"of {seq} tokens; the first module that differs is {where}. The stage cannot "
+                "run this model's own code there; report it, or pass probe=False to skip this "
+                "check")

@@ -284,7 +284,10 @@ class _OwnForwardStage:
         handles = []
         if hidden is not None and spec.get("hidden_as") and not args and not any(
                 k in kwargs for k in spec["inputs"]):
-            kwargs = {**kwargs, spec["hidden_as"]: hidden}  # shapes for masks and positions
+            # shapes for masks and positions; a copy, which the model's own code may change in
+            # place (CTRL scales its inputs_embeds by sqrt(d) in place) without touching what
+            # the first block is fed
+            kwargs = {**kwargs, spec["hidden_as"]: hidden.detach().clone()}
         if hidden is not None:
             def feed(module, a, k):
                 if not a:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,7 @@ from titanext.distributed._stage_probe import probe_stage
 from titanext.distributed.split import pass_on, run_own_forward, split_model
 from titanext.hf._cp_checks import AttentionCallCheck, check_cp_model, layer_window
 from titanext.hf._tp_checks import interleaved_qkv_rules, local_head_counts, tp_plan_problems
+from titanext.hf.buffers import restore_buffers
 from titanext.plugins._blocks import block_container
 from titanext.plugins.context_parallel import (
     LAYOUTS,
@@ -419,8 +421,12 @@ def hf_pipeline_stage(model: nn.Module, counts: Sequence[int], stage_index: int,
     naming the first module that differs; nothing runs on a meta-device model.
 
     The stage holds a copy of its part (free on the meta device): build the model on meta, cut
-    this rank's stages, then ``to_empty``, ``stage.reset_rotary_embedding(device)`` and load or
-    initialise the weights. Tied input and output embeddings cannot live on two stages; untie
+    this rank's stages, then ``to_empty``, ``stage.reset_buffers()`` and load or initialise the
+    weights. ``reset_buffers`` recomputes every non-persistent buffer (in no checkpoint: rotary
+    ``inv_freq``, Gemma's ``embed_scale``, sinusoid tables, causal masks) with the model's own
+    ``_init_weights`` and raises naming any it cannot (:func:`titanext.hf.buffers.
+    restore_buffers`); keep the model until then. ``reset_rotary_embedding(device)``, its old
+    name, does the same. Tied input and output embeddings cannot live on two stages; untie
     them (``tie_word_embeddings=False``). Tested in tests/multiprocess/test_adapters_hf.py and
     test_pipeline_hf_outputs.py (Granite MoE, Gemma 3, GPT-2) against one process.
 
@@ -489,20 +495,21 @@ def _own_forward_stage(model: nn.Module, counts: list[int], stage_index: int,
         run_own_forward(stage, blocks, is_first=stage_index == 0,
                         is_last=stage_index == len(counts) - 1, hidden_as="inputs_embeds",
                         inputs=("input_ids",))
-    stage.reset_rotary_embedding = functools.partial(_reset_rotary, stage)
+    stage.reset_buffers = functools.partial(_reset_buffers, stage, weakref.ref(model))
+    stage.reset_rotary_embedding = lambda device=None: stage.reset_buffers()  # the old name
     return stage
 
 
-def _reset_rotary(stage: nn.Module, device: torch.device | str) -> None:
-    """Rebuild every rotary-embedding module of ``stage`` on ``device``: their ``inv_freq`` is a
-    non-persistent buffer, so after a meta-device build and ``to_empty`` no checkpoint restores
-    it."""
-    for name, module in list(stage.named_modules()):
-        if name and type(module).__name__.endswith("RotaryEmbedding") and hasattr(module,
-                                                                                  "config"):
-            parent, _, attr = name.rpartition(".")
-            setattr(stage.get_submodule(parent) if parent else stage, attr,
-                    _fresh_rotary(module, module.config, device))
+def _reset_buffers(stage: nn.Module, model_ref: weakref.ref) -> list[str]:
+    """Recompute every non-persistent buffer of ``stage`` (rotary ``inv_freq``, Gemma's
+    ``embed_scale``, ...) with the model's own initializer: :func:`titanext.hf.buffers.
+    restore_buffers`."""
+    model = model_ref()
+    if model is None:
+        raise ValueError("reset_buffers() recomputes the stage's non-persistent buffers with the "
+                         "model it was cut from (its _init_weights); keep that model (on meta "
+                         "it costs nothing) until the stage's buffers are reset")
+    return restore_buffers(stage, model)
 
 
 def _fresh_rotary(module: nn.Module, config, device: torch.device | str) -> nn.Module:
