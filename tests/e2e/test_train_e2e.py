@@ -43,8 +43,8 @@ def _losses(text: str) -> list[float]:
 
 @pytest.mark.slow
 def test_debug_config_trains_on_4_ranks_with_falling_loss(tmp_path):
-    out = _torchrun(4, ["--config", DEBUG, f"--job.dump_folder={tmp_path}", "--training.steps=20",
-                        "--metrics.log_freq=5"])
+    out = _torchrun(4, ["--config", DEBUG, f"--job.dump_folder={tmp_path}", "--training.steps=10",
+                        "--metrics.log_freq=3"])
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(out.stdout + out.stderr)
     assert len(losses) >= 3, out.stdout
