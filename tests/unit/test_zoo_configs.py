@@ -72,3 +72,18 @@ def test_parity_counts_a_flattened_dim_as_its_parts():
     assert expectation_problems({"dp_shard": 2}, None, flat, {}) == []
     assert expectation_problems({"dp_shard": 2}, None, {"w": {"tp": "Shard(dim=0)"}}, {})
     assert expectation_problems({"tp": 2}, None, {"w": {"dp_tp_x": "Replicate()"}}, {})
+
+
+def test_setting_groups_are_not_sub_models():
+    """MPT's and DBRX's attn_config / ffn_config are groups of their own settings, not other
+    models (they were excluded as "needs sub-models"): MPT is certified with its attention
+    settings shrunk and its hidden size matched; Gemma 3's text and vision configs still
+    exclude it."""
+    from titanext.hf.zoo.configs import classify, tiny_config
+
+    assert classify("mpt", "MptForCausalLM").excluded == ""
+    assert classify("dbrx", "DbrxForCausalLM").excluded == ""  # (transformers 5.23 cannot build it)
+    assert "sub-configs: text_config, vision_config" in classify(
+        "gemma3", "Gemma3ForConditionalGeneration").excluded
+    cfg = tiny_config("dbrx")
+    assert cfg.ffn_config.ffn_hidden_size == 32 and cfg.ffn_config.hidden_size == cfg.d_model

@@ -81,7 +81,7 @@ def classify(model_type: str, model_class: str) -> ZooType:
     """Why ``model_type`` is excluded from the zoo, from its config class (no model built)."""
     # transformers is the dev extra: imported only when the zoo runs
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
     if model_type in _ENCODERS:
         return ZooType(model_type, model_class, "encoder (bidirectional; its causal-LM head "
@@ -97,11 +97,56 @@ def classify(model_type: str, model_class: str) -> ZooType:
                        f"{type(e).__name__}: {_first_line(e)}")
     if getattr(cfg, "is_encoder_decoder", False):
         return ZooType(model_type, model_class, "encoder-decoder")
-    subs = [k for k, v in vars(cfg).items() if isinstance(v, transformers.PretrainedConfig)]
+    subs, _ = _sub_configs(cfg, CONFIG_MAPPING_NAMES)
     if subs:
         return ZooType(model_type, model_class, "needs extra inputs or sub-models (sub-configs: "
                        f"{', '.join(subs)})")
     return ZooType(model_type, model_class)
+
+
+def _sub_configs(cfg, registered) -> tuple[list[str], list]:
+    """(names of the sub-configs that configure another model, the other sub-configs) of
+    ``cfg``: a vision tower or a text model has a ``model_type`` in ``registered``
+    (transformers' CONFIG_MAPPING_NAMES); a group of this model's own settings (DBRX's and
+    MPT's ``attn_config`` / ``ffn_config``) has none."""
+    models, settings = [], []
+    for name, value in vars(cfg).items():
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            if value.model_type in registered:
+                models.append(name)
+            else:
+                settings.append(value)
+    return models, settings
+
+
+def _shrink(default, kwargs: dict) -> dict:
+    """``kwargs`` plus the family's own size names of ``default`` cut to tiny sizes, and its
+    scalar factors set away from neutral."""
+    for name, value in vars(default).items():
+        if name in kwargs or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if _LAYER_NAME.match(name) and value > 2:
+            kwargs[name] = 2
+        elif "vocab_size" in name and value > VOCAB:  # per-layer input tables (Gemma 3n / 4)
+            kwargs[name] = VOCAB
+        elif (_SIZE_NAME.search(name) and value > 256 and "vocab" not in name
+              and "position" not in name):
+            kwargs[name] = 32
+    for name, value in vars(default).items():
+        factor = non_neutral(name, value)
+        if factor is not None and name not in kwargs:
+            kwargs[name] = factor
+    return kwargs
+
+
+def _shrink_settings(cfg, registered) -> None:
+    """The model's own setting groups (sub-configs that are not sub-models) cut to tiny sizes
+    in place, the hidden size matched to the model's."""
+    hidden = next((getattr(cfg, k) for k in ("hidden_size", "d_model", "n_embd")
+                   if isinstance(getattr(cfg, k, None), int)), None)
+    for value in _sub_configs(cfg, registered)[1]:
+        for name, new in _shrink(value, {}).items():
+            setattr(value, name, hidden if name == "hidden_size" and hidden else new)
 
 
 def zoo_types() -> list[ZooType]:
@@ -131,7 +176,7 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
     """The tiny config of ``model_type`` in ``variant`` (a key of :data:`VARIANTS`), with the
     record of what was set (``config.titanext_zoo_settings``)."""
     # transformers is the dev extra: imported only when the zoo runs
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
@@ -142,20 +187,7 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
         name = amap.get(key, key)
         if name in accepted or hasattr(default, name):
             kwargs[name] = value
-    for name, value in vars(default).items():  # the family's own size names
-        if name in kwargs or isinstance(value, bool) or not isinstance(value, int):
-            continue
-        if _LAYER_NAME.match(name) and value > 2:
-            kwargs[name] = 2
-        elif "vocab_size" in name and value > VOCAB:  # per-layer input tables (Gemma 3n / 4)
-            kwargs[name] = VOCAB
-        elif (_SIZE_NAME.search(name) and value > 256 and "vocab" not in name
-              and "position" not in name):
-            kwargs[name] = 32
-    for name, value in vars(default).items():
-        factor = non_neutral(name, value)
-        if factor is not None and name not in kwargs:
-            kwargs[name] = factor
+    kwargs = _shrink(default, kwargs)  # the family's own size names and factors
     if "layer_types" in accepted:
         kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or []))
         if len(kinds) >= 2:  # two kinds in two layers, a sliding one first where there is one
@@ -173,6 +205,7 @@ def tiny_config(model_type: str, variant: str = "untied, pad None"):
                   getattr(cls, k, None), property)}
     cfg = cls(**kwargs)
     _fit_lists(cfg, default)
+    _shrink_settings(cfg, CONFIG_MAPPING_NAMES)
     cfg.titanext_zoo_settings = {k: v for k, v in kwargs.items() if k not in SIZES}
     return cfg
 
