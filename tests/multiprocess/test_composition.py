@@ -7,9 +7,10 @@ per-feature parity tests (test_parity.py, test_pipeline.py, test_context_paralle
 test_float8_distributed.py) cover each axis on 2-4 ranks.
 
 Every pipeline case uses a titanext schedule (ZBH1, ZBH2, ZBV, DualPipeV, Auto), and four of
-them activation checkpointing (two by module: ZBH2 with deferred W, DualPipe with MTP). debugtiny has 2 layers, enough for one stage per rank; the V
-schedules (ZBV, DualPipeV, Auto) hold two stages per rank and use the 6-layer debugmodel; the
-MoE case uses debugmoe (3 blocks, 8 experts), the DeepSeek case debugdeepseek (MLA, MTP).
+them activation checkpointing (two by module: ZBH2 with deferred W, DualPipe with MTP).
+debugtiny has 2 layers, enough for one stage per rank; the V schedules (ZBV, DualPipeV, Auto)
+hold two stages per rank and use the 6-layer debugmodel; the MoE case uses debugmoe (3 blocks,
+8 experts), the DeepSeek case debugdeepseek (MLA, MTP).
 """
 
 from __future__ import annotations

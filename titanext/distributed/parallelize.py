@@ -220,9 +220,10 @@ def _compile(model: nn.Module, dims: ParallelDims, r: Recipe, blocks,
     dispatch needs its split sizes on the host; both break the graph, so MoE blocks compile in
     pieces. CP's ring (batch_isend_irecv) cannot be traced either: its attention runs between
     graphs. Deferred weight gradients: each converted linear runs eagerly (a graph break); so
-    do emulated float8 experts."""
+    do emulated float8 experts, and recompute by module's parts and saved-tensor hooks."""
     fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
-                     or has_emulated_float8_experts(model))
+                     or has_emulated_float8_experts(model) or r.ac == "modules"
+                     or r.float8_storage)
     apply_compile(model, backend=r.compile_backend, fullgraph=fullgraph, blocks=blocks)
 
 
