@@ -6,8 +6,9 @@ orthogonalized once:
 1. every rank updates the momentum of the pieces it holds (elementwise, so on shards):
    ``buf.lerp_(grad, 1 - momentum)``; ``update = grad.lerp(buf, momentum)`` with nesterov;
 2. each matrix's update pieces go to its owner (:mod:`titanext.components.muon_plan`) in one
-   ``all_to_all_single``, in bfloat16, the dtype the Newton-Schulz iteration starts from, so the
-   owner sees exactly what one process would;
+   ``all_to_all_single``, in the dtype the Newton-Schulz iteration starts by casting to
+   (bfloat16, as torch.optim.Muon; ``ns_dtype``), so the owner sees exactly what one process
+   would;
 3. the owner runs :func:`newton_schulz` on the whole matrix and sends each holder its piece
    back in a second ``all_to_all_single``;
 4. every holder applies ``p.mul_(1 - lr * wd)`` and ``p.add_(O, alpha=-adjusted_lr)``.
@@ -48,11 +49,12 @@ _ADAM = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
 def newton_schulz(update: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5,
-                  eps: float = 1e-7) -> torch.Tensor:
-    """The orthogonalized ``update`` (2-D), in bfloat16, with torch.optim.Muon's operations in
-    its order (so that the result is the same bits)."""
+                  eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The orthogonalized ``update`` (2-D), with torch.optim.Muon's operations in its order
+    (so that in bfloat16, its dtype, the result is the same bits). float32 is for comparing
+    layouts: bfloat16 rounding turns a 1e-7 difference in a gradient sum into a 1e-3 one."""
     a, b, c = coefficients
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -106,6 +108,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
+                 ns_dtype: torch.dtype = torch.bfloat16,
                  foreach: bool | None = None, param_names: Mapping[int, str] | None = None,
                  process_group: dist.ProcessGroup | None = None) -> None:
         # torch's own classes step the AdamW / Adam groups; built on a probe for their defaults,
@@ -116,6 +119,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adam_defaults = {kind: inner.defaults for kind, inner in self._inner.items()}
         self._names = dict(param_names or {})
         self._group = process_group
+        self._ns_dtype = ns_dtype  # also the dtype the pieces travel in: NS starts by casting
         self._plan: tuple[tuple, OwnerPlan] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
@@ -219,7 +223,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for m in plan.matrices:
             for c in m.chunks:
                 if c.source == rank:
-                    send[m.owner].append(self._slice(mine[m.fqn], m.expert, c))
+                    send[m.owner].append(self._slice(mine[m.fqn], m.expert, c, self._ns_dtype))
         received = self._exchange(send, [plan.gather_numel(src, rank)
                                          for src in range(plan.world)])
         # orthogonalize the matrices this rank owns; send each holder its piece back
@@ -227,14 +231,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for m in plan.matrices:
             if m.owner != rank:
                 continue
-            full = torch.empty(m.shape, dtype=torch.bfloat16, device=received[0].device)
+            full = torch.empty(m.shape, dtype=self._ns_dtype, device=received[0].device)
             for c in m.chunks:
                 src = received[c.source]
                 full[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)] = src[:c.numel].view(
                     c.rows[1], c.cols[1])
                 received[c.source] = src[c.numel:]
             g = groups[m.fqn]  # the owner is a holder, so it has this matrix's group
-            ortho = newton_schulz(full, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            ortho = newton_schulz(full, g["ns_coefficients"], g["ns_steps"], g["eps"],
+                                  self._ns_dtype)
             for c in m.chunks:
                 piece = ortho[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)].reshape(-1)
                 for h in c.holders:
@@ -244,22 +249,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._apply(plan, rank, items, pieces, returned)
 
     @staticmethod
-    def _slice(held: tuple[Piece, torch.Tensor], expert: int, c) -> torch.Tensor:
+    def _slice(held: tuple[Piece, torch.Tensor], expert: int, c, dtype: torch.dtype
+               ) -> torch.Tensor:
         piece, update = held
         local = update if update.ndim == 3 else update.unsqueeze(0)
         rows = slice(c.rows[0] - piece.offsets[1], c.rows[0] - piece.offsets[1] + c.rows[1])
         cols = slice(c.cols[0] - piece.offsets[2], c.cols[0] - piece.offsets[2] + c.cols[1])
-        return local[expert - piece.offsets[0], rows, cols].bfloat16().reshape(-1)
+        return local[expert - piece.offsets[0], rows, cols].to(dtype).reshape(-1)
 
     def _exchange(self, send: list[list[torch.Tensor]], recv_numel: list[int]
                   ) -> list[torch.Tensor]:
         """One all_to_all_single: ``send[dst]`` pieces go to rank dst; returns what each
-        source rank sent here (bfloat16, flat)."""
-        flat = [torch.cat(s) if s else torch.empty(0, dtype=torch.bfloat16) for s in send]
+        source rank sent here (flat, in the Newton-Schulz dtype)."""
+        flat = [torch.cat(s) if s else torch.empty(0, dtype=self._ns_dtype) for s in send]
         if len(send) == 1:
             return flat
         device = self._device()
-        out = torch.empty(sum(recv_numel), dtype=torch.bfloat16, device=device)
+        out = torch.empty(sum(recv_numel), dtype=self._ns_dtype, device=device)
         inp = torch.cat([t.to(device) for t in flat])
         dist.all_to_all_single(out, inp, output_split_sizes=recv_numel,
                                input_split_sizes=[t.numel() for t in flat], group=self._group)

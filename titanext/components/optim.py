@@ -122,11 +122,12 @@ def _build_grouped(named: Iterable[tuple[str, torch.nn.Parameter]],
         return _OPTIMIZERS[name](dicts, lr=lr, **impl)
     names = {id(p): n for n, p in by_name.items()}
     foreach = implementation != "for-loop"  # Muon's matrices run one by one whatever it is
+    cls = functools.partial(MuonWithAdamW, param_names=names, foreach=foreach,
+                            ns_dtype=muon.get("ns_dtype", torch.bfloat16))
     if zero1_group is not None:  # ZeRO-1 hands each matrix to one rank: that rank is its owner
-        cls = functools.partial(MuonWithAdamW, param_names=names, foreach=foreach)
         return ZeroRedundancyOptimizer(dicts, optimizer_class=cls, process_group=zero1_group,
                                        lr=lr)
-    return MuonWithAdamW(dicts, lr=lr, param_names=names, foreach=foreach)
+    return cls(dicts, lr=lr)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,
