@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanext._fake_backend import fake_mode_active
 from titanext.components.muon_plan import OwnerPlan, Piece, plan_owners
 
 __all__ = ["MuonWithAdamW", "adjusted_lr", "newton_schulz"]
@@ -212,6 +213,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         items = self._muon_items()
         if not items and self._world() == 1:
             return
+        if fake_mode_active():  # a dry run: one process plays one rank, fake values
+            self._dry_run_step(items)
+            return
         steps = {g["ns_steps"] for *_, g in items} or {5}
         pieces = [_piece(fqn, p) for fqn, p, _, _ in items]
         plan = self._owner_plan(pieces, max(steps))
@@ -247,6 +251,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         returned = self._exchange(back, [plan.scatter_numel(src, rank)
                                          for src in range(plan.world)])
         self._apply(plan, rank, items, pieces, returned)
+
+    def _dry_run_step(self, items) -> None:
+        """The dry run's stand-in (one process, fake tensors, no peers to plan with): the
+        momentum buffer and each piece's update as in a real step, Newton-Schulz on this
+        rank's pieces. The owners' gathered matrices and the two exchanges are not modelled
+        (docs/muon.md: what the dry run counts)."""
+        for _, p, update, g in items:
+            local = _local(p)
+            local.mul_(1 - g["lr"] * g["weight_decay"])
+            for i, u in enumerate(update if update.ndim == 3 else update.unsqueeze(0)):
+                ortho = newton_schulz(u, g["ns_coefficients"], g["ns_steps"], g["eps"],
+                                      self._ns_dtype)
+                (local if local.ndim == 3 else local.unsqueeze(0))[i].add_(ortho, alpha=-g["lr"])
 
     @staticmethod
     def _slice(held: tuple[Piece, torch.Tensor], expert: int, c, dtype: torch.dtype
