@@ -157,7 +157,7 @@ class Trainer:
         cfg, t, dims = self.cfg, self.cfg.training, self.dims
         o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
         named = [(n, q) for part in self.model_parts for n, q in part.named_parameters()]
-        muon = dict(lr=o.muon_lr or o.lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
+        muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
                     ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr_fn,
                     ns_dtype=getattr(torch, o.muon_ns_dtype),
                     weight_decay=o.weight_decay if o.muon_weight_decay is None

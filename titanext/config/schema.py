@@ -199,9 +199,9 @@ class OptimizerConfig:
     parameters (norms, biases) with name = 'Muon'; none with AdamW / Adam, so that their runs
     train as before (set ["*norm*", "*.bias"] to exempt norms and biases). A glob matching
     nothing, or a parameter also in muon_params, is an error."""
-    muon_lr: float | None = _field(None, gt=0)
-    """Muon's peak learning rate before its per-shape adjustment (muon_adjust_lr_fn); unset =
-    lr. Follows the same schedule."""
+    muon_lr: float = _field(0.02, gt=0)
+    """Muon's peak learning rate before its per-shape adjustment (muon_adjust_lr_fn); follows
+    the same schedule as lr. 0.02 suits 'original'; with 'match_rms_adamw' use AdamW's lr."""
     muon_weight_decay: float | None = _field(None, ge=0)
     """Muon's decoupled weight decay (p *= 1 - lr x wd before the update); unset = weight_decay."""
     muon_momentum: float = _field(0.95, ge=0, lt=1)
@@ -215,9 +215,10 @@ class OptimizerConfig:
     bfloat16 is torch.optim.Muon's; float32 costs twice the bytes and more FLOPs, and is what
     the layout-vs-one-process tests use (bfloat16 rounding turns a 1e-7 difference in a
     gradient sum into a 1e-3 one in the update)."""
-    muon_adjust_lr_fn: str = _field("match_rms_adamw", choices=("match_rms_adamw", "original"))
-    """Muon's per-shape learning rate: match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:
-    reuses AdamW's lr and weight decay) or original (sqrt(max(1, rows / cols)), Keller Jordan's)."""
+    muon_adjust_lr_fn: str = _field("original", choices=("original", "match_rms_adamw"))
+    """Muon's per-shape learning rate: original (sqrt(max(1, rows / cols)), Keller Jordan's and
+    torch.optim.Muon's default) or match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:
+    reuses AdamW's lr and weight decay)."""
 
 
 @dataclass
