@@ -105,8 +105,9 @@ def test_group_rules_give_one_line_each():
     problems = group_problems(SHAPES, name="Muon", muon_params=["layers.*", "nothing.*"],
                               no_decay_params=["*.bias"])
     assert problems == [
-        "optimizer.muon_params = 'layers.*' selects 1-D parameter layers.0.attention_norm.weight;"
-        " Muon updates matrices only (2-D, or 3-D expert weights)",
+        "optimizer.muon_params = 'layers.*' selects 1-D parameters "
+        "(layers.0.attention_norm.weight); Muon updates matrices only (2-D, or 3-D expert "
+        "weights)",
         "optimizer.muon_params = 'nothing.*' matches no parameter of the model",
         "optimizer.no_decay_params = '*.bias' matches no parameter of the model"]
     assert group_problems(SHAPES, name="Muon", muon_params=["layers.0.attention.*.weight"],

@@ -25,7 +25,7 @@ parameter, a parameter in both the Muon and the no-decay group, Muon on a 1-D pa
  ('AdamW', 'default', ['tok.weight', 'layers.0.moe.router.gate.weight']),
  ('AdamW', 'none', ['layers.0.norm.weight'])]
 >>> group_problems(shapes, name="Muon", muon_params=["*.norm.*", "*.nothing"])
-["optimizer.muon_params = '*.norm.*' selects 1-D parameter layers.0.norm.weight; Muon \
+["optimizer.muon_params = '*.norm.*' selects 1-D parameters (layers.0.norm.weight); Muon \
 updates matrices only (2-D, or 3-D expert weights)", "optimizer.muon_params = '*.nothing' \
 matches no parameter of the model"]
 """
@@ -98,9 +98,13 @@ def group_problems(shapes: Mapping[str, Sequence[int]], *, name: str,
             if not hits:
                 problems.append(f"optimizer.{key} = {glob!r} matches no parameter of the model")
             elif key == "muon_params":
-                problems += [f"optimizer.muon_params = {glob!r} selects 1-D parameter {n}; Muon "
-                             "updates matrices only (2-D, or 3-D expert weights)"
-                             for n in hits if len(shapes[n]) < 2]
+                vectors = [n for n in hits if len(shapes[n]) < 2]
+                if vectors:
+                    more = f" and {len(vectors) - 2} more" if len(vectors) > 2 else ""
+                    problems.append(
+                        f"optimizer.muon_params = {glob!r} selects 1-D parameters "
+                        f"({', '.join(vectors[:2])}{more}); Muon updates matrices only (2-D, "
+                        "or 3-D expert weights)")
     if problems:
         return problems
     muon, no_decay = _selected(shapes, name=name, muon_params=muon_params,
