@@ -6,7 +6,6 @@ The 5-D composition is tests/multiprocess/test_composition.py's Muon case."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, trainer_runs
 

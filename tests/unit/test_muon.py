@@ -51,7 +51,7 @@ def test_expert_weight_is_one_muon_matrix_per_expert():
     experts = [torch.nn.Parameter(w.detach()[e].clone()) for e in range(3)]
     opt = MuonWithAdamW([w], lr=0.01)
     ref = torch.optim.Muon(experts, lr=0.01)
-    for step in range(3):
+    for _ in range(3):
         grad = torch.randn(3, 4, 6, generator=g)
         w.grad = grad
         for e, p in enumerate(experts):
@@ -82,7 +82,8 @@ def test_owner_plan_balances_newton_schulz_work():
 
 
 def test_owner_plan_refuses_pieces_that_do_not_tile():
-    pieces = [[Piece("w", (1, 4, 4), (0, 0, 0), (1, 2, 4))], [Piece("w", (1, 4, 4), (0, 1, 0), (1, 2, 4))]]
+    pieces = [[Piece("w", (1, 4, 4), (0, 0, 0), (1, 2, 4))],
+              [Piece("w", (1, 4, 4), (0, 1, 0), (1, 2, 4))]]  # rows 0-1 and 1-2: row 1 twice
     with pytest.raises(ValueError, match="do not tile"):
         plan_owners(pieces)
 

@@ -142,7 +142,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for kind, cls in _ADAM.items():
+        for kind in _ADAM:
             groups = [g for g in self.param_groups if g["optimizer"] == kind]
             if groups:  # torch's class over these very groups and this very state
                 inner = self._inner[kind]

@@ -20,7 +20,8 @@ parameter, a parameter in both the Muon and the no-decay group, Muon on a 1-D pa
 >>> shapes = {"tok.weight": (8, 4), "layers.0.wq.weight": (4, 4), "layers.0.norm.weight": (4,),
 ...           "layers.0.moe.router.gate.weight": (2, 4), "layers.0.moe.experts.w1": (2, 4, 4)}
 >>> groups = param_groups(shapes, name="Muon")
->>> [(g.optimizer, g.weight_decay_from, list(g.names)) for g in groups]  # doctest: +NORMALIZE_WHITESPACE
+>>> [(g.optimizer, g.weight_decay_from, list(g.names))
+...  for g in groups]  # doctest: +NORMALIZE_WHITESPACE
 [('Muon', 'muon', ['layers.0.wq.weight', 'layers.0.moe.experts.w1']),
  ('AdamW', 'default', ['tok.weight', 'layers.0.moe.router.gate.weight']),
  ('AdamW', 'none', ['layers.0.norm.weight'])]
