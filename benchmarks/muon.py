@@ -1,7 +1,7 @@
 """Distributed Muon side by side: owners against every rank gathering everything, and a Muon
 training step against an AdamW one.
 
-    python benchmarks/muon.py [--markdown] [--rounds 5] [--world-size 4]
+    python benchmarks/muon.py [--markdown] [--rounds 5] [--world-size 4] [--ns-dtype float32]
 
 One gloo process group of ``--world-size`` ranks (one thread each), the debug model (llama3
 debugmodel, fp32, synthetic data, 4 x 128 tokens per rank) under FSDP over every rank.
@@ -10,7 +10,7 @@ debugmodel, fp32, synthetic data, 4 x 128 tokens per rank) under FSDP over every
    :class:`~titanext.components.muon.MuonWithAdamW` (each matrix's pieces gathered to one owner,
    orthogonalized there, scattered back) against the naive way (every rank all-gathers every
    matrix's update and orthogonalizes all of them). Per variant: bytes that cross between
-   ranks per step (bfloat16 pieces), Newton-Schulz FLOPs of the busiest rank, and the median
+   ranks per step (pieces in the Newton-Schulz dtype), Newton-Schulz FLOPs of the busiest rank, and the median
    step time. Target: the owner way's FLOPs per rank at most naive / dp + the largest matrix.
 2. A whole training step with Muon against one with AdamW (two trainers in the same group,
    steps in turns A B A B): medians and their ratio (target: Muon within 1.3x).
@@ -66,18 +66,19 @@ def _naive_class():
     return NaiveMuon
 
 
-def _trainer(optimizer: str, folder: str, world_size: int, steps: int):
+def _trainer(optimizer: str, folder: str, world_size: int, steps: int, ns_dtype: str):
     from titanext.config import load_config
     from titanext.trainer import Trainer
 
     cfg = load_config("train_configs/debug_model.toml", [
         *BASE, f"--training.steps={steps}", f"--optimizer.name={optimizer}",
+        f"--optimizer.muon_ns_dtype={ns_dtype}",
         f"--job.dump_folder={folder}/{optimizer}"], world_size=world_size)
     with contextlib.redirect_stdout(io.StringIO()):
         return Trainer(cfg)
 
 
-def _body(rank, world_size, rounds, folder):
+def _body(rank, world_size, rounds, folder, ns_dtype):
     import torch
     import torch.distributed as dist
 
@@ -85,7 +86,7 @@ def _body(rank, world_size, rounds, folder):
 
     torch.set_num_threads(1)
     steps = 4 + 2 * rounds
-    muon, adamw = (_trainer(o, folder, world_size, steps) for o in ("Muon", "AdamW"))
+    muon, adamw = (_trainer(o, folder, world_size, steps, ns_dtype) for o in ("Muon", "AdamW"))
 
     def step(trainer):
         dist.barrier()
@@ -106,7 +107,8 @@ def _body(rank, world_size, rounds, folder):
     # the Newton-Schulz time does not depend on the values)
     owner = muon.optimizer
     naive = _naive_class()(owner.param_groups, lr=owner.defaults["lr"],
-                           param_names=owner._names, foreach=True)
+                           param_names=owner._names, foreach=True,
+                           ns_dtype=getattr(torch, ns_dtype))
     naive.state = owner.state
     for g in owner.param_groups:
         for p in g["params"]:
@@ -119,14 +121,15 @@ def _body(rank, world_size, rounds, folder):
             opt.step()
             opt_times[name].append(time.perf_counter() - start)
     plan = owner._plan[1]
+    size = torch.empty(0, dtype=getattr(torch, ns_dtype)).element_size()  # pieces travel in it
     naive_flops = sum(ns_flops(*m.shape) for m in plan.matrices)
     largest = max(ns_flops(*m.shape) for m in plan.matrices)
     # naive: every holding rank receives every other rank's piece of every matrix
     naive_bytes = sum(c.numel * (len({h for c2 in m.chunks for h in c2.holders}) - 1)
-                      for m in plan.matrices for c in m.chunks) * 2
+                      for m in plan.matrices for c in m.chunks) * size
     if rank:
         return None
-    return {"whole": whole, "opt": opt_times, "owner_bytes": plan.bytes_moved(2),
+    return {"whole": whole, "opt": opt_times, "owner_bytes": plan.bytes_moved(size),
             "naive_bytes": naive_bytes, "owner_flops": max(plan.flops),
             "naive_flops": naive_flops, "largest": largest, "matrices": len(plan.matrices)}
 
@@ -136,14 +139,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--ns-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="[optimizer] muon_ns_dtype (the CPU runs bfloat16 GEMMs ~4x slower)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        r = run_distributed(_body, args.world_size, args=(args.rounds, folder),
+        r = run_distributed(_body, args.world_size, args=(args.rounds, folder, args.ns_dtype),
                             timeout_s=600)[0]
     print(json.dumps(r), file=sys.stderr)  # the raw times, for a table rendered again
     med = {k: statistics.median(v) for k, v in r["opt"].items()}
     dp = args.world_size
-    print(f"{r['matrices']} matrices over {dp} ranks (FSDP), {args.rounds} rounds in turns")
+    print(f"{r['matrices']} matrices over {dp} ranks (FSDP), {args.rounds} rounds in turns, "
+          f"Newton-Schulz in {args.ns_dtype}")
     print(format_table([
         {"variant": "owner (titanext)", "bytes moved / step": f"{r['owner_bytes'] / 1e6:.2f} MB",
          "NS GFLOP, busiest rank": f"{r['owner_flops'] / 1e9:.2f}",
