@@ -33,6 +33,7 @@ from titanext._profiler_ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMI
 from titanext.components.checkpoint import CheckpointManager, manifest_info
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
+from titanext.components.param_groups import ParamGroup, group_problems, param_groups
 from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.validation import Validator
 from titanext.config import JobConfig, Recipe, resolve_job_layout
@@ -44,7 +45,7 @@ from titanext.distributed.parallel_dims import ParallelDims
 from titanext.distributed.parallelize import parallelize
 from titanext.distributed.pipeline import PipelineRunner
 from titanext.distributed.process_group import init_distributed, set_process_group_timeout
-from titanext.errors import TrainingDiverged
+from titanext.errors import ConfigError, TrainingDiverged
 from titanext.hf.checkpoint import load_initial_weights, save_hf_checkpoint
 from titanext.models import build_model
 from titanext.models.mtp import mtp_labels, mtp_loss_sums, reset_mtp_loss, set_mtp_grad_weight
@@ -108,7 +109,21 @@ class Trainer:
                                  device=self.device)
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
+        self.param_groups = self._param_groups(model)
         return model
+
+    def _param_groups(self, model: torch.nn.Module) -> list[ParamGroup] | None:
+        """[optimizer]'s groups over the whole model (ConfigError, one line per problem), or
+        None where none are configured (AdamW / Adam on every parameter, as before)."""
+        o = self.cfg.optimizer
+        if o.name != "Muon" and o.no_decay_params is None:
+            return None
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        rules = dict(name=o.name, muon_params=o.muon_params, no_decay_params=o.no_decay_params)
+        problems = group_problems(shapes, **rules)
+        if problems:
+            raise ConfigError(problems)
+        return param_groups(shapes, **rules)
 
     def _parallelize(self, model: torch.nn.Module) -> None:
         """The recipe applied to the model, or to each of this rank's pipeline stages:
@@ -141,11 +156,18 @@ class Trainer:
         validation and checkpoints."""
         cfg, t, dims = self.cfg, self.cfg.training, self.dims
         o, s, c = cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
+        named = [(n, q) for part in self.model_parts for n, q in part.named_parameters()]
+        muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
+                    ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr_fn,
+                    ns_dtype=getattr(torch, o.muon_ns_dtype),
+                    weight_decay=o.weight_decay if o.muon_weight_decay is None
+                    else o.muon_weight_decay)
         self.optimizer = build_optimizer(
-            [q for part in self.model_parts for q in part.parameters()], name=o.name, lr=o.lr,
+            named if self.param_groups else [q for _, q in named], name=o.name, lr=o.lr,
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
-            zero1_group=dims.loss_mesh.get_group() if self.recipe.zero1(dims) else None)
+            zero1_group=dims.loss_mesh.get_group() if self.recipe.zero1(dims) else None,
+            groups=self.param_groups, muon=muon)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)

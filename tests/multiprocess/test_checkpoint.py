@@ -1,6 +1,7 @@
 """CheckpointManager across gloo ranks: an FSDP save and load on 2 ranks restores every piece
 of state (parameters, AdamW state, scheduler, loader, extra states, per-rank RNG) even after a
-crashed save, a checkpoint saved under FSDP 4 loads under FSDP 2 x TP 2 on 4 ranks, ZeRO-1's
+crashed save, a checkpoint saved under FSDP 4 loads under FSDP 2 x TP 2 on 4 ranks (AdamW's
+state and Muon's), ZeRO-1's
 optimizer state round-trips on 2 ranks and loads on 1, and a world-size-1 group saves and loads
 exactly. Training is faked with the helpers of tests/unit/test_checkpoint.py (gradients a
 pointwise function of the parameters), and every restored tensor must equal the saved one bitwise.
@@ -122,30 +123,52 @@ def test_fsdp_save_then_load_restores_every_piece_of_state_even_after_a_crashed_
 
 
 # -- resharding ------------------------------------------------------------------------------------
+def _muon_training(model: nn.Module, folder: str):
+    """_training with Muon on the blocks' matrices and AdamW on the rest (the shipped groups;
+    float32 Newton-Schulz, so that the step after the load compares at 1e-6)."""
+    from titanext.components.optim import build_optimizer
+    from titanext.components.param_groups import param_groups
+
+    named = list(model.named_parameters())
+    groups = param_groups({n: tuple(p.shape) for n, p in named}, name="Muon")
+    opt = build_optimizer(named, name="Muon", lr=1e-2, groups=groups, implementation="for-loop",
+                          muon={"lr": 1e-2, "ns_dtype": torch.float32})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+    loader = StubLoader()
+    return opt, sched, loader, CheckpointManager(
+        folder=folder, interval=1, keep_latest_k=0, load_step="latest", last_save=True,
+        enable=True, model_parts=[model], optimizer=opt, lr_scheduler=sched, dataloader=loader)
+
+
 def _reshard(rank, world_size, folder):
+    """AdamW, then Muon (its momentum buffers are DTensors sharded like their parameters)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    fsdp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model = _fsdp(_tiny_model(seed=0), fsdp_mesh)
-    opt, sched, loader, ckpt = _training(model, folder)
-    for _ in (1, 2):
+    for kind, training in (("adamw", _training), ("muon", _muon_training)):
+        fsdp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        model = _fsdp(_tiny_model(seed=0), fsdp_mesh)
+        opt, sched, loader, ckpt = training(model, os.path.join(folder, kind))
+        for _ in (1, 2):
+            _fake_step(model, opt, sched, loader)
+        ckpt.save(2)
+        reference = _snapshot(model, opt)
+        if kind == "muon":
+            assert set(reference["optim"]["layers.0.attention.wq.weight"]) == {"momentum_buffer"}
+
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        resharded = _fsdp(_tp(_tiny_model(seed=1), mesh_2d["tp"]), mesh_2d["dp"])
+        wq = resharded.layers["0"].attention.wq.weight
+        assert wq.device_mesh.ndim == 2  # really FSDP 2 x TP 2
+        opt2, sched2, loader2, ckpt2 = training(resharded, os.path.join(folder, kind))
+        assert ckpt2.load() == 2
+        _assert_equal(reference, _snapshot(resharded, opt2))
+
+        # The restored optimizer state is live: one more step matches the original layout's.
         _fake_step(model, opt, sched, loader)
-    ckpt.save(2)
-    reference = _snapshot(model, opt)
-
-    mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    resharded = _fsdp(_tp(_tiny_model(seed=1), mesh_2d["tp"]), mesh_2d["dp"])
-    wq = resharded.layers["0"].attention.wq.weight
-    assert wq.device_mesh.ndim == 2  # really FSDP 2 x TP 2
-    opt2, sched2, loader2, ckpt2 = _training(resharded, folder)
-    assert ckpt2.load() == 2
-    _assert_equal(reference, _snapshot(resharded, opt2))
-
-    # The restored optimizer state is live: one more step matches the original layout's.
-    _fake_step(model, opt, sched, loader)
-    _fake_step(resharded, opt2, sched2, loader2)
-    for (name, a), (_, b) in zip(model.named_parameters(), resharded.named_parameters()):
-        torch.testing.assert_close(_full(a), _full(b), rtol=1e-6, atol=1e-6, msg=name)
+        _fake_step(resharded, opt2, sched2, loader2)
+        for (name, a), (_, b) in zip(model.named_parameters(), resharded.named_parameters()):
+            torch.testing.assert_close(_full(a), _full(b), rtol=1e-6, atol=1e-6,
+                                       msg=f"{kind}: {name}")
     return True
 
 

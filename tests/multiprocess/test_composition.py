@@ -50,6 +50,7 @@ MTP = ["--model.num_mtp_layers=1"]
 MODULES_AC = ["--activation_checkpoint.mode=modules",
               "--activation_checkpoint.recompute_modules=layernorm,core_attn,moe_act,mlp,"
               "shared_experts"]
+MUON = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32"]
 
 # name: (flavor, overrides, loss rtol); the reference is one process with local_batch_size=8.
 CASES = {
@@ -65,10 +66,13 @@ CASES = {
     # ... with deferred weight gradients (the default; explicit here): the experts' grouped
     # GEMMs and the TP linears queue dW during I, run at W; recompute by module (every part
     # debugmoe has) recomputes the regions whose dW is queued.
-    "moe_pp2_x_dp2ep2_x_tp2_ZBH2_deferred_modules_ac": (MOE, [
+    # ... and Muon on the blocks' matrices and each expert's (AdamW on the rest): each matrix's
+    # pieces over dp, ep and tp gathered to one owner of its stage (float32 Newton-Schulz, as
+    # in test_muon.py)
+    "moe_pp2_x_dp2ep2_x_tp2_ZBH2_deferred_modules_ac_muon": (MOE, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2", *_pp("ZBH2", 2),
-        P + "pipeline_parallel_split_backward=deferred", *MOE_AUX, *MODULES_AC], 1e-5),
+        P + "pipeline_parallel_split_backward=deferred", *MOE_AUX, *MODULES_AC, *MUON], 1e-5),
     "pp2_x_cp2_x_tp2_DualPipeV": (SMALL, [
         "--training.local_batch_size=8", P + "context_parallel_degree=2",
         P + "tensor_parallel_degree=2", *_pp("DualPipeV", 4)], 1e-5),
@@ -105,12 +109,14 @@ CASES = {
 }
 PARAM_RTOL = 3e-5
 # The float8 reference is float8 in one process (its own rounding, not fp32's).
-_REFS = {TINY: (TINY, []), SMALL: (SMALL, []), MOE: (MOE, MOE_AUX), DS: (DS, MTP),
+_REFS = {TINY: (TINY, []), SMALL: (SMALL, []), f"{MOE}_muon": (MOE, [*MOE_AUX, *MUON]),
+         DS: (DS, MTP),
          f"{TINY}_f8": (TINY, F8), f"{DS}_f8": (DS, F8)}
 
 
 def _ref_key(name: str, flavor: str) -> str:
-    return f"{flavor}_f8" if name.endswith("float8") else flavor
+    return (f"{flavor}_f8" if name.endswith("float8") else f"{flavor}_muon"
+            if name.endswith("muon") else flavor)
 
 
 @pytest.mark.slow

@@ -35,10 +35,14 @@ def _run(rank, world_size, overrides, folder, until_step=None):
     return trainer.train(until_step=until_step)
 
 
-def test_stop_and_resume_reproduces_the_uninterrupted_curve_exactly(tmp_path):
-    full = run_distributed(_run, 4, args=([], str(tmp_path / "a")))[0]
-    first = run_distributed(_run, 4, args=([], str(tmp_path / "b")), kwargs={"until_step": 4})[0]
-    rest = run_distributed(_run, 4, args=([], str(tmp_path / "b")))[0]
+# Muon: its momentum buffers (DTensors like their parameters) and the owners' exchange, in
+# torch.optim.Muon's bfloat16
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer.name=Muon"]], ids=["AdamW", "Muon"])
+def test_stop_and_resume_reproduces_the_uninterrupted_curve_exactly(tmp_path, optimizer):
+    full = run_distributed(_run, 4, args=(optimizer, str(tmp_path / "a")))[0]
+    first = run_distributed(_run, 4, args=(optimizer, str(tmp_path / "b")),
+                            kwargs={"until_step": 4})[0]
+    rest = run_distributed(_run, 4, args=(optimizer, str(tmp_path / "b")))[0]
     assert len(first) == 4 and len(rest) == 4
     assert first + rest == full  # bitwise: same layout, same order of operations
 

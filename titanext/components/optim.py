@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+
+from titanext.components.muon import MuonWithAdamW
+from titanext.components.param_groups import ParamGroup
 
 __all__ = ["build_lr_scheduler", "build_optimizer", "lr_lambda"]
 
@@ -38,8 +42,21 @@ def build_optimizer(
     weight_decay: float = 0.1,
     implementation: str = "foreach",
     zero1_group: dist.ProcessGroup | None = None,
+    groups: Sequence[ParamGroup] | None = None,
+    muon: Mapping[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW/Adam; with ``zero1_group`` a ZeroRedundancyOptimizer that shards its state (ZeRO-1)."""
+    """AdamW/Adam; with ``zero1_group`` a ZeroRedundancyOptimizer that shards its state (ZeRO-1).
+
+    With ``groups`` (:func:`titanext.components.param_groups.param_groups`), ``params`` are
+    ``(fqn, param)`` pairs and each group gets its optimizer, learning rate and weight decay;
+    a Muon group makes it a :class:`~titanext.components.muon.MuonWithAdamW`, whose Muon
+    settings (``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``,
+    ``adjust_lr_fn``) come from ``muon``.
+    """
+    if groups is not None:
+        return _build_grouped(params, groups, name=name, lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay, implementation=implementation,
+                              zero1_group=zero1_group, muon=muon or {})
     if name not in _OPTIMIZERS:
         raise ValueError(f"optimizer.name = {name!r}; allowed: {', '.join(_OPTIMIZERS)}")
     impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -63,6 +80,54 @@ def build_optimizer(
             params, optimizer_class=_OPTIMIZERS[name], process_group=zero1_group, **kwargs
         )
     return _OPTIMIZERS[name](params, **kwargs)
+
+
+def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    # foreach/fused kernels cannot mix DTensors and plain tensors (e.g. TP without SP leaves
+    # the norms plain), and they run per param group: give each kind its own group.
+    kinds = ([p for p in params if isinstance(p, DTensor)],
+             [p for p in params if not isinstance(p, DTensor)])
+    return [k for k in kinds if k]
+
+
+def _build_grouped(named: Iterable[tuple[str, torch.nn.Parameter]],
+                   groups: Sequence[ParamGroup], *, name: str, lr: float,
+                   betas: tuple[float, float], eps: float, weight_decay: float,
+                   implementation: str, zero1_group: dist.ProcessGroup | None,
+                   muon: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer over ``groups`` of the named parameters."""
+    by_name = {n: p for n, p in named if p.requires_grad}
+    decay = {"muon": muon.get("weight_decay", weight_decay), "default": weight_decay,
+             "none": 0.0}
+    dicts = []
+    for g in groups:
+        settings = {"optimizer": g.optimizer, "weight_decay": decay[g.weight_decay_from]}
+        if g.optimizer == "Muon":
+            settings.update(lr=muon.get("lr", lr), momentum=muon.get("momentum", 0.95),
+                            nesterov=muon.get("nesterov", True),
+                            ns_steps=muon.get("ns_steps", 5),
+                            adjust_lr_fn=muon.get("adjust_lr_fn"))
+        else:
+            settings.update(lr=lr, betas=betas, eps=eps)
+        members = [by_name[n] for n in g.names if n in by_name]
+        dicts += [{"params": kind, **settings} for kind in _by_kind(members)]
+    if not any(g.optimizer == "Muon" for g in groups):
+        for d in dicts:
+            del d["optimizer"]
+        impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+                "fused": {"fused": True}}[implementation]
+        if zero1_group is not None:
+            return ZeroRedundancyOptimizer(dicts, optimizer_class=_OPTIMIZERS[name],
+                                           process_group=zero1_group, lr=lr, **impl)
+        return _OPTIMIZERS[name](dicts, lr=lr, **impl)
+    names = {id(p): n for n, p in by_name.items()}
+    foreach = implementation != "for-loop"  # Muon's matrices run one by one whatever it is
+    cls = functools.partial(MuonWithAdamW, param_names=names, foreach=foreach,
+                            ns_dtype=muon.get("ns_dtype", torch.bfloat16))
+    if zero1_group is not None:  # ZeRO-1 hands each matrix to one rank: that rank is its owner
+        return ZeroRedundancyOptimizer(dicts, optimizer_class=cls, process_group=zero1_group,
+                                       lr=lr)
+    return cls(dicts, lr=lr)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,

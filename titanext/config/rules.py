@@ -439,7 +439,18 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
         problems += _pipeline_composition_problems(cfg, skip, plan)
     problems += _batch_and_zero_problems(cfg, skip, shard)
     problems += _data_and_output_problems(cfg, skip)
+    problems += _optimizer_problems(cfg.optimizer, skip)
     return problems
+
+
+def _optimizer_problems(o: Any, skip: set[str]) -> list[str]:
+    """Muon keys set while another optimizer runs would change nothing: an error, not a no-op.
+    (The groups' globs are checked against the model itself when the trainer builds it:
+    titanext.components.param_groups.group_problems.)"""
+    if o.name == "Muon" or "optimizer.name" in skip or o.muon_params is None:
+        return []
+    return [f"optimizer.muon_params = {o.muon_params!r} is only read with optimizer.name = "
+            f"'Muon', but optimizer.name = {o.name!r}; set name = 'Muon' or unset muon_params"]
 
 
 def _layout_problems(cfg: JobConfig, world_size: int | None, skip: set[str]

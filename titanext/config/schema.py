@@ -169,8 +169,11 @@ class Validation:
 
 @dataclass
 class OptimizerConfig:
-    name: str = _field("AdamW", choices=("AdamW", "Adam"))
-    """Optimizer class: AdamW (decoupled weight decay) or Adam (L2 weight decay)."""
+    name: str = _field("AdamW", choices=("AdamW", "Adam", "Muon"))
+    """Optimizer class: AdamW (decoupled weight decay), Adam (L2 weight decay), or Muon
+    (torch.optim.Muon's orthogonalized momentum on the muon_params matrices, each matrix
+    orthogonalized once on one owner rank under any layout, and AdamW on the other parameters;
+    docs/muon.md)."""
     lr: float = _field(8e-4, gt=0)
     """Peak learning rate, reached at the end of warmup."""
     beta1: float = _field(0.9, ge=0, lt=1)
@@ -185,6 +188,37 @@ class OptimizerConfig:
     implementation: str = _field("foreach", choices=("for-loop", "foreach", "fused"))
     """Kernel implementation of the optimizer step: for-loop (one kernel per tensor), foreach
     (batched) or fused (one kernel, where the device supports it)."""
+    muon_params: list[str] | None = _field(None)
+    """Globs (fnmatch, over parameter FQNs) of the parameters Muon updates with name = 'Muon'.
+    Unset: every parameter of 2 or more dimensions inside the block list (an FQN with a numeric
+    segment such as layers.3.), routers excepted; a 3-D expert weight is one matrix per expert.
+    Embeddings, the output head, norms, biases and routers stay with AdamW. A glob matching
+    nothing, or selecting a 1-D parameter, is an error."""
+    no_decay_params: list[str] | None = _field(None)
+    """Globs of the AdamW / Adam parameters trained without weight decay. Unset: the 1-D
+    parameters (norms, biases) with name = 'Muon'; none with AdamW / Adam, so that their runs
+    train as before (set ["*norm*", "*.bias"] to exempt norms and biases). A glob matching
+    nothing, or a parameter also in muon_params, is an error."""
+    muon_lr: float = _field(0.02, gt=0)
+    """Muon's peak learning rate before its per-shape adjustment (muon_adjust_lr_fn); follows
+    the same schedule as lr. 0.02 suits 'original'; with 'match_rms_adamw' use AdamW's lr."""
+    muon_weight_decay: float | None = _field(None, ge=0)
+    """Muon's decoupled weight decay (p *= 1 - lr x wd before the update); unset = weight_decay."""
+    muon_momentum: float = _field(0.95, ge=0, lt=1)
+    """Muon's momentum (buf = momentum x buf + grad)."""
+    muon_nesterov: bool = _field(True)
+    """Muon's Nesterov momentum: orthogonalize grad + momentum x buf instead of buf."""
+    muon_ns_steps: int = _field(5, ge=1, lt=100)
+    """Newton-Schulz iterations (torch.optim.Muon's quintic coefficients)."""
+    muon_ns_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"))
+    """dtype of Muon's Newton-Schulz iteration (and of the pieces sent to each matrix's owner):
+    bfloat16 is torch.optim.Muon's; float32 costs twice the bytes and more FLOPs, and is what
+    the layout-vs-one-process tests use (bfloat16 rounding turns a 1e-7 difference in a
+    gradient sum into a 1e-3 one in the update)."""
+    muon_adjust_lr_fn: str = _field("original", choices=("original", "match_rms_adamw"))
+    """Muon's per-shape learning rate: original (sqrt(max(1, rows / cols)), Keller Jordan's and
+    torch.optim.Muon's default) or match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:
+    reuses AdamW's lr and weight decay)."""
 
 
 @dataclass

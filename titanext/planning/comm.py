@@ -272,4 +272,27 @@ def data_parallel_comm(lo: Layout, rank: RankStages, psi_dense: float,
         comm.append({"parallelism": "DP all-reduce + ZeRO-1 gather", "collectives": 2 * units,
                      "bytes": (2 * lo.reduce_bytes + 4) * (d - 1) / d * psi,
                      "level": lo.level(lo.tp, d), "overlap": "compute"})
+    comm += _muon_comm(lo, rank, psi_experts)
     return comm
+
+
+def _muon_comm(lo: Layout, rank: RankStages, psi_experts: float) -> list[dict]:
+    """Muon's owner exchange (titanext.components.muon): each rank sends the pieces of the
+    matrices it does not own to their owners and gets the orthogonalized ones back, two
+    all-to-alls per step over the n ranks holding distinct pieces (dp_shard x cp x tp), in the
+    Newton-Schulz dtype. Replicas (HSDP) receive their copy too: not counted. Matches the owner
+    plan's bytes for the debug model on 4 ranks (benchmarks/muon.py: 14.16 MB in all)."""
+    o = lo.cfg.optimizer
+    if o.name != "Muon" or o.muon_params is not None:  # custom globs: not modelled
+        return []
+    shape, moe, n_m = lo.shape, lo.shape.moe, lo.n_moe(rank)
+    matrices = (rank.layers - n_m) * shape.layer_sharded / lo.tp + (
+        n_m * moe.sharded / lo.tp if moe else 0.0)
+    n = (lo.n_fsdp if lo.fsdp else lo.zero_n if lo.zero1 else 1) * lo.tp
+    if n <= 1:
+        return []
+    size = 2 if o.muon_ns_dtype == "bfloat16" else 4
+    pieces = state_elements(lo, matrices, psi_experts, lo.n_fsdp if lo.fsdp else 1)
+    return [{"parallelism": "Muon owners (gather + scatter)", "collectives": 2,
+             "bytes": 2 * pieces * (n - 1) / n * size,
+             "level": lo.level(1, n), "overlap": "none"}]

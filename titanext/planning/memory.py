@@ -247,6 +247,10 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
            # two fp32 moments per element, and a 4-byte step per parameter tensor
            "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
            + 4 * tensors}
+    if lo.cfg.optimizer.name == "Muon":  # one fp32 momentum buffer per Muon matrix, no step
+        muon_dense = (len(rk.layer_ids) - n_m) * shape.layer_sharded / tp + (
+            n_m * moe.sharded / tp if moe else 0.0)  # the blocks' matrices (routers counted)
+        mem["optimizer (Adam)"] -= 4 * state_elements(lo, muon_dense, psi_experts, lo.zero_n)
     if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
         mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
         if not lo.reshard:  # the embedding and the head stay gathered too

@@ -42,7 +42,7 @@ def test_every_key_has_a_docstring(section, key):
      "training.dataset = 'shakespear' is not allowed; choose one of "
      "'shakespeare', 'text', 'tokens', 'synthetic', 'hf'; did you mean 'shakespeare'?"),
     ("--optimizer.name=adamw", "optimizer.name = 'adamw' is not allowed; choose one of 'AdamW', "
-     "'Adam'; did you mean 'AdamW'?"),
+     "'Adam', 'Muon'; did you mean 'AdamW'?"),
     ("--optimizer.lr=0", "optimizer.lr = 0.0 is out of range; it must be > 0"),
     ("--optimizer.beta1=1", "optimizer.beta1 = 1.0 is out of range; it must be >= 0 and < 1"),
     ("--optimizer.beta2=-0.1", "optimizer.beta2 = -0.1 is out of range; it must be >= 0 and < 1"),
