@@ -23,9 +23,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanext.components.lowp_adam import LowPrecisionStateAdam, LowPrecisionStateAdamW
+
 __all__ = ["build_lr_scheduler", "build_optimizer", "lr_lambda"]
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+# [optimizer] state_dtype: the moments' dtype; float32 is torch's own class
+_STATE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+_LOW_PRECISION_STATE = {"AdamW": LowPrecisionStateAdamW, "Adam": LowPrecisionStateAdam}
 
 
 def build_optimizer(
@@ -38,8 +43,13 @@ def build_optimizer(
     weight_decay: float = 0.1,
     implementation: str = "foreach",
     zero1_group: dist.ProcessGroup | None = None,
+    state_dtype: str = "float32",
 ) -> torch.optim.Optimizer:
-    """AdamW/Adam; with ``zero1_group`` a ZeroRedundancyOptimizer that shards its state (ZeRO-1)."""
+    """AdamW/Adam; with ``zero1_group`` a ZeroRedundancyOptimizer that shards its state (ZeRO-1).
+
+    ``state_dtype="bfloat16"`` keeps the moments in bf16 (:mod:`titanext.components.lowp_adam`;
+    its step runs one parameter at a time, whatever ``implementation`` says).
+    """
     if name not in _OPTIMIZERS:
         raise ValueError(f"optimizer.name = {name!r}; allowed: {', '.join(_OPTIMIZERS)}")
     impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -47,7 +57,15 @@ def build_optimizer(
         raise ValueError(
             f"optimizer.implementation = {implementation!r}; allowed: {', '.join(impl)}"
         )
+    if state_dtype not in _STATE_DTYPES:
+        raise ValueError(
+            f"optimizer.state_dtype = {state_dtype!r}; allowed: {', '.join(_STATE_DTYPES)}")
+    optimizer_class = _OPTIMIZERS[name]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation])
+    if _STATE_DTYPES[state_dtype] is not None:
+        optimizer_class = _LOW_PRECISION_STATE[name]
+        kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                      state_dtype=_STATE_DTYPES[state_dtype])
     params = [p for p in params if p.requires_grad]
     if zero1_group is None:
         # foreach/fused kernels cannot mix DTensors and plain tensors (e.g. TP without SP leaves
@@ -60,9 +78,9 @@ def build_optimizer(
     if zero1_group is not None:
 
         return ZeroRedundancyOptimizer(
-            params, optimizer_class=_OPTIMIZERS[name], process_group=zero1_group, **kwargs
+            params, optimizer_class=optimizer_class, process_group=zero1_group, **kwargs
         )
-    return _OPTIMIZERS[name](params, **kwargs)
+    return optimizer_class(params, **kwargs)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,

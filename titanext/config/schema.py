@@ -185,6 +185,11 @@ class OptimizerConfig:
     implementation: str = _field("foreach", choices=("for-loop", "foreach", "fused"))
     """Kernel implementation of the optimizer step: for-loop (one kernel per tensor), foreach
     (batched) or fused (one kernel, where the device supports it)."""
+    state_dtype: str = _field("float32", choices=("float32", "bfloat16"))
+    """dtype of Adam's two moments (exp_avg, exp_avg_sq). bfloat16 halves the optimizer state
+    (8 to 4 bytes per parameter, as DeepSeek-V3 does): the update still runs in fp32, one
+    parameter at a time, and rounds the moments to the nearest bf16 (deterministic, so a resume
+    is bitwise). Works with FSDP, ZeRO-1, checkpoints and resharding; see docs/optimizer.md."""
 
 
 @dataclass
