@@ -1,7 +1,7 @@
 """CheckpointManager across gloo ranks: an FSDP save and load on 2 ranks restores every piece
 of state (parameters, AdamW state, scheduler, loader, extra states, per-rank RNG) even after a
 crashed save, a checkpoint saved under FSDP 4 loads under FSDP 2 x TP 2 on 4 ranks, ZeRO-1's
-optimizer state round-trips on 2 ranks and loads on 1, and a world-size-1 group saves and loads
+optimizer state round-trips on 2 ranks and loads on 1 (the last two also with bf16 moments), and a world-size-1 group saves and loads
 exactly. Training is faked with the helpers of tests/unit/test_checkpoint.py (gradients a
 pointwise function of the parameters), and every restored tensor must equal the saved one bitwise.
 """
@@ -122,12 +122,12 @@ def test_fsdp_save_then_load_restores_every_piece_of_state_even_after_a_crashed_
 
 
 # -- resharding ------------------------------------------------------------------------------------
-def _reshard(rank, world_size, folder):
+def _reshard(rank, world_size, folder, state_dtype):
     from torch.distributed.device_mesh import init_device_mesh
 
     fsdp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     model = _fsdp(_tiny_model(seed=0), fsdp_mesh)
-    opt, sched, loader, ckpt = _training(model, folder)
+    opt, sched, loader, ckpt = _training(model, folder, state_dtype)
     for _ in (1, 2):
         _fake_step(model, opt, sched, loader)
     ckpt.save(2)
@@ -137,9 +137,10 @@ def _reshard(rank, world_size, folder):
     resharded = _fsdp(_tp(_tiny_model(seed=1), mesh_2d["tp"]), mesh_2d["dp"])
     wq = resharded.layers["0"].attention.wq.weight
     assert wq.device_mesh.ndim == 2  # really FSDP 2 x TP 2
-    opt2, sched2, loader2, ckpt2 = _training(resharded, folder)
+    opt2, sched2, loader2, ckpt2 = _training(resharded, folder, state_dtype)
     assert ckpt2.load() == 2
     _assert_equal(reference, _snapshot(resharded, opt2))
+    assert all(s["exp_avg"].dtype == state_dtype for s in opt2.state.values())
 
     # The restored optimizer state is live: one more step matches the original layout's.
     _fake_step(model, opt, sched, loader)
@@ -150,19 +151,22 @@ def _reshard(rank, world_size, folder):
 
 
 @pytest.mark.torch_seam
-def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path):
-    assert run_distributed(_reshard, 4, args=(str(tmp_path),)) == [True] * 4
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path, state_dtype):
+    """Also with [optimizer] state_dtype = bfloat16: bf16 moments reshard bitwise."""
+    assert run_distributed(_reshard, 4, args=(str(tmp_path), state_dtype)) == [True] * 4
 
 
 # -- ZeRO-1 ----------------------------------------------------------------------------------------
-def _zero1_training(folder: str, seed: int):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _zero1_training(folder: str, seed: int, state_dtype: str = "float32"):
     from torch.nn.parallel import DistributedDataParallel
+
+    from titanext.components.optim import build_optimizer
 
     model = _tiny_model(seed)
     DistributedDataParallel(model)  # broadcasts rank 0's weights, as in training
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.1,
+                          zero1_group=dist.group.WORLD, state_dtype=state_dtype)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     loader = StubLoader()
     ckpt = CheckpointManager(folder=folder, interval=1, keep_latest_k=0, load_step="latest",
@@ -176,15 +180,15 @@ def _consolidated(opt) -> dict | None:
     return opt.state_dict() if dist.get_rank() == 0 else None
 
 
-def _zero1_save_then_load(rank, world_size, folder):
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=0)
+def _zero1_save_then_load(rank, world_size, folder, state_dtype):
+    model, opt, sched, loader, ckpt = _zero1_training(folder, 0, state_dtype)
     for _ in (1, 2):
         _fake_step(model, opt, sched, loader)
     assert opt.optim.state, "each rank holds a partition of the optimizer state"
     ckpt.save(2)
     saved = {"optim": _consolidated(opt),
              "params": {n: _full(p) for n, p in model.named_parameters()}}
-    loaded = _zero1_load(rank, world_size, folder)
+    loaded = _zero1_load(rank, world_size, folder, state_dtype)
     if rank == 0:
         _assert_equal(saved["optim"], loaded["optim"])
     _assert_equal(saved["params"], loaded["params"])
@@ -192,24 +196,28 @@ def _zero1_save_then_load(rank, world_size, folder):
     return saved
 
 
-def _zero1_load(rank, world_size, folder):
+def _zero1_load(rank, world_size, folder, state_dtype):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("titanext").addHandler(handler)
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=1)
+    model, opt, sched, loader, ckpt = _zero1_training(folder, 1, state_dtype)
     step = ckpt.load()
     logging.getLogger("titanext").removeHandler(handler)
+    dtypes = {s[k].dtype for s in opt.optim.state.values() for k in ("exp_avg", "exp_avg_sq")}
+    assert dtypes == {getattr(torch, state_dtype)}, dtypes
     return {"step": step, "optim": _consolidated(opt), "warnings": records,
             "params": {n: _full(p) for n, p in model.named_parameters()},
             "position": loader.position}
 
 
-def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp_path):
-    saved = run_distributed(_zero1_save_then_load, 2, args=(str(tmp_path),))[0]
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp_path,
+                                                                             state_dtype):
+    saved = run_distributed(_zero1_save_then_load, 2, args=(str(tmp_path), state_dtype))[0]
     assert os.path.exists(tmp_path / "step-2" / "zero1_optimizer.pt")
     # One rank now owns the whole state: load_state_dict re-partitions the consolidated file.
-    loaded = run_distributed(_zero1_load, 1, args=(str(tmp_path),))[0]
+    loaded = run_distributed(_zero1_load, 1, args=(str(tmp_path), state_dtype))[0]
     assert loaded["step"] == 2 and loaded["position"] == 16
     _assert_equal(saved["optim"], loaded["optim"])
     _assert_equal(saved["params"], loaded["params"])
