@@ -243,6 +243,7 @@ def _optimizer_seconds(lo: Layout, device: Device, elements: float) -> float:
     """The optimizer step over ``elements`` fp32 values as ``lo``'s config runs it."""
     o = lo.cfg.optimizer
     return optimizer_time(device, elements, implementation=o.implementation, name=o.name,
+                          state_dtype=o.state_dtype,
                           weight_decay=o.weight_decay > 0, clip=lo.cfg.training.max_norm > 0)
 
 

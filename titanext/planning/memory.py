@@ -5,7 +5,8 @@ mixed-precision accounting is :func:`zero_bytes_per_rank`: bf16 params 2 + bf16 
 fp32 master 4 + Adam 8 = 16 bytes (20 with an fp32 gradient-accumulation copy); ZeRO-1 keeps
 4 Psi + 12 Psi/N, ZeRO-2 2 Psi + 14 Psi/N, ZeRO-3 16 Psi/N. titanext's own runs are FSDP2:
 the fp32 parameter is the master (sharded), gradients are sharded fp32 (reduce dtype), Adam
-holds two fp32 moments and a step scalar per tensor, and the compute-dtype copy of a unit
+holds two fp32 moments (bf16 with ``[optimizer] state_dtype``: 4 bytes, not 8) and a step
+scalar per tensor, and the compute-dtype copy of a unit
 exists only while it is gathered (two units in flight).
 
 Activations (bytes per token per transformer layer, a = bytes of the activation dtype, h =
@@ -59,7 +60,7 @@ from titanext.planning.moe import moe_activation_extra
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
-           "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
+           "moment_bytes", "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
 _STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
@@ -204,14 +205,34 @@ def _ddp(lo: Layout) -> bool:
     return lo.zero1 and lo.pp == 1
 
 
+def moment_bytes(lo: Layout) -> int:
+    """Bytes of one Adam moment per element: ``[optimizer] state_dtype``."""
+    return 2 if lo.cfg.optimizer.state_dtype == "bfloat16" else 4
+
+
+def _largest_state_tensor(lo: Layout) -> float:
+    """Elements of the largest parameter tensor one rank's optimizer steps: the embedding or
+    the head (split by tp), or one stacked expert weight (``num_experts / ep`` experts)."""
+    shape, moe = lo.shape, lo.shape.moe
+    largest = max(shape.embedding, shape.output) / lo.tp / max(1, lo.zero_n)
+    if moe is not None:  # w1, w2, w3 stacked over the rank's experts
+        largest = max(largest, moe.experts / 3 / lo.ep / max(1, lo.zero_n // lo.ep))
+    return largest
+
+
 def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
     """Bytes the optimizer step allocates beside its state, freed when it returns.
 
     torch's foreach Adam/AdamW computes ``sqrt(v)`` of every element at once (one float32
     list the size of the optimizer's parameters: the 1B on one H200 peaks there, params +
     grads + two moments + this = 5 x 4 bytes per parameter, measured 1.00x); the for-loop
-    one tensor at a time (the largest: the embedding or the head); the fused kernel none."""
+    one tensor at a time (the largest: the embedding or the head); the fused kernel none.
+    With bf16 moments (``state_dtype``, :mod:`titanext.components.lowp_adam`) the step runs
+    one tensor at a time whatever the implementation, on fp32 copies of its two moments
+    beside the ``sqrt(v)`` temporary: 12 bytes per element of the largest tensor."""
     impl = lo.cfg.optimizer.implementation
+    if moment_bytes(lo) != 4:
+        return 12 * _largest_state_tensor(lo)
     if impl == "fused":
         return 0.0
     if impl == "for-loop":
@@ -244,9 +265,10 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
     state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
     mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
-           # two fp32 moments per element, and a 4-byte step per parameter tensor
-           "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
-           + 4 * tensors}
+           # two moments per element (fp32, or bf16 with [optimizer] state_dtype), and a
+           # 4-byte step per parameter tensor
+           "optimizer (Adam)": 2 * moment_bytes(lo)
+           * state_elements(lo, psi_dense, psi_experts, lo.zero_n) + 4 * tensors}
     if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
         mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
         if not lo.reshard:  # the embedding and the head stay gathered too
