@@ -35,7 +35,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class LowPrecisionStateAdam(torch.optim.Adam):
-    """``torch.optim.Adam`` (``decoupled_weight_decay=True``: AdamW) with moments in ``state_dtype``.
+    """``torch.optim.Adam`` (``decoupled_weight_decay=True``: AdamW), moments in ``state_dtype``.
 
     Takes ``torch.optim.Adam``'s arguments except amsgrad, foreach, fused, capturable and
     differentiable (the step runs one parameter at a time, so that only one parameter's fp32
