@@ -28,7 +28,8 @@ in a new torch is fixed here:
 - :func:`abort_all_process_groups`, :func:`default_store`: tear every group down at once, and the
   store the default group was started with (titanext.distributed.failsafe);
 - :func:`record_cuda_memory_history`, :func:`cuda_memory_snapshot`: CUDA's allocator history;
-- :data:`pytree`: torch's pytree utilities.
+- :data:`pytree`: torch's pytree utilities;
+- :func:`view_base`: the tensor a view shares its storage with (``Tensor._base``).
 
 Not private, but shaped by the torch version: :func:`pinned_async_save_options`, the
 ``async_save`` options of ``[checkpoint] async_mode = "async_with_pinned_mem"``.
@@ -47,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
 
-__all__ = ["aten_op_names", "cuda_memory_snapshot", "flash_attention_cpu",
+__all__ = ["aten_op_names", "view_base", "cuda_memory_snapshot", "flash_attention_cpu",
            "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
            "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
            "reduce_scatter_single", "set_pg_timeout", "trunc_normal_",
@@ -215,3 +216,9 @@ def pinned_async_save_options() -> dict:
                              use_async_staging=True, use_non_blocking_copy=accelerator)
     return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS,
             "async_stager": DefaultStager(options)}
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose storage the view ``t`` shares (the root of a chain of views), or None
+    when ``t`` is not a view (recompute by module recognizes a region's output in a view)."""
+    return t._base

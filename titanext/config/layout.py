@@ -50,7 +50,12 @@ from titanext.config.schema import JobConfig
 from titanext.config.schema_parallel import MoEConfig
 from titanext.errors import ConfigError
 from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES
-from titanext.plugins.rules import DEFAULT_SAVE_OPS
+from titanext.plugins.rules import (
+    DEFAULT_SAVE_OPS,
+    FLOAT8_STORAGE,
+    RECOMPUTE_MODULES,
+    resolved_recompute_modules,
+)
 
 if TYPE_CHECKING:
     from titanext.models import ModelArgs
@@ -210,7 +215,7 @@ _PRECISIONS = ("auto", "bfloat16", "float32")
 _RESHARD_POLICIES = ("default", "always", "never")
 _CP_LAYOUTS = ("zigzag", "contiguous")
 _CP_COMMS = ("p2p", "allgather", "alltoall")
-_AC_MODES = ("none", "selective", "full")
+_AC_MODES = ("none", "selective", "full", "modules")
 _COMPILE_SCOPES = ("model", "loss")
 _COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -269,7 +274,8 @@ class Recipe:
     expert_replicas: int = 0
     """Hot experts each ep rank may host as copies (under ep > 1)."""
     ac: str = "none"
-    """Activation checkpointing: "none", "selective" or "full"."""
+    """Activation checkpointing: "none", "selective", "full" or "modules" (only the parts of
+    each block in ``recompute_modules``)."""
     ac_option: str = "op"
     """Selective AC: "op" (save ``ac_save_ops``' outputs) or "n" (every n-th block); checked
     with the save list by the AC plugin (``check_activation_checkpointing``), as parallelize
@@ -278,6 +284,13 @@ class Recipe:
     """Op-level selective AC: the aten ops whose outputs are kept."""
     keep_all_to_all: bool = False
     """AC under EP: keep what the dispatch received and replay it in the recompute."""
+    recompute_modules: tuple[str, ...] = ()
+    """``ac = "modules"``: the parts of each block recomputed, any of ``RECOMPUTE_MODULES``
+    (``titanext.plugins.recompute_modules``); a config's empty list is resolved to DeepSeek-V3's
+    choice that the model has."""
+    float8_storage: tuple[str, ...] = ()
+    """Tensors saved for the backward in float8 with 1 x 128 scales, any of
+    ``FLOAT8_STORAGE`` (``titanext.plugins.float8_storage``)."""
     compile: tuple[str, ...] = ()
     """What torch.compile compiles: any of "model" (each block), "loss"."""
     compile_backend: str = "inductor"
@@ -293,6 +306,7 @@ class Recipe:
                 problems.append(f"{name} = {value!r}; allowed: an integer >= 0")
         problems += [f"compile = {self.compile!r}; allowed: any of 'model', 'loss'"
                      for c in self.compile if c not in _COMPILE_SCOPES][:1]
+        problems += _recompute_problems(self)
         problems = [p for p in problems if p]
         if problems:
             raise ValueError("; ".join(f"Recipe: {p}" for p in problems))
@@ -300,7 +314,9 @@ class Recipe:
     # -- the decisions ----------------------------------------------------------------------
     @property
     def recompute(self) -> str:
-        """"none", "full", or "selective:<option>"."""
+        """"none", "full", "selective:<option>" or "modules:<name>+<name>..."."""
+        if self.ac == "modules":
+            return "modules:" + "+".join(self.recompute_modules)
         return f"selective:{self.ac_option}" if self.ac == "selective" else self.ac
 
     @property
@@ -358,6 +374,22 @@ _RECIPE_CHOICES = {"zero_stage": (1, 2, 3), "reshard_after_forward": _RESHARD_PO
                    "compile_backend": _COMPILE_BACKENDS, "float8": (True, False)}
 
 
+def _recompute_problems(r: Recipe) -> list[str]:
+    """``recompute_modules`` / ``float8_storage``: tuples of known names; modules only with
+    ``ac = "modules"``, which needs at least one."""
+    problems = [f"{name} = {getattr(r, name)!r}; allowed: a tuple of any of {', '.join(allowed)}"
+                for name, allowed in (("recompute_modules", RECOMPUTE_MODULES),
+                                      ("float8_storage", FLOAT8_STORAGE))
+                if not isinstance(getattr(r, name), tuple)
+                or any(n not in allowed for n in getattr(r, name))]
+    if r.ac == "modules" and not r.recompute_modules:
+        problems.append("ac = 'modules' needs recompute_modules, e.g. ('layernorm', 'moe_act')")
+    if r.recompute_modules and r.ac != "modules":
+        problems.append(f"recompute_modules = {r.recompute_modules!r} needs ac = 'modules', "
+                        f"not {r.ac!r}")
+    return problems
+
+
 def _recipe_problem(name: str, value: Any, allowed: tuple) -> str | None:
     if value in allowed and type(value) is type(allowed[0]):
         return None
@@ -392,6 +424,9 @@ def recipe_from_config(cfg: JobConfig) -> Recipe:
         expert_replicas=cfg.moe.replicate_hot_experts if p.expert_parallel_degree > 1 else 0,
         ac=ac.mode, ac_option=str(ac.selective_ac_option),
         ac_save_ops=tuple(ac.selective_op_save_list), keep_all_to_all=ac.keep_all_to_all,
+        recompute_modules=(resolved_recompute_modules(ac.recompute_modules, model_args(cfg))
+                           if ac.mode == "modules" else ()),
+        float8_storage=tuple(ac.float8_storage),
         compile=tuple(c.components) if c.enable else (), compile_backend=c.backend,
         float8=cfg.float8.enable)
 

@@ -41,7 +41,12 @@ from titanext.errors import ConfigError
 from titanext.models import MODEL_FLAVORS, get_model_args
 from titanext.models.hf_configs import hf_config_from_model_args, model_args_from_hf
 from titanext.plugins.expert_parallel.rules import dispatch_problems, replication_problems
-from titanext.plugins.rules import float8_experts_problems, float8_problems, keep_all_to_all_problem
+from titanext.plugins.rules import (
+    float8_experts_problems,
+    float8_problems,
+    keep_all_to_all_problem,
+    recompute_problems,
+)
 
 __all__ = ["check_config", "collect_problems", "ep_overlap_problems", "pipeline_config_problems"]
 
@@ -423,6 +428,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
         problems += found
     problems += float8_problems(cfg.float8, cfg.parallelism, skip)
     problems += float8_experts_problems(cfg, skip, model_args)
+    problems += recompute_problems(cfg, skip, model_args)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)

@@ -15,12 +15,29 @@ from titanext._text import did_you_mean as _did_you_mean
 from titanext.config._fields import _field, _minus_one_or_positive
 from titanext.config.field_rules import _ac_option, _aten_ops, _pp_schedule
 from titanext.plugins.expert_parallel.rules import EP_DISPATCH_MODES
-from titanext.plugins.rules import DEFAULT_SAVE_OPS, FLOAT8_EXPERT_RECIPES, FLOAT8_RECIPES
+from titanext.plugins.rules import (
+    DEFAULT_SAVE_OPS,
+    FLOAT8_EXPERT_RECIPES,
+    FLOAT8_RECIPES,
+    FLOAT8_STORAGE,
+    RECOMPUTE_MODULES,
+)
 
 __all__ = ["ActivationCheckpoint", "Compile", "Float8", "MoEConfig", "Parallelism"]
 
 
 _COMPILE_COMPONENTS = ("model", "loss")
+
+
+def _any_of(allowed: tuple[str, ...]):
+    """A check for a list whose every entry is one of ``allowed``."""
+    def check(names: list[str]) -> str | None:
+        for name in names:
+            if name not in allowed:
+                return (f"any of {', '.join(map(repr, allowed))}; {name!r} is not one of them"
+                        f"{_did_you_mean(name, allowed, fallback=False)}")
+        return None
+    return check
 
 
 def _compile_components(names: list[str]) -> str | None:
@@ -162,9 +179,10 @@ _DEFAULT_SAVE_OPS = list(DEFAULT_SAVE_OPS)  # titanext.plugins.rules owns the li
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = _field("none", choices=("none", "selective", "full"))
-    """Recompute activations in backward: none, selective (see selective_ac_option) or full
-    (every transformer block)."""
+    mode: str = _field("none", choices=("none", "selective", "full", "modules"))
+    """Recompute activations in backward: none, selective (see selective_ac_option), full
+    (every transformer block) or modules (only the parts of each block named in
+    recompute_modules; everything else is saved)."""
     selective_ac_option: str = _field("op", check=_ac_option, rule="'op' or a positive integer")
     """For selective mode: 'op' (save the outputs of selective_op_save_list, recompute the
     rest) or a positive integer n written as a string (fully checkpoint every n-th block)."""
@@ -178,6 +196,22 @@ class ActivationCheckpoint:
     received (dispatched token rows, expert outputs before the combine, split sizes) and replay
     it in the recompute, so no all-to-all runs twice (4 per MoE layer and micro-batch instead
     of 6), for about 2 x top_k x dim more saved values per token and MoE layer."""
+    recompute_modules: list[str] = _field([], check=_any_of(RECOMPUTE_MODULES),
+                                          rule="any of " + ", ".join(map(repr, RECOMPUTE_MODULES)))
+    """With mode = 'modules': the parts of each block recomputed in backward (Megatron-Core's
+    names): layernorm (the block's norms), mla_up_proj (MLA's q/kv up-projections and their
+    norms), core_attn (scores, softmax, SDPA), moe_act (the experts' SwiGLU: its input kept,
+    its output recomputed), mlp (a dense block's feed-forward), shared_experts. Each must exist
+    in the model. Empty: DeepSeek-V3's choice, layernorm + mla_up_proj + moe_act, of those the
+    model has. No all-to-all runs twice; losses and gradients are bitwise those of mode =
+    'none'."""
+    float8_storage: list[str] = _field([], check=_any_of(FLOAT8_STORAGE),
+                                       rule="any of " + ", ".join(map(repr, FLOAT8_STORAGE)))
+    """Tensors saved for the backward in float8 e4m3 with one power-of-two scale per 1 x 128
+    block (DeepSeek-V3's activation caching), dequantized in the backward:
+    expert_up_proj_input (the dispatched rows feeding the routed experts' up-projections) and
+    attention_out_input (the input of the linear after attention, wo). About half the bytes of
+    bf16; weight gradients change within the measured float8 error (docs/deepseek_v3.md)."""
 
 
 @dataclass

@@ -87,6 +87,7 @@ from titanext.plugins.expert_parallel import (
 )
 from titanext.plugins.float8_experts import has_emulated_float8_experts
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
+from titanext.plugins.recompute_modules import recompute_modules
 from titanext.plugins.replicated_grads import install_replicated_grad_check
 from titanext.plugins.tensor_parallel import TPPlan, apply_tensor_parallel, tp_plan_targets
 from titanext.plugins.weight_grad import has_deferred_modules
@@ -168,7 +169,9 @@ def parallelize(
         expert_units = _apply_sharding(model, dims, r, tp_plan, experts, experts_layout)
         apply_activation_checkpointing(model, mode=r.ac, option=r.ac_option,
                                        save_ops=r.ac_save_ops, blocks=blocks,
-                                       keep_all_to_all=r.keep_all_to_all)
+                                       keep_all_to_all=r.keep_all_to_all,
+                                       recompute_modules=r.recompute_modules,
+                                       required=not dims.pp_enabled)
         if r.compile_model:
             _compile(model, dims, r, blocks, expert_units)
         if r.fsdp(dims):
@@ -245,7 +248,8 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
     """Every check :func:`parallelize` can make before it changes ``model`` (each raises the
     error the plugin itself would raise later); returns the blocks, resolved once."""
     fsdp = r.fsdp(dims)
-    check_activation_checkpointing(r.ac, r.ac_option, r.ac_save_ops, r.keep_all_to_all)
+    check_activation_checkpointing(r.ac, r.ac_option, r.ac_save_ops, r.keep_all_to_all,
+                                   r.recompute_modules)
     per_block = [name for name, used in (("activation checkpointing", r.ac != "none"),
                                          ("compile", r.compile_model), ("FSDP", fsdp)) if used]
     if per_block or blocks is not None:  # a path, or model.layers
@@ -264,6 +268,13 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
     if dims.cp_enabled:
         check_options(r.cp_layout, r.cp_comm, "auto")
         attention_fn_holders(model)
+        if "core_attn" in r.recompute_modules:
+            raise ValueError("Recipe(recompute_modules=(..., 'core_attn')): recomputing the "
+                             "attention core would run context parallelism's exchanges again; "
+                             "drop core_attn or use cp = 1")
+    if r.ac == "modules":
+        recompute_modules(model, r.recompute_modules, blocks=blocks,
+                          required=not dims.pp_enabled)
     if r.zero1(dims) and not materialises and any(q.is_meta for q in model.parameters()):
         raise ValueError("Recipe(zero_stage=1) wraps the model in DDP, which needs real "
                          "parameters: pass init_weights=... or a materialised model")

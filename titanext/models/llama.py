@@ -237,19 +237,27 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = self.wq(x) if hasattr(self, "wq") else self.q_up(self.wq_a(x))
         q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope + self.rope).split(
             [self.nope, self.rope], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_layout)], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v_head_dim)
+        kv = self.kv_up(latent).view(bsz, seqlen, -1, self.nope + self.v_head_dim)
         k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                            scale=self.softmax_scale, **docs)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    # The up-projections with their norms: the seams recompute by module wraps
+    # (recompute_modules = ["mla_up_proj"] keeps their inputs, the low-rank latents).
+    def q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
+        return self.wq_b(self.q_norm(q_latent))
+
+    def kv_up(self, kv_latent: torch.Tensor) -> torch.Tensor:
+        return self.wkv_b(self.kv_norm(kv_latent))
 
 
 class TransformerBlock(nn.Module):

@@ -117,20 +117,25 @@ class GroupedExperts(nn.Module):
         if self.float8_grouped_mm is not None:
             mm = self.float8_grouped_mm
             offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-            return mm(F.silu(mm(x, w1, offs)) * mm(x, w3, offs), w2, offs)
+            return mm(self.act(mm(x, w1, offs), mm(x, w3, offs)), w2, offs)
         use = self.use_grouped_mm
         if use == "auto":
             use = grouped_mm_supported(x, w1, w2, w3)
         if use:
             offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-            h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            h = self.act(grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                         grouped_mm(x, w3.transpose(-2, -1), offs=offs))
             return grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         # The loop needs the counts on the host: one device-to-host sync.
         outs = []
         for e, xe in enumerate(torch.split(x, _host_counts(num_tokens_per_expert, x.shape[0]))):
-            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            outs.append(F.linear(self.act(F.linear(xe, w1[e]), F.linear(xe, w3[e])), w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation ``silu(gate) * up``: the seam recompute by module wraps
+        (``recompute_modules = ["moe_act"]`` keeps ``gate`` and ``up``, recomputes this)."""
+        return F.silu(gate) * up
 
 
 class TokenRouting:

@@ -1,4 +1,4 @@
-"""Activation checkpointing (recompute) per block: none, full, or selective.
+"""Activation checkpointing (recompute) per block: none, full, selective, or by module.
 
 - full: every block's activations are recomputed in backward.
 - selective, layer level (``option="2"``): every 2nd block is fully checkpointed.
@@ -12,6 +12,9 @@
   communicating (:class:`~titanext.plugins.expert_parallel._comm.CommTape`): no all-to-all and no
   device-to-host sync runs twice, and the recompute is bitwise the forward. Without expert
   parallelism in the block it is plain full AC.
+- modules (``recompute_modules=("layernorm", "moe_act", ...)``): only those parts of each block
+  are recomputed, everything else is saved; no collective runs twice
+  (:mod:`titanext.plugins.recompute_modules`).
 
 The block's ``forward`` is replaced in place instead of wrapping the module, so parameter
 names (and therefore checkpoints) are the same with and without AC.
@@ -36,7 +39,8 @@ from torch.utils.checkpoint import (
 
 from titanext.plugins._blocks import find_blocks
 from titanext.plugins.expert_parallel._comm import CommTape
-from titanext.plugins.rules import DEFAULT_SAVE_OPS, keep_all_to_all_problem
+from titanext.plugins.recompute_modules import recompute_modules as _module_regions
+from titanext.plugins.rules import DEFAULT_SAVE_OPS, RECOMPUTE_MODULES, keep_all_to_all_problem
 
 __all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing"]
 
@@ -55,14 +59,21 @@ def _resolve_ops(names: Iterable[str]) -> set:
 
 def check_activation_checkpointing(mode: str, option: str = "op",
                                    save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
-                                   keep_all_to_all: bool = False) -> None:
+                                   keep_all_to_all: bool = False,
+                                   recompute_modules: Sequence[str] = ()) -> None:
     """The ValueError :func:`apply_activation_checkpointing` would raise for these options,
     raised without touching a model (a recipe checks before it mutates)."""
-    if mode not in ("none", "full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, selective")
+    if mode not in ("none", "full", "selective", "modules"):
+        raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, "
+                         "selective, modules")
     problem = keep_all_to_all_problem(mode, option) if keep_all_to_all else None
     if problem:
         raise ValueError(problem)
+    if (mode == "modules") != bool(recompute_modules) or any(
+            n not in RECOMPUTE_MODULES for n in recompute_modules):
+        raise ValueError(f"activation_checkpoint: mode = {mode!r} with recompute_modules = "
+                         f"{list(recompute_modules)!r}; mode = 'modules' takes one or more of "
+                         f"{', '.join(RECOMPUTE_MODULES)}, the other modes none")
     if mode != "selective":
         return
     if option == "op":
@@ -103,11 +114,18 @@ def apply_activation_checkpointing(
     save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
     blocks: Iterable[nn.Module] | str | None = None,
     keep_all_to_all: bool = False,
+    recompute_modules: Sequence[str] = (),
+    required: bool = True,
 ) -> nn.Module:
     """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place.
-    ``keep_all_to_all``: recompute without re-dispatch (see the module docstring)."""
-    check_activation_checkpointing(mode, option, save_ops, keep_all_to_all)
+    ``keep_all_to_all``: recompute without re-dispatch; ``recompute_modules``: what
+    ``mode="modules"`` recomputes, each of which must be in some block unless ``required`` is
+    False (a pipeline stage); see the module docstring."""
+    check_activation_checkpointing(mode, option, save_ops, keep_all_to_all, recompute_modules)
     if mode == "none":
+        return model
+    if mode == "modules":
+        _module_regions(model, recompute_modules, blocks=blocks, required=required, apply=True)
         return model
     block_list = find_blocks(model, blocks)
     if mode == "full":

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_EXPERT_RECIPES",
-           "FLOAT8_RECIPES", "float8_experts_problems", "float8_problems",
-           "keep_all_to_all_problem"]
+           "FLOAT8_RECIPES", "FLOAT8_STORAGE", "RECOMPUTE_MODULES", "float8_experts_problems",
+           "float8_problems", "keep_all_to_all_problem", "recompute_problems",
+           "resolved_recompute_modules"]
 
 #: Recipe names accepted by :func:`~titanext.plugins.float8.apply_float8` and ``[float8] recipe``.
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -40,6 +41,18 @@ DEFAULT_SAVE_OPS = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )
+
+#: ``[activation_checkpoint] recompute_modules`` (``mode = "modules"``): the parts of a block
+#: that are recomputed (Megatron-Core's ``recompute_modules`` names;
+#: :mod:`titanext.plugins.recompute_modules`).
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", "shared_experts")
+#: The default: DeepSeek-V3's choice (the report recomputes RMSNorm and the MLA up-projections,
+#: and keeps SwiGLU's input and recomputes its output): cheap to rerun, large to keep.
+DEFAULT_RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
+#: ``[activation_checkpoint] float8_storage``: tensors saved for the backward in float8 e4m3
+#: with 1 x 128 scales (:mod:`titanext.plugins.float8_storage`).
+FLOAT8_STORAGE = ("expert_up_proj_input", "attention_out_input")
+
 
 def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
     """``[float8]`` (``f``) combinations that cannot work against ``[parallelism]`` (``p``),
@@ -109,8 +122,77 @@ def keep_all_to_all_problem(mode: str, option: str) -> str | None:
     or None."""
     if mode in ("full", "selective") and not (mode == "selective" and option == "op"):
         return None
+    if mode == "modules":
+        return ("activation_checkpoint.keep_all_to_all = true keeps what a recomputed block's "
+                "all-to-alls received, but mode = 'modules' never recomputes an all-to-all; "
+                "remove keep_all_to_all")
     return (f"activation_checkpoint.keep_all_to_all = true needs whole checkpointed blocks, but "
             f"mode = {mode!r}" + (f" with selective_ac_option = {option!r}"
                                   if mode == "selective" else "")
             + " checkpoints none; use mode = 'full' or a layer-level selective_ac_option "
             "such as '2'")
+
+
+def _model_has(args: Any) -> dict[str, bool]:
+    """Which :data:`RECOMPUTE_MODULES` / :data:`FLOAT8_STORAGE` targets a model of ``args`` has."""
+    moe = getattr(args, "moe", None)
+    dense = moe is None or any(not args.is_moe_layer(i) for i in range(args.n_layers))
+    return {"layernorm": True, "mla_up_proj": bool(getattr(args, "mla", False)),
+            "core_attn": True, "moe_act": moe is not None, "mlp": dense,
+            "shared_experts": moe is not None and moe.num_shared_experts > 0,
+            "expert_up_proj_input": moe is not None, "attention_out_input": True}
+
+
+def resolved_recompute_modules(names: Any, args: Any) -> tuple[str, ...]:
+    """``recompute_modules`` as a recipe holds it: the names given, or (empty) the default
+    :data:`DEFAULT_RECOMPUTE_MODULES` that a model of ``args`` has (None: all of them)."""
+    if names:
+        return tuple(names)
+    has = _model_has(args) if args is not None else {}
+    return tuple(n for n in DEFAULT_RECOMPUTE_MODULES if has.get(n, True))
+
+
+def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]) -> list[str]:
+    """One line per problem of ``[activation_checkpoint] recompute_modules`` and
+    ``float8_storage``: recompute_modules without mode = 'modules', a name the model lacks,
+    core_attn under context parallelism (its ring would communicate again).
+
+    >>> from titanext.config import ConfigError, load_config
+    >>> try:
+    ...     load_config(None, ["--activation_checkpoint.mode=modules",
+    ...                        "--activation_checkpoint.recompute_modules=mla_up_proj"])
+    ... except ConfigError as e:
+    ...     print(e.problems[0][:72])
+    activation_checkpoint.recompute_modules names 'mla_up_proj', but model.f
+    """
+    ac, key = cfg.activation_checkpoint, "activation_checkpoint"
+    problems = []
+    if ac.recompute_modules and ac.mode != "modules" and f"{key}.mode" not in skip:
+        problems.append(f"{key}.recompute_modules = {ac.recompute_modules!r} only applies with "
+                        f"mode = 'modules', but mode = {ac.mode!r}; set mode = 'modules' or "
+                        "remove recompute_modules")
+    named = [(f"{key}.recompute_modules", n) for n in ac.recompute_modules
+             if ac.mode == "modules"] + [(f"{key}.float8_storage", n) for n in ac.float8_storage]
+    if not named or skip & {"model.name", "model.flavor", f"{key}.recompute_modules",
+                            f"{key}.float8_storage"}:
+        return problems
+    try:
+        args = model_args(cfg)
+    except (KeyError, ValueError):  # a bad name, flavor or [moe] value: reported elsewhere
+        return problems
+    has = _model_has(args)
+    problems += [f"{field} names {n!r}, but model.flavor = {cfg.model.flavor!r} has none "
+                 f"(no {_WHAT[n]}); remove it" for field, n in named if not has[n]]
+    cp = cfg.parallelism.context_parallel_degree
+    if "core_attn" in ac.recompute_modules and ac.mode == "modules" and cp > 1:
+        problems.append(f"{key}.recompute_modules names 'core_attn', but "
+                        f"parallelism.context_parallel_degree = {cp}: recomputing the attention "
+                        "core would run context parallelism's exchanges again; remove it or "
+                        "use context_parallel_degree = 1")
+    return problems
+
+
+_WHAT = {"mla_up_proj": "MLA attention: q_lora_rank / kv_lora_rank",
+         "moe_act": "routed experts", "mlp": "dense block", "shared_experts": "shared experts",
+         "expert_up_proj_input": "routed experts", "layernorm": "norms",
+         "core_attn": "attention", "attention_out_input": "attention"}

@@ -387,8 +387,8 @@ def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
         offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
     else:
         counts = num_tokens_per_expert.tolist()
-    h = F.silu(_DeferredGroupedFn.apply(x, module.w1, offs, counts, mm))
-    h = h * _DeferredGroupedFn.apply(x, module.w3, offs, counts, mm)
+    h = module.act(_DeferredGroupedFn.apply(x, module.w1, offs, counts, mm),
+                   _DeferredGroupedFn.apply(x, module.w3, offs, counts, mm))
     return _DeferredGroupedFn.apply(h, module.w2, offs, counts, mm)
 
 
