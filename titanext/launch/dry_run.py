@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections import defaultdict
@@ -47,6 +48,7 @@ from titanext.config.layout import fake_world_size
 from titanext.models.llama import sdpa_attention
 from titanext.planning.estimate import plan_config
 from titanext.plugins.expert_parallel._comm import count_comm
+from titanext.plugins.recompute_modules import recompute_region
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
 from titanext.trainer import Trainer
 
@@ -166,8 +168,11 @@ def use_fused_attention(model_parts) -> int:
     changed = 0
     for part in model_parts:
         for mod in part.modules():
-            if getattr(mod, "attn_fn", None) is sdpa_attention and hasattr(mod, "v_head_dim"):
-                mod.attn_fn = _flash_shaped_attention
+            fn = getattr(mod, "attn_fn", None)
+            inner = inspect.unwrap(fn) if fn is not None else None  # core_attn's region wraps it
+            if inner is sdpa_attention and hasattr(mod, "v_head_dim"):
+                mod.attn_fn = (_flash_shaped_attention if inner is fn
+                               else recompute_region(_flash_shaped_attention))
                 changed += 1
     return changed
 

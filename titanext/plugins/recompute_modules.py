@@ -50,7 +50,7 @@ from titanext.models.moe import GroupedExperts, MoE
 from titanext.plugins._blocks import find_blocks
 from titanext.plugins.rules import RECOMPUTE_MODULES
 
-__all__ = ["RECOMPUTE_MODULES", "module_regions", "recompute_modules"]
+__all__ = ["RECOMPUTE_MODULES", "module_regions", "recompute_modules", "recompute_region"]
 
 
 class _Region:
@@ -165,20 +165,26 @@ def _run_region(fn: Callable, *args, **kwargs):
     return out
 
 
-def _wrap(owner: object, name: str) -> None:
-    inner = getattr(owner, name)
-    if getattr(inner, "_titanext_region", False):
-        return
+def recompute_region(fn: Callable) -> Callable:
+    """``fn`` as a recomputed region (its ``__wrapped__``): inside a block prepared by
+    :func:`recompute_modules`, what it saves and its output are recomputed in the backward.
+    ``fn`` must return one tensor and compute the same from the same inputs every time."""
+    if getattr(fn, "_titanext_region", False):
+        return fn
 
     # compiled blocks run each region eagerly, between graphs: a compiled graph saves other
     # tensors than the eager recompute would
     @torch.compiler.disable
-    @functools.wraps(inner)
+    @functools.wraps(fn)
     def region(*args, **kwargs):
-        return _run_region(inner, *args, **kwargs)
+        return _run_region(fn, *args, **kwargs)
 
     region._titanext_region = True
-    setattr(owner, name, region)
+    return region
+
+
+def _wrap(owner: object, name: str) -> None:
+    setattr(owner, name, recompute_region(getattr(owner, name)))
 
 
 def _block_forward(block: nn.Module) -> None:
