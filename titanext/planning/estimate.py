@@ -27,6 +27,7 @@ from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel
 from titanext.planning.hardware import COMM_SMS, DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, rank_params, state_elements
+from titanext.planning.recompute import recompute_flops_bytes
 from titanext.planning.roofline import (
     MEMORY_EFFICIENCY,
     MicrobatchTime,
@@ -88,7 +89,26 @@ def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, m
         routed = moe.top_k * moe.hidden * imbalance
         mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=moe_blocks,
                                   ffn_replicated=routed + moe.shared_hidden, **common)
+    if lo.ac == "modules":  # the named regions rerun just before each block's backward
+        rerun = (dense * _recompute_seconds(lo, device, efficiency, False, imbalance)
+                 + moe_blocks * _recompute_seconds(lo, device, efficiency, True, imbalance))
+        mt = MicrobatchTime(mt.f, mt.i + rerun, mt.w, mt.attention_f)
     return mt
+
+
+def _recompute_seconds(lo: Layout, device: Device, efficiency: float, moe_block: bool,
+                       imbalance: float) -> float:
+    """Seconds to rerun ``recompute_modules`` of one block for one micro-batch
+    (:func:`titanext.planning.recompute.recompute_flops_bytes`; matmuls at the bf16 rate)."""
+    shape, moe = lo.shape, lo.shape.moe
+    routed = moe_block and moe is not None
+    mm, attn, moved = recompute_flops_bytes(
+        lo.recipe.recompute_modules, h=shape.dim, a=lo.a, mla=shape.mla,
+        heads=shape.n_heads / lo.tp, ffn=0.0 if routed else shape.ffn / lo.tp,
+        moe=(moe.top_k * imbalance, moe.hidden, moe.shared_hidden) if routed else None,
+        seq_len=lo.cfg.training.seq_len)
+    rate = device.bf16_flops * efficiency
+    return lo.tokens * ((mm + attn) / rate + moved / (device.hbm_bw * MEMORY_EFFICIENCY))
 
 
 def mtp_time(lo: Layout, device: Device, efficiency: float, *,

@@ -57,6 +57,7 @@ import bisect
 
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
+from titanext.planning.recompute import drop_bytes, mla_saved_bytes
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
@@ -90,20 +91,48 @@ def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
                                      sp: bool = True, cp: int = 1, moe: bool = False,
-                                     ulysses: int = 1, residual: int | None = None) -> float:
+                                     ulysses: int = 1, residual: int | None = None,
+                                     modules: tuple[str, ...] = ()) -> float:
     """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
 
     ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
     :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp). ``ulysses``: CP's
     Ulysses degree (1: ring). ``residual``: bytes of the residual stream (``r``; ``a`` when
-    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`)."""
+    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`). A block of
+    multi-head latent attention without recompute, and ``mode = "modules"`` (what
+    ``modules`` stop saving): :mod:`titanext.planning.recompute`."""
     r = a if residual is None else residual
+    if mode == "modules":
+        return (activation_bytes_per_token_layer(shape, "none", a=a, tp=tp, sp=sp, cp=cp,
+                                                 moe=moe, ulysses=ulysses, residual=residual)
+                - _block_terms(shape, a, tp, moe, modules) / cp)
+    if mode == "none" and shape.mla[1]:
+        heads, ffn, routed = _mla_block(shape, tp, moe)
+        return (mla_saved_bytes(h=shape.dim, a=a, mla=shape.mla, heads=heads, ffn=ffn)
+                + (moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) if routed else 0.0)
+                ) / cp
     if moe:
         return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses,
                                   r=r)
                 + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
     return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn,
                              ulysses=ulysses, r=r)
+
+
+def _mla_block(shape: ModelShape, tp: int, moe: bool) -> tuple[float, float, bool]:
+    """(attention heads per TP rank, the dense FFN's width per TP rank (0 in a MoE block),
+    whether the block has routed experts)."""
+    routed = moe and shape.moe is not None
+    return shape.n_heads / tp, 0.0 if routed else shape.ffn / tp, routed
+
+
+def _block_terms(shape: ModelShape, a: int, tp: int, moe: bool,
+                 modules: tuple[str, ...]) -> float:
+    """Bytes per token a block stops saving when ``modules`` are recomputed."""
+    heads, ffn, routed = _mla_block(shape, tp, moe)
+    m = shape.moe
+    return drop_bytes(modules, h=shape.dim, a=a, mla=shape.mla, heads=heads, ffn=ffn,
+                      moe=(m.top_k, m.hidden, m.shared_hidden) if routed else None)
 
 
 def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
@@ -194,7 +223,7 @@ def _two_level_saved(lo: Layout) -> float:
     weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
     dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
     moe = lo.shape.moe
-    if (moe is None or lo.ep == 1 or lo.ac != "none"
+    if (moe is None or lo.ep == 1 or lo.ac not in ("none", "modules")
             or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
     return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
@@ -361,13 +390,13 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
 def saved_bytes_per_token(lo: Layout) -> tuple[float, float]:
     """Saved activation bytes per token of one dense block and of one MoE block (0 without
     MoE) under ``lo``'s recompute, TP, SP, CP and dispatch."""
-    shape = lo.shape
+    shape, modules = lo.shape, lo.recipe.recompute_modules
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
                                                  cp=lo.cp, ulysses=lo.ulysses,
-                                                 residual=lo.residual)
+                                                 residual=lo.residual, modules=modules)
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses,
-                                                      residual=lo.residual)
+                                                      residual=lo.residual, modules=modules)
                      + lo.kept_all_to_all_per_token + _two_level_saved(lo)
                      if shape.moe else 0.0)
     return per_layer, per_moe_layer
@@ -483,6 +512,11 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
+        if lo.ac == "modules":  # one block's recomputed regions, alive in its backward
+            modules = lo.recipe.recompute_modules
+            recompute = lo.tokens_mb / lo.cp * max(
+                _block_terms(shape, a, lo.tp, False, modules) if n_d else 0.0,
+                _block_terms(shape, a, lo.tp, True, modules) if n_m else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
     return act, wact, acc, grad, transient
 
