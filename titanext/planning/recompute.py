@@ -9,7 +9,7 @@ titanext's own code and checked against the dry run's tracker (bf16 under FSDP: 
 and copies with h, n, the latents, the expert and FFN widths doubled, each term exact)::
 
     norms:    2 ((4 + 2 a) h + 4)               # RMSNorm: fp32 x, x * rsqrt cast to a, output
-    latents:  sum over r_q, r_kv of (4 + 2 a) r + 4   # q_norm / kv_norm likewise, wq_b / wkv_b's input
+    latents:  sum over r_q, r_kv of (4 + 2 a) r + 4   # q_norm / kv_norm; wq_b / wkv_b input
     heads:    n (2 a d_qk + 2 a max(d_qk, d_v) + a d_v + 4)  # q, k; v and the output padded to
                                                 # d_qk for the fused kernel; wo's input; lse
     FFN:      a 4 f (dense), or titanext.planning.moe.moe_activation_extra (MoE)
