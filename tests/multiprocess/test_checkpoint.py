@@ -2,8 +2,9 @@
 of state (parameters, AdamW state, scheduler, loader, extra states, per-rank RNG) even after a
 crashed save, a checkpoint saved under FSDP 4 loads under FSDP 2 x TP 2 on 4 ranks, ZeRO-1's
 optimizer state round-trips on 2 ranks and loads on 1 (the last two also with bf16 moments), and
-a world-size-1 group saves and loads exactly. Training is faked with the helpers of tests/unit/test_checkpoint.py (gradients a
-pointwise function of the parameters), and every restored tensor must equal the saved one bitwise.
+a world-size-1 group saves and loads exactly. Training is faked with the helpers of
+tests/unit/test_checkpoint.py (gradients a pointwise function of the parameters), and every
+restored tensor must equal the saved one bitwise.
 """
 
 from __future__ import annotations
