@@ -6,10 +6,11 @@ the few large cases, all run in ONE 8-rank spawn (start-up dominates on 2 cores)
 per-feature parity tests (test_parity.py, test_pipeline.py, test_context_parallel.py,
 test_float8_distributed.py) cover each axis on 2-4 ranks.
 
-Every pipeline case uses a titanext schedule (ZBH1, ZBH2, ZBV, DualPipeV, Auto), and two of
-them activation checkpointing. debugtiny has 2 layers, enough for one stage per rank; the V
-schedules (ZBV, DualPipeV, Auto) hold two stages per rank and use the 6-layer debugmodel; the
-MoE case uses debugmoe (3 blocks, 8 experts), the DeepSeek case debugdeepseek (MLA, MTP).
+Every pipeline case uses a titanext schedule (ZBH1, ZBH2, ZBV, DualPipeV, Auto), and four of
+them activation checkpointing (two by module: ZBH2 with deferred W, DualPipe with MTP).
+debugtiny has 2 layers, enough for one stage per rank; the V schedules (ZBV, DualPipeV, Auto)
+hold two stages per rank and use the 6-layer debugmodel; the MoE case uses debugmoe (3 blocks,
+8 experts), the DeepSeek case debugdeepseek (MLA, MTP).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ F8 = ["--float8.enable=true"]
 TINY, SMALL, MOE, DS = "debugtiny", "debugmodel", "debugmoe", "debugdeepseek"
 MOE_AUX = ["--moe.aux_loss_alpha=0.01"]
 MTP = ["--model.num_mtp_layers=1"]
+MODULES_AC = ["--activation_checkpoint.mode=modules",
+              "--activation_checkpoint.recompute_modules=layernorm,core_attn,moe_act,mlp,"
+              "shared_experts"]
 
 # name: (flavor, overrides, loss rtol); the reference is one process with local_batch_size=8.
 CASES = {
@@ -59,11 +63,12 @@ CASES = {
     # titanext.distributed.pipeline.ignore_shape_inference_forward)
     # and the sequence aux loss.
     # ... with deferred weight gradients (the default; explicit here): the experts' grouped
-    # GEMMs and the TP linears queue dW during I, run at W.
-    "moe_pp2_x_dp2ep2_x_tp2_ZBH2_deferred": (MOE, [
+    # GEMMs and the TP linears queue dW during I, run at W; recompute by module (every part
+    # debugmoe has) recomputes the regions whose dW is queued.
+    "moe_pp2_x_dp2ep2_x_tp2_ZBH2_deferred_modules_ac": (MOE, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2", *_pp("ZBH2", 2),
-        P + "pipeline_parallel_split_backward=deferred", *MOE_AUX], 1e-5),
+        P + "pipeline_parallel_split_backward=deferred", *MOE_AUX, *MODULES_AC], 1e-5),
     "pp2_x_cp2_x_tp2_DualPipeV": (SMALL, [
         "--training.local_batch_size=8", P + "context_parallel_degree=2",
         P + "tensor_parallel_degree=2", *_pp("DualPipeV", 4)], 1e-5),
@@ -78,11 +83,12 @@ CASES = {
         P + "data_parallel_shard_degree=2", *_pp("Auto", 2),
         P + "pipeline_parallel_split_backward=autograd"], 1e-5),
     # DeepSeek-V3's shape: MLA attention, sigmoid group-limited routing, one MTP module on the
-    # last stage (with its embedding copy), experts over ep = 2, the ring over cp = 2, DualPipe
-    "deepseek_pp2_x_ep2_x_cp2_DualPipe_mtp": (DS, [
+    # last stage (with its embedding copy), experts over ep = 2, the ring over cp = 2, DualPipe,
+    # and its recompute (mode = "modules" by default: layernorm, mla_up_proj, moe_act)
+    "deepseek_pp2_x_ep2_x_cp2_DualPipe_mtp_modules_ac": (DS, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "expert_parallel_degree=2", P + "context_parallel_degree=2", *_pp("DualPipe", 4),
-        *MTP], 1e-5),
+        *MTP, "--activation_checkpoint.mode=modules"], 1e-5),
     "dp2_x_cp2_x_tp2": (TINY, [
         "--training.local_batch_size=4", P + "data_parallel_shard_degree=2",
         P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"], 1e-5),

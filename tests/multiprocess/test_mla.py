@@ -1,6 +1,6 @@
 """Multi-head latent attention (debugdeepseek) trains like one fp32 process under every layout
 attention supports: FSDP, TP + SP, CP ring / Ulysses / hybrid (with document masks), TP x CP,
-PP x TP, activation checkpointing.
+PP x TP, activation checkpointing (full, op-level, and by module under FSDP x TP + SP).
 
 The flavor has 4 heads, qk_nope_head_dim 16 != v_head_dim 12 (so the CP kernels move and
 pad values of another head dim than q/k), a low-rank query, YaRN with the softmax rescale and
@@ -56,8 +56,12 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
 # name: (overrides, which reference); every case has a global batch of 8 sequences of 32.
 CASES = {
     "fsdp4": (["--training.local_batch_size=2"], "plain"),
-    "fsdp2_x_tp2_sp": (["--training.local_batch_size=4", P + "tensor_parallel_degree=2"],
-                       "plain"),
+    # recompute by module, every part (MLA's up-projections column-wise over tp, the norms
+    # sequence-parallel)
+    "fsdp2_x_tp2_sp_modules_ac": (["--training.local_batch_size=4", P + "tensor_parallel_degree=2",
+                                   "--activation_checkpoint.mode=modules",
+                                   "--activation_checkpoint.recompute_modules=layernorm,"
+                                   "mla_up_proj,core_attn,moe_act,mlp,shared_experts"], "plain"),
     "cp4_ring": (["--training.local_batch_size=8", P + "context_parallel_degree=4"], "plain"),
     "cp4_ulysses": (["--training.local_batch_size=8", P + "context_parallel_degree=4",
                      P + "context_parallel_comm=alltoall"], "plain"),

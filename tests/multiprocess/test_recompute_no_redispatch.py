@@ -10,7 +10,10 @@
   the recompute's two, the backward's two) to 4, and the count exchanges (each a device-to-host
   sync) from 2 to 1 (DualPipe: fewer, counted per direction elsewhere);
 - with expert_parallel_comm_overlap (DualPipeV, pp 2 x ep 2), whose recompute runs on the other
-  side's thread: bitwise full AC, with and without the overlap.
+  side's thread: bitwise full AC, with and without the overlap;
+- recompute by module (``mode = "modules"``, every part debugmoe has) on the two-level and the
+  pipeline layouts, and with the overlap: bitwise full AC (itself bitwise no AC), with the
+  all-to-alls and count exchanges of keep_all_to_all (no collective runs twice).
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from tests.spawn import run_distributed
 P = "--parallelism."
 FULL = ["--activation_checkpoint.mode=full"]
 KEEP = [*FULL, "--activation_checkpoint.keep_all_to_all=true"]
+MODULES = ["--activation_checkpoint.mode=modules",
+           "--activation_checkpoint.recompute_modules=layernorm,core_attn,moe_act,mlp,"
+           "shared_experts"]
+# float8 storage of both inputs, with recompute by module, on the 1F1B layout: within the
+# measured float8 error of full AC (the first step's loss is bitwise: only dW changes)
+F8_STORE = [*MODULES, "--activation_checkpoint.float8_storage=expert_up_proj_input,"
+            "attention_out_input"]
+F8_LOSS_RTOL, F8_PARAM_RTOL = 2e-4, 2.5e-2
 # name: (overrides, micro-batches per step, MoE layers on rank 0 x dispatch levels), global
 # batch 8; DualPipe's two directions are left to the ratio check
 LAYOUTS = {
@@ -48,7 +59,9 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
 
     out = {}
     for layout, (overrides, _, _) in LAYOUTS.items():
-        for ac, extra in (("full", FULL), ("keep", KEEP)):
+        modules = (("modules", MODULES),) if layout != "ep2_x_fsdp4" else ()
+        modules += (("f8", F8_STORE),) if layout == "pp2_x_ep2_1F1B" else ()
+        for ac, extra in (("full", FULL), ("keep", KEEP), *modules):
             name = f"{layout}_{ac}"
             with count_comm() as cc:  # around test_expert_parallel's own counter
                 got = _ep._train(rank, world_size, {name: [*overrides, *extra]}, folder)[name]
@@ -59,7 +72,8 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
 def _overlap(rank: int, world_size: int, folder: str) -> list:
     """expert_parallel_comm_overlap (DualPipeV, 4 micro-batches, debugmoe with 4 blocks): the
     backward's recompute replays on the other side's thread. Full AC, then keep_all_to_all
-    without and with the overlap: (losses, params, handovers, token all-to-alls) each."""
+    without and with the overlap, then recompute by module with it: (losses, params, handovers,
+    token all-to-alls) each."""
     from tests.multiprocess.test_ep_overlap import BASE as OVERLAP_BASE
     from tests.multiprocess.test_ep_overlap import CASES as OVERLAP_CASES
     from tests.multiprocess.test_ep_overlap import ON, _with_flavor
@@ -68,7 +82,7 @@ def _overlap(rank: int, world_size: int, folder: str) -> list:
     from titanext.plugins.expert_parallel import count_comm
 
     out = []
-    for i, ac in enumerate((FULL, KEEP, [*KEEP, ON])):
+    for i, ac in enumerate((FULL, KEEP, [*KEEP, ON], [*MODULES, ON])):
         with count_comm() as cc:
             got, = _with_flavor(rank, world_size, [[*OVERLAP_BASE, *case, *ac]], f"{folder}/{i}")
         out.append((*got, cc.all_to_alls))
@@ -81,14 +95,15 @@ moe_reference = _ep.moe_reference  # the one-process reference runs (a module-sc
 @pytest.mark.slow
 def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
     per_rank = run_distributed(_train, 4, args=(str(tmp_path),), timeout_s=300)
-    for rank, (_, (full, keep, overlapped)) in enumerate(per_rank):  # bitwise, and overlapped
-        assert full[0] == keep[0] == overlapped[0] and len(full[0]) == 2, (full[0], keep[0],
-                                                                        overlapped[0])
+    for rank, (_, (full, keep, overlapped, modules)) in enumerate(per_rank):  # bitwise
+        assert full[0] == keep[0] == overlapped[0] == modules[0] and len(full[0]) == 2, (
+            full[0], keep[0], overlapped[0], modules[0])
         bad = [k for k in full[1] if not (torch.equal(full[1][k], keep[1][k])
-                                          and torch.equal(keep[1][k], overlapped[1][k]))]
+                                          and torch.equal(keep[1][k], overlapped[1][k])
+                                          and torch.equal(keep[1][k], modules[1][k]))]
         assert not bad and overlapped[2] > 0 and keep[2] == 0, (rank, bad, overlapped[2])
-        assert overlapped[3] == keep[3] and 4 * full[3] == 6 * keep[3], (full[3], keep[3],
-                                                                          overlapped[3])
+        assert overlapped[3] == keep[3] == modules[3] and 4 * full[3] == 6 * keep[3], (
+            full[3], keep[3], overlapped[3], modules[3])
     per_rank = [trained for trained, _ in per_rank]
     counts = {}
     for rank, got in enumerate(per_rank):
@@ -97,6 +112,21 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
             assert full[0] == keep[0] and full[1] == keep[1], (layout, full[:2], keep[:2])
             bad = [n for n in full[2] if not torch.equal(full[2][n], keep[2][n])]
             assert not bad, f"{layout} rank {rank}: parameters differ from full AC: {bad}"
+            if f"{layout}_f8" in got:  # float8 storage: the measured float8 error
+                f8 = got[f"{layout}_f8"]
+                assert f8[0][0] == full[0][0] and f8[3:] == keep[3:], (layout, f8, full)
+                torch.testing.assert_close(torch.tensor(f8[0]), torch.tensor(full[0]),
+                                           rtol=F8_LOSS_RTOL, atol=0)
+                worst = max(((f8[2][n] - p).norm() / p.norm()).item() for n, p in full[2].items())
+                print(f"float8 storage {layout} rank {rank}: losses {f8[0]} vs {full[0]}, "
+                      f"grad norms {f8[1]} vs {full[1]}, worst parameter relative error "
+                      f"{worst:.2e}")
+                assert 0 < worst < F8_PARAM_RTOL, (layout, rank, worst)
+            if f"{layout}_modules" in got:  # recompute by module: bitwise, nothing sent twice
+                mod = got[f"{layout}_modules"]
+                assert full[:2] == mod[:2] and mod[3:] == keep[3:], (layout, full, mod, keep)
+                bad = [n for n in full[2] if not torch.equal(full[2][n], mod[2][n])]
+                assert not bad, f"{layout} rank {rank}: modules' parameters differ: {bad}"
             assert 0 < keep[3] < full[3] and 0 < keep[4] < full[4], (layout, full, keep)
             # every recompute full AC ran issued the forward's count exchange(s) and its two
             # token all-to-alls per level again; with keep_all_to_all no recompute issues any

@@ -157,3 +157,15 @@ def test_config_rules_and_the_resolved_default():
     assert resolved == {"debugmodel": "modules:layernorm",
                         "debugmoe": "modules:layernorm+moe_act",
                         "debugdeepseek": "modules:layernorm+mla_up_proj+moe_act"}, resolved
+
+
+def test_compiled_blocks_keep_the_regions_eager_and_bitwise():
+    """Each part runs between the compiled graphs (aot_eager: the graphs' own saved tensors go
+    through the block's handles); losses and gradients are bitwise those of eager mode without
+    recompute."""
+    from titanext.plugins.compile import apply_compile
+
+    tokens = torch.randint(0, 200, (2, 16))
+    got, _ = _model("debugmoe", GQA_MOE)
+    apply_compile(got, backend="aot_eager", fullgraph=False)
+    _assert_bitwise(_step(_model("debugmoe")[0], tokens), _step(got, tokens), "aot_eager")

@@ -86,6 +86,7 @@ from titanext.plugins.expert_parallel import (
     expert_parallel_targets,
 )
 from titanext.plugins.float8_experts import has_emulated_float8_experts
+from titanext.plugins.float8_storage import apply_float8_storage
 from titanext.plugins.fsdp import apply_ddp, apply_fsdp
 from titanext.plugins.recompute_modules import recompute_modules
 from titanext.plugins.replicated_grads import install_replicated_grad_check
@@ -172,6 +173,9 @@ def parallelize(
                                        keep_all_to_all=r.keep_all_to_all,
                                        recompute_modules=r.recompute_modules,
                                        required=not dims.pp_enabled)
+        if r.float8_storage:
+            apply_float8_storage(model, r.float8_storage, blocks=blocks,
+                                 required=not dims.pp_enabled)
         if r.compile_model:
             _compile(model, dims, r, blocks, expert_units)
         if r.fsdp(dims):
@@ -216,9 +220,10 @@ def _compile(model: nn.Module, dims: ParallelDims, r: Recipe, blocks,
     dispatch needs its split sizes on the host; both break the graph, so MoE blocks compile in
     pieces. CP's ring (batch_isend_irecv) cannot be traced either: its attention runs between
     graphs. Deferred weight gradients: each converted linear runs eagerly (a graph break); so
-    do emulated float8 experts."""
+    do emulated float8 experts, and recompute by module's parts and saved-tensor hooks."""
     fullgraph = not (expert_units or dims.cp_enabled or has_deferred_modules(model)
-                     or has_emulated_float8_experts(model))
+                     or has_emulated_float8_experts(model) or r.ac == "modules"
+                     or r.float8_storage)
     apply_compile(model, backend=r.compile_backend, fullgraph=fullgraph, blocks=blocks)
 
 
@@ -250,7 +255,12 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
     fsdp = r.fsdp(dims)
     check_activation_checkpointing(r.ac, r.ac_option, r.ac_save_ops, r.keep_all_to_all,
                                    r.recompute_modules)
+    if r.float8_storage and r.ac not in ("none", "modules"):
+        raise ValueError(f"Recipe(float8_storage={r.float8_storage!r}) keeps what the backward "
+                         f"reads from a block's forward, but ac = {r.ac!r} recomputes it; use "
+                         "ac = 'none' or 'modules'")
     per_block = [name for name, used in (("activation checkpointing", r.ac != "none"),
+                                         ("float8 storage", bool(r.float8_storage)),
                                          ("compile", r.compile_model), ("FSDP", fsdp)) if used]
     if per_block or blocks is not None:  # a path, or model.layers
         try:

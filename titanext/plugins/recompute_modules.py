@@ -48,9 +48,11 @@ from titanext._compat import pytree, view_base
 from titanext.models.layers import FeedForward
 from titanext.models.moe import GroupedExperts, MoE
 from titanext.plugins._blocks import find_blocks
+from titanext.plugins.expert_parallel._comm import dequantize_rows, quantize_rows
 from titanext.plugins.rules import RECOMPUTE_MODULES
 
-__all__ = ["RECOMPUTE_MODULES", "module_regions", "recompute_modules", "recompute_region"]
+__all__ = ["RECOMPUTE_MODULES", "module_regions", "prepare_blocks", "recompute_modules",
+           "recompute_region", "store_in_float8"]
 
 
 class _Region:
@@ -111,6 +113,10 @@ class _Output:
 
 # region output's storage root -> (region, root's storage offset); alive as long as the output
 _OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# roots whose saved views are kept in float8 (titanext.plugins.float8_storage), and what a saved
+# tensor was packed to (two GEMMs that save the same input share one payload)
+_FLOAT8: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _ACTIVE = threading.local()  # inside a region's forward on this thread
 
 
@@ -119,7 +125,28 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t if base is None else base
 
 
+class _Float8:
+    """A saved tensor kept as :func:`quantize_rows` bytes (float8 e4m3, 1 x 128 scales)."""
+
+    __slots__ = ("dtype", "payload", "shape")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype = t.shape, t.dtype
+        self.payload = quantize_rows(t.detach().reshape(-1, t.shape[-1]))
+
+    def value(self) -> torch.Tensor:
+        return dequantize_rows(self.payload, self.shape[-1], self.dtype).view(self.shape)
+
+
+def store_in_float8(t: torch.Tensor) -> None:
+    """Keep what a prepared block saves of ``t`` (or of a view of it) in float8 (see
+    :mod:`titanext.plugins.float8_storage`), while ``t`` lives."""
+    _FLOAT8[_root(t)] = True
+
+
 def _unpack(packed):
+    if isinstance(packed, _Float8):
+        return packed.value()
     if isinstance(packed, _Internal):
         return packed.region.recomputed()[0][packed.i]
     if isinstance(packed, _Output):
@@ -133,11 +160,16 @@ def _unpack(packed):
 
 
 def _pack_outside(t: torch.Tensor):
-    """The block's saved tensors: a region's output becomes a handle, the rest stays."""
+    """The block's saved tensors: a region's output becomes a handle, a float8-stored one its
+    bytes, the rest stays."""
     root = _root(t)
     hit = _OUTPUTS.get(root)
     if hit is None:
-        return t
+        if root not in _FLOAT8 or t.dim() == 0:
+            return t
+        if t not in _PACKED:
+            _PACKED[t] = _Float8(t)
+        return _PACKED[t]
     region, root_offset = hit
     return _Output(region, (t.shape, t.stride(), t.storage_offset() - root_offset))
 
@@ -185,6 +217,14 @@ def recompute_region(fn: Callable) -> Callable:
 
 def _wrap(owner: object, name: str) -> None:
     setattr(owner, name, recompute_region(getattr(owner, name)))
+
+
+def prepare_blocks(model: nn.Module, blocks: Iterable[nn.Module] | str | None = None) -> None:
+    """Make each block's saved tensors go through the recompute and float8 handles (once)."""
+    for block in find_blocks(model, blocks):
+        if not getattr(block, "_titanext_saved_hooks", False):
+            _block_forward(block)
+            block._titanext_saved_hooks = True
 
 
 def _block_forward(block: nn.Module) -> None:
@@ -260,6 +300,5 @@ def recompute_modules(model: nn.Module, names: Sequence[str], *,
         for regions in found.values():
             for owner, attr in regions:
                 _wrap(owner, attr)
-        for block in block_list:
-            _block_forward(block)
+        prepare_blocks(model, block_list)
     return {n: len(r) for n, r in found.items()}

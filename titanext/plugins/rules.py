@@ -155,7 +155,8 @@ def resolved_recompute_modules(names: Any, args: Any) -> tuple[str, ...]:
 def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]) -> list[str]:
     """One line per problem of ``[activation_checkpoint] recompute_modules`` and
     ``float8_storage``: recompute_modules without mode = 'modules', a name the model lacks,
-    core_attn under context parallelism (its ring would communicate again).
+    core_attn under context parallelism (its ring would communicate again), float8 storage
+    with a full recompute, a tensor-parallel wo or float8 experts.
 
     >>> from titanext.config import ConfigError, load_config
     >>> try:
@@ -183,6 +184,20 @@ def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any
     has = _model_has(args)
     problems += [f"{field} names {n!r}, but model.flavor = {cfg.model.flavor!r} has none "
                  f"(no {_WHAT[n]}); remove it" for field, n in named if not has[n]]
+    store = ac.float8_storage
+    if store and ac.mode not in ("none", "modules"):
+        problems.append(f"{key}.float8_storage = {store!r} keeps what the backward reads from a "
+                        f"block's forward, but mode = {ac.mode!r} recomputes it instead; use "
+                        "mode = 'none' or 'modules', or remove float8_storage")
+    tp = cfg.parallelism.tensor_parallel_degree
+    if "attention_out_input" in store and tp > 1:
+        problems.append(f"{key}.float8_storage names 'attention_out_input', but "
+                        f"parallelism.tensor_parallel_degree = {tp} (a tensor-parallel wo saves "
+                        "a DTensor, not stored in float8 yet); remove it or use tp = 1")
+    if "expert_up_proj_input" in store and cfg.float8.moe_experts:
+        problems.append(f"{key}.float8_storage names 'expert_up_proj_input', but float8."
+                        "moe_experts = true: float8 grouped GEMMs save their own float8 inputs; "
+                        "remove one of them")
     cp = cfg.parallelism.context_parallel_degree
     if "core_attn" in ac.recompute_modules and ac.mode == "modules" and cp > 1:
         problems.append(f"{key}.recompute_modules names 'core_attn', but "
