@@ -74,3 +74,12 @@ def test_recompute_by_module_drops_what_each_choice_stops_saving():
     # the rerun lengthens the backward's input-gradient pass only
     base, rerun = _plan().time["stage_f_i_w_s"][0], layernorm.time["stage_f_i_w_s"][0]
     assert rerun[0] == base[0] and rerun[2] == base[2] and rerun[1] > base[1]
+
+
+def test_float8_storage_keeps_one_byte_and_an_exponent_per_128_values():
+    none = _plan().memory["activations"]
+    stored = _plan("--activation_checkpoint.float8_storage=attention_out_input,"
+                   "expert_up_proj_input").memory["activations"]
+    # debugdeepseek: wo's input 4 heads x 12 = 48 values in 3 blocks, 2 routed rows of 64 in 2
+    row = lambda d: 2 * d - (d + -(-d // 128))  # noqa: E731
+    assert none - stored == pytest.approx(1024 * (3 * row(48) + 2 * 2 * row(64)))

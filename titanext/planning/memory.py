@@ -57,7 +57,7 @@ import bisect
 
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
-from titanext.planning.recompute import drop_bytes, mla_saved_bytes
+from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
@@ -398,8 +398,17 @@ def saved_bytes_per_token(lo: Layout) -> tuple[float, float]:
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses,
                                                       residual=lo.residual, modules=modules)
                      + lo.kept_all_to_all_per_token + _two_level_saved(lo)
-                     if shape.moe else 0.0)
+                     - _float8_stored(lo, moe=True) if shape.moe else 0.0)
+    per_layer -= _float8_stored(lo, moe=False)
     return per_layer, per_moe_layer
+
+
+def _float8_stored(lo: Layout, *, moe: bool) -> float:
+    """Bytes per token a dense or MoE block stops saving with ``float8_storage``."""
+    shape = lo.shape
+    wo_in = (shape.n_heads * shape.mla[4] if shape.mla[1] else shape.dim) / lo.tp
+    return float8_storage_saving(lo.recipe.float8_storage, a=lo.a, wo_in=wo_in, h=shape.dim,
+                                 top_k=shape.moe.top_k if moe and shape.moe else 0) / lo.cp
 
 
 def static_memory_floor(lo: Layout) -> float:
