@@ -63,6 +63,9 @@ def build_optimizer(
     optimizer_class = _OPTIMIZERS[name]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation])
     if _STATE_DTYPES[state_dtype] is not None:
+        if name not in _LOW_PRECISION_STATE:
+            raise ValueError(f"optimizer.state_dtype = {state_dtype!r} applies to "
+                             f"{', '.join(_LOW_PRECISION_STATE)}, not {name!r}")
         optimizer_class = _LOW_PRECISION_STATE[name]
         kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                       state_dtype=_STATE_DTYPES[state_dtype])
