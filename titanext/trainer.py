@@ -167,7 +167,7 @@ class Trainer:
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
             zero1_group=dims.loss_mesh.get_group() if self.recipe.zero1(dims) else None,
-            groups=self.param_groups, muon=muon)
+            groups=self.param_groups, muon=muon, state_dtype=o.state_dtype)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)

@@ -1,10 +1,10 @@
 """CheckpointManager across gloo ranks: an FSDP save and load on 2 ranks restores every piece
 of state (parameters, AdamW state, scheduler, loader, extra states, per-rank RNG) even after a
 crashed save, a checkpoint saved under FSDP 4 loads under FSDP 2 x TP 2 on 4 ranks (AdamW's
-state and Muon's), ZeRO-1's
-optimizer state round-trips on 2 ranks and loads on 1, and a world-size-1 group saves and loads
-exactly. Training is faked with the helpers of tests/unit/test_checkpoint.py (gradients a
-pointwise function of the parameters), and every restored tensor must equal the saved one bitwise.
+state, with fp32 and with bf16 moments, and Muon's), ZeRO-1's optimizer state round-trips on 2
+ranks and loads on 1 (also with bf16 moments), and a world-size-1 group saves and loads exactly.
+Training is faked with the helpers of tests/unit/test_checkpoint.py (gradients a pointwise
+function of the parameters), and every restored tensor must equal the saved one bitwise.
 """
 
 from __future__ import annotations
@@ -140,11 +140,18 @@ def _muon_training(model: nn.Module, folder: str):
         enable=True, model_parts=[model], optimizer=opt, lr_scheduler=sched, dataloader=loader)
 
 
+def _bf16_training(model: nn.Module, folder: str):
+    """_training with [optimizer] state_dtype = bfloat16: AdamW's moments in bf16."""
+    return _training(model, folder, torch.bfloat16)
+
+
 def _reshard(rank, world_size, folder):
-    """AdamW, then Muon (its momentum buffers are DTensors sharded like their parameters)."""
+    """AdamW, AdamW with bf16 moments, then Muon (its momentum buffers are DTensors sharded
+    like their parameters), one after the other in one spawn."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    for kind, training in (("adamw", _training), ("muon", _muon_training)):
+    for kind, training in (("adamw", _training), ("adamw_bf16", _bf16_training),
+                           ("muon", _muon_training)):
         fsdp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         model = _fsdp(_tiny_model(seed=0), fsdp_mesh)
         opt, sched, loader, ckpt = training(model, os.path.join(folder, kind))
@@ -162,6 +169,8 @@ def _reshard(rank, world_size, folder):
         opt2, sched2, loader2, ckpt2 = training(resharded, os.path.join(folder, kind))
         assert ckpt2.load() == 2
         _assert_equal(reference, _snapshot(resharded, opt2))
+        if kind == "adamw_bf16":
+            assert all(st["exp_avg"].dtype == torch.bfloat16 for st in opt2.state.values())
 
         # The restored optimizer state is live: one more step matches the original layout's.
         _fake_step(model, opt, sched, loader)
@@ -174,18 +183,21 @@ def _reshard(rank, world_size, folder):
 
 @pytest.mark.torch_seam
 def test_checkpoint_saved_under_fsdp4_loads_under_fsdp2_x_tp2(tmp_path):
+    """AdamW's state (fp32 and, with [optimizer] state_dtype = bfloat16, bf16 moments) and
+    Muon's reshard bitwise."""
     assert run_distributed(_reshard, 4, args=(str(tmp_path),)) == [True] * 4
 
 
 # -- ZeRO-1 ----------------------------------------------------------------------------------------
-def _zero1_training(folder: str, seed: int):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _zero1_training(folder: str, seed: int, state_dtype: str = "float32"):
     from torch.nn.parallel import DistributedDataParallel
+
+    from titanext.components.optim import build_optimizer
 
     model = _tiny_model(seed)
     DistributedDataParallel(model)  # broadcasts rank 0's weights, as in training
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.1,
+                          zero1_group=dist.group.WORLD, state_dtype=state_dtype)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     loader = StubLoader()
     ckpt = CheckpointManager(folder=folder, interval=1, keep_latest_k=0, load_step="latest",
@@ -199,15 +211,15 @@ def _consolidated(opt) -> dict | None:
     return opt.state_dict() if dist.get_rank() == 0 else None
 
 
-def _zero1_save_then_load(rank, world_size, folder):
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=0)
+def _zero1_save_then_load(rank, world_size, folder, state_dtype):
+    model, opt, sched, loader, ckpt = _zero1_training(folder, 0, state_dtype)
     for _ in (1, 2):
         _fake_step(model, opt, sched, loader)
     assert opt.optim.state, "each rank holds a partition of the optimizer state"
     ckpt.save(2)
     saved = {"optim": _consolidated(opt),
              "params": {n: _full(p) for n, p in model.named_parameters()}}
-    loaded = _zero1_load(rank, world_size, folder)
+    loaded = _zero1_load(rank, world_size, folder, state_dtype)
     if rank == 0:
         _assert_equal(saved["optim"], loaded["optim"])
     _assert_equal(saved["params"], loaded["params"])
@@ -215,24 +227,28 @@ def _zero1_save_then_load(rank, world_size, folder):
     return saved
 
 
-def _zero1_load(rank, world_size, folder):
+def _zero1_load(rank, world_size, folder, state_dtype):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("titanext").addHandler(handler)
-    model, opt, sched, loader, ckpt = _zero1_training(folder, seed=1)
+    model, opt, sched, loader, ckpt = _zero1_training(folder, 1, state_dtype)
     step = ckpt.load()
     logging.getLogger("titanext").removeHandler(handler)
+    dtypes = {s[k].dtype for s in opt.optim.state.values() for k in ("exp_avg", "exp_avg_sq")}
+    assert dtypes == {getattr(torch, state_dtype)}, dtypes
     return {"step": step, "optim": _consolidated(opt), "warnings": records,
             "params": {n: _full(p) for n, p in model.named_parameters()},
             "position": loader.position}
 
 
-def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp_path):
-    saved = run_distributed(_zero1_save_then_load, 2, args=(str(tmp_path),))[0]
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_zero1_optimizer_state_round_trips_on_the_same_and_a_smaller_dp_size(tmp_path,
+                                                                             state_dtype):
+    saved = run_distributed(_zero1_save_then_load, 2, args=(str(tmp_path), state_dtype))[0]
     assert os.path.exists(tmp_path / "step-2" / "zero1_optimizer.pt")
     # One rank now owns the whole state: load_state_dict re-partitions the consolidated file.
-    loaded = run_distributed(_zero1_load, 1, args=(str(tmp_path),))[0]
+    loaded = run_distributed(_zero1_load, 1, args=(str(tmp_path), state_dtype))[0]
     assert loaded["step"] == 2 and loaded["position"] == 16
     _assert_equal(saved["optim"], loaded["optim"])
     _assert_equal(saved["params"], loaded["params"])

@@ -47,6 +47,19 @@ def test_stop_and_resume_reproduces_the_uninterrupted_curve_exactly(tmp_path, op
     assert first + rest == full  # bitwise: same layout, same order of operations
 
 
+def test_bf16_adam_moments_resume_bitwise_under_fsdp(tmp_path):
+    """[optimizer] state_dtype = "bfloat16" under FSDP over 2 ranks: the stopped and resumed run
+    is the uninterrupted one bit for bit (the moments round to nearest, and the checkpoint keeps
+    them in bf16), and differs from fp32 moments' curve."""
+    bf16 = ["--optimizer.state_dtype=bfloat16"]
+    full = run_distributed(_run, 2, args=(bf16, str(tmp_path / "a")))[0]
+    run_distributed(_run, 2, args=(bf16, str(tmp_path / "b")), kwargs={"until_step": 4})
+    rest = run_distributed(_run, 2, args=(bf16, str(tmp_path / "b")))[0]
+    assert rest == full[4:]
+    fp32 = run_distributed(_run, 2, args=([], str(tmp_path / "c")), kwargs={"until_step": 3})[0]
+    assert fp32[:2] == full[:2] and fp32[2] != full[2]  # step 2's update reads rounded moments
+
+
 def test_resume_under_another_layout_continues_the_curve(tmp_path):
     """Saved with dp_shard=4, resumed with dp_shard=2 x tp=2."""
     full = run_distributed(_run, 4, args=([], str(tmp_path / "a")))[0]

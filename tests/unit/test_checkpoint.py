@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import titanext.components.checkpoint as ckpt_module
 from titanext.components.checkpoint import CheckpointManager
+from titanext.components.lowp_adam import LowPrecisionStateAdamW
 from titanext.models import ModelArgs
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=264, multiple_of=32)
@@ -50,9 +51,13 @@ def _tiny_model(seed: int) -> nn.Module:
     return model
 
 
-def _training(model: nn.Module, folder: str, **manager_kwargs):
+def _training(model: nn.Module, folder: str, state_dtype: torch.dtype = torch.float32,
+              **manager_kwargs):
     # for-loop AdamW: FSDP x TP mixes DTensors of 1D and 2D meshes in one group.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    if state_dtype != torch.float32:  # [optimizer] state_dtype
+        opt = LowPrecisionStateAdamW(model.parameters(), lr=1e-2, weight_decay=0.1,
+                                     state_dtype=state_dtype)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     loader = StubLoader()
     kwargs = dict(folder=folder, interval=1, keep_latest_k=0, load_step="latest", last_save=True,

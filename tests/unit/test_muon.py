@@ -116,3 +116,21 @@ def test_group_rules_give_one_line_each():
         "parameter layers.0.attention.wq.weight is in two groups (optimizer.muon_params and "
         "optimizer.no_decay_params); remove it from one (Muon groups take "
         "optimizer.muon_weight_decay = 0 for no decay)"]
+
+
+def test_config_rules_for_the_optimizer_keys():
+    """muon_params without Muon, and bf16 moments with Muon (which keeps no Adam moments for
+    its matrices), are config errors, one line each."""
+    from titanext.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--optimizer.muon_params=layers.*", "--optimizer.state_dtype=float32"])
+    assert e.value.problems == [
+        "optimizer.muon_params = ['layers.*'] is only read with optimizer.name = 'Muon', but "
+        "optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_params"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--optimizer.name=Muon", "--optimizer.state_dtype=bfloat16"])
+    assert e.value.problems == [
+        "optimizer.state_dtype = 'bfloat16' lowers AdamW / Adam moments; with optimizer.name = "
+        "'Muon' only 'float32' is allowed"]
+    load_config(None, ["--optimizer.state_dtype=bfloat16"])  # AdamW's moments: fine

@@ -24,12 +24,18 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanext.components.lowp_adam import LowPrecisionStateAdam, LowPrecisionStateAdamW
 from titanext.components.muon import MuonWithAdamW
 from titanext.components.param_groups import ParamGroup
 
 __all__ = ["build_lr_scheduler", "build_optimizer", "lr_lambda"]
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+# [optimizer] state_dtype: the moments' dtype; float32 is torch's own class
+_STATE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+_LOW_PRECISION_STATE = {"AdamW": LowPrecisionStateAdamW, "Adam": LowPrecisionStateAdam}
+_IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+                    "fused": {"fused": True}}
 
 
 def build_optimizer(
@@ -44,8 +50,13 @@ def build_optimizer(
     zero1_group: dist.ProcessGroup | None = None,
     groups: Sequence[ParamGroup] | None = None,
     muon: Mapping[str, Any] | None = None,
+    state_dtype: str = "float32",
 ) -> torch.optim.Optimizer:
     """AdamW/Adam; with ``zero1_group`` a ZeroRedundancyOptimizer that shards its state (ZeRO-1).
+
+    ``state_dtype="bfloat16"`` keeps the AdamW / Adam moments in bf16
+    (:mod:`titanext.components.lowp_adam`; its step runs one parameter at a time, whatever
+    ``implementation`` says); Muon groups take no low-precision state.
 
     With ``groups`` (:func:`titanext.components.param_groups.param_groups`), ``params`` are
     ``(fqn, param)`` pairs and each group gets its optimizer, learning rate and weight decay;
@@ -56,30 +67,31 @@ def build_optimizer(
     if groups is not None:
         return _build_grouped(params, groups, name=name, lr=lr, betas=betas, eps=eps,
                               weight_decay=weight_decay, implementation=implementation,
-                              zero1_group=zero1_group, muon=muon or {})
+                              zero1_group=zero1_group, muon=muon or {},
+                              state_dtype=state_dtype)
+    optimizer_class, impl = _adam_class(name, implementation, state_dtype)
+    kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
+    params = [p for p in params if p.requires_grad]
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=optimizer_class, process_group=zero1_group, **kwargs
+        )
+    return optimizer_class([{"params": kind} for kind in _by_kind(params)], **kwargs)
+
+
+def _adam_class(name: str, implementation: str, state_dtype: str) -> tuple[type, dict]:
+    """The AdamW / Adam class for ``state_dtype`` and its implementation keywords."""
     if name not in _OPTIMIZERS:
         raise ValueError(f"optimizer.name = {name!r}; allowed: {', '.join(_OPTIMIZERS)}")
-    impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    if implementation not in impl:
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"optimizer.implementation = {implementation!r}; allowed: "
+                         f"{', '.join(_IMPLEMENTATIONS)}")
+    if state_dtype not in _STATE_DTYPES:
         raise ValueError(
-            f"optimizer.implementation = {implementation!r}; allowed: {', '.join(impl)}"
-        )
-    kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation])
-    params = [p for p in params if p.requires_grad]
-    if zero1_group is None:
-        # foreach/fused kernels cannot mix DTensors and plain tensors (e.g. TP without SP leaves
-        # the norms plain), and they run per param group: give each kind its own group.
-        kinds = (
-            [p for p in params if isinstance(p, DTensor)],
-            [p for p in params if not isinstance(p, DTensor)],
-        )
-        params = [{"params": group} for group in kinds if group]
-    if zero1_group is not None:
-
-        return ZeroRedundancyOptimizer(
-            params, optimizer_class=_OPTIMIZERS[name], process_group=zero1_group, **kwargs
-        )
-    return _OPTIMIZERS[name](params, **kwargs)
+            f"optimizer.state_dtype = {state_dtype!r}; allowed: {', '.join(_STATE_DTYPES)}")
+    if _STATE_DTYPES[state_dtype] is None:
+        return _OPTIMIZERS[name], _IMPLEMENTATIONS[implementation]
+    return _LOW_PRECISION_STATE[name], {"state_dtype": _STATE_DTYPES[state_dtype]}
 
 
 def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
@@ -94,7 +106,7 @@ def _build_grouped(named: Iterable[tuple[str, torch.nn.Parameter]],
                    groups: Sequence[ParamGroup], *, name: str, lr: float,
                    betas: tuple[float, float], eps: float, weight_decay: float,
                    implementation: str, zero1_group: dist.ProcessGroup | None,
-                   muon: Mapping[str, Any]) -> torch.optim.Optimizer:
+                   muon: Mapping[str, Any], state_dtype: str) -> torch.optim.Optimizer:
     """The optimizer over ``groups`` of the named parameters."""
     by_name = {n: p for n, p in named if p.requires_grad}
     decay = {"muon": muon.get("weight_decay", weight_decay), "default": weight_decay,
@@ -114,12 +126,14 @@ def _build_grouped(named: Iterable[tuple[str, torch.nn.Parameter]],
     if not any(g.optimizer == "Muon" for g in groups):
         for d in dicts:
             del d["optimizer"]
-        impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
-                "fused": {"fused": True}}[implementation]
+        optimizer_class, impl = _adam_class(name, implementation, state_dtype)
         if zero1_group is not None:
-            return ZeroRedundancyOptimizer(dicts, optimizer_class=_OPTIMIZERS[name],
+            return ZeroRedundancyOptimizer(dicts, optimizer_class=optimizer_class,
                                            process_group=zero1_group, lr=lr, **impl)
-        return _OPTIMIZERS[name](dicts, lr=lr, **impl)
+        return optimizer_class(dicts, lr=lr, **impl)
+    if _STATE_DTYPES.get(state_dtype) is not None:
+        raise ValueError(f"optimizer.state_dtype = {state_dtype!r} keeps AdamW / Adam moments; "
+                         "with name = 'Muon' use 'float32'")
     names = {id(p): n for n, p in by_name.items()}
     foreach = implementation != "for-loop"  # Muon's matrices run one by one whatever it is
     cls = functools.partial(MuonWithAdamW, param_names=names, foreach=foreach,

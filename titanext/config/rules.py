@@ -444,13 +444,21 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
 
 
 def _optimizer_problems(o: Any, skip: set[str]) -> list[str]:
-    """Muon keys set while another optimizer runs would change nothing: an error, not a no-op.
-    (The groups' globs are checked against the model itself when the trainer builds it:
+    """Muon keys set while another optimizer runs would change nothing, and Muon keeps no Adam
+    moments for state_dtype to lower: errors, not no-ops. (The groups' globs are checked
+    against the model itself when the trainer builds it:
     titanext.components.param_groups.group_problems.)"""
-    if o.name == "Muon" or "optimizer.name" in skip or o.muon_params is None:
+    if "optimizer.name" in skip:
         return []
-    return [f"optimizer.muon_params = {o.muon_params!r} is only read with optimizer.name = "
-            f"'Muon', but optimizer.name = {o.name!r}; set name = 'Muon' or unset muon_params"]
+    problems = []
+    if o.name != "Muon" and o.muon_params is not None:
+        problems.append(f"optimizer.muon_params = {o.muon_params!r} is only read with "
+                        f"optimizer.name = 'Muon', but optimizer.name = {o.name!r}; set name = "
+                        "'Muon' or unset muon_params")
+    if o.name == "Muon" and o.state_dtype != "float32" and "optimizer.state_dtype" not in skip:
+        problems.append(f"optimizer.state_dtype = {o.state_dtype!r} lowers AdamW / Adam moments; "
+                        "with optimizer.name = 'Muon' only 'float32' is allowed")
+    return problems
 
 
 def _layout_problems(cfg: JobConfig, world_size: int | None, skip: set[str]

@@ -219,6 +219,12 @@ class OptimizerConfig:
     """Muon's per-shape learning rate: original (sqrt(max(1, rows / cols)), Keller Jordan's and
     torch.optim.Muon's default) or match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:
     reuses AdamW's lr and weight decay)."""
+    state_dtype: str = _field("float32", choices=("float32", "bfloat16"))
+    """dtype of Adam's two moments (exp_avg, exp_avg_sq). bfloat16 halves the optimizer state
+    (8 to 4 bytes per parameter, as DeepSeek-V3 does): the update still runs in fp32, one
+    parameter at a time, and rounds the moments to the nearest bf16 (deterministic, so a resume
+    is bitwise). Works with FSDP, ZeRO-1, checkpoints and resharding; see docs/optimizer.md.
+    Applies to AdamW / Adam; with name = 'Muon' keep float32."""
 
 
 @dataclass

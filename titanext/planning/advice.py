@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from titanext.config import ConfigError, load_config
 from titanext.planning.estimate import Plan, plan_config, tokens_per_s_ceiling
-from titanext.planning.hardware import DEVICES, Device
+from titanext.planning.hardware import COMM_SMS, DEVICES, Device
 from titanext.planning.layout import resolve_layout
 from titanext.planning.memory import static_memory_floor
 from titanext.planning.shapes import model_shape
@@ -91,7 +91,7 @@ def _candidate_config(base, key: tuple, dp: int, ac: str, global_batch: int):
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
-           efficiency: float = 0.6) -> list[Plan]:
+           efficiency: float = 0.6, comm_sms: int = COMM_SMS) -> list[Plan]:
     """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
 
     Each candidate gets a cheap ceiling first (:func:`~titanext.planning.estimate.
@@ -150,7 +150,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
             continue  # less recomputation than a layout that did not fit keeps more
         try:
             plan = plan_config(cfg, world_size, device=device, gpus_per_node=gpus_per_node,
-                               efficiency=efficiency, ep_overlap=False)
+                               efficiency=efficiency, ep_overlap=False, comm_sms=comm_sms)
         except ValueError:  # e.g. an ep the two-level dispatch cannot split into nodes
             continue
         if plan.fits:

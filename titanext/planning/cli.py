@@ -2,7 +2,7 @@
 
     titanext-plan --config train_configs/llama3_70b.toml --world-size 64 \\
         [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] \\
-        [--imbalance 1.0] \\
+        [--imbalance 1.0] [--comm-sms 20] \\
         [--section.key=value ...]
 
 It answers "which degrees should I use?" in seconds, without a process group, following the
@@ -30,7 +30,7 @@ from titanext._text import format_table
 from titanext.config import ConfigError, load_config, parse_cli
 from titanext.planning.advice import advise, toml_snippet
 from titanext.planning.estimate import Plan, plan_config
-from titanext.planning.hardware import DEVICES, GB, Device
+from titanext.planning.hardware import COMM_SMS, DEVICES, GB, Device
 from titanext.planning.memory import (
     activation_bytes_per_token_layer,
     gpt_activation_bytes,
@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--imbalance", type=float, default=1.0,
                     help="MoE routing: rows of the busiest ep rank / the mean (default 1.0; a "
                          "measured moe_load, or what hot-expert replication leaves)")
+    ap.add_argument("--comm-sms", type=int, default=COMM_SMS,
+                    help="SMs taken by communication while it overlaps compute: the stages "
+                         "whose expert-parallel all-to-all hides behind paired chunks compute "
+                         f"on the rest (default {COMM_SMS}, the DeepSeek-V3 report's 20 of the "
+                         "H800's 132; 0 charges none; docs/planner.md)")
     ap.add_argument("--top", type=int, default=5, help="layouts to advise")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
@@ -74,6 +79,10 @@ def _option_problems(known: argparse.Namespace) -> list[str]:
         problems.append(f"--imbalance = {known.imbalance} must be >= 1 (busiest / mean rows)")
     if known.gpus_per_node < 1:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
+    sms = DEVICES[known.device].sms
+    if not 0 <= known.comm_sms < sms:
+        problems.append(f"--comm-sms = {known.comm_sms} must be in [0, {sms}) "
+                        f"({DEVICES[known.device].name} has {sms} SMs)")
     return problems
 
 
@@ -96,9 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     current = plan_config(cfg, known.world_size, device=device, gpus_per_node=known.gpus_per_node,
                           efficiency=known.efficiency, imbalance=known.imbalance,
-                          compare_replication=True)
+                          compare_replication=True, comm_sms=known.comm_sms)
     advice = advise(path, overrides, known.world_size, device=device,
-                    gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency)
+                    gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency,
+                    comm_sms=known.comm_sms)
     if known.svg:
         with open(known.svg, "w") as f:
             labels = ["config", *(f"#{i + 1}" for i in range(len(advice)))]

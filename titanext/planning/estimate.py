@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 from titanext.config import JobConfig
 from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel_comm
-from titanext.planning.hardware import DEVICES, Device
+from titanext.planning.hardware import COMM_SMS, DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, rank_params, state_elements
+from titanext.planning.recompute import recompute_flops_bytes
 from titanext.planning.roofline import (
     MEMORY_EFFICIENCY,
     MicrobatchTime,
@@ -37,8 +38,9 @@ from titanext.planning.roofline import (
 from titanext.planning.stages import RankStages, simulate_times
 from titanext.plugins.expert_parallel.rules import REPLICATION_SLACK
 
-__all__ = ["Plan", "StageCosts", "busy_compute", "ep_overlap_times", "microbatch_times",
-           "mtp_time", "pipeline_pass", "plan_config", "stage_costs", "stage_times", "step_time"]
+__all__ = ["Plan", "StageCosts", "busy_compute", "charge_comm_sms", "ep_overlap_times",
+           "microbatch_times", "mtp_time", "pipeline_pass", "plan_config", "stage_costs",
+           "stage_times", "step_time"]
 
 
 @dataclass
@@ -87,7 +89,26 @@ def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, m
         routed = moe.top_k * moe.hidden * imbalance
         mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=moe_blocks,
                                   ffn_replicated=routed + moe.shared_hidden, **common)
+    if lo.ac == "modules":  # the named regions rerun just before each block's backward
+        rerun = (dense * _recompute_seconds(lo, device, efficiency, False, imbalance)
+                 + moe_blocks * _recompute_seconds(lo, device, efficiency, True, imbalance))
+        mt = MicrobatchTime(mt.f, mt.i + rerun, mt.w, mt.attention_f)
     return mt
+
+
+def _recompute_seconds(lo: Layout, device: Device, efficiency: float, moe_block: bool,
+                       imbalance: float) -> float:
+    """Seconds to rerun ``recompute_modules`` of one block for one micro-batch
+    (:func:`titanext.planning.recompute.recompute_flops_bytes`; matmuls at the bf16 rate)."""
+    shape, moe = lo.shape, lo.shape.moe
+    routed = moe_block and moe is not None
+    mm, attn, moved = recompute_flops_bytes(
+        lo.recipe.recompute_modules, h=shape.dim, a=lo.a, mla=shape.mla,
+        heads=shape.n_heads / lo.tp, ffn=0.0 if routed else shape.ffn / lo.tp,
+        moe=(moe.top_k * imbalance, moe.hidden, moe.shared_hidden) if routed else None,
+        seq_len=lo.cfg.training.seq_len)
+    rate = device.bf16_flops * efficiency
+    return lo.tokens * ((mm + attn) / rate + moved / (device.hbm_bw * MEMORY_EFFICIENCY))
 
 
 def mtp_time(lo: Layout, device: Device, efficiency: float, *,
@@ -243,31 +264,63 @@ def _optimizer_seconds(lo: Layout, device: Device, elements: float) -> float:
     """The optimizer step over ``elements`` fp32 values as ``lo``'s config runs it."""
     o = lo.cfg.optimizer
     return optimizer_time(device, elements, implementation=o.implementation, name=o.name,
+                          state_dtype=o.state_dtype,
                           weight_decay=o.weight_decay > 0, clip=lo.cfg.training.max_norm > 0)
 
 
-def ep_overlap_times(lo: Layout, costs: StageCosts, p2p: float, per_step: float,
+def ep_overlap_times(lo: Layout, costs: dict[bool, StageCosts], p2p: float, per_step: float,
                      step: float, pass_time: float, imbalance: float) -> dict:
     """The expert-parallel all-to-all of a step: its total (``per_step`` seconds on the
     busiest rank), what the busiest rank waits for with ``expert_parallel_comm_overlap`` off
     and on (on: None where the schedule has no paired chunks) and the step time of each, at
     this routing ``imbalance`` (max / mean rows per ep rank; replicating hot experts brings it
-    towards 1)."""
-    # the planner loads without torch and the training runtime until it needs them
-    from titanext.schedules.overlap import OVERLAP_SCHEDULES
-
+    towards 1). ``costs``: the stages' costs with the overlap off and on (on: with the SMs
+    charged to communication, :func:`charge_comm_sms`)."""
     out = {"imbalance": imbalance, "per_step_s": per_step}
     mine = lo.recipe.ep_comm_overlap
-    can = lo.pp > 1 and lo.pipe.name in OVERLAP_SCHEDULES
     for on in (False, True):
-        if on and not can:
+        if on and not _can_overlap(lo):
             out["exposed_on_s"] = out["step_on_s"] = None
             continue
-        p, *_, exposed = pipeline_pass(lo, costs, p2p, overlap=on)
+        p, *_, exposed = pipeline_pass(lo, costs[on], p2p, overlap=on)
         key = "on" if on else "off"
         out[f"exposed_{key}_s"] = lo.accum * exposed
         out[f"step_{key}_s"] = step + lo.accum * (p - pass_time) if on != mine else step
     return out
+
+
+def _can_overlap(lo: Layout) -> bool:
+    """The schedule pairs chunks, so an expert-parallel all-to-all can hide behind compute."""
+    # the planner loads without torch and the training runtime until it needs them
+    from titanext.schedules.overlap import OVERLAP_SCHEDULES
+
+    return lo.pp > 1 and lo.pipe.name in OVERLAP_SCHEDULES
+
+
+def charge_comm_sms(lo: Layout, per_stage: list[MicrobatchTime], device: Device,
+                    comm_sms: int, *, overlap: bool) -> list[MicrobatchTime]:
+    """``per_stage`` with ``comm_sms`` of the device's SMs charged to communication where it
+    overlaps compute (``titanext-plan --comm-sms``): with ``overlap`` (the all-to-all hidden
+    behind paired chunks, ``expert_parallel_comm_overlap`` in a schedule that pairs them) the
+    compute of every stage that holds a MoE block runs on ``sms - comm_sms`` SMs, so its F, I
+    and W take ``sms / (sms - comm_sms)`` times as long. Every chunk of such a stage is
+    charged, paired or not (DualPipe's warm-up and cool-down run a few unpaired): an upper
+    bound of the charge. Data-parallel collectives (FSDP's all-gathers and reduce-scatters)
+    are not charged: they run between blocks on their own stream.
+
+    >>> from titanext.planning.roofline import MicrobatchTime
+    >>> 132 / (132 - 20)  # DeepSeek-V3's 20 of 132 SMs: overlapped compute 1.18x as long
+    1.1785714285714286
+    """
+    if not (comm_sms and overlap and lo.shape.moe is not None and lo.ep > 1
+            and _can_overlap(lo)):
+        return per_stage
+    slow = device.sms / (device.sms - comm_sms)
+    moe_ids = lo.shape.moe.layer_ids
+    holds_moe = {s: bool(moe_ids.intersection(ids)) for rk in lo.pipe.ranks
+                 for s, ids in zip(rk.stages, rk.stage_layer_ids)}
+    return [MicrobatchTime(mt.f * slow, mt.i * slow, mt.w * slow, mt.attention_f * slow)
+            if holds_moe.get(s) else mt for s, mt in enumerate(per_stage)]
 
 
 def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, units: int,
@@ -292,7 +345,8 @@ def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
                 gpus_per_node: int = 8, efficiency: float = 0.6, imbalance: float = 1.0,
-                compare_replication: bool = False, ep_overlap: bool = True) -> Plan:
+                compare_replication: bool = False, ep_overlap: bool = True,
+                comm_sms: int = COMM_SMS) -> Plan:
     """Estimate memory, communication and time of ``cfg`` (already validated) on ``world_size``.
 
     ``efficiency`` is the fraction of the dense peak that large matmuls and attention reach
@@ -315,7 +369,8 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     added; ``compare_replication`` adds ``time["ep_replication"]``: the step without copies at
     ``imbalance`` and with them (:func:`replication_comparison`). ``ep_overlap=False`` leaves
     ``time["ep_all_to_all"]`` out (two more schedule simulations; the advice's search does not
-    rank by it).
+    rank by it). ``comm_sms``: SMs taken by communication while it overlaps compute
+    (:func:`charge_comm_sms`; 0 charges none).
     """
     lo = resolve_layout(cfg, world_size, gpus_per_node=gpus_per_node,
                         float8_hardware=device.fp8_flops > 0)
@@ -323,18 +378,18 @@ def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h1
     if lo.recipe.expert_replicas:
         imbalance = min(imbalance, 1.0 + REPLICATION_SLACK)
     comm, time, memories, top, has_ep = _plan_step(lo, device, world_size, efficiency,
-                                                   imbalance, ep_overlap)
+                                                   imbalance, ep_overlap, comm_sms)
     if has_ep and compare_replication:
         time["ep_replication"] = replication_comparison(
             cfg, world_size, device=device, gpus_per_node=gpus_per_node, efficiency=efficiency,
-            imbalance=routed)
+            imbalance=routed, comm_sms=comm_sms)
     total = sum(memories[top].values())
     return Plan(_layout_summary(lo), memories[top], comm, time,
                 fits=total <= 0.9 * device.hbm_bytes, memory_per_pp_rank=memories)
 
 
 def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
-               imbalance: float, ep_overlap: bool
+               imbalance: float, ep_overlap: bool, comm_sms: int
                ) -> tuple[list[dict], dict, list, int, bool]:
     """(comm rows, time, memory per pp rank, the pp rank with the most memory, whether an EP
     all-to-all row is among the rows) of ``lo``."""
@@ -353,10 +408,13 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
                                         imbalance=imbalance)
     ep_row = next((c for c in comm if c["parallelism"] == "EP all-to-all"), None)
     a2a = (ep_row["a2a_f_s"], ep_row["a2a_i_s"]) if ep_row else (0.0, 0.0)
-    costs = stage_costs(lo, per_stage, rank, per_rank[busiest], mt, a2a)
-    pass_time, bubble, in_flight, events, _ = pipeline_pass(
-        lo, costs, p2p, overlap=lo.recipe.ep_comm_overlap)
-    compute = lo.accum * busy_compute(lo, per_stage, events)
+    charged = {on: charge_comm_sms(lo, per_stage, device, comm_sms, overlap=on)
+               for on in (False, True)}
+    costs = {on: stage_costs(lo, charged[on], rank, per_rank[busiest], mt, a2a)
+             for on in (False, True)}
+    mine = lo.recipe.ep_comm_overlap
+    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, costs[mine], p2p, overlap=mine)
+    compute = lo.accum * busy_compute(lo, charged[mine], events)
     memories, psis = memory_per_pp_rank(lo, in_flight, events)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
     psi_dense, psi_experts = psis[busiest]
@@ -367,7 +425,8 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     for c in comm:
         c["time_s"] = comm_time(c, device)
     time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p,
-                 "stage_f_i_w_s": [[f, i, w] for f, i, w in zip(costs.f, costs.i, costs.w)]})
+                 "stage_f_i_w_s": [[f, i, w] for f, i, w in zip(costs[mine].f, costs[mine].i,
+                                                                costs[mine].w)]})
     if ep_row and ep_overlap:
         time["ep_all_to_all"] = ep_overlap_times(
             lo, costs, p2p, lo_comm.passes * (a2a[0] + a2a[1]), time["step_s"], pass_time,

@@ -5,7 +5,8 @@ mixed-precision accounting is :func:`zero_bytes_per_rank`: bf16 params 2 + bf16 
 fp32 master 4 + Adam 8 = 16 bytes (20 with an fp32 gradient-accumulation copy); ZeRO-1 keeps
 4 Psi + 12 Psi/N, ZeRO-2 2 Psi + 14 Psi/N, ZeRO-3 16 Psi/N. titanext's own runs are FSDP2:
 the fp32 parameter is the master (sharded), gradients are sharded fp32 (reduce dtype), Adam
-holds two fp32 moments and a step scalar per tensor, and the compute-dtype copy of a unit
+holds two fp32 moments (bf16 with ``[optimizer] state_dtype``: 4 bytes, not 8) and a step
+scalar per tensor, and the compute-dtype copy of a unit
 exists only while it is gathered (two units in flight).
 
 Activations (bytes per token per transformer layer, a = bytes of the activation dtype, h =
@@ -56,10 +57,11 @@ import bisect
 
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
+from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
 from titanext.planning.shapes import ModelShape
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
-           "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
+           "moment_bytes", "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
 _STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
@@ -89,20 +91,48 @@ def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
 
 def activation_bytes_per_token_layer(shape: ModelShape, mode: str, *, a: int, tp: int = 1,
                                      sp: bool = True, cp: int = 1, moe: bool = False,
-                                     ulysses: int = 1, residual: int | None = None) -> float:
+                                     ulysses: int = 1, residual: int | None = None,
+                                     modules: tuple[str, ...] = ()) -> float:
     """Saved activation bytes of one layer per token of the *whole* sequence (see module doc).
 
     ``moe``: a MoE block: the attention part (``f = 0``) plus the routed part of
     :func:`titanext.planning.moe.moe_activation_extra` (replicated over tp). ``ulysses``: CP's
     Ulysses degree (1: ring). ``residual``: bytes of the residual stream (``r``; ``a`` when
-    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`)."""
+    None, 4 under autocast: :attr:`titanext.planning.layout.Layout.residual`). A block of
+    multi-head latent attention without recompute, and ``mode = "modules"`` (what
+    ``modules`` stop saving): :mod:`titanext.planning.recompute`."""
     r = a if residual is None else residual
+    if mode == "modules":
+        return (activation_bytes_per_token_layer(shape, "none", a=a, tp=tp, sp=sp, cp=cp,
+                                                 moe=moe, ulysses=ulysses, residual=residual)
+                - _block_terms(shape, a, tp, moe, modules) / cp)
+    if mode == "none" and shape.mla[1]:
+        heads, ffn, routed = _mla_block(shape, tp, moe)
+        return (mla_saved_bytes(h=shape.dim, a=a, mla=shape.mla, heads=heads, ffn=ffn)
+                + (moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) if routed else 0.0)
+                ) / cp
     if moe:
         return (_activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=0, ulysses=ulysses,
                                   r=r)
                 + moe_activation_extra(shape.moe, mode, dim=shape.dim, a=a) / cp)
     return _activation_bytes(shape, mode, a=a, tp=tp, sp=sp, cp=cp, ffn=shape.ffn,
                              ulysses=ulysses, r=r)
+
+
+def _mla_block(shape: ModelShape, tp: int, moe: bool) -> tuple[float, float, bool]:
+    """(attention heads per TP rank, the dense FFN's width per TP rank (0 in a MoE block),
+    whether the block has routed experts)."""
+    routed = moe and shape.moe is not None
+    return shape.n_heads / tp, 0.0 if routed else shape.ffn / tp, routed
+
+
+def _block_terms(shape: ModelShape, a: int, tp: int, moe: bool,
+                 modules: tuple[str, ...]) -> float:
+    """Bytes per token a block stops saving when ``modules`` are recomputed."""
+    heads, ffn, routed = _mla_block(shape, tp, moe)
+    m = shape.moe
+    return drop_bytes(modules, h=shape.dim, a=a, mla=shape.mla, heads=heads, ffn=ffn,
+                      moe=(m.top_k, m.hidden, m.shared_hidden) if routed else None)
 
 
 def _activation_bytes(shape: ModelShape, mode: str, *, a: int, tp: int, sp: bool, cp: int,
@@ -193,7 +223,7 @@ def _two_level_saved(lo: Layout) -> float:
     weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
     dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
     moe = lo.shape.moe
-    if (moe is None or lo.ep == 1 or lo.ac != "none"
+    if (moe is None or lo.ep == 1 or lo.ac not in ("none", "modules")
             or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
     return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
@@ -204,14 +234,34 @@ def _ddp(lo: Layout) -> bool:
     return lo.zero1 and lo.pp == 1
 
 
+def moment_bytes(lo: Layout) -> int:
+    """Bytes of one Adam moment per element: ``[optimizer] state_dtype``."""
+    return 2 if lo.cfg.optimizer.state_dtype == "bfloat16" else 4
+
+
+def _largest_state_tensor(lo: Layout) -> float:
+    """Elements of the largest parameter tensor one rank's optimizer steps: the embedding or
+    the head (split by tp), or one stacked expert weight (``num_experts / ep`` experts)."""
+    shape, moe = lo.shape, lo.shape.moe
+    largest = max(shape.embedding, shape.output) / lo.tp / max(1, lo.zero_n)
+    if moe is not None:  # w1, w2, w3 stacked over the rank's experts
+        largest = max(largest, moe.experts / 3 / lo.ep / max(1, lo.zero_n // lo.ep))
+    return largest
+
+
 def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
     """Bytes the optimizer step allocates beside its state, freed when it returns.
 
     torch's foreach Adam/AdamW computes ``sqrt(v)`` of every element at once (one float32
     list the size of the optimizer's parameters: the 1B on one H200 peaks there, params +
     grads + two moments + this = 5 x 4 bytes per parameter, measured 1.00x); the for-loop
-    one tensor at a time (the largest: the embedding or the head); the fused kernel none."""
+    one tensor at a time (the largest: the embedding or the head); the fused kernel none.
+    With bf16 moments (``state_dtype``, :mod:`titanext.components.lowp_adam`) the step runs
+    one tensor at a time whatever the implementation, on fp32 copies of its two moments
+    beside the ``sqrt(v)`` temporary: 12 bytes per element of the largest tensor."""
     impl = lo.cfg.optimizer.implementation
+    if moment_bytes(lo) != 4:
+        return 12 * _largest_state_tensor(lo)
     if impl == "fused":
         return 0.0
     if impl == "for-loop":
@@ -244,9 +294,10 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     psi_dense, psi_experts, tensors = rank_params(lo, rk.layer_ids, rk.embedding, rk.head)
     state = state_elements(lo, psi_dense, psi_experts, lo.n_fsdp if sharded else 1)
     mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
-           # two fp32 moments per element, and a 4-byte step per parameter tensor
-           "optimizer (Adam)": 8 * state_elements(lo, psi_dense, psi_experts, lo.zero_n)
-           + 4 * tensors}
+           # two moments per element (fp32, or bf16 with [optimizer] state_dtype), and a
+           # 4-byte step per parameter tensor
+           "optimizer (Adam)": 2 * moment_bytes(lo)
+           * state_elements(lo, psi_dense, psi_experts, lo.zero_n) + 4 * tensors}
     if lo.cfg.optimizer.name == "Muon":  # one fp32 momentum buffer per Muon matrix, no step
         muon_dense = (len(rk.layer_ids) - n_m) * shape.layer_sharded / tp + (
             n_m * moe.sharded / tp if moe else 0.0)  # the blocks' matrices (routers counted)
@@ -343,16 +394,25 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
 def saved_bytes_per_token(lo: Layout) -> tuple[float, float]:
     """Saved activation bytes per token of one dense block and of one MoE block (0 without
     MoE) under ``lo``'s recompute, TP, SP, CP and dispatch."""
-    shape = lo.shape
+    shape, modules = lo.shape, lo.recipe.recompute_modules
     per_layer = activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
                                                  cp=lo.cp, ulysses=lo.ulysses,
-                                                 residual=lo.residual)
+                                                 residual=lo.residual, modules=modules)
     per_moe_layer = (activation_bytes_per_token_layer(shape, lo.ac, a=lo.a, tp=lo.tp, sp=lo.sp,
                                                       cp=lo.cp, moe=True, ulysses=lo.ulysses,
-                                                      residual=lo.residual)
+                                                      residual=lo.residual, modules=modules)
                      + lo.kept_all_to_all_per_token + _two_level_saved(lo)
-                     if shape.moe else 0.0)
+                     - _float8_stored(lo, moe=True) if shape.moe else 0.0)
+    per_layer -= _float8_stored(lo, moe=False)
     return per_layer, per_moe_layer
+
+
+def _float8_stored(lo: Layout, *, moe: bool) -> float:
+    """Bytes per token a dense or MoE block stops saving with ``float8_storage``."""
+    shape = lo.shape
+    wo_in = (shape.n_heads * shape.mla[4] if shape.mla[1] else shape.dim) / lo.tp
+    return float8_storage_saving(lo.recipe.float8_storage, a=lo.a, wo_in=wo_in, h=shape.dim,
+                                 top_k=shape.moe.top_k if moe and shape.moe else 0) / lo.cp
 
 
 def static_memory_floor(lo: Layout) -> float:
@@ -465,6 +525,11 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
                      if lo.ac == "full" else 0.0)
+        if lo.ac == "modules":  # one block's recomputed regions, alive in its backward
+            modules = lo.recipe.recompute_modules
+            recompute = lo.tokens_mb / lo.cp * max(
+                _block_terms(shape, a, lo.tp, False, modules) if n_d else 0.0,
+                _block_terms(shape, a, lo.tp, True, modules) if n_m else 0.0)
         transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
     return act, wact, acc, grad, transient
 

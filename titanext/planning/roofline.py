@@ -42,6 +42,9 @@ MEMORY_EFFICIENCY = 0.8
 FOREACH_ADAM_BYTES = 4 * 19
 #: the fused kernel reads param, grad and both moments and writes param and both moments
 FUSED_ADAM_BYTES = 4 * 7
+#: bf16 moments: each step reads them (2 + 2) and writes fp32 copies (4 + 4), and after the
+#: update reads the copies (4 + 4) and writes them back as bf16 (2 + 2)
+BF16_STATE_CAST_BYTES = 24
 #: gradient clipping (titanext.distributed.grad_clip.clip_grad_norm_): the norm reads each
 #: gradient (4), the clip multiplies it in place (8); max_norm = 0 only measures
 CLIP_BYTES, NORM_BYTES = 12, 4
@@ -203,17 +206,24 @@ def _linears_cost(linears: Sequence[Linear], tokens: float, *, tp: int, a: int, 
 
 
 def optimizer_bytes_per_param(*, implementation: str = "fused", name: str = "AdamW",
-                               weight_decay: bool = True, clip: bool = True) -> int:
+                               weight_decay: bool = True, clip: bool = True,
+                               state_dtype: str = "float32") -> int:
     """Bytes the step moves per fp32 parameter element: the gradient-norm pass (and clip) and
-    the Adam step of ``implementation`` (``[optimizer] implementation``).
+    the Adam step of ``implementation`` (``[optimizer] implementation``). bf16 moments
+    (``state_dtype``, :mod:`titanext.components.lowp_adam`) run torch's for-loop step on fp32
+    copies of them, whatever the implementation: :data:`BF16_STATE_CAST_BYTES` more.
 
     >>> optimizer_bytes_per_param(implementation="foreach"), optimizer_bytes_per_param()
     (96, 40)
+    >>> optimizer_bytes_per_param(state_dtype="bfloat16")  # slower than fused fp32 moments
+    120
     """
-    if implementation == "fused":
+    if implementation == "fused" and state_dtype == "float32":
         adam = FUSED_ADAM_BYTES
     else:
         adam = FOREACH_ADAM_BYTES + (0 if not weight_decay else 8 if name == "AdamW" else 12)
+    if state_dtype != "float32":
+        adam += BF16_STATE_CAST_BYTES
     return adam + (CLIP_BYTES if clip else NORM_BYTES)
 
 

@@ -47,6 +47,9 @@ class ModelShape:
     #: features per token that attention's matmuls keep from I to W under a split backward
     #: (inputs and output gradients): (not split by tp, split by tp); 0s: GQA's 2 h, 2 h + 2 h_kv
     attn_wgrad: tuple[int, int] = (0, 0)
+    #: multi-head latent attention: (q_lora_rank, kv_lora_rank, a head's non-rotary and rotary
+    #: q/k features, its v features); 0s: not MLA
+    mla: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     #: multi-token prediction: modules after the head (each one block), whether that block is
     #: a MoE block, and each module's parameters outside its block: the norms (enorm, hnorm,
     #: norm; replicated over tp) and eh_proj (column-wise over tp)
@@ -143,6 +146,8 @@ def _model_shape(name: str, args: ModelArgs, seq_len: int) -> ModelShape:
         flops_per_token=model.num_flops_per_token(seq_len),
         layer_tensors=len(list(layer.parameters())), linears=linears,
         moe=moe_shape(model, linears), attn_wgrad=_mla_wgrad(args) if args.mla else (0, 0),
+        mla=((args.q_lora_rank, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
+              args.v_head_dim) if args.mla else (0, 0, 0, 0, 0)),
         **_mtp_fields(model))
 
 
