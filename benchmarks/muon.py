@@ -10,8 +10,9 @@ debugmodel, fp32, synthetic data, 4 x 128 tokens per rank) under FSDP over every
    :class:`~titanext.components.muon.MuonWithAdamW` (each matrix's pieces gathered to one owner,
    orthogonalized there, scattered back) against the naive way (every rank all-gathers every
    matrix's update and orthogonalizes all of them). Per variant: bytes that cross between
-   ranks per step (pieces in the Newton-Schulz dtype), Newton-Schulz FLOPs of the busiest rank, and the median
-   step time. Target: the owner way's FLOPs per rank at most naive / dp + the largest matrix.
+   ranks per step (pieces in the Newton-Schulz dtype), Newton-Schulz FLOPs of the busiest rank,
+   and the median step time. Target: the owner way's FLOPs per rank at most naive / dp + the
+   largest matrix.
 2. A whole training step with Muon against one with AdamW (two trainers in the same group,
    steps in turns A B A B): medians and their ratio (target: Muon within 1.3x).
 
