@@ -150,3 +150,15 @@ def trainer_runs(base, runs, dump_folder: str, world_size: int, collect=None) ->
                   for part in trainer.model_parts for name, p in part.named_parameters()}
         out.append((losses, params) if collect is None else (losses, params, collect(trainer)))
     return out
+
+
+def stage_runs(base, runs, dump_folder: str, world_size: int) -> list[tuple]:
+    """:func:`trainer_runs` keeping the parameters only on each pipeline stage's first rank (its
+    other mesh coordinates 0): per run, (per-step losses, full parameters or {})."""
+    def first_of_stage(trainer) -> bool:
+        mesh = trainer.dims.world_mesh
+        coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
+        return all(c == 0 for name, c in coords if name != "pp")
+
+    return [(losses, params if keep else {}) for losses, params, keep in
+            trainer_runs(base, runs, dump_folder, world_size, collect=first_of_stage)]

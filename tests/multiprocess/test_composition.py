@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, trainer_runs
+from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, stage_runs
 
 STEPS = 3
 BASE = fp32_trainer_overrides(steps=STEPS, seq_len=64)
@@ -29,13 +29,7 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str
           ) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
     """Each run's per-step losses and final full parameters (from the one rank of each pipeline
     stage whose other coordinates are 0), one Trainer after the other in one process group."""
-    def first_of_stage(trainer) -> bool:
-        mesh = trainer.dims.world_mesh
-        coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
-        return all(c == 0 for name, c in coords if name != "pp")
-
-    return [(losses, params if keep else {}) for losses, params, keep in
-            trainer_runs(BASE, runs, dump_folder, world_size, collect=first_of_stage)]
+    return stage_runs(BASE, runs, dump_folder, world_size)
 
 
 def _pp(schedule: str, microbatches: int) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, trainer_runs
+from tests.spawn import fp32_trainer_overrides, param_problems, run_distributed, stage_runs
 
 STEPS = 3
 BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32), "--optimizer.name=Muon",
@@ -32,13 +32,7 @@ CASES = {
 
 def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str):
     """Each run's losses and full parameters (every pipeline stage's first rank keeps them)."""
-    def first_of_stage(trainer) -> bool:
-        mesh = trainer.dims.world_mesh
-        coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
-        return all(c == 0 for name, c in coords if name != "pp")
-
-    return [(losses, params if keep else {}) for losses, params, keep in
-            trainer_runs(BASE, runs, dump_folder, world_size, collect=first_of_stage)]
+    return stage_runs(BASE, runs, dump_folder, world_size)
 
 
 @pytest.mark.layout_parity
