@@ -40,14 +40,6 @@ def _any_of(allowed: tuple[str, ...]):
     return check
 
 
-def _compile_components(names: list[str]) -> str | None:
-    for name in names:
-        if name not in _COMPILE_COMPONENTS:
-            return (f"any of 'model', 'loss'; {name!r} is not one of them"
-                    f"{_did_you_mean(name, _COMPILE_COMPONENTS, fallback=False)}")
-    return None
-
-
 def _no_async_tp(value: bool) -> str | None:
     return (None if value is False else "false (async TP needs CUDA symmetric memory and "
             "torch.compile, which titanext cannot test; use plain TP)")
@@ -218,7 +210,7 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = _field(False)
     """torch.compile each transformer block (and the loss, see components)."""
-    components: list[str] = _field(["model"], check=_compile_components,
+    components: list[str] = _field(["model"], check=_any_of(_COMPILE_COMPONENTS),
                                    rule="any of 'model', 'loss'")
     """What to compile: any of model, loss."""
     backend: str = _field("inductor", choices=("inductor", "aot_eager", "eager"))
