@@ -138,7 +138,7 @@ class _Loop(_Variant):
         self.dtype = torch.bfloat16 if self.ctx.cuda else torch.float32
 
     def _step(self) -> float:
-        x, y = self.batches(len(self.losses))
+        x, y = (t.to(self.ctx.device, non_blocking=True) for t in self.batches(len(self.losses)))
         with torch.autocast(self.ctx.device.type, dtype=self.dtype,
                             enabled=self.dtype != torch.float32):
             logits = self.model(x)

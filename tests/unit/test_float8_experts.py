@@ -165,3 +165,34 @@ def test_dry_run_fake_tensors(recipe):
         y = Float8GroupedMM(recipe, emulate=True)(x, w, offs)
         y.sum().backward()
         assert y.shape == (10, 96) and w.grad.shape == w.shape and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("counts", [[70, 0, 200, 30], [1000, 0, 3001, 1191], [16, 32, 0, 48]])
+def test_kernel_path_pads_each_expert_and_the_whole_to_16_rows(monkeypatch, counts):
+    """The kernel path (CUDA only) pads each expert's rows to 16 and the whole buffer to a
+    multiple of 16 rows: torchao's weight-gradient GEMM reads the row count as a stride of 16
+    bytes' multiples (an H200 run with 5,192 rows failed there). A stand-in for torchao's
+    kernel checks both and computes a plain grouped GEMM; the rows come back in order."""
+    import sys
+    import types
+
+    from titanext.plugins import float8_experts as f8e
+
+    def fake(xp, w_t, ends, out_dtype, pad_token_groups_for_grouped_mm):
+        assert xp.shape[0] % 16 == 0, xp.shape
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        assert bool(((ends - starts) % 16 == 0).all()) and int(ends[-1]) <= xp.shape[0]
+        out = xp.new_zeros(xp.shape[0], w_t.shape[-1])
+        for e, (s, t) in enumerate(zip(starts.tolist(), ends.tolist())):
+            out[s:t] = xp[s:t] @ w_t[e]
+        return out.to(out_dtype)
+
+    mod = types.ModuleType("torchao.prototype.moe_training")
+    mod._to_fp8_rowwise_then_scaled_grouped_mm = fake
+    monkeypatch.setitem(sys.modules, "torchao.prototype.moe_training", mod)
+    torch.manual_seed(0)
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    x, w = torch.randn(sum(counts), 8), torch.randn(len(counts), 5, 8)
+    want = torch.cat([x[s:t] @ w[e].T for e, (s, t) in
+                      enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+    torch.testing.assert_close(f8e._kernel_grouped_mm(x, w, offs), want, rtol=0, atol=0)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanext.gpucheck._common import Ctx, Row, Skip, rel_err, sqnr_db
+from titanext.gpucheck._common import Ctx, Row, Skip, guarded, rel_err, sqnr_db
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 from titanext.plugins._attention_kernels import block_backward, block_forward, pick_kernel
 from titanext.plugins.context_parallel._ring import _merge
@@ -259,14 +259,17 @@ def check_float8(ctx: Ctx) -> list[Row]:
                             note="skipped: torchao missing (pip install torchao; "
                                  "docs/launching.md)"))
             continue
-        rows.append(_float8_row(ctx, recipe, hw))
-    rows += [_float8_experts_row(ctx, recipe, kernels=False) for recipe in FLOAT8_EXPERT_RECIPES]
+        rows += guarded(SECTION, name, lambda recipe=recipe: _float8_row(ctx, recipe, hw))
+    for recipe in FLOAT8_EXPERT_RECIPES:  # one failing row never hides the others
+        rows += guarded(SECTION, f"float8 experts {recipe} emulated",
+                        lambda recipe=recipe: _float8_experts_row(ctx, recipe, kernels=False))
     if not float8_experts_kernels_usable(ctx.device):
         rows.append(Row(SECTION, "float8 experts rowwise kernels", "skipped",
                         note="skipped: needs a CUDA GPU of compute capability 9.0+ with triton "
                              "and torchao's prototype.moe_training"))
     else:
-        rows.append(_float8_experts_row(ctx, "rowwise", kernels=True))
+        rows += guarded(SECTION, "float8 experts rowwise kernels",
+                        lambda: _float8_experts_row(ctx, "rowwise", kernels=True))
     return rows
 
 

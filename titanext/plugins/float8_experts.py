@@ -271,7 +271,9 @@ def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     gid = _group_ids(offs, rows)
     shift = (padded_ends - padded - (offs - counts)).long()  # padded start - start, per group
     dst = torch.arange(rows, device=x.device) + shift[gid]
-    bound = rows + _KERNEL_ALIGN * offs.numel()  # static: at most 15 pad rows per expert
+    # static: at most 15 pad rows per expert, and a multiple of 16 rows in all (the weight
+    # gradient's float8 grouped GEMM reads the rows' dimension as a stride of 16 bytes' multiples)
+    bound = -(-rows // _KERNEL_ALIGN) * _KERNEL_ALIGN + _KERNEL_ALIGN * offs.numel()
     xp = x.new_zeros(bound, x.shape[1]).index_copy(0, dst, x)
     y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(-2, -1), padded_ends,
                                                out_dtype=x.dtype,
