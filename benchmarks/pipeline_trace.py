@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 from titanext._text import format_table
@@ -110,9 +111,13 @@ class _Clocks:
                 orig = getattr(st, meth)
                 self._undo.append((st, meth, orig, meth in vars(st)))
                 setattr(st, meth, self.timed(orig, _KIND.get(meth), st.stage_index))
+            # the stage's own module: the compute inside an F chunk (the rest is the stage's)
+            self._undo.append((st.submod, "forward", st.submod.forward, False))
+            st.submod.forward = self.timed(st.submod.forward, "module forward")
         for owner, name, key in ((pipe, "step", "pipeline"), (dist.Work, "wait", "wait"),
                                  (WeightGradQueue, "run", "queue run"),
-                                 (WeightGradQueue, "__call__", "queue run")):
+                                 (WeightGradQueue, "__call__", "queue run"),
+                                 (torch.autograd, "backward", "autograd backward")):
             orig = getattr(owner, name)
             self._undo.append((owner, name, orig, owner is not pipe or name in vars(pipe)))
             setattr(owner, name, self.timed(orig, key))
@@ -220,6 +225,11 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
         if any(k in r["wall"] for r in per_rank):
             rows.append((f"  {k} chunks", lambda r, i, k=k: ms(r, k)))
     rows += [
+        ("  F: the module's forward", lambda r, i: ms(r, "module forward")),
+        ("  F: the stage around it", lambda r, i: ms(r, "F") - ms(r, "module forward")),
+        ("  I / B: autograd's backward", lambda r, i: ms(r, "autograd backward")),
+        ("  I / B: the stage around it", lambda r, i: ms(r, "I") + ms(r, "B")
+         - ms(r, "autograd backward") - ms(r, "queue run in B")),
         ("  off-CPU in chunks", lambda r, i: chunks(r) - chunks(r, "cpu")),
         ("  W: queue run", lambda r, i: ms(r, "queue run in W")),
         ("  W: torch's W step around it", lambda r, i: ms(r, "W") - ms(r, "queue run in W")),
