@@ -101,8 +101,10 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     so a layout that fails validation is never proposed; those that do not fit in 90% of HBM
     are dropped. The global batch of the config is kept; the micro-batch size (1, 2, 4 or 8
     sequences; under PP, times the config's micro-batch count) and recompute mode are
-    searched. The schedule and the other pipeline keys stay the config's.
+    searched. The schedule and the other pipeline keys stay the config's. ``top`` < 1: none.
     """
+    if top < 1:
+        return []
     base = load_config(path, overrides, world_size=world_size)
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
