@@ -23,6 +23,7 @@ from titanext.planning.cli import (
     DEVICES,
     advise,
     gpt_activation_bytes,
+    main,
     model_shape,
     plan_config,
     zero_bytes_per_rank,
@@ -326,6 +327,21 @@ def test_cli_config_errors_exit_2_one_line_each():
     assert lines and all(line.startswith("titanext-plan: error: ") for line in lines)
     assert "Traceback" not in out.stderr
 
+
+
+def test_cli_top_0_plans_the_config_without_advice_and_a_negative_top_exits_2(capsys):
+    """``--top 0`` crashed with an IndexError in the advice's search (its stop test read the
+    last of 0 chosen layouts): it now prints the config's plan and no advice; ``--top -1`` is
+    one line and exit 2."""
+    path = str(ROOT / "train_configs" / "debug_model.toml")
+    assert main(["--config", path, "--world-size", "8", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory per rank" in out and "Advice: none (--top 0)" in out
+    assert "# layout #1" not in out
+    assert advise(path, [], 8, top=0) == []
+    assert main(["--config", path, "--world-size", "8", "--top", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "titanext-plan: error: --top = -1 must be >= 0 (0: no advice)"]
 
 # -- the pipeline bubble comes from the simulator --------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from titanext.config import load_config
+from titanext.planning.advice import advise
 from titanext.planning.cli import main
 from titanext.planning.estimate import plan_config
 from titanext.planning.hardware import DEVICES
@@ -83,3 +84,38 @@ def test_float8_storage_keeps_one_byte_and_an_exponent_per_128_values():
     # debugdeepseek: wo's input 4 heads x 12 = 48 values in 3 blocks, 2 routed rows of 64 in 2
     row = lambda d: 2 * d - (d + -(-d // 128))  # noqa: E731
     assert none - stored == pytest.approx(1024 * (3 * row(48) + 2 * 2 * row(64)))
+
+
+def test_the_advice_tries_recompute_by_module():
+    """The advice's search has four recompute levels: full, selective, modules (the config's
+    ``recompute_modules``, unset: DeepSeek-V3's default) and none. On debugdeepseek "modules"
+    layouts are advised, each validating with its overrides; from a config that sets
+    ``recompute_modules`` and ``float8_storage``, the other levels clear those lists (a full
+    recompute with them set is a config error). Shown failing without "modules" in the levels:
+    no modules layout advised."""
+    base = ["--model.flavor=debugdeepseek", "--activation_checkpoint.mode=modules",
+            "--activation_checkpoint.recompute_modules=layernorm,moe_act",
+            "--activation_checkpoint.float8_storage=attention_out_input"]
+    plans = advise("train_configs/debug_moe.toml", base, 8, top=60)
+    modes = {p.layout["ac"] for p in plans}
+    assert {"full", "modules", "none"} <= modes, modes
+    for plan in plans:
+        cfg = load_config("train_configs/debug_moe.toml", [*base, *plan.layout["overrides"]],
+                          world_size=8)
+        ckpt = cfg.activation_checkpoint
+        assert ckpt.mode == plan.layout["ac"]
+        assert ckpt.recompute_modules == (["layernorm", "moe_act"] if ckpt.mode == "modules"
+                                          else [])
+
+
+def test_dualpipe_holds_pp_plus_one_micro_batches_at_most():
+    """DualPipe's published table gives each device PP + 1 micro-batches' activations of one
+    stage; the action lists the trainer runs (and the planner replays) hold 16 or 17 at
+    pp = 16 (17 on the two middle ranks), whatever the count and the cap on deferred W's."""
+    from titanext.schedules import forwards_in_flight
+
+    for m in (32, 120):
+        for cap in (0, 2):
+            held = forwards_in_flight("DualPipe", pp=16, microbatches=m,
+                                      max_pending_weight_grads=cap)
+            assert max(held) == 17 and min(held) == 16 and held[7] == held[8] == 17, held

@@ -84,9 +84,18 @@ def _candidate_config(base, key: tuple, dp: int, ac: str, global_batch: int):
             pipeline_parallel_degree=pp, context_parallel_degree=cp,
             expert_parallel_degree=ep, data_parallel_replicate_degree=1,
             data_parallel_shard_degree=dp),
-        activation_checkpoint=dataclasses.replace(base.activation_checkpoint, mode=ac),
+        activation_checkpoint=dataclasses.replace(base.activation_checkpoint, mode=ac,
+                                                  **_recompute_lists(base, ac)),
         training=dataclasses.replace(base.training, local_batch_size=local,
                                      global_batch_size=global_batch))
+
+
+def _recompute_lists(base, ac: str) -> dict[str, list[str]]:
+    """The config's ``recompute_modules`` and ``float8_storage`` where recompute mode ``ac``
+    takes them (modules; float8 storage also without recompute), else empty."""
+    ckpt = base.activation_checkpoint
+    return {"recompute_modules": list(ckpt.recompute_modules) if ac == "modules" else [],
+            "float8_storage": list(ckpt.float8_storage) if ac in ("modules", "none") else []}
 
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
@@ -101,8 +110,10 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     so a layout that fails validation is never proposed; those that do not fit in 90% of HBM
     are dropped. The global batch of the config is kept; the micro-batch size (1, 2, 4 or 8
     sequences; under PP, times the config's micro-batch count) and recompute mode are
-    searched. The schedule and the other pipeline keys stay the config's.
+    searched. The schedule and the other pipeline keys stay the config's. ``top`` < 1: none.
     """
+    if top < 1:
+        return []
     base = load_config(path, overrides, world_size=world_size)
     global_batch = base.training.global_batch_size
     if global_batch <= 0:
@@ -120,7 +131,8 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
 
     def overrides_of(plan: Plan) -> list[str] | None:
         if id(plan) not in valid:
-            valid[id(plan)] = _validated(plan, path, overrides, world_size, global_batch)
+            valid[id(plan)] = _validated(plan, path, overrides, world_size, global_batch,
+                                         base)
         return valid[id(plan)]
 
     def ranked() -> list[Plan]:
@@ -163,12 +175,14 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     return chosen
 
 
-#: recompute modes, most recomputation (least memory) first
-_RECOMPUTE = ("full", "selective", "none")
+#: recompute modes, most recomputation (least memory) first; "modules" is the config's
+#: ``recompute_modules`` (unset: DeepSeek-V3's norms, MLA up-projections and SwiGLU of those the
+#: model has), which saves more than selective's matmul outputs
+_RECOMPUTE = ("full", "selective", "modules", "none")
 
 
 def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_size: int,
-               global_batch: int) -> list[str] | None:
+               global_batch: int, base) -> list[str] | None:
     """The command-line overrides of ``plan``'s layout, if the config validates with them."""
     lo = plan.layout
     cand = [f"--parallelism.tensor_parallel_degree={lo['tp']}",
@@ -178,6 +192,9 @@ def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_siz
             "--parallelism.data_parallel_replicate_degree=1",
             f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
             f"--activation_checkpoint.mode={lo['ac']}",
+            *(f"--activation_checkpoint.{k}={','.join(v)}"  # only where the config's differ
+              for k, v in _recompute_lists(base, lo["ac"]).items()
+              if v != list(getattr(base.activation_checkpoint, k))),
             f"--training.local_batch_size={lo['local_batch_size']}",
             f"--training.global_batch_size={global_batch}"]
     try:

@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                          "whose expert-parallel all-to-all hides behind paired chunks compute "
                          f"on the rest (default {COMM_SMS}, the DeepSeek-V3 report's 20 of the "
                          "H800's 132; 0 charges none; docs/planner.md)")
-    ap.add_argument("--top", type=int, default=5, help="layouts to advise")
+    ap.add_argument("--top", type=int, default=5,
+                    help="layouts to advise (0: none, the config's plan only)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
     return ap
@@ -79,6 +80,8 @@ def _option_problems(known: argparse.Namespace) -> list[str]:
         problems.append(f"--imbalance = {known.imbalance} must be >= 1 (busiest / mean rows)")
     if known.gpus_per_node < 1:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
+    if known.top < 0:
+        problems.append(f"--top = {known.top} must be >= 0 (0: no advice)")
     sms = DEVICES[known.device].sms
     if not 0 <= known.comm_sms < sms:
         problems.append(f"--comm-sms = {known.comm_sms} must be in [0, {sms}) "
@@ -108,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           compare_replication=True, comm_sms=known.comm_sms)
     advice = advise(path, overrides, known.world_size, device=device,
                     gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency,
-                    comm_sms=known.comm_sms)
+                    comm_sms=known.comm_sms) if known.top else []
     if known.svg:
         with open(known.svg, "w") as f:
             labels = ["config", *(f"#{i + 1}" for i in range(len(advice)))]
@@ -118,12 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "config": dataclasses.asdict(current),
                           "advice": [dataclasses.asdict(pl) for pl in advice]}, indent=1))
         return 0
-    _print_text(cfg, current, advice, device, known.world_size, known.gpus_per_node)
+    _print_text(cfg, current, advice, device, known.world_size, known.gpus_per_node, known.top)
     return 0
 
 
 def _print_text(cfg, current: Plan, advice: list[Plan], device: Device, world_size: int,
-                gpus_per_node: int) -> None:
+                gpus_per_node: int, top: int) -> None:
     """The planner's tables: this config's memory, communication and step, then the advice."""
     shape = model_shape(cfg)
     print(f"{cfg.model.name} {cfg.model.flavor}: {shape.total / 1e9:.2f}B parameters on "
@@ -145,6 +148,10 @@ def _print_text(cfg, current: Plan, advice: list[Plan], device: Device, world_si
     if "ep_all_to_all" in tm:
         print(ep_all_to_all_line(tm["ep_all_to_all"]))
         print(replication_line(tm["ep_replication"]) + "\n")
+    if not advice:
+        print("Advice: none (--top 0)" if not top else
+              "Advice: no layout of this world size fits and validates")
+        return
     print(f"Advice: the {len(advice)} fastest layouts that fit and validate:")
     print(format_table([{"#": i + 1, "layout": layout_name(pl.layout),
                          "memory GB": pl.memory_total / GB, "MFU": f"{pl.time['mfu']:.1%}",
