@@ -29,7 +29,9 @@ in a new torch is fixed here:
   store the default group was started with (titanext.distributed.failsafe);
 - :func:`record_cuda_memory_history`, :func:`cuda_memory_snapshot`: CUDA's allocator history;
 - :data:`pytree`: torch's pytree utilities;
-- :func:`view_base`: the tensor a view shares its storage with (``Tensor._base``).
+- :func:`view_base`: the tensor a view shares its storage with (``Tensor._base``);
+- :func:`inductor_cache_options`: ``torch.compile`` options that key inductor's cache by the CPU
+  vector ISA it generates C++ for (``torch._inductor.cpu_vec_isa``).
 
 Not private, but shaped by the torch version: :func:`pinned_async_save_options`, the
 ``async_save`` options of ``[checkpoint] async_mode = "async_with_pinned_mem"``.
@@ -52,7 +54,8 @@ __all__ = ["aten_op_names", "view_base", "cuda_memory_snapshot", "flash_attentio
            "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
            "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
            "reduce_scatter_single", "set_pg_timeout", "trunc_normal_",
-           "abort_all_process_groups", "assert_on_device", "default_store"]
+           "abort_all_process_groups", "assert_on_device", "default_store",
+           "inductor_cache_options"]
 
 #: ``torch._grouped_mm(a, b, offs=...)`` where this torch has it (CPU from 2.9), else None.
 grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -222,3 +225,24 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor whose storage the view ``t`` shares (the root of a chain of views), or None
     when ``t`` is not a view (recompute by module recognizes a region's output in a view)."""
     return t._base
+
+
+def inductor_cache_options(backend: str) -> dict | None:
+    """``torch.compile(..., options=)`` for ``backend``: for inductor, the width of the CPU vector
+    ISA it generates C++ for (``cpp.simdlen``; the ISA it picks anyway), else None.
+
+    Inductor's FX graph cache (on disk, shared by every process of a user) keys generated code
+    by the graph and inductor's config, not by the vector ISA, which ``ATEN_CPU_CAPABILITY``
+    or the CPU decides; the C++ compile of a cache hit takes this process's ISA. Kernels
+    written for 16-float AVX-512 vectors, built for 8-float AVX2 ones, read and write past
+    their buffers: NaN, heap corruption or an abort (torch 2.13; the other way round too),
+    after any earlier compile of the same graph under another ISA on this machine or on a
+    shared cache folder (docs/cpu_kernel_paths.md). Naming the width puts it in the key.
+    """
+    if backend != "inductor":
+        return None
+    # deferred: loading inductor costs seconds, and only a compile needs it
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return {"cpp.simdlen": isa.bit_width()} if isa else None

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanext._compat import inductor_cache_options
 from titanext._fake_backend import host_float, real_tensors
 from titanext._profiler_ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMIZER, PIPELINE, phase
 from titanext.components.checkpoint import CheckpointManager, manifest_info
@@ -82,7 +83,9 @@ class Trainer:
         self._autocast = self._autocast_context(recipe, dims, self.device)
         self.compute_loss = self.token_loss_sum
         if recipe.compile_loss:
-            self.compute_loss = torch.compile(self.token_loss_sum, backend=recipe.compile_backend)
+            self.compute_loss = torch.compile(
+                self.token_loss_sum, backend=recipe.compile_backend,
+                options=inductor_cache_options(recipe.compile_backend))
         # Model: meta -> converters -> parallelize (each pipeline stage alone) -> init.
         self.model_args = layout.model_args  # the flavor's, with the [moe] overrides
         self._parallelize(self._meta_model())

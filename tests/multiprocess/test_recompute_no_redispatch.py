@@ -4,7 +4,7 @@
 - ep = 2 over FSDP 4 (flat dispatch), ep = 4 as 2 "nodes" x 2 (two-level dispatch, two hot-expert
   copies), and ep = 2 inside pipeline stages (1F1B; DualPipe, whose split backward recomputes
   every block twice and so replays the tape twice): the losses, gradient norms and parameters
-  after 4 steps are bitwise those of full AC, and follow one process
+  after 2 steps are bitwise those of full AC, and follow one process
   (tests/multiprocess/test_expert_parallel.py's reference and bounds);
 - the token all-to-alls per MoE layer and micro-batch fall from 6 (forward dispatch + combine,
   the recompute's two, the backward's two) to 4, and the count exchanges (each a device-to-host

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from titanext._compat import inductor_cache_options
 from titanext.models.moe import GroupedExperts
 from titanext.plugins.float8_experts import FLOAT8_EXPERT_RECIPES, apply_float8_experts
 from titanext.plugins.weight_grad import (
@@ -120,7 +121,7 @@ def test_emulated_experts_compile():
     assert has_emulated_float8_experts(moe)
     x = torch.randn(2, 8, 32)
     eager = moe(x)
-    compiled = torch.compile(moe, fullgraph=False)
+    compiled = torch.compile(moe, fullgraph=False, options=inductor_cache_options("inductor"))
     out = compiled(x)
     out.sum().backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)

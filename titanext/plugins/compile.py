@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from titanext._compat import inductor_cache_options
 from titanext.plugins._blocks import find_blocks
 
 __all__ = ["apply_compile"]
@@ -20,7 +21,9 @@ __all__ = ["apply_compile"]
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True,
                   blocks: Iterable[nn.Module] | str | None = None) -> nn.Module:
-    """Compile every block of ``model`` (``blocks`` or ``model.layers``) in place."""
+    """Compile every block of ``model`` (``blocks`` or ``model.layers``) in place (inductor:
+    with its cache keyed by the CPU vector ISA, :func:`titanext._compat.inductor_cache_options`)."""
+    options = inductor_cache_options(backend)
     for block in find_blocks(model, blocks):
-        block.compile(backend=backend, fullgraph=fullgraph)
+        block.compile(backend=backend, fullgraph=fullgraph, options=options)
     return model

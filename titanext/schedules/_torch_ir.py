@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import _utils as u
 from torch.distributed.pipelining import schedules as _s
 
 from titanext._profiler_ranges import PP_WAIT, phase
@@ -432,18 +433,12 @@ _META_NAMES = ("InferenceMode", "_StageForwardMeta", "_StageBackwardMeta", "_der
 
 
 def _has_meta_protocol(schedule, stages: list) -> bool:
-    # torch's private pipelining: loaded only to build a schedule
-    from torch.distributed.pipelining import _utils as u
-
     return (all(hasattr(u, n) for n in _META_NAMES) and hasattr(schedule, "_warmup_p2p")
             and all(hasattr(s, "_recv_meta") for s in stages))
 
 
 def _loopback_meta_protocol(schedule, stages: list, hidden: torch.Tensor) -> None:
     """torch 2.13+: every stage infers its shapes (DYNAMIC) and receives ``hidden``'s metadata."""
-    # torch's private pipelining: loaded only to build a schedule
-    from torch.distributed.pipelining import _utils as u
-
     fwd = u._StageForwardMeta(forward_metas=u.extract_tensor_metas((hidden,)))
     bwd = u._StageBackwardMeta(backward_metas=u._derive_grad_metas(fwd.forward_metas))
 
