@@ -13,6 +13,11 @@ orthogonalized once:
    back in a second ``all_to_all_single``;
 4. every holder applies ``p.mul_(1 - lr * wd)`` and ``p.add_(O, alpha=-adjusted_lr)``.
 
+A fused projection named in ``splits`` (FQN -> ``(axis, sizes)``, :data:`~titanext.components.
+muon_plan.Split`) is gathered whole on its owner as any matrix, then each logical matrix (``q``,
+``k``, ``v``; ``gate``, ``up``) is orthogonalized on its own and takes its own shape's learning
+rate: what torch.optim.Muon does on the separate matrices.
+
 The momentum buffer is ``zeros_like(grad)``: a DTensor with the parameter's mesh and
 placements, so DCP saves and reshards it as it does AdamW's moments. A 3-D expert weight
 ``[experts, out, in]`` is one matrix per expert. AdamW / Adam groups run torch's own classes on
@@ -41,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanext._fake_backend import fake_mode_active
-from titanext.components.muon_plan import OwnerPlan, Piece, plan_owners
+from titanext.components.muon_plan import OwnerPlan, Piece, Split, blocks, plan_owners
 
 __all__ = ["MuonWithAdamW", "adjusted_lr", "newton_schulz"]
 
@@ -101,7 +106,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``param_names`` (``id(param) -> FQN``) names the parameters alike on every rank; it is
     needed when more than one process runs. ``process_group`` carries the owner exchange (all
     ranks by default: every rank calls :meth:`step`, those holding no Muon matrix included).
-    ``adam_betas`` and ``adam_eps`` are the AdamW / Adam defaults.
+    ``adam_betas`` and ``adam_eps`` are the AdamW / Adam defaults. ``splits`` (FQN ->
+    ``(axis, sizes)``) orthogonalizes those fused matrices per logical matrix (the module
+    docstring).
     """
 
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -111,7 +118,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
                  ns_dtype: torch.dtype = torch.bfloat16,
                  foreach: bool | None = None, param_names: Mapping[int, str] | None = None,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 splits: Mapping[str, Split] | None = None) -> None:
         # torch's own classes step the AdamW / Adam groups; built on a probe for their defaults,
         # then pointed at this optimizer's groups and state on every step
         self._inner = {kind: cls([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=adam_betas,
@@ -120,6 +128,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adam_defaults = {kind: inner.defaults for kind, inner in self._inner.items()}
         self._names = dict(param_names or {})
         self._group = process_group
+        self._splits = {fqn: (axis, tuple(sizes)) for fqn, (axis, sizes) in (splits or {}).items()}
         self._ns_dtype = ns_dtype  # also the dtype the pieces travel in: NS starts by casting
         self._plan: tuple[tuple, OwnerPlan] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -206,7 +215,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self._world() > 1:
             everyone = [None] * self._world()
             dist.all_gather_object(everyone, pieces, group=self._group)
-        self._plan = (key, plan_owners(everyone, ns_steps))
+        self._plan = (key, plan_owners(everyone, ns_steps, self._splits))
         return self._plan[1]
 
     def _muon_step(self) -> None:
@@ -241,9 +250,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 full[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)] = src[:c.numel].view(
                     c.rows[1], c.cols[1])
                 received[c.source] = src[c.numel:]
-            g = groups[m.fqn]  # the owner is a holder, so it has this matrix's group
-            ortho = newton_schulz(full, g["ns_coefficients"], g["ns_steps"], g["eps"],
-                                  self._ns_dtype)
+            ortho = self._orthogonalize(full, m.split, groups[m.fqn])  # the owner holds it
             for c in m.chunks:
                 piece = ortho[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)].reshape(-1)
                 for h in c.holders:
@@ -251,6 +258,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         returned = self._exchange(back, [plan.scatter_numel(src, rank)
                                          for src in range(plan.world)])
         self._apply(plan, rank, items, pieces, returned)
+
+    def _orthogonalize(self, full: torch.Tensor, split: Split | None, g: dict[str, Any]
+                       ) -> torch.Tensor:
+        """Newton-Schulz on the whole matrix, or on each logical matrix of a split one."""
+        ns = (g["ns_coefficients"], g["ns_steps"], g["eps"], self._ns_dtype)
+        if split is None:
+            return newton_schulz(full, *ns)
+        ortho = torch.empty_like(full)
+        for r0, rows, c0, cols in blocks(tuple(full.shape), split):
+            block = full[r0:r0 + rows, c0:c0 + cols].contiguous()  # as one process holds it
+            ortho[r0:r0 + rows, c0:c0 + cols] = newton_schulz(block, *ns)
+        return ortho
 
     def _dry_run_step(self, items) -> None:
         """The dry run's stand-in (one process, fake tensors, no peers to plan with): the
@@ -303,6 +322,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 piece, returned[m.owner] = src[:c.numel].view(c.rows[1], c.cols[1]), src[c.numel:]
                 p, g, held = by_fqn[m.fqn]
                 local = _local(p) if p.ndim == 3 else _local(p).unsqueeze(0)
-                r0, c0 = c.rows[0] - held.offsets[1], c.cols[0] - held.offsets[2]
-                local[m.expert - held.offsets[0], r0:r0 + c.rows[1], c0:c0 + c.cols[1]].add_(
-                    piece, alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], *m.shape))
+                local = local[m.expert - held.offsets[0]]
+                for b_r0, b_rows, b_c0, b_cols in blocks(m.shape, m.split):
+                    # this chunk's overlap with each logical matrix, at that matrix's own lr
+                    r0, r1 = max(c.rows[0], b_r0), min(sum(c.rows), b_r0 + b_rows)
+                    c0, c1 = max(c.cols[0], b_c0), min(sum(c.cols), b_c0 + b_cols)
+                    if r0 >= r1 or c0 >= c1:
+                        continue
+                    rows = slice(r0 - held.offsets[1], r1 - held.offsets[1])
+                    cols = slice(c0 - held.offsets[2], c1 - held.offsets[2])
+                    local[rows, cols].add_(
+                        piece[r0 - c.rows[0]:r1 - c.rows[0], c0 - c.cols[0]:c1 - c.cols[0]],
+                        alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], b_rows, b_cols))
