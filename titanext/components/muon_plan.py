@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Chunk", "Matrix", "OwnerPlan", "Piece", "Split", "blocks", "matrix_flops", "ns_flops",
-           "plan_owners"]
+__all__ = ["Chunk", "Matrix", "OwnerPlan", "Piece", "Split", "assign_owners", "blocks",
+           "matrix_flops", "ns_flops", "plan_owners"]
 
 #: how a fused matrix splits into its logical matrices: (axis, sizes), axis 0 splitting the
 #: rows (an nn.Linear weight's output features), 1 the columns (a Conv1D weight's)
@@ -159,6 +159,22 @@ def _chunks_of(fqn: str, expert: int, shape: tuple[int, int],
     return chunks
 
 
+def assign_owners(costs: Sequence[int], candidates: Sequence[Sequence[int]], world: int
+                  ) -> tuple[list[int], list[int]]:
+    """(owner of each matrix, Newton-Schulz FLOPs per rank): largest ``costs`` first, each to
+    the least loaded of its ``candidates`` (the ranks holding a piece of it; LPT), ties to the
+    lower rank. The planner runs it too (:mod:`titanext.planning.muon`).
+
+    >>> assign_owners([5, 3, 3, 1], [[0, 1]] * 4, 2)
+    ([0, 1, 1, 0], [6, 6])
+    """
+    owners, flops = [-1] * len(costs), [0] * world
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(candidates[i], key=lambda r: (flops[r], r))
+        flops[owners[i]] += costs[i]
+    return owners, flops
+
+
 def plan_owners(pieces_per_rank: Sequence[Sequence[Piece]], ns_steps: int = 5,
                 splits: Mapping[str, Split] | None = None) -> OwnerPlan:
     """The owner plan for every rank's pieces (``pieces_per_rank[r]`` is rank r's); ``splits``
@@ -179,13 +195,12 @@ def plan_owners(pieces_per_rank: Sequence[Sequence[Piece]], ns_steps: int = 5,
     matrices = [Matrix(fqn, e, shapes[fqn][1:], _chunks_of(fqn, e, shapes[fqn][1:], h),
                        split=splits.get(fqn)) for (fqn, e), h in sorted(held.items())]
     cost = [matrix_flops(m.shape, m.split, ns_steps) for m in matrices]
-    flops, sent = [0] * world, [0] * world
-    order = sorted(range(len(matrices)), key=lambda i: -cost[i])
-    for i in order:  # largest first, to the least loaded holder (LPT)
+    owners, flops = assign_owners(
+        cost, [sorted({h for c in m.chunks for h in c.holders}) for m in matrices], world)
+    sent = [0] * world
+    for i in sorted(range(len(matrices)), key=lambda i: -cost[i]):  # the owners' order
         m = matrices[i]
-        candidates = sorted({h for c in m.chunks for h in c.holders})
-        m.owner = min(candidates, key=lambda r: (flops[r], r))
-        flops[m.owner] += cost[i]
+        m.owner = owners[i]
         for c in m.chunks:
             c.source = m.owner if m.owner in c.holders else min(
                 c.holders, key=lambda r: (sent[r], r))

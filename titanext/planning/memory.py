@@ -64,7 +64,10 @@ __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_p
            "moment_bytes", "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
-_STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
+#: the optimizer state's row: Adam / AdamW, or Muon's matrices with AdamW on the rest
+OPTIMIZER_LABELS = {"AdamW": "optimizer (Adam)", "Adam": "optimizer (Adam)",
+                    "Muon": "optimizer (Muon + AdamW)"}
+_STATIC = ("params (fp32 master)", *dict.fromkeys(OPTIMIZER_LABELS.values()), "gathered params")
 
 
 # -- the playbook's closed forms ------------------------------------------------------------------
@@ -296,12 +299,13 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
            # two moments per element (fp32, or bf16 with [optimizer] state_dtype), and a
            # 4-byte step per parameter tensor
-           "optimizer (Adam)": 2 * moment_bytes(lo)
+           "optimizer": 2 * moment_bytes(lo)
            * state_elements(lo, psi_dense, psi_experts, lo.zero_n) + 4 * tensors}
     if lo.cfg.optimizer.name == "Muon":  # one fp32 momentum buffer per Muon matrix, no step
         muon_dense = (len(rk.layer_ids) - n_m) * shape.layer_sharded / tp + (
             n_m * moe.sharded / tp if moe else 0.0)  # the blocks' matrices (routers counted)
-        mem["optimizer (Adam)"] -= 4 * state_elements(lo, muon_dense, psi_experts, lo.zero_n)
+        mem["optimizer"] -= 4 * state_elements(lo, muon_dense, psi_experts, lo.zero_n)
+    mem[OPTIMIZER_LABELS[lo.cfg.optimizer.name]] = mem.pop("optimizer")
     if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
         mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
         if not lo.reshard:  # the embedding and the head stay gathered too
