@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanext._fake_backend import fake_mode_active
+from titanext._fake_backend import fake_mode_active, shard_of_rank
 from titanext.components.muon_plan import OwnerPlan, Piece, Split, blocks, plan_owners
 
 __all__ = ["MuonWithAdamW", "adjusted_lr", "newton_schulz"]
@@ -90,7 +90,9 @@ def _piece(fqn: str, p: torch.Tensor) -> Piece:
     if p.ndim not in (2, 3):
         raise ValueError(f"Muon updates 2-D matrices and 3-D expert weights; {fqn} has shape "
                          f"{tuple(p.shape)}: put it in an AdamW group")
-    if isinstance(p, DTensor):
+    if isinstance(p, DTensor) and fake_mode_active():  # the chunk list reads fake values
+        offsets, sizes = shard_of_rank(p, dist.get_rank())
+    elif isinstance(p, DTensor):
         (chunk,) = p.__create_chunk_list__()  # DCP's own view of where this shard sits
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
     else:
@@ -212,18 +214,39 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 f"({len(self._plan[0])} pieces planned, {len(pieces)} now); every Muon "
                 "parameter must get a gradient (even zeros) on every step")
         everyone: list[Any] = [pieces]
-        if self._world() > 1:
+        if self._world() > 1 and fake_mode_active():  # a dry run: no peer answers
+            everyone = self._peers_pieces(pieces)
+        elif self._world() > 1:
             everyone = [None] * self._world()
             dist.all_gather_object(everyone, pieces, group=self._group)
         self._plan = (key, plan_owners(everyone, ns_steps, self._splits))
         return self._plan[1]
 
+    def _peers_pieces(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """Every rank's pieces of this rank's Muon parameters, worked out from each DTensor's
+        mesh and placements (a dry run plays one rank; ranks of other pipeline stages hold
+        none of these matrices). A plain tensor counts as held by this rank alone."""
+        world, me = self._world(), dist.get_rank(self._group)
+        params = {self._name(p, 0): p for g in self.param_groups if g["optimizer"] == "Muon"
+                  for p in g["params"]}
+        everyone: list[list[Piece]] = [[] for _ in range(world)]
+        for piece in pieces:
+            p = params[piece.fqn]
+            if not isinstance(p, DTensor):
+                everyone[me].append(piece)
+                continue
+            pad = (1,) if p.ndim == 2 else ()
+            for rank in range(world):
+                shard = shard_of_rank(p, rank if self._group is None
+                                      else dist.get_global_rank(self._group, rank))
+                if shard is not None:
+                    everyone[rank].append(Piece(piece.fqn, piece.shape,
+                                                (0,) * len(pad) + shard[0], pad + shard[1]))
+        return everyone
+
     def _muon_step(self) -> None:
         items = self._muon_items()
         if not items and self._world() == 1:
-            return
-        if fake_mode_active():  # a dry run: one process plays one rank, fake values
-            self._dry_run_step(items)
             return
         steps = {g["ns_steps"] for *_, g in items} or {5}
         pieces = [_piece(fqn, p) for fqn, p, _, _ in items]
@@ -270,19 +293,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
             block = full[r0:r0 + rows, c0:c0 + cols].contiguous()  # as one process holds it
             ortho[r0:r0 + rows, c0:c0 + cols] = newton_schulz(block, *ns)
         return ortho
-
-    def _dry_run_step(self, items) -> None:
-        """The dry run's stand-in (one process, fake tensors, no peers to plan with): the
-        momentum buffer and each piece's update as in a real step, Newton-Schulz on this
-        rank's pieces. The owners' gathered matrices and the two exchanges are not modelled
-        (docs/muon.md: what the dry run counts)."""
-        for _, p, update, g in items:
-            local = _local(p)
-            local.mul_(1 - g["lr"] * g["weight_decay"])
-            for i, u in enumerate(update if update.ndim == 3 else update.unsqueeze(0)):
-                ortho = newton_schulz(u, g["ns_coefficients"], g["ns_steps"], g["eps"],
-                                      self._ns_dtype)
-                (local if local.ndim == 3 else local.unsqueeze(0))[i].add_(ortho, alpha=-g["lr"])
 
     @staticmethod
     def _slice(held: tuple[Piece, torch.Tensor], expert: int, c, dtype: torch.dtype
