@@ -181,6 +181,23 @@ def mem_tracker():
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
 
+        def begin_phase(self) -> None:
+            """Start a phase's own peak (the optimizer step's): the step's peak so far is
+            kept aside and restored, if higher, by :meth:`end_phase`."""
+            self._outer = (dict(self._peak_mem), {d: dict(v) for d, v in
+                                                  self._peak_mem_snap.items()})
+            for dev, snap in self._curr_mem_snap.items():
+                self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
+        def end_phase(self) -> int:
+            """The phase's peak bytes (all devices); the step's peak goes on."""
+            phase = sum(self._peak_mem.values())
+            peaks, snaps = self._outer
+            for dev, peak in peaks.items():
+                if peak >= self._peak_mem.get(dev, 0):
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = peak, snaps[dev]
+            return phase
+
         @contextlib.contextmanager
         def module_hooks_paused(self):
             """No per-module tracking inside (tensors are still counted)."""

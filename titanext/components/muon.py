@@ -260,8 +260,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for c in m.chunks:
                 if c.source == rank:
                     send[m.owner].append(self._slice(mine[m.fqn], m.expert, c, self._ns_dtype))
+        # the updates and their send buffer are done with: free them before the owners work
+        items = [(fqn, p, None, g) for fqn, p, _, g in items]
+        del mine
         received = self._exchange(send, [plan.gather_numel(src, rank)
                                          for src in range(plan.world)])
+        del send
         # orthogonalize the matrices this rank owns; send each holder its piece back
         back = [[] for _ in range(plan.world)]
         for m in plan.matrices:
@@ -278,6 +282,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 piece = ortho[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)].reshape(-1)
                 for h in c.holders:
                     back[h].append(piece)
+        del received
         returned = self._exchange(back, [plan.scatter_numel(src, rank)
                                          for src in range(plan.world)])
         self._apply(plan, rank, items, pieces, returned)
@@ -307,14 +312,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   ) -> list[torch.Tensor]:
         """One all_to_all_single: ``send[dst]`` pieces go to rank dst; returns what each
         source rank sent here (flat, in the Newton-Schulz dtype)."""
-        flat = [torch.cat(s) if s else torch.empty(0, dtype=self._ns_dtype) for s in send]
-        if len(send) == 1:
-            return flat
         device = self._device()
+        sizes = [sum(t.numel() for t in s) for s in send]
+        pieces = [t.to(device) for s in send for t in s]  # one copy: the input buffer
+        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=self._ns_dtype,
+                                                           device=device)
+        del pieces
+        if len(send) == 1:
+            return [inp]
         out = torch.empty(sum(recv_numel), dtype=self._ns_dtype, device=device)
-        inp = torch.cat([t.to(device) for t in flat])
         dist.all_to_all_single(out, inp, output_split_sizes=recv_numel,
-                               input_split_sizes=[t.numel() for t in flat], group=self._group)
+                               input_split_sizes=sizes, group=self._group)
         return list(out.split(recv_numel))
 
     @staticmethod

@@ -28,7 +28,8 @@ from titanext.planning.layout import Layout
 from titanext.planning.shapes import _meta_model
 from titanext.planning.stages import RankStages
 
-__all__ = ["FP32_VECTOR_SLOWDOWN", "busiest_owner_flops", "muon_matrices", "ns_seconds"]
+__all__ = ["FP32_VECTOR_SLOWDOWN", "busiest_owner_flops", "muon_matrices", "ns_seconds",
+           "step_bytes"]
 
 #: dense bf16 tensor-core FLOP/s over plain fp32 FLOP/s: 989 / 67 on the H100 SXM, 312 / 19.5
 #: on the A100 (datasheets); Newton-Schulz in float32 (``muon_ns_dtype``) runs at that rate
@@ -64,10 +65,9 @@ def muon_matrices(lo: Layout, rank: RankStages
     return sorted(out)
 
 
-def busiest_owner_flops(lo: Layout, rank: RankStages) -> int:
-    """Newton-Schulz FLOPs of the busiest owner among the ranks of pp rank ``rank``'s stage."""
-    if lo.cfg.optimizer.name != "Muon":
-        return 0
+def _owners(lo: Layout, rank: RankStages) -> tuple[list, list[int], list[int]]:
+    """(the Muon matrices of pp rank ``rank``, each one's owner among its stage's ranks, the
+    Newton-Schulz FLOPs per rank)."""
     n = lo.rep * lo.shard * lo.cp * lo.tp  # the ranks of one pp stage
     ep = max(1, lo.ep)
     everyone = tuple(range(n))
@@ -76,12 +76,44 @@ def busiest_owner_flops(lo: Layout, rank: RankStages) -> int:
     costs, candidates = [], []
     steps = lo.cfg.optimizer.muon_ns_steps
     shapes = _rank_shapes(lo, rank)
-    for fqn, expert, shape, split in muon_matrices(lo, rank):
+    matrices = muon_matrices(lo, rank)
+    for fqn, expert, shape, split in matrices:
         costs.append(matrix_flops(shape, split, steps))
         sharded = len(shapes[fqn]) == 3 and ep > 1  # expert e sits in EP group e // (E / ep)
         candidates.append(groups[(expert // per_group) % ep] if sharded else everyone)
-    _, flops = assign_owners(costs, candidates, n)
-    return max(flops, default=0)
+    owners, flops = assign_owners(costs, candidates, n)
+    return matrices, owners, flops
+
+
+def busiest_owner_flops(lo: Layout, rank: RankStages) -> int:
+    """Newton-Schulz FLOPs of the busiest owner among the ranks of pp rank ``rank``'s stage."""
+    if lo.cfg.optimizer.name != "Muon":
+        return 0
+    return max(_owners(lo, rank)[2], default=0)
+
+
+def step_bytes(lo: Layout, rank: RankStages, local: float) -> float:
+    """Bytes Muon's step holds beside the parameters, gradients and state on the busiest
+    owner of pp rank ``rank``, which holds ``local`` Muon elements, as
+    :meth:`titanext.components.muon.MuonWithAdamW._muon_step` allocates them (``s`` bytes an
+    element in the Newton-Schulz dtype, ``O`` the owner's matrices' elements): the larger of
+    the gather (the fp32 updates, the send buffer, the received pieces: 4 local + s (local +
+    O)), the work (the received pieces, the results, one matrix's iteration: s (2 O) + that)
+    and the return trip (the results, the send buffer with a copy per replica, the returned
+    pieces: s ((1 + replicas) O + local))."""
+    if lo.cfg.optimizer.name != "Muon":
+        return 0.0
+    matrices, owners, flops = _owners(lo, rank)
+    if not matrices:
+        return 0.0
+    busiest = max(range(len(flops)), key=lambda r: flops[r])
+    mine = [shape for (_, _, shape, _), o in zip(matrices, owners) if o == busiest]
+    owned = sum(rows * cols for rows, cols in mine)
+    size = 2 if lo.cfg.optimizer.muon_ns_dtype == "bfloat16" else 4
+    iteration = max((size * (3 * r * c + 2 * min(r, c) ** 2) for r, c in mine), default=0)
+    replicas = lo.rep if lo.fsdp else 1
+    return max(4 * local + size * (local + owned), size * 2 * owned + iteration,
+               size * ((1 + replicas) * owned + local))
 
 
 def ns_seconds(lo: Layout, device: Device, efficiency: float, rank: RankStages) -> float:
