@@ -66,3 +66,24 @@ def test_memory_row_names_the_optimizer():
     assert "optimizer (Muon + AdamW)" in plan_config(load_config(None, MUON), 4).memory
     assert "optimizer (Adam)" in plan_config(load_config(None, []), 4).memory
 
+
+
+def test_optimizer_step_moment_holds_the_owners_buffers():
+    """The optimizer-step moment with Muon: AdamW's foreach temporary over the other parameters
+    plus the busiest owner's buffers (step_bytes), whose return trip grows with the replicas
+    (HSDP sends each holder its copy); tests/e2e/test_dry_run.py checks it against the dry run
+    and a real run."""
+    from titanext.planning.memory import _muon_elements, memory_per_pp_rank
+    from titanext.planning.muon import step_bytes
+
+    lo = resolve_layout(load_config(None, MUON), 4)
+    rk = lo.pipe.ranks[0]
+    local = _muon_elements(lo, rk, 0.0)
+    owners = step_bytes(lo, rk, local)
+    assert owners >= 4 * local + 2 * local  # the fp32 updates and their bf16 send buffer
+    step = memory_per_pp_rank(lo, [1], moment="optimizer step")[0][0]["optimizer step"]
+    assert owners < step < owners + 4 * lo.shape.total / 4
+    hsdp = resolve_layout(load_config(
+        None, [*MUON, "--parallelism.data_parallel_replicate_degree=2"]), 4)
+    assert step_bytes(resolve_layout(load_config(None, []), 4), rk, local) == 0.0
+    assert step_bytes(hsdp, hsdp.pipe.ranks[0], local) > 0
