@@ -14,6 +14,7 @@ Nothing else in titanext imports them; a torch that moves one breaks only this m
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -116,6 +117,7 @@ def shard_of_rank(t: DTensor, rank: int) -> tuple[tuple[int, ...], tuple[int, ..
     return tuple(offsets), tuple(sizes)
 
 
+@functools.lru_cache(maxsize=64)
 def _mesh_coordinates(mesh) -> dict[int, tuple[int, ...]]:
     """Global rank -> coordinate in ``mesh``, from this rank's group along each mesh dim (a
     mesh of ``init_device_mesh`` and its slices: rank = base + sum(coordinate x stride))."""

@@ -147,9 +147,14 @@ def _chunks_of(fqn: str, expert: int, shape: tuple[int, int],
         by_rect.setdefault(rect, Chunk(rect[0], rect[1], [])).holders.append(rank)
     chunks = sorted(by_rect.values(), key=lambda c: (c.rows, c.cols))
     area = sum(c.numel for c in chunks)
-    overlap = any(a.rows[0] < b.rows[0] + b.rows[1] and b.rows[0] < a.rows[0] + a.rows[1]
-                  and a.cols[0] < b.cols[0] + b.cols[1] and b.cols[0] < a.cols[0] + a.cols[1]
-                  for i, a in enumerate(chunks) for b in chunks[i + 1:])
+    if all(c.cols == (0, shape[1]) for c in chunks):  # row shards (FSDP): contiguous rows
+        starts = [c.rows[0] for c in chunks]
+        ends = [0] + [sum(c.rows) for c in chunks[:-1]]
+        overlap = starts != ends
+    else:  # any other rectangles: pairwise (a handful of pieces)
+        overlap = any(a.rows[0] < b.rows[0] + b.rows[1] and b.rows[0] < a.rows[0] + a.rows[1]
+                      and a.cols[0] < b.cols[0] + b.cols[1] and b.cols[0] < a.cols[0] + a.cols[1]
+                      for i, a in enumerate(chunks) for b in chunks[i + 1:])
     if area != shape[0] * shape[1] or overlap:
         where = f"{fqn}[{expert}]" if expert else fqn
         raise ValueError(
