@@ -6,13 +6,16 @@ torch's ``"fake"`` process-group backend; ``HashStore`` where it is missing),
 and its private hooks and state (per-category memory of a step; a clear error names any that
 is missing), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
 propagation, kept out of the memory count), ``TorchDispatchMode`` and ``tree_leaves`` (the
-collective byte counter).
+collective byte counter), ``_compute_local_shape_and_global_offset`` (another rank's shard of a
+DTensor: the Muon owner plan of a dry run, where no peer answers).
 Nothing else in titanext imports them; a torch that moves one breaks only this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import math
 
@@ -20,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["TorchDispatchMode", "balanced_counts", "fake_tensor_mode", "host_float",
-           "init_fake_process_group", "is_fake", "mem_tracker", "real_tensors", "to_empty",
-           "tree_leaves"]
+           "init_fake_process_group", "is_fake", "mem_tracker", "real_tensors", "shard_of_rank",
+           "to_empty", "tree_leaves"]
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -98,6 +102,39 @@ def fake_mode_active() -> bool:
     return isinstance(torch._guards.active_fake_mode(), FakeTensorMode)
 
 
+def shard_of_rank(t: DTensor, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(global offsets, sizes) of the shard of DTensor ``t`` that global ``rank`` holds, or None
+    where ``rank`` is not in ``t``'s mesh: what that rank's ``__create_chunk_list__`` says.
+
+    A dry run plays one rank, so it works out the others' shards instead of asking them (its
+    mesh tensor is fake too: the ranks come from the mesh's groups)."""
+    coordinate = _mesh_coordinates(t.device_mesh).get(rank)
+    if coordinate is None:
+        return None
+    with unset_fake_temporarily():  # it indexes real offset tensors
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            tuple(t.shape), tuple(t.device_mesh.shape), list(coordinate), t.placements)
+    return tuple(offsets), tuple(sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_coordinates(mesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> coordinate in ``mesh``, from this rank's group along each mesh dim (a
+    mesh of ``init_device_mesh`` and its slices: rank = base + sum(coordinate x stride))."""
+    me, mine = dist.get_rank(), mesh.get_coordinate()
+    strides = []
+    for dim in range(mesh.ndim):
+        ranks = dist.get_process_group_ranks(mesh.get_group(dim))
+        stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
+        if ranks != [ranks[0] + k * stride for k in range(len(ranks))]:
+            raise ValueError(f"mesh dim {dim} has ranks {ranks}, not evenly spaced: the dry "
+                             "run cannot place the other ranks' shards")
+        strides.append(stride)
+    base = me - sum(c * s for c, s in zip(mine, strides))
+    return {base + sum(c * s for c, s in zip(coord, strides)): coord
+            for coord in itertools.product(*(range(n) for n in mesh.shape))}
+
+
 def host_float(t: torch.Tensor | float, fake_value: float = math.nan) -> float:
     """``t.item()`` as a float; a fake tensor (a dry run) has no value and gives ``fake_value``."""
     if isinstance(t, torch.Tensor):
@@ -145,6 +182,23 @@ def mem_tracker():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def begin_phase(self) -> None:
+            """Start a phase's own peak (the optimizer step's): the step's peak so far is
+            kept aside and restored, if higher, by :meth:`end_phase`."""
+            self._outer = (dict(self._peak_mem), {d: dict(v) for d, v in
+                                                  self._peak_mem_snap.items()})
+            for dev, snap in self._curr_mem_snap.items():
+                self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
+        def end_phase(self) -> int:
+            """The phase's peak bytes (all devices); the step's peak goes on."""
+            phase = sum(self._peak_mem.values())
+            peaks, snaps = self._outer
+            for dev, peak in peaks.items():
+                if peak >= self._peak_mem.get(dev, 0):
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = peak, snaps[dev]
+            return phase
 
         @contextlib.contextmanager
         def module_hooks_paused(self):

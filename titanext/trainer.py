@@ -34,7 +34,12 @@ from titanext._profiler_ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMI
 from titanext.components.checkpoint import CheckpointManager, manifest_info
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
-from titanext.components.param_groups import ParamGroup, group_problems, param_groups
+from titanext.components.param_groups import (
+    ParamGroup,
+    group_problems,
+    muon_splits,
+    param_groups,
+)
 from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.validation import Validator
 from titanext.config import JobConfig, Recipe, resolve_job_layout
@@ -119,13 +124,15 @@ class Trainer:
         """[optimizer]'s groups over the whole model (ConfigError, one line per problem), or
         None where none are configured (AdamW / Adam on every parameter, as before)."""
         o = self.cfg.optimizer
+        self.muon_splits: dict[str, tuple[int, tuple[int, ...]]] = {}  # muon_split_params
         if o.name != "Muon" and o.no_decay_params is None:
             return None
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         rules = dict(name=o.name, muon_params=o.muon_params, no_decay_params=o.no_decay_params)
-        problems = group_problems(shapes, **rules)
+        problems = group_problems(shapes, **rules, muon_split_params=o.muon_split_params)
         if problems:
             raise ConfigError(problems)
+        self.muon_splits = muon_splits(shapes, o.muon_split_params)
         return param_groups(shapes, **rules)
 
     def _parallelize(self, model: torch.nn.Module) -> None:
@@ -163,6 +170,7 @@ class Trainer:
         muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
                     ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr_fn,
                     ns_dtype=getattr(torch, o.muon_ns_dtype),
+                    splits=self.muon_splits,
                     weight_decay=o.weight_decay if o.muon_weight_decay is None
                     else o.muon_weight_decay)
         self.optimizer = build_optimizer(

@@ -144,13 +144,17 @@ TRUTH_CASES = {  # 4 ranks each; every case runs for real and as a dry run in ON
                                         "--parallelism.expert_parallel_dispatch=two_level",
                                         "--parallelism.expert_parallel_ranks_per_node=2",
                                         "--parallelism.expert_parallel_float8_dispatch=true"]),
+    # Muon's owner exchange: the real plan, buffers and all_to_alls in the dry run too
+    "muon": ("debug_muon.toml", []),
 }
+STEP_CASES = ("muon",)  # the optimizer step's own peak is checked as well
 DRY_RANKS = (0, 3)  # a dry run of every rank would only repeat these (pp: first and last)
 PLANNER_CASES = tuple(TRUTH_CASES)  # the planner's 15% holds on every case
 
 
-def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int, float]]:
-    """{case: (real peak, dry-run peak, planner)} on this rank (dry runs on DRY_RANKS only)."""
+def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple]:
+    """{case: (real peak, dry-run peak, planner; the same three in the optimizer step)} on this
+    rank (dry runs on DRY_RANKS only)."""
     import torch.distributed as dist
 
     from tests.pool import forget_meshes
@@ -160,7 +164,7 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
     base = ["--training.dataset=synthetic", "--metrics.enable_tensorboard=false",
             "--checkpoint.enable=false", f"--job.dump_folder={folder}/{rank}"]
     real = {name: measure_real(load_config(str(ROOT / "train_configs" / config),
-                                           [*base, *args], world_size=world_size)).peak
+                                           [*base, *args], world_size=world_size))
             for name, (config, args) in TRUTH_CASES.items()}
     dist.barrier()
     dist.destroy_process_group()
@@ -175,23 +179,30 @@ def _truth(rank: int, world_size: int, folder: str) -> dict[str, tuple[int, int,
             fake = measure(load_config(str(ROOT / "train_configs" / config), [
                 *base, *args, "--comm.mode=fake_backend", f"--comm.fake_world_size={world_size}",
                 f"--comm.fake_rank={rank}"]))
-            out[name] = (real[name], fake.peak, fake.planner)
+            out[name] = (real[name].peak, fake.peak, fake.planner, real[name].optimizer_peak,
+                         fake.optimizer_peak, fake.planner_optimizer)
     return out
 
 
 def test_dry_run_matches_the_real_run_and_the_planner_matches_the_dry_run(tmp_path):
     """The dry run's peak is within 5% of the same tracker's peak in a real gloo run of the same
-    config (FSDP, TP, CP, PP and EP at 4 ranks), and the planner within 15% of the dry run."""
+    config (FSDP, TP, CP, PP, EP and Muon at 4 ranks), and the planner within 15% of the dry
+    run; with Muon the optimizer step's own peak (the owners' buffers) too."""
     from tests.spawn import run_distributed
 
     results = run_distributed(_truth, 4, args=(str(tmp_path),), timeout_s=240)
     bad = []
     for rank in DRY_RANKS:
-        for name, (real, fake, planner) in results[rank].items():
-            if abs(fake / real - 1) > 0.05:
-                bad.append(f"{name} rank {rank}: dry run {fake} vs real {real} bytes")
-            if name in PLANNER_CASES and abs(planner / fake - 1) > 0.15:
-                bad.append(f"{name} rank {rank}: planner {planner:.0f} vs dry run {fake} bytes")
+        for name, figures in results[rank].items():
+            for moment, (real, fake, planner) in (("", figures[:3]),
+                                                  (" (optimizer step)", figures[3:])):
+                if moment and name not in STEP_CASES:
+                    continue
+                if abs(fake / real - 1) > 0.05:
+                    bad.append(f"{name} rank {rank}{moment}: dry run {fake} vs real {real} bytes")
+                if name in PLANNER_CASES and abs(planner / fake - 1) > 0.15:
+                    bad.append(f"{name} rank {rank}{moment}: planner {planner:.0f} vs dry run "
+                               f"{fake} bytes")
     assert not bad, "\n".join(bad)
 
 

@@ -1,7 +1,9 @@
 """Muon on every layout matches one process running Muon (which tests/unit/test_muon.py shows
 is torch.optim.Muon + AdamW bit for bit): FSDP2, HSDP, ZeRO-1, FSDP2 x TP, PP x FSDP2 and MoE
-experts over EP, each after several steps, in one 4-rank spawn (start-up dominates on 2 cores).
-The 5-D composition is tests/multiprocess/test_composition.py's Muon case."""
+experts over EP, each after several steps, in one 4-rank spawn (start-up dominates on 2 cores);
+and fused matrices split per logical matrix (muon_split_params) under FSDP2 x TP, where the
+split boundaries fall inside the ranks' shards. The 5-D composition is
+tests/multiprocess/test_composition.py's Muon case."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ BASE = [*fp32_trainer_overrides(steps=STEPS, seq_len=32), "--optimizer.name=Muon
         "--optimizer.muon_ns_dtype=float32"]  # bfloat16 NS rounds 1e-7 apart sums 1e-3 apart
 P = "--parallelism."
 TINY, MOE = "debugtiny", "debugmoe"
+# w1 [192, 64] as [128; 64] rows (TP shards rows at 96), wo [64, 64] as [40 | 24] columns
+# (TP shards columns at 32): each logical matrix spans two ranks' pieces
+SPLIT = ["--optimizer.muon_split_params=layers.*.feed_forward.w1.weight = 128+64,"
+         "layers.*.attention.wo.weight = cols 40+24"]
+# the one-process references: name -> overrides
+REFS = {TINY: [f"--model.flavor={TINY}"], MOE: [f"--model.flavor={MOE}"],
+        "split": [f"--model.flavor={TINY}", *SPLIT]}
 
-# name: (flavor, overrides); every case has a global batch of 8 sequences on 4 ranks
+# name: (reference, overrides); every case has a global batch of 8 sequences on 4 ranks
 CASES = {
     "fsdp4": (TINY, ["--training.local_batch_size=2"]),
     "hsdp_2x2": (TINY, ["--training.local_batch_size=2", P + "data_parallel_replicate_degree=2"]),
@@ -27,6 +36,8 @@ CASES = {
                                 P + "pipeline_parallel_schedule=1F1B",
                                 P + "pipeline_parallel_microbatches=2"]),
     "moe_fsdp4_ep2": (MOE, ["--training.local_batch_size=2", P + "expert_parallel_degree=2"]),
+    "split_fsdp2_x_tp2": ("split", ["--training.local_batch_size=4",
+                                    P + "tensor_parallel_degree=2"]),
 }
 
 
@@ -37,12 +48,12 @@ def _runs(rank: int, world_size: int, runs: list[list[str]], dump_folder: str):
 
 @pytest.mark.layout_parity
 def test_muon_on_every_layout_matches_one_process(tmp_path):
-    refs = dict(zip((TINY, MOE), run_distributed(
-        _runs, 1, args=([[f"--model.flavor={f}", "--training.local_batch_size=8"]
-                         for f in (TINY, MOE)], str(tmp_path / "ref")), timeout_s=120)[0]))
+    refs = dict(zip(REFS, run_distributed(
+        _runs, 1, args=([[*r, "--training.local_batch_size=8"] for r in REFS.values()],
+                        str(tmp_path / "ref")), timeout_s=120)[0]))
     names = list(CASES)
     per_rank = run_distributed(
-        _runs, 4, args=([[f"--model.flavor={CASES[n][0]}", *CASES[n][1]] for n in names],
+        _runs, 4, args=([[*REFS[CASES[n][0]], *CASES[n][1]] for n in names],
                         str(tmp_path / "run")), timeout_s=120)
     failures = []
     for i, name in enumerate(names):
@@ -55,3 +66,5 @@ def test_muon_on_every_layout_matches_one_process(tmp_path):
         failures += param_problems(name, params, ref_params)
     assert not failures, "\n".join(failures)
     assert refs[TINY][0][-1] < refs[TINY][0][0], "Muon should lower the loss"
+    assert param_problems("split vs whole", refs["split"][1], refs[TINY][1]), (
+        "splitting w1 and wo should change their update")

@@ -134,3 +134,80 @@ def test_config_rules_for_the_optimizer_keys():
         "optimizer.state_dtype = 'bfloat16' lowers AdamW / Adam moments; with optimizer.name = "
         "'Muon' only 'float32' is allowed"]
     load_config(None, ["--optimizer.state_dtype=bfloat16"])  # AdamW's moments: fine
+
+
+def test_split_fused_matrices_equal_torch_muon_on_the_logical_matrices():
+    """A fused [q; k; v] (rows), a Conv1D-style [in, q | k | v] (columns) and a stacked
+    [gate; up] expert weight, each orthogonalized per logical matrix, equal torch.optim.Muon on
+    the separate matrices bit for bit (momentum and weight decay are elementwise; Newton-Schulz
+    and the per-shape learning rate are per logical matrix)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.nn.Parameter(torch.randn(16, 6, generator=g))         # [q 8; k 4; v 4] x 6
+    conv = torch.nn.Parameter(torch.randn(6, 12, generator=g))        # 6 x [q 6 | k 3 | v 3]
+    gate_up = torch.nn.Parameter(torch.randn(2, 10, 6, generator=g))  # 2 experts, [gate 5; up 5]
+    splits = {"qkv": (0, (8, 4, 4)), "conv": (1, (6, 3, 3)), "gate_up": (0, (5, 5))}
+    kw = dict(lr=0.02, weight_decay=0.05, momentum=0.9, adjust_lr_fn="original")
+    opt = MuonWithAdamW([qkv, conv, gate_up], splits=splits, **kw,
+                        param_names={id(qkv): "qkv", id(conv): "conv", id(gate_up): "gate_up"})
+    parts = {"qkv": lambda t: t.split([8, 4, 4], 0), "conv": lambda t: t.split([6, 3, 3], 1),
+             "gate_up": lambda t: [h for e in t for h in e.split([5, 5], 0)]}
+    fused = {"qkv": qkv, "conv": conv, "gate_up": gate_up}
+    ref = {n: [torch.nn.Parameter(x.detach().clone()) for x in parts[n](p)]
+           for n, p in fused.items()}
+    ref_opt = torch.optim.Muon([x for xs in ref.values() for x in xs], **kw)
+    whole = {n: p.detach().clone() for n, p in fused.items()}  # the same steps orthogonalized whole
+    whole_params = {n: torch.nn.Parameter(t) for n, t in whole.items()}
+    whole_opt = MuonWithAdamW(list(whole_params.values()), **kw)
+    for _ in range(3):
+        for n, p in fused.items():
+            p.grad = torch.randn(p.shape, generator=g)
+            whole_params[n].grad = p.grad.clone()
+            for x, gx in zip(ref[n], parts[n](p.grad)):
+                x.grad = gx.contiguous()
+        opt.step(), ref_opt.step(), whole_opt.step()
+    for n, p in fused.items():
+        assert torch.equal(torch.cat([x.detach().reshape(-1) for x in ref[n]]),
+                           torch.cat([x.reshape(-1) for x in parts[n](p.detach())])), n
+        assert not torch.allclose(p, whole_params[n], atol=1e-3), n  # the split matters
+
+
+def test_owner_plan_counts_a_split_matrix_per_logical_matrix():
+    pieces = [[Piece("qkv", (1, 16, 8), (0, 8 * r, 0), (1, 8, 8))] for r in range(2)]
+    plan = plan_owners(pieces, splits={"qkv": (0, (8, 4, 4))})
+    assert plan.matrices[0].split == (0, (8, 4, 4))
+    assert sum(plan.flops) == ns_flops(8, 8) + 2 * ns_flops(4, 8)
+
+
+def test_split_rules_give_one_line_each():
+    shapes = {**SHAPES, "layers.0.attention.wqkv.weight": (16, 8)}
+    ok = ["layers.*.wqkv.weight = 8+4+4", "*.experts.w1 = cols 6+2"]
+    assert group_problems(shapes, name="Muon", muon_split_params=ok) == []
+    from titanext.components.param_groups import muon_splits
+    assert muon_splits(shapes, ok) == {"layers.0.attention.wqkv.weight": (0, (8, 4, 4)),
+                                       "layers.0.moe.experts.w1": (1, (6, 2))}
+    bad = ["layers.*.wqkv.weight = 8+4+2", "*.nothing = 2+2", "output.weight = 8+8"]
+    assert group_problems(shapes, name="Muon", muon_split_params=bad) == [
+        "optimizer.muon_split_params entry 'layers.*.wqkv.weight = 8+4+2': sizes 8+4+2 = 14 do "
+        "not tile the 16 rows of layers.0.attention.wqkv.weight (shape (16, 8)); they must add "
+        "up to 16",
+        "optimizer.muon_split_params entry '*.nothing = 2+2' matches no parameter of the model",
+        "optimizer.muon_split_params entry 'output.weight = 8+8' selects output.weight, which "
+        "Muon does not update (not in optimizer.muon_params); split only Muon matrices"]
+
+
+def test_split_config_syntax_and_optimizer_are_checked_at_load():
+    from titanext.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--optimizer.name=Muon", "--optimizer.muon_split_params=wq = 8"])
+    assert e.value.problems == [
+        "optimizer.muon_split_params = ['wq = 8'] is not allowed; allowed: 'GLOB = SIZES' or "
+        "'GLOB = cols SIZES' with two or more sizes > 0 joined by + ('wq = 8' is not)"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--optimizer.muon_split_params=wq = 4+4"])
+    assert e.value.problems == [
+        "optimizer.muon_split_params = ['wq = 4+4'] is only read with optimizer.name = 'Muon', "
+        "but optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_split_params"]
+    cfg = load_config(None, ["--optimizer.name=Muon",
+                             "--optimizer.muon_split_params=a = 4+4,b = cols 2+2"])
+    assert cfg.optimizer.muon_split_params == ["a = 4+4", "b = cols 2+2"]

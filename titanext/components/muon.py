@@ -13,6 +13,11 @@ orthogonalized once:
    back in a second ``all_to_all_single``;
 4. every holder applies ``p.mul_(1 - lr * wd)`` and ``p.add_(O, alpha=-adjusted_lr)``.
 
+A fused projection named in ``splits`` (FQN -> ``(axis, sizes)``, :data:`~titanext.components.
+muon_plan.Split`) is gathered whole on its owner as any matrix, then each logical matrix (``q``,
+``k``, ``v``; ``gate``, ``up``) is orthogonalized on its own and takes its own shape's learning
+rate: what torch.optim.Muon does on the separate matrices.
+
 The momentum buffer is ``zeros_like(grad)``: a DTensor with the parameter's mesh and
 placements, so DCP saves and reshards it as it does AdamW's moments. A 3-D expert weight
 ``[experts, out, in]`` is one matrix per expert. AdamW / Adam groups run torch's own classes on
@@ -40,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanext._fake_backend import fake_mode_active
-from titanext.components.muon_plan import OwnerPlan, Piece, plan_owners
+from titanext._fake_backend import fake_mode_active, shard_of_rank
+from titanext.components.muon_plan import OwnerPlan, Piece, Split, blocks, plan_owners
 
 __all__ = ["MuonWithAdamW", "adjusted_lr", "newton_schulz"]
 
@@ -85,7 +90,9 @@ def _piece(fqn: str, p: torch.Tensor) -> Piece:
     if p.ndim not in (2, 3):
         raise ValueError(f"Muon updates 2-D matrices and 3-D expert weights; {fqn} has shape "
                          f"{tuple(p.shape)}: put it in an AdamW group")
-    if isinstance(p, DTensor):
+    if isinstance(p, DTensor) and fake_mode_active():  # the chunk list reads fake values
+        offsets, sizes = shard_of_rank(p, dist.get_rank())
+    elif isinstance(p, DTensor):
         (chunk,) = p.__create_chunk_list__()  # DCP's own view of where this shard sits
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
     else:
@@ -101,7 +108,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``param_names`` (``id(param) -> FQN``) names the parameters alike on every rank; it is
     needed when more than one process runs. ``process_group`` carries the owner exchange (all
     ranks by default: every rank calls :meth:`step`, those holding no Muon matrix included).
-    ``adam_betas`` and ``adam_eps`` are the AdamW / Adam defaults.
+    ``adam_betas`` and ``adam_eps`` are the AdamW / Adam defaults. ``splits`` (FQN ->
+    ``(axis, sizes)``) orthogonalizes those fused matrices per logical matrix (the module
+    docstring).
     """
 
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -111,7 +120,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  adam_betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
                  ns_dtype: torch.dtype = torch.bfloat16,
                  foreach: bool | None = None, param_names: Mapping[int, str] | None = None,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 splits: Mapping[str, Split] | None = None) -> None:
         # torch's own classes step the AdamW / Adam groups; built on a probe for their defaults,
         # then pointed at this optimizer's groups and state on every step
         self._inner = {kind: cls([torch.nn.Parameter(torch.zeros(1))], lr=lr, betas=adam_betas,
@@ -120,6 +130,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adam_defaults = {kind: inner.defaults for kind, inner in self._inner.items()}
         self._names = dict(param_names or {})
         self._group = process_group
+        self._splits = {fqn: (axis, tuple(sizes)) for fqn, (axis, sizes) in (splits or {}).items()}
         self._ns_dtype = ns_dtype  # also the dtype the pieces travel in: NS starts by casting
         self._plan: tuple[tuple, OwnerPlan] | None = None
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -203,18 +214,39 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 f"({len(self._plan[0])} pieces planned, {len(pieces)} now); every Muon "
                 "parameter must get a gradient (even zeros) on every step")
         everyone: list[Any] = [pieces]
-        if self._world() > 1:
+        if self._world() > 1 and fake_mode_active():  # a dry run: no peer answers
+            everyone = self._peers_pieces(pieces)
+        elif self._world() > 1:
             everyone = [None] * self._world()
             dist.all_gather_object(everyone, pieces, group=self._group)
-        self._plan = (key, plan_owners(everyone, ns_steps))
+        self._plan = (key, plan_owners(everyone, ns_steps, self._splits))
         return self._plan[1]
+
+    def _peers_pieces(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """Every rank's pieces of this rank's Muon parameters, worked out from each DTensor's
+        mesh and placements (a dry run plays one rank; ranks of other pipeline stages hold
+        none of these matrices). A plain tensor counts as held by this rank alone."""
+        world, me = self._world(), dist.get_rank(self._group)
+        params = {self._name(p, 0): p for g in self.param_groups if g["optimizer"] == "Muon"
+                  for p in g["params"]}
+        everyone: list[list[Piece]] = [[] for _ in range(world)]
+        for piece in pieces:
+            p = params[piece.fqn]
+            if not isinstance(p, DTensor):
+                everyone[me].append(piece)
+                continue
+            pad = (1,) if p.ndim == 2 else ()
+            for rank in range(world):
+                shard = shard_of_rank(p, rank if self._group is None
+                                      else dist.get_global_rank(self._group, rank))
+                if shard is not None:
+                    everyone[rank].append(Piece(piece.fqn, piece.shape,
+                                                (0,) * len(pad) + shard[0], pad + shard[1]))
+        return everyone
 
     def _muon_step(self) -> None:
         items = self._muon_items()
         if not items and self._world() == 1:
-            return
-        if fake_mode_active():  # a dry run: one process plays one rank, fake values
-            self._dry_run_step(items)
             return
         steps = {g["ns_steps"] for *_, g in items} or {5}
         pieces = [_piece(fqn, p) for fqn, p, _, _ in items]
@@ -228,8 +260,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for c in m.chunks:
                 if c.source == rank:
                     send[m.owner].append(self._slice(mine[m.fqn], m.expert, c, self._ns_dtype))
+        # the updates and their send buffer are done with: free them before the owners work
+        items = [(fqn, p, None, g) for fqn, p, _, g in items]
+        del mine
         received = self._exchange(send, [plan.gather_numel(src, rank)
                                          for src in range(plan.world)])
+        del send
         # orthogonalize the matrices this rank owns; send each holder its piece back
         back = [[] for _ in range(plan.world)]
         for m in plan.matrices:
@@ -241,29 +277,27 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 full[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)] = src[:c.numel].view(
                     c.rows[1], c.cols[1])
                 received[c.source] = src[c.numel:]
-            g = groups[m.fqn]  # the owner is a holder, so it has this matrix's group
-            ortho = newton_schulz(full, g["ns_coefficients"], g["ns_steps"], g["eps"],
-                                  self._ns_dtype)
+            ortho = self._orthogonalize(full, m.split, groups[m.fqn])  # the owner holds it
             for c in m.chunks:
                 piece = ortho[c.rows[0]:sum(c.rows), c.cols[0]:sum(c.cols)].reshape(-1)
                 for h in c.holders:
                     back[h].append(piece)
+        del received
         returned = self._exchange(back, [plan.scatter_numel(src, rank)
                                          for src in range(plan.world)])
         self._apply(plan, rank, items, pieces, returned)
 
-    def _dry_run_step(self, items) -> None:
-        """The dry run's stand-in (one process, fake tensors, no peers to plan with): the
-        momentum buffer and each piece's update as in a real step, Newton-Schulz on this
-        rank's pieces. The owners' gathered matrices and the two exchanges are not modelled
-        (docs/muon.md: what the dry run counts)."""
-        for _, p, update, g in items:
-            local = _local(p)
-            local.mul_(1 - g["lr"] * g["weight_decay"])
-            for i, u in enumerate(update if update.ndim == 3 else update.unsqueeze(0)):
-                ortho = newton_schulz(u, g["ns_coefficients"], g["ns_steps"], g["eps"],
-                                      self._ns_dtype)
-                (local if local.ndim == 3 else local.unsqueeze(0))[i].add_(ortho, alpha=-g["lr"])
+    def _orthogonalize(self, full: torch.Tensor, split: Split | None, g: dict[str, Any]
+                       ) -> torch.Tensor:
+        """Newton-Schulz on the whole matrix, or on each logical matrix of a split one."""
+        ns = (g["ns_coefficients"], g["ns_steps"], g["eps"], self._ns_dtype)
+        if split is None:
+            return newton_schulz(full, *ns)
+        ortho = torch.empty_like(full)
+        for r0, rows, c0, cols in blocks(tuple(full.shape), split):
+            block = full[r0:r0 + rows, c0:c0 + cols].contiguous()  # as one process holds it
+            ortho[r0:r0 + rows, c0:c0 + cols] = newton_schulz(block, *ns)
+        return ortho
 
     @staticmethod
     def _slice(held: tuple[Piece, torch.Tensor], expert: int, c, dtype: torch.dtype
@@ -278,14 +312,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   ) -> list[torch.Tensor]:
         """One all_to_all_single: ``send[dst]`` pieces go to rank dst; returns what each
         source rank sent here (flat, in the Newton-Schulz dtype)."""
-        flat = [torch.cat(s) if s else torch.empty(0, dtype=self._ns_dtype) for s in send]
-        if len(send) == 1:
-            return flat
         device = self._device()
+        sizes = [sum(t.numel() for t in s) for s in send]
+        pieces = [t.to(device) for s in send for t in s]  # one copy: the input buffer
+        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=self._ns_dtype,
+                                                           device=device)
+        del pieces
+        if len(send) == 1:
+            return [inp]
         out = torch.empty(sum(recv_numel), dtype=self._ns_dtype, device=device)
-        inp = torch.cat([t.to(device) for t in flat])
         dist.all_to_all_single(out, inp, output_split_sizes=recv_numel,
-                               input_split_sizes=[t.numel() for t in flat], group=self._group)
+                               input_split_sizes=sizes, group=self._group)
         return list(out.split(recv_numel))
 
     @staticmethod
@@ -303,6 +340,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 piece, returned[m.owner] = src[:c.numel].view(c.rows[1], c.cols[1]), src[c.numel:]
                 p, g, held = by_fqn[m.fqn]
                 local = _local(p) if p.ndim == 3 else _local(p).unsqueeze(0)
-                r0, c0 = c.rows[0] - held.offsets[1], c.cols[0] - held.offsets[2]
-                local[m.expert - held.offsets[0], r0:r0 + c.rows[1], c0:c0 + c.cols[1]].add_(
-                    piece, alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], *m.shape))
+                local = local[m.expert - held.offsets[0]]
+                for b_r0, b_rows, b_c0, b_cols in blocks(m.shape, m.split):
+                    # this chunk's overlap with each logical matrix, at that matrix's own lr
+                    r0, r1 = max(c.rows[0], b_r0), min(sum(c.rows), b_r0 + b_rows)
+                    c0, c1 = max(c.cols[0], b_c0), min(sum(c.cols), b_c0 + b_cols)
+                    if r0 >= r1 or c0 >= c1:
+                        continue
+                    rows = slice(r0 - held.offsets[1], r1 - held.offsets[1])
+                    cols = slice(c0 - held.offsets[2], c1 - held.offsets[2])
+                    local[rows, cols].add_(
+                        piece[r0 - c.rows[0]:r1 - c.rows[0], c0 - c.cols[0]:c1 - c.cols[0]],
+                        alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], b_rows, b_cols))

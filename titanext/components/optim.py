@@ -62,7 +62,7 @@ def build_optimizer(
     ``(fqn, param)`` pairs and each group gets its optimizer, learning rate and weight decay;
     a Muon group makes it a :class:`~titanext.components.muon.MuonWithAdamW`, whose Muon
     settings (``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``,
-    ``adjust_lr_fn``) come from ``muon``.
+    ``adjust_lr_fn``, ``ns_dtype``, ``splits``) come from ``muon``.
     """
     if groups is not None:
         return _build_grouped(params, groups, name=name, lr=lr, betas=betas, eps=eps,
@@ -137,7 +137,8 @@ def _build_grouped(named: Iterable[tuple[str, torch.nn.Parameter]],
     names = {id(p): n for n, p in by_name.items()}
     foreach = implementation != "for-loop"  # Muon's matrices run one by one whatever it is
     cls = functools.partial(MuonWithAdamW, param_names=names, foreach=foreach,
-                            ns_dtype=muon.get("ns_dtype", torch.bfloat16))
+                            ns_dtype=muon.get("ns_dtype", torch.bfloat16),
+                            splits=muon.get("splits"))
     if zero1_group is not None:  # ZeRO-1 hands each matrix to one rank: that rank is its owner
         return ZeroRedundancyOptimizer(dicts, optimizer_class=cls, process_group=zero1_group,
                                        lr=lr)

@@ -14,8 +14,12 @@ and in the planner. ``[optimizer]`` chooses the groups by glob over parameter FQ
 - every other parameter: ``name``'s optimizer (AdamW under Muon) with ``lr`` and
   ``weight_decay``.
 
+- ``muon_split_params``: fused Muon matrices orthogonalized per logical matrix
+  (:mod:`titanext.config.muon_split`; :func:`muon_splits`).
+
 The load-time rules give one line per problem (:func:`group_problems`): a glob that matches no
-parameter, a parameter in both the Muon and the no-decay group, Muon on a 1-D parameter.
+parameter, a parameter in both the Muon and the no-decay group, Muon on a 1-D parameter, a split
+of a non-Muon parameter or one whose sizes do not add up to the dimension it splits.
 
 >>> shapes = {"tok.weight": (8, 4), "layers.0.wq.weight": (4, 4), "layers.0.norm.weight": (4,),
 ...           "layers.0.moe.router.gate.weight": (2, 4), "layers.0.moe.experts.w1": (2, 4, 4)}
@@ -38,7 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-__all__ = ["ParamGroup", "default_muon", "group_problems", "param_groups"]
+from titanext.config.muon_split import parse_split
+
+__all__ = ["ParamGroup", "default_muon", "group_problems", "muon_splits", "param_groups"]
 
 _IN_BLOCK = re.compile(r"(^|\.)\d+\.")
 _ROUTER_SEGMENTS = {"router", "gate"}
@@ -89,9 +95,11 @@ def _selected(shapes: Mapping[str, Sequence[int]], *, name: str, muon_params, no
 
 def group_problems(shapes: Mapping[str, Sequence[int]], *, name: str,
                    muon_params: Sequence[str] | None = None,
-                   no_decay_params: Sequence[str] | None = None) -> list[str]:
+                   no_decay_params: Sequence[str] | None = None,
+                   muon_split_params: Sequence[str] | None = None) -> list[str]:
     """One line per problem with the groups of a model whose parameters have ``shapes``
-    (FQN -> shape): a glob matching nothing, a parameter in two groups, Muon on a 1-D one."""
+    (FQN -> shape): a glob matching nothing, a parameter in two groups, Muon on a 1-D one, a
+    split that is not of a Muon matrix or does not tile its dimension."""
     problems = []
     for key, globs in (("muon_params", muon_params), ("no_decay_params", no_decay_params)):
         for glob in globs or ():
@@ -114,7 +122,54 @@ def group_problems(shapes: Mapping[str, Sequence[int]], *, name: str,
     problems += [f"parameter {n} is in two groups (optimizer.muon_params and "
                  "optimizer.no_decay_params); remove it from one (Muon groups take "
                  "optimizer.muon_weight_decay = 0 for no decay)" for n in both]
+    return problems + _split_problems(shapes, set(muon), muon_split_params or ())
+
+
+def _split_problems(shapes: Mapping[str, Sequence[int]], muon: set[str],
+                    entries: Sequence[str]) -> list[str]:
+    problems, seen = [], {}
+    for entry in entries:
+        glob, (axis, sizes) = parse_split(entry)  # the schema checked the syntax
+        key = f"optimizer.muon_split_params entry {entry!r}"
+        hits = [n for n in shapes if fnmatchcase(n, glob)]
+        if not hits:
+            problems.append(f"{key} matches no parameter of the model")
+        outside = [n for n in hits if n not in muon]
+        if outside:
+            problems.append(f"{key} selects {outside[0]}, which Muon does not update (not in "
+                            "optimizer.muon_params); split only Muon matrices")
+        untiled = []
+        for n in hits:
+            if n in seen:
+                problems.append(f"{key} splits {n} again (also {seen[n]!r}); one entry a "
+                                "parameter")
+            seen[n] = entry
+            if n in muon and sum(sizes) != tuple(shapes[n])[-2:][axis]:
+                untiled.append(n)
+        if untiled:
+            n, dim = untiled[0], tuple(shapes[untiled[0]])[-2:][axis]
+            more = f" and {len(untiled) - 1} more" if len(untiled) > 1 else ""
+            problems.append(
+                f"{key}: sizes {'+'.join(map(str, sizes))} = {sum(sizes)} do not tile the "
+                f"{dim} {'columns' if axis else 'rows'} of {n}{more} (shape "
+                f"{tuple(shapes[n])}); they must add up to {dim}")
     return problems
+
+
+def muon_splits(shapes: Mapping[str, Sequence[int]], entries: Sequence[str] | None
+                ) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """FQN -> ``(axis, sizes)`` of each parameter an entry splits (call :func:`group_problems`
+    first).
+
+    >>> muon_splits({"layers.0.qkv.weight": (12, 4), "layers.0.wo.weight": (4, 4)},
+    ...             ["layers.*.qkv.weight = 4+4+4"])
+    {'layers.0.qkv.weight': (0, (4, 4, 4))}
+    """
+    out = {}
+    for entry in entries or ():
+        glob, split = parse_split(entry)
+        out.update({n: split for n in shapes if fnmatchcase(n, glob)})
+    return out
 
 
 def param_groups(shapes: Mapping[str, Sequence[int]], *, name: str,

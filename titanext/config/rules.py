@@ -455,6 +455,10 @@ def _optimizer_problems(o: Any, skip: set[str]) -> list[str]:
         problems.append(f"optimizer.muon_params = {o.muon_params!r} is only read with "
                         f"optimizer.name = 'Muon', but optimizer.name = {o.name!r}; set name = "
                         "'Muon' or unset muon_params")
+    if o.name != "Muon" and o.muon_split_params is not None:
+        problems.append(f"optimizer.muon_split_params = {o.muon_split_params!r} is only read "
+                        f"with optimizer.name = 'Muon', but optimizer.name = {o.name!r}; set "
+                        "name = 'Muon' or unset muon_split_params")
     if o.name == "Muon" and o.state_dtype != "float32" and "optimizer.state_dtype" not in skip:
         problems.append(f"optimizer.state_dtype = {o.state_dtype!r} lowers AdamW / Adam moments; "
                         "with optimizer.name = 'Muon' only 'float32' is allowed")

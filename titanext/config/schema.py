@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from titanext.config._fields import _field, _minus_one_or_positive, constraint_problem
 from titanext.config._values import _coerce, _hints, _show, _type_name, _value_type_name
+from titanext.config.muon_split import split_entries_problem
 from titanext.config.schema_parallel import (
     ActivationCheckpoint,
     Compile,
@@ -219,6 +220,17 @@ class OptimizerConfig:
     """Muon's per-shape learning rate: original (sqrt(max(1, rows / cols)), Keller Jordan's and
     torch.optim.Muon's default) or match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:
     reuses AdamW's lr and weight decay)."""
+    muon_split_params: list[str] | None = _field(
+        None, check=split_entries_problem,
+        rule="entries 'GLOB = SIZES' (rows) or 'GLOB = cols SIZES', sizes joined by +")
+    """Fused projections that Muon orthogonalizes per logical matrix instead of whole (the
+    default): each entry 'GLOB = SIZES' splits the rows of the matching Muon parameters (an
+    nn.Linear weight's output features, or each expert's in a stacked [experts, out, in]
+    weight) into matrices of those sizes, e.g. 'layers.*.qkv_proj.weight = 3072+1024+1024';
+    'GLOB = cols SIZES' splits the columns (a Conv1D weight [in, out]). The owner still gathers
+    the whole matrix, then orthogonalizes each part with its own shape's learning rate, as
+    torch.optim.Muon on separate matrices. A glob matching nothing, a match outside the Muon
+    group, or sizes that do not add up to the dimension is an error (docs/muon.md)."""
     state_dtype: str = _field("float32", choices=("float32", "bfloat16"))
     """dtype of Adam's two moments (exp_avg, exp_avg_sq). bfloat16 halves the optimizer state
     (8 to 4 bytes per parameter, as DeepSeek-V3 does): the update still runs in fp32, one

@@ -47,6 +47,8 @@ from titanext.config import JobConfig
 from titanext.config.layout import fake_world_size
 from titanext.models.llama import sdpa_attention
 from titanext.planning.estimate import plan_config
+from titanext.planning.layout import resolve_layout
+from titanext.planning.memory import memory_per_pp_rank
 from titanext.plugins.expert_parallel._comm import count_comm
 from titanext.plugins.recompute_modules import recompute_region
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
@@ -92,6 +94,8 @@ class DryRunResult:
         self.rank, self.world_size, self.memory, self.peak = rank, world_size, memory, peak
         self.planner, self.comm, self.calls, self.seconds = planner, comm, calls, seconds
         self.notes: list[str] = []  # what is estimated or changed rather than measured
+        self.optimizer_peak = 0  # the optimizer step's own peak (bytes), and the planner's
+        self.planner_optimizer = 0.0
 
     @property
     def comm_total(self) -> int:
@@ -103,12 +107,17 @@ class DryRunResult:
                 f"step comm {self.comm_total / GB:.2f} GB")
 
 
-def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int) -> float:
-    """What :func:`titanext.planning.cli.plan_config` gives for ``rank``'s pipeline position."""
-
-    plan = plan_config(cfg, world_size)
+def planner_peak_bytes(cfg: JobConfig, world_size: int, rank: int, moment: str = "peak"
+                       ) -> float:
+    """What :func:`titanext.planning.cli.plan_config` gives for ``rank``'s pipeline position;
+    ``moment="optimizer step"``: the planner's memory inside the optimizer step."""
     pp = cfg.parallelism.pipeline_parallel_degree
     pp_rank = rank // (world_size // pp)  # pp is the mesh's outermost axis
+    if moment != "peak":  # no activations then: the micro-batches in flight do not matter
+        memories, _ = memory_per_pp_rank(resolve_layout(cfg, world_size), [1] * pp,
+                                         moment=moment)
+        return float(sum(memories[pp_rank].values()))
+    plan = plan_config(cfg, world_size)
     return float(sum(plan.memory_per_pp_rank[pp_rank].values()))
 
 
@@ -189,22 +198,31 @@ def _create_optimizer_state(trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes]:
+def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes, int]:
     """One train step of ``trainer`` under MemTracker and the byte counter (inside ``mode``, a
-    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm)."""
+    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm,
+    the optimizer step's own peak)."""
     with mode:  # the optimizer state exists in every step but the first: create it
         _create_optimizer_state(trainer)
     tracker = mem_tracker()
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     # torch's first-step shape inference of a pipeline, untracked by module
     schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
+    # the optimizer step's own peak (with Muon: the owners' gathered matrices and exchange
+    # buffers), beside the step's
+    phase: list[int] = []
+    hooks = (trainer.optimizer.register_step_pre_hook(lambda *_: tracker.begin_phase()),
+             trainer.optimizer.register_step_post_hook(
+                 lambda *_: phase.append(tracker.end_phase())))
     with (mode, around_stage_init(schedule, tracker.module_hooks_paused), tracker,
           CommBytes() as comm):
         trainer.train_step(batches)
+    for hook in hooks:
+        hook.remove()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     memory = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
     peak = memory.pop("Total", sum(memory.values()))
-    return memory, peak, comm
+    return memory, peak, comm, max(phase, default=0)
 
 
 def measure(cfg: JobConfig) -> DryRunResult:
@@ -236,7 +254,7 @@ def measure(cfg: JobConfig) -> DryRunResult:
                      f"{rounds}/{MEASURED_ROUNDS}")
 
     with count_comm() as ep_comm:
-        memory, peak, comm = _measure_step(trainer, batches, mode)
+        memory, peak, comm, step_peak = _measure_step(trainer, batches, mode)
     scale = rounds / len(batches)
     if ep_comm.weight_all_to_alls:
         copied = ep_comm.weight_bytes_sent * scale / GB
@@ -251,6 +269,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
                           {k: round(v * scale) for k, v in comm.calls.items()},
                           time.time() - start)
     result.notes = notes
+    result.optimizer_peak = step_peak
+    result.planner_optimizer = planner_peak_bytes(cfg, world_size, rank, moment="optimizer step")
     return result
 
 
@@ -272,7 +292,7 @@ def measure_real(cfg: JobConfig, steps: int = 2) -> DryRunResult:
     start = time.time()
     cfg, notes = dry_run_config(cfg)
     trainer = Trainer(cfg)
-    memory, peak, comm = min((_measure_step(trainer, trainer.next_microbatches(),
+    memory, peak, comm, step_peak = min((_measure_step(trainer, trainer.next_microbatches(),
                                             contextlib.nullcontext()) for _ in range(steps)),
                              key=lambda step: step[1])
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -280,6 +300,8 @@ def measure_real(cfg: JobConfig, steps: int = 2) -> DryRunResult:
                           planner_peak_bytes(cfg, world_size, rank), dict(comm.bytes),
                           dict(comm.calls), time.time() - start)
     result.notes = notes
+    result.optimizer_peak = step_peak
+    result.planner_optimizer = planner_peak_bytes(cfg, world_size, rank, moment="optimizer step")
     return result
 
 
@@ -290,6 +312,8 @@ def dry_run(cfg: JobConfig) -> int:
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
     rows.append({"memory": "peak of the step", "GiB": result.peak / GiB})
     rows.append({"memory": "planner", "GiB": result.planner / GiB})
+    rows.append({"memory": "peak in the optimizer step", "GiB": result.optimizer_peak / GiB})
+    rows.append({"memory": "planner (optimizer step)", "GiB": result.planner_optimizer / GiB})
     print(format_table(rows))
     comm_rows = [{"collective": k, "calls": result.calls[k], "GB": v / GB}
                  for k, v in sorted(result.comm.items())]

@@ -144,7 +144,12 @@ def _print_text(cfg, current: Plan, advice: list[Plan], device: Device, world_si
     tm = current.time
     print(f"\nStep {tm['step_s']:.2f} s (compute {tm['compute_s']:.2f} s, exposed comm "
           f"{tm['exposed_comm_s']:.2f} s, bubble {tm['bubble']:.1%}), MFU {tm['mfu']:.1%}, "
-          f"{tm['tokens_per_s']:,.0f} tokens/s\n")
+          f"{tm['tokens_per_s']:,.0f} tokens/s")
+    if "muon_ns_s" in tm:  # the optimizer step's Muon terms
+        print(f"Optimizer {tm['optimizer_s'] * 1e3:.2f} ms, of which Muon's Newton-Schulz on the "
+              f"busiest owner {tm['muon_ns_s'] * 1e3:.2f} ms; owner exchange "
+              f"{tm['muon_exchange_s'] * 1e3:.2f} ms")
+    print()
     if "ep_all_to_all" in tm:
         print(ep_all_to_all_line(tm["ep_all_to_all"]))
         print(replication_line(tm["ep_replication"]) + "\n")

@@ -281,7 +281,9 @@ def _muon_comm(lo: Layout, rank: RankStages, psi_experts: float) -> list[dict]:
     matrices it does not own to their owners and gets the orthogonalized ones back, two
     all-to-alls per step over the n ranks holding distinct pieces (dp_shard x cp x tp), in the
     Newton-Schulz dtype. Replicas (HSDP) receive their copy too: not counted. Matches the owner
-    plan's bytes for the debug model on 4 ranks (benchmarks/muon.py: 14.16 MB in all)."""
+    plan's bytes for the debug model on 4 ranks (benchmarks/muon.py: 14.16 MB in all). It runs
+    inside the optimizer step, after the backward: nothing hides it ("overlap": "optimizer
+    step", which :func:`titanext.planning.estimate.step_time` adds whole)."""
     o = lo.cfg.optimizer
     if o.name != "Muon" or o.muon_params is not None:  # custom globs: not modelled
         return []
@@ -295,4 +297,4 @@ def _muon_comm(lo: Layout, rank: RankStages, psi_experts: float) -> list[dict]:
     pieces = state_elements(lo, matrices, psi_experts, lo.n_fsdp if lo.fsdp else 1)
     return [{"parallelism": "Muon owners (gather + scatter)", "collectives": 2,
              "bytes": 2 * pieces * (n - 1) / n * size,
-             "level": lo.level(1, n), "overlap": "none"}]
+             "level": lo.level(1, n), "overlap": "optimizer step"}]

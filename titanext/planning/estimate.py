@@ -27,6 +27,7 @@ from titanext.planning.comm import comm_time, data_parallel_comm, model_parallel
 from titanext.planning.hardware import COMM_SMS, DEVICES, Device
 from titanext.planning.layout import Layout, resolve_layout
 from titanext.planning.memory import memory_per_pp_rank, rank_params, state_elements
+from titanext.planning.muon import ns_seconds
 from titanext.planning.recompute import recompute_flops_bytes
 from titanext.planning.roofline import (
     MEMORY_EFFICIENCY,
@@ -263,7 +264,10 @@ def _tokens_per_step(lo: Layout) -> float:
 def _optimizer_seconds(lo: Layout, device: Device, elements: float) -> float:
     """The optimizer step over ``elements`` fp32 values as ``lo``'s config runs it."""
     o = lo.cfg.optimizer
-    return optimizer_time(device, elements, implementation=o.implementation, name=o.name,
+    # Muon's elementwise part (momentum, weight decay, the update) is counted as AdamW's, which
+    # runs its other groups; its Newton-Schulz and exchange are terms of their own (step_time)
+    name = "AdamW" if o.name == "Muon" else o.name
+    return optimizer_time(device, elements, implementation=o.implementation, name=name,
                           state_dtype=o.state_dtype,
                           weight_decay=o.weight_decay > 0, clip=lo.cfg.training.max_norm > 0)
 
@@ -325,22 +329,29 @@ def charge_comm_sms(lo: Layout, per_stage: list[MicrobatchTime], device: Device,
 
 def step_time(lo: Layout, device: Device, comm: list[dict], *, world_size: int, units: int,
               pass_time: float, compute: float, bubble: float,
-              optimizer_elements: float) -> dict:
+              optimizer_elements: float, muon_ns: float = 0.0) -> dict:
     """Step time: the passes, the data-parallel traffic the compute does not hide (the first
-    and last unit's at least) and the optimizer; MFU against the bf16 peak."""
+    and last unit's at least) and the optimizer: its elementwise step, and with Muon the
+    busiest owner's Newton-Schulz seconds ``muon_ns`` (:func:`titanext.planning.muon.
+    ns_seconds`) and the owner exchange (the comm rows run inside the optimizer step, whole);
+    MFU against the bf16 peak."""
     accum = lo.accum
     hidden = sum(comm_time(c, device) for c in comm if c["overlap"] == "compute")
+    in_step = sum(comm_time(c, device) for c in comm if c["overlap"] == "optimizer step")
     step_compute = accum * pass_time
     exposed_dp = (max(0.0, hidden - step_compute) + hidden / max(1, units * accum)
                   if hidden else 0.0)
-    optimizer = _optimizer_seconds(lo, device, optimizer_elements)
-    step = step_compute + exposed_dp + optimizer
+    optimizer = _optimizer_seconds(lo, device, optimizer_elements) + muon_ns
+    step = step_compute + exposed_dp + optimizer + in_step
     tokens_step = _tokens_per_step(lo)
     mfu = lo.shape.flops_per_token * tokens_step / (step * device.bf16_flops * world_size)
     exposed = max(0.0, step - compute - optimizer - accum * bubble * pass_time)
-    return {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble,
-            "optimizer_s": optimizer, "step_s": step, "mfu": mfu,
-            "tokens_per_s": tokens_step / step}
+    out = {"compute_s": compute, "exposed_comm_s": exposed, "bubble": bubble,
+           "optimizer_s": optimizer, "step_s": step, "mfu": mfu,
+           "tokens_per_s": tokens_step / step}
+    if lo.cfg.optimizer.name == "Muon":
+        out.update(muon_ns_s=muon_ns, muon_exchange_s=in_step)
+    return out
 
 
 def plan_config(cfg: JobConfig, world_size: int, *, device: Device = DEVICES["h100"],
@@ -421,7 +432,8 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     comm += data_parallel_comm(lo, rank, psi_dense, psi_experts)
     time = step_time(lo, device, comm, world_size=world_size, units=rank.layers + 1,
                      pass_time=pass_time, compute=compute, bubble=bubble,
-                     optimizer_elements=state_elements(lo, psi_dense, psi_experts, lo.zero_n))
+                     optimizer_elements=state_elements(lo, psi_dense, psi_experts, lo.zero_n),
+                     muon_ns=ns_seconds(lo, device, efficiency, rank))
     for c in comm:
         c["time_s"] = comm_time(c, device)
     time.update({"microbatch_f_i_w_s": [mt.f, mt.i, mt.w], "pp_p2p_s": p2p,

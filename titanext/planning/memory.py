@@ -57,6 +57,7 @@ import bisect
 
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
+from titanext.planning.muon import step_bytes
 from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
 from titanext.planning.shapes import ModelShape
 
@@ -64,7 +65,10 @@ __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_p
            "moment_bytes", "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
 
 #: the categories every moment of a step holds (a lower bound of any rank's peak)
-_STATIC = ("params (fp32 master)", "optimizer (Adam)", "gathered params")
+#: the optimizer state's row: Adam / AdamW, or Muon's matrices with AdamW on the rest
+OPTIMIZER_LABELS = {"AdamW": "optimizer (Adam)", "Adam": "optimizer (Adam)",
+                    "Muon": "optimizer (Muon + AdamW)"}
+_STATIC = ("params (fp32 master)", *dict.fromkeys(OPTIMIZER_LABELS.values()), "gathered params")
 
 
 # -- the playbook's closed forms ------------------------------------------------------------------
@@ -249,7 +253,15 @@ def _largest_state_tensor(lo: Layout) -> float:
     return largest
 
 
-def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> float:
+def _muon_elements(lo: Layout, rk, psi_experts: float) -> float:
+    """Muon elements a rank of pp rank ``rk`` holds: its blocks' matrices (routers counted)."""
+    shape, moe, n_m = lo.shape, lo.shape.moe, lo.n_moe(rk)
+    muon_dense = (len(rk.layer_ids) - n_m) * shape.layer_sharded / lo.tp + (
+        n_m * moe.sharded / lo.tp if moe else 0.0)
+    return state_elements(lo, muon_dense, psi_experts, lo.zero_n)
+
+
+def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float, rk=None) -> float:
     """Bytes the optimizer step allocates beside its state, freed when it returns.
 
     torch's foreach Adam/AdamW computes ``sqrt(v)`` of every element at once (one float32
@@ -258,7 +270,14 @@ def optimizer_step_bytes(lo: Layout, psi_dense: float, psi_experts: float) -> fl
     one tensor at a time (the largest: the embedding or the head); the fused kernel none.
     With bf16 moments (``state_dtype``, :mod:`titanext.components.lowp_adam`) the step runs
     one tensor at a time whatever the implementation, on fp32 copies of its two moments
-    beside the ``sqrt(v)`` temporary: 12 bytes per element of the largest tensor."""
+    beside the ``sqrt(v)`` temporary: 12 bytes per element of the largest tensor. With Muon
+    (pp rank ``rk``), foreach AdamW's temporary covers the other parameters, and Muon's owner
+    buffers are :func:`titanext.planning.muon.step_bytes`."""
+    if lo.cfg.optimizer.name == "Muon" and rk is not None:
+        muon = _muon_elements(lo, rk, psi_experts)
+        rest = 0.0 if lo.cfg.optimizer.implementation != "foreach" else 4 * (
+            state_elements(lo, psi_dense, psi_experts, lo.zero_n) - muon)
+        return rest + step_bytes(lo, rk, muon)
     impl = lo.cfg.optimizer.implementation
     if moment_bytes(lo) != 4:
         return 12 * _largest_state_tensor(lo)
@@ -296,12 +315,11 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     mem = {"params (fp32 master)": 4 * state, "grads (fp32)": 4 * state,
            # two moments per element (fp32, or bf16 with [optimizer] state_dtype), and a
            # 4-byte step per parameter tensor
-           "optimizer (Adam)": 2 * moment_bytes(lo)
+           "optimizer": 2 * moment_bytes(lo)
            * state_elements(lo, psi_dense, psi_experts, lo.zero_n) + 4 * tensors}
     if lo.cfg.optimizer.name == "Muon":  # one fp32 momentum buffer per Muon matrix, no step
-        muon_dense = (len(rk.layer_ids) - n_m) * shape.layer_sharded / tp + (
-            n_m * moe.sharded / tp if moe else 0.0)  # the blocks' matrices (routers counted)
-        mem["optimizer (Adam)"] -= 4 * state_elements(lo, muon_dense, psi_experts, lo.zero_n)
+        mem["optimizer"] -= 4 * _muon_elements(lo, rk, psi_experts)
+    mem[OPTIMIZER_LABELS[lo.cfg.optimizer.name]] = mem.pop("optimizer")
     if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
         mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
         if not lo.reshard:  # the embedding and the head stay gathered too
@@ -365,7 +383,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
             mem = _later_peak(mem, {"grads (fp32)": grads,  # torch's stage buffers stay
                                     "pipeline buffers": mem["pipeline buffers"],
                                     "optimizer step": optimizer_step_bytes(lo, psi_dense,
-                                                                           psi_experts)},
+                                                                           psi_experts, rk)},
                               moment)
         else:
             if sharded and lo.pp > 1:
@@ -384,7 +402,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                 mem["grads (fp32)"] = 0.0
             mem = _later_peak(mem, {"grads (fp32)": 4 * state,
                                     "optimizer step": optimizer_step_bytes(lo, psi_dense,
-                                                                           psi_experts)},
+                                                                           psi_experts, rk)},
                               moment)
         memories.append(mem)
         psis.append((psi_dense, psi_experts))

@@ -11,7 +11,8 @@ __all__ = ["layout_name", "memory_svg"]
 
 
 _COLOURS = {"params (fp32 master)": "#4c78a8", "grads (fp32)": "#f58518",
-            "optimizer (Adam)": "#54a24b", "gathered params": "#b279a2", "activations": "#e45756",
+            "optimizer (Adam)": "#54a24b", "optimizer (Muon + AdamW)": "#54a24b",
+            "gathered params": "#b279a2", "activations": "#e45756",
             "unsharded grads (pp)": "#ff9da6", "loss backward": "#9d755d",
             "pipeline buffers": "#72b7b2", "backward transients": "#bab0ac",
             "expert copies (step)": "#eeca3b",
