@@ -30,7 +30,10 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from titanext._text import format_table
+from titanext.config.muon_split import ns_dtype_on
 from titanext.launch.local import run_distributed
 
 BASE = ["--training.dataset=synthetic", "--training.seq_len=128", "--training.local_batch_size=4",
@@ -140,9 +143,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--ns-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="[optimizer] muon_ns_dtype (the CPU runs bfloat16 GEMMs ~4x slower)")
+    parser.add_argument("--ns-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="[optimizer] muon_ns_dtype (auto: float32 on CPU, whose bfloat16 "
+                             "GEMMs run ~4x slower; bfloat16 on CUDA)")
     args = parser.parse_args(argv)
+    args.ns_dtype = ns_dtype_on(args.ns_dtype, "cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as folder:
         r = run_distributed(_body, args.world_size, args=(args.rounds, folder, args.ns_dtype),
                             timeout_s=600)[0]

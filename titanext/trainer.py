@@ -43,6 +43,7 @@ from titanext.components.param_groups import (
 from titanext.components.profiling import PipelineShape, StepProfiler
 from titanext.components.validation import Validator
 from titanext.config import JobConfig, Recipe, resolve_job_layout
+from titanext.config.muon_split import ns_dtype_on
 from titanext.data import dataloader_from_config
 from titanext.data.tokenizer import build_tokenizer
 from titanext.distributed.determinism import set_determinism
@@ -169,7 +170,9 @@ class Trainer:
         named = [(n, q) for part in self.model_parts for n, q in part.named_parameters()]
         muon = dict(lr=o.muon_lr, momentum=o.muon_momentum, nesterov=o.muon_nesterov,
                     ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr_fn,
-                    ns_dtype=getattr(torch, o.muon_ns_dtype),
+                    ns_dtype=getattr(torch, ns_dtype_on(  # a dry run stands for CUDA
+                        o.muon_ns_dtype, "cuda" if cfg.comm.mode == "fake_backend"
+                        else self.device.type)),
                     splits=self.muon_splits,
                     weight_decay=o.weight_decay if o.muon_weight_decay is None
                     else o.muon_weight_decay)

@@ -145,7 +145,8 @@ TRUTH_CASES = {  # 4 ranks each; every case runs for real and as a dry run in ON
                                         "--parallelism.expert_parallel_ranks_per_node=2",
                                         "--parallelism.expert_parallel_float8_dispatch=true"]),
     # Muon's owner exchange: the real plan, buffers and all_to_alls in the dry run too
-    "muon": ("debug_muon.toml", []),
+    # (bfloat16 pieces in both: 'auto' is float32 on a CPU and bfloat16 in a dry run)
+    "muon": ("debug_muon.toml", ["--optimizer.muon_ns_dtype=bfloat16"]),
 }
 STEP_CASES = ("muon",)  # the optimizer step's own peak is checked as well
 DRY_RANKS = (0, 3)  # a dry run of every rank would only repeat these (pp: first and last)

@@ -37,7 +37,9 @@ def _run(rank, world_size, overrides, folder, until_step=None):
 
 # Muon: its momentum buffers (DTensors like their parameters) and the owners' exchange, in
 # torch.optim.Muon's bfloat16
-@pytest.mark.parametrize("optimizer", [[], ["--optimizer.name=Muon"]], ids=["AdamW", "Muon"])
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer.name=Muon",
+                                            "--optimizer.muon_ns_dtype=bfloat16"]],
+                         ids=["AdamW", "Muon"])
 def test_stop_and_resume_reproduces_the_uninterrupted_curve_exactly(tmp_path, optimizer):
     full = run_distributed(_run, 4, args=(optimizer, str(tmp_path / "a")))[0]
     first = run_distributed(_run, 4, args=(optimizer, str(tmp_path / "b")),

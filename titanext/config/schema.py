@@ -211,11 +211,12 @@ class OptimizerConfig:
     """Muon's Nesterov momentum: orthogonalize grad + momentum x buf instead of buf."""
     muon_ns_steps: int = _field(5, ge=1, lt=100)
     """Newton-Schulz iterations (torch.optim.Muon's quintic coefficients)."""
-    muon_ns_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"))
+    muon_ns_dtype: str = _field("auto", choices=("auto", "bfloat16", "float32"))
     """dtype of Muon's Newton-Schulz iteration (and of the pieces sent to each matrix's owner):
-    bfloat16 is torch.optim.Muon's; float32 costs twice the bytes and more FLOPs, and is what
-    the layout-vs-one-process tests use (bfloat16 rounding turns a 1e-7 difference in a
-    gradient sum into a 1e-3 one in the update)."""
+    bfloat16 is torch.optim.Muon's; float32 costs twice the bytes and more FLOPs on a GPU, and
+    is what the layout-vs-one-process tests use (bfloat16 rounding turns a 1e-7 difference in a
+    gradient sum into a 1e-3 one in the update). 'auto': bfloat16 on CUDA (and in a dry run and
+    the planner), float32 on CPU, whose bfloat16 GEMMs are slower than its float32 ones."""
     muon_adjust_lr_fn: str = _field("original", choices=("original", "match_rms_adamw"))
     """Muon's per-shape learning rate: original (sqrt(max(1, rows / cols)), Keller Jordan's and
     torch.optim.Muon's default) or match_rms_adamw (0.2 x sqrt(max(rows, cols)), Moonlight's:

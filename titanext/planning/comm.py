@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from titanext.config.muon_split import ns_dtype_on
 from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.memory import state_elements
@@ -293,7 +294,7 @@ def _muon_comm(lo: Layout, rank: RankStages, psi_experts: float) -> list[dict]:
     n = (lo.n_fsdp if lo.fsdp else lo.zero_n if lo.zero1 else 1) * lo.tp
     if n <= 1:
         return []
-    size = 2 if o.muon_ns_dtype == "bfloat16" else 4
+    size = 2 if ns_dtype_on(o.muon_ns_dtype, "cuda") == "bfloat16" else 4
     pieces = state_elements(lo, matrices, psi_experts, lo.n_fsdp if lo.fsdp else 1)
     return [{"parallelism": "Muon owners (gather + scatter)", "collectives": 2,
              "bytes": 2 * pieces * (n - 1) / n * size,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from titanext.components.muon_plan import Split, assign_owners, matrix_flops
 from titanext.components.param_groups import muon_splits, param_groups
 from titanext.config import model_args
+from titanext.config.muon_split import ns_dtype_on
 from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.shapes import _meta_model
@@ -109,7 +110,7 @@ def step_bytes(lo: Layout, rank: RankStages, local: float) -> float:
     busiest = max(range(len(flops)), key=lambda r: flops[r])
     mine = [shape for (_, _, shape, _), o in zip(matrices, owners) if o == busiest]
     owned = sum(rows * cols for rows, cols in mine)
-    size = 2 if lo.cfg.optimizer.muon_ns_dtype == "bfloat16" else 4
+    size = 2 if ns_dtype_on(lo.cfg.optimizer.muon_ns_dtype, "cuda") == "bfloat16" else 4
     iteration = max((size * (3 * r * c + 2 * min(r, c) ** 2) for r, c in mine), default=0)
     replicas = lo.rep if lo.fsdp else 1
     return max(4 * local + size * (local + owned), size * 2 * owned + iteration,
@@ -119,6 +120,6 @@ def step_bytes(lo: Layout, rank: RankStages, local: float) -> float:
 def ns_seconds(lo: Layout, device: Device, efficiency: float, rank: RankStages) -> float:
     """Seconds of the busiest owner's Newton-Schulz iterations in one optimizer step."""
     rate = device.bf16_flops * efficiency
-    if lo.cfg.optimizer.muon_ns_dtype == "float32":
+    if ns_dtype_on(lo.cfg.optimizer.muon_ns_dtype, "cuda") == "float32":
         rate /= FP32_VECTOR_SLOWDOWN
     return busiest_owner_flops(lo, rank) / rate
