@@ -118,22 +118,29 @@ def test_group_rules_give_one_line_each():
         "optimizer.muon_weight_decay = 0 for no decay)"]
 
 
-def test_config_rules_for_the_optimizer_keys():
-    """muon_params without Muon, and bf16 moments with Muon (which keeps no Adam moments for
-    its matrices), are config errors, one line each."""
+@pytest.mark.parametrize("args, problem", [
+    (["--optimizer.muon_params=layers.*", "--optimizer.state_dtype=float32"],
+     "optimizer.muon_params = ['layers.*'] is only read with optimizer.name = 'Muon', but "
+     "optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_params"),
+    (["--optimizer.name=Muon", "--optimizer.state_dtype=bfloat16"],
+     "optimizer.state_dtype = 'bfloat16' lowers AdamW / Adam moments; with optimizer.name = "
+     "'Muon' only 'float32' is allowed"),
+    (["--optimizer.name=Muon", "--optimizer.muon_split_params=wq = 8"],
+     "optimizer.muon_split_params = ['wq = 8'] is not allowed; allowed: 'GLOB = SIZES' or "
+     "'GLOB = cols SIZES' with two or more sizes > 0 joined by + ('wq = 8' is not)"),
+    (["--optimizer.muon_split_params=wq = 4+4"],
+     "optimizer.muon_split_params = ['wq = 4+4'] is only read with optimizer.name = 'Muon', "
+     "but optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_split_params"),
+], ids=["muon_params_without_muon", "bf16_moments_with_muon", "split_syntax",
+        "split_without_muon"])
+def test_config_rules_for_the_optimizer_keys(args, problem):
+    """Keys read only with Muon, bf16 moments with Muon (which keeps no Adam moments for its
+    matrices) and the split syntax are config errors at load, one line each."""
     from titanext.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["--optimizer.muon_params=layers.*", "--optimizer.state_dtype=float32"])
-    assert e.value.problems == [
-        "optimizer.muon_params = ['layers.*'] is only read with optimizer.name = 'Muon', but "
-        "optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_params"]
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["--optimizer.name=Muon", "--optimizer.state_dtype=bfloat16"])
-    assert e.value.problems == [
-        "optimizer.state_dtype = 'bfloat16' lowers AdamW / Adam moments; with optimizer.name = "
-        "'Muon' only 'float32' is allowed"]
-    load_config(None, ["--optimizer.state_dtype=bfloat16"])  # AdamW's moments: fine
+        load_config(None, args)
+    assert e.value.problems == [problem]
 
 
 def test_split_fused_matrices_equal_torch_muon_on_the_logical_matrices():
@@ -195,19 +202,9 @@ def test_split_rules_give_one_line_each():
         "Muon does not update (not in optimizer.muon_params); split only Muon matrices"]
 
 
-def test_split_config_syntax_and_optimizer_are_checked_at_load():
-    from titanext.config import ConfigError, load_config
+def test_split_entries_load():
+    from titanext.config import load_config
 
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["--optimizer.name=Muon", "--optimizer.muon_split_params=wq = 8"])
-    assert e.value.problems == [
-        "optimizer.muon_split_params = ['wq = 8'] is not allowed; allowed: 'GLOB = SIZES' or "
-        "'GLOB = cols SIZES' with two or more sizes > 0 joined by + ('wq = 8' is not)"]
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["--optimizer.muon_split_params=wq = 4+4"])
-    assert e.value.problems == [
-        "optimizer.muon_split_params = ['wq = 4+4'] is only read with optimizer.name = 'Muon', "
-        "but optimizer.name = 'AdamW'; set name = 'Muon' or unset muon_split_params"]
     cfg = load_config(None, ["--optimizer.name=Muon",
                              "--optimizer.muon_split_params=a = 4+4,b = cols 2+2"])
     assert cfg.optimizer.muon_split_params == ["a = 4+4", "b = cols 2+2"]
