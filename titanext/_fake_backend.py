@@ -4,8 +4,8 @@ Private in torch 2.11 and 2.13 alike (checked against both): ``FakeStore`` (the 
 torch's ``"fake"`` process-group backend; ``HashStore`` where it is missing),
 ``FakeTensorMode`` / ``FakeTensor`` / ``unset_fake_temporarily`` (fake tensors), ``MemTracker``
 and its private hooks and state (per-category memory of a step; a clear error names any that
-is missing), ``mod_tracker.register_multi_grad_hook`` (the module tracker's backward hooks, run in mode
-"any"), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
+is missing), ``mod_tracker.register_multi_grad_hook`` (the module tracker's backward hooks,
+run in mode "any"), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
 propagation, kept out of the memory count), ``TorchDispatchMode`` and ``tree_leaves`` (the
 collective byte counter).
 Nothing else in titanext imports them; a torch that moves one breaks only this module.
@@ -184,7 +184,10 @@ def _hooks_without_graph_cycles():
     # private torch module: loaded only for a dry run
     from torch.distributed._tools import mod_tracker
 
-    original = mod_tracker.register_multi_grad_hook
+    original = getattr(mod_tracker, "register_multi_grad_hook", None)
+    if original is None:  # a torch whose tracker registers them otherwise: left as it is
+        yield
+        return
 
     def register(tensors, fn, *args, **kwargs):
         return original(tensors, fn, mode="any")
