@@ -4,7 +4,8 @@ Private in torch 2.11 and 2.13 alike (checked against both): ``FakeStore`` (the 
 torch's ``"fake"`` process-group backend; ``HashStore`` where it is missing),
 ``FakeTensorMode`` / ``FakeTensor`` / ``unset_fake_temporarily`` (fake tensors), ``MemTracker``
 and its private hooks and state (per-category memory of a step; a clear error names any that
-is missing), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
+is missing), ``mod_tracker.register_multi_grad_hook`` (the module tracker's backward hooks,
+run in mode "any"), ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's shape
 propagation, kept out of the memory count), ``TorchDispatchMode`` and ``tree_leaves`` (the
 collective byte counter), ``_compute_local_shape_and_global_offset`` (another rank's shard of a
 DTensor: the Muon owner plan of a dry run, where no peer answers).
@@ -159,11 +160,16 @@ def mem_tracker():
         def __enter__(self):
             _patch_sharding_propagation()
             _TRACKERS.append(self)
+            self._hooks = _hooks_without_graph_cycles()
+            self._hooks.__enter__()
             return super().__enter__()
 
         def __exit__(self, *args):
             _TRACKERS.remove(self)
-            return super().__exit__(*args)
+            try:
+                return super().__exit__(*args)
+            finally:
+                self._hooks.__exit__(None, None, None)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._propagating:  # metadata only: no memory on any device
@@ -215,6 +221,36 @@ def mem_tracker():
         raise RuntimeError(f"titanext dry run: this torch's MemTracker lacks {missing}, which the "
                            "dry run's tracker uses (torch 2.11 and 2.13 have them)")
     return tracker
+
+
+@contextlib.contextmanager
+def _hooks_without_graph_cycles():
+    """MemTracker's module tracker with its backward hooks in mode "any".
+
+    Its forward pre-hook registers a multi-grad hook on each module's inputs in mode "all",
+    whose closure keeps the inputs' grad_fn nodes (a leaf's gradient accumulator) to count the
+    calls; stored on those nodes, it forms a cycle that kept every micro-batch's graph, and the
+    stage's received input at its root, alive and counted until the step ended, where a real
+    run frees them after the micro-batch's backward (DualPipe's peak grew by one boundary
+    tensor per micro-batch; issue 45). In mode "any" the hook keeps no node and fires at the
+    first input gradient: only the per-module attribution of backward memory can move, not the
+    step's totals or peak."""
+    # private torch module: loaded only for a dry run
+    from torch.distributed._tools import mod_tracker
+
+    original = getattr(mod_tracker, "register_multi_grad_hook", None)
+    if original is None:  # a torch whose tracker registers them otherwise: left as it is
+        yield
+        return
+
+    def register(tensors, fn, *args, **kwargs):
+        return original(tensors, fn, mode="any")
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
 
 
 # MemTracker's private names the step tracker reads or overrides

@@ -4,11 +4,14 @@ On pp=2 (gloo), for torch's 1F1B and Interleaved1F1B and titanext's ZBH1 (split 
 ZBV (V placement, a local hand-off) and DualPipeV (overlapped F&B chunks): the receive buffers
 a rank holds, counted after every chunk, stay the same with 4 and 8 micro-batches (torch's
 preallocated ones grow by 2 per micro-batch and stage), and two steps give bitwise the losses,
-gradients and parameters of torch's preallocated buffers. A single-process fp32 reference
-checks the pipeline itself at 1e-5.
+gradients and parameters of torch's preallocated buffers. No received input outlives the step
+while the caller holds the losses. A single-process fp32 reference checks the pipeline itself
+at 1e-5.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -47,14 +50,17 @@ def _run(rank: int, name: str, microbatches: int, follow: bool) -> dict:
         mods, ids, num_stages=n, pp_group=dist.group.WORLD, device=torch.device("cpu"),
         schedule=name, microbatches=microbatches,
         loss_fn=lambda out, target: ((out - target) ** 2).sum(), recv_buffers_in_flight=follow)
-    peak = [0]
+    peak, received = [0], []
     for stage in stages:  # count after every chunk
         for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             original = getattr(stage, meth)
 
-            def counted(*a, original=original, **k):
+            def counted(*a, original=original, meth=meth, stage=stage, **k):
                 out = original(*a, **k)
                 peak[0] = max(peak[0], _live(stages))
+                if meth == "forward_one_chunk":  # the inputs this chunk received
+                    received.extend(weakref.ref(i.buffer) for i in stage.args_recv_info[a[0]]
+                                    if not i.is_root_arg and i.buffer.device.type != "meta")
                 return out
 
             setattr(stage, meth, counted)
@@ -65,7 +71,10 @@ def _run(rank: int, name: str, microbatches: int, follow: bool) -> dict:
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         kwargs = {"target": y, "losses": losses} if n - 1 in ids else {}
+        received.clear()
         schedule.step(*((x,) if 0 in ids else ()), return_outputs=False, **kwargs)
+        # received inputs still alive after the step while the caller holds the losses
+        res["kept"] = sum(r() is not None for r in received)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         dist.all_reduce(loss)
         res["losses"].append(loss)
@@ -113,6 +122,7 @@ def _body(rank, world_size, schedules):
         mine = res[(8, True)]
         out[name] = {
             "peaks": {k: v["peak"] for k, v in res.items()},
+            "kept": {m: res[(m, True)]["kept"] for m in (4, 8)},
             "bitwise": all(_same(res[(m, True)], res[(m, False)]) for m in (4, 8)),
             "loss_err": abs(mine["losses"][0].item() - ref_loss) / ref_loss,
             "grad_err": max(((g - ref_grads[k]).norm() / ref_grads[k].norm()).item()
@@ -135,6 +145,9 @@ def test_recv_buffers_follow_in_flight_and_change_no_bit():
             # and receiving side (2 stages per rank: 4 sides)
             assert peaks[(8, True)] == peaks[(4, True)], (name, rank, peaks)
             assert peaks[(8, True)] <= 4 * (PP + 1), (name, rank, peaks)
+            # a kept loss holds no graph, so no received input outlives the step (DualPipeV's
+            # last stage kept one per micro-batch: issue 45)
+            assert r["kept"] == {4: 0, 8: 0}, (name, rank, r["kept"])
 
 
 def test_a_stage_without_the_names_keeps_torchs_buffers():

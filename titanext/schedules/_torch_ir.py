@@ -564,7 +564,9 @@ def follow_in_flight(stage) -> bool:
     backward (B, or I under a split backward) is done; what W still needs, torch's
     ``backward_state`` and autograd keep alive on their own, and free after W. Activations
     handed over between two stages of one rank (``set_local_fwd_input`` /
-    ``set_local_bwd_input``) are let go at the same point.
+    ``set_local_bwd_input``) are let go at the same point, and a last stage's loss, which the
+    schedule keeps to return, is detached in place after its full backward (its spent graph
+    would keep the micro-batch's received input alive until the caller drops the losses).
 
     Always on (``titanext.distributed.pipeline.build_pipeline`` applies it): a received tensor
     overwrites all of its buffer, so values are bitwise those of torch's reused buffers
@@ -609,10 +611,15 @@ def follow_in_flight(stage) -> bool:
         stage.set_local_bwd_input = set_local_bwd_input
     backward = stage.backward_one_chunk
 
-    def backward_one_chunk(mb, *args, **kwargs):
-        out = backward(mb, *args, **kwargs)
+    def backward_one_chunk(mb, loss=None, full_backward=True, *args, **kwargs):
+        out = backward(mb, *args, loss=loss, full_backward=full_backward, **kwargs)
         _release(infos("args_recv_info", mb))
         _release(infos("grad_recv_info", mb))
+        if (full_backward and isinstance(loss, torch.Tensor) and loss.grad_fn is not None
+                and not loss._is_view()):
+            # the schedule keeps the loss to return it; its graph would keep this micro-batch's
+            # received input alive until the caller drops it (one input per micro-batch)
+            loss.detach_()
         return out
 
     stage.backward_one_chunk = backward_one_chunk
