@@ -26,8 +26,9 @@ MAX_LONG_FUNCTIONS = 8
 #: 172 before issue 43, 92 after: the imports that needed no deferring moved to the top of their
 #: module; the rest say why they wait (an optional dependency, a layer that loads without torch).
 #: 91 after issue 48 (pipelining's _utils to the top of _torch_ir, which loads pipelining anyway;
-#: inductor deferred in _compat.inductor_cache_options).
-MAX_FUNCTION_LEVEL_IMPORTS = 91
+#: inductor deferred in _compat.inductor_cache_options); 92 with the dry run's private mod_tracker
+#: (_fake_backend._hooks_without_graph_cycles, loaded only for a dry run, as MemTracker is).
+MAX_FUNCTION_LEVEL_IMPORTS = 92
 #: Modules whose function-level imports are counted but not yet held to the comment: none.
 COMMENT_PENDING: tuple[str, ...] = ()
 
