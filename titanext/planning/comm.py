@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from titanext.config.muon_split import ns_dtype_on
 from titanext.planning.hardware import Device
 from titanext.planning.layout import Layout
 from titanext.planning.memory import state_elements
@@ -24,6 +23,7 @@ from titanext.planning.moe import (
     row_bytes,
     two_level_bytes,
 )
+from titanext.planning.muon import ns_element_bytes
 from titanext.planning.roofline import MicrobatchTime
 from titanext.planning.stages import RankStages
 
@@ -294,7 +294,7 @@ def _muon_comm(lo: Layout, rank: RankStages, psi_experts: float) -> list[dict]:
     n = (lo.n_fsdp if lo.fsdp else lo.zero_n if lo.zero1 else 1) * lo.tp
     if n <= 1:
         return []
-    size = 2 if ns_dtype_on(o.muon_ns_dtype, "cuda") == "bfloat16" else 4
+    size = ns_element_bytes(lo)
     pieces = state_elements(lo, matrices, psi_experts, lo.n_fsdp if lo.fsdp else 1)
     return [{"parallelism": "Muon owners (gather + scatter)", "collectives": 2,
              "bytes": 2 * pieces * (n - 1) / n * size,

@@ -110,16 +110,26 @@ def step_bytes(lo: Layout, rank: RankStages, local: float) -> float:
     busiest = max(range(len(flops)), key=lambda r: flops[r])
     mine = [shape for (_, _, shape, _), o in zip(matrices, owners) if o == busiest]
     owned = sum(rows * cols for rows, cols in mine)
-    size = 2 if ns_dtype_on(lo.cfg.optimizer.muon_ns_dtype, "cuda") == "bfloat16" else 4
+    size = ns_element_bytes(lo)
     iteration = max((size * (3 * r * c + 2 * min(r, c) ** 2) for r, c in mine), default=0)
     replicas = lo.rep if lo.fsdp else 1
     return max(4 * local + size * (local + owned), size * 2 * owned + iteration,
                size * ((1 + replicas) * owned + local))
 
 
+def ns_dtype(lo: Layout) -> str:
+    """The Newton-Schulz dtype of the planned job, which runs on CUDA ('auto': bfloat16)."""
+    return ns_dtype_on(lo.cfg.optimizer.muon_ns_dtype, "cuda")
+
+
+def ns_element_bytes(lo: Layout) -> int:
+    """Bytes of one element in the Newton-Schulz dtype: the owners' pieces travel in it."""
+    return 2 if ns_dtype(lo) == "bfloat16" else 4
+
+
 def ns_seconds(lo: Layout, device: Device, efficiency: float, rank: RankStages) -> float:
     """Seconds of the busiest owner's Newton-Schulz iterations in one optimizer step."""
     rate = device.bf16_flops * efficiency
-    if ns_dtype_on(lo.cfg.optimizer.muon_ns_dtype, "cuda") == "float32":
+    if ns_dtype(lo) == "float32":
         rate /= FP32_VECTOR_SLOWDOWN
     return busiest_owner_flops(lo, rank) / rate
