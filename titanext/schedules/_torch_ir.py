@@ -611,8 +611,8 @@ def follow_in_flight(stage) -> bool:
         stage.set_local_bwd_input = set_local_bwd_input
     backward = stage.backward_one_chunk
 
-    def backward_one_chunk(mb, loss=None, full_backward=True, *args, **kwargs):
-        out = backward(mb, *args, loss=loss, full_backward=full_backward, **kwargs)
+    def backward_one_chunk(mb, loss=None, full_backward=True, **kwargs):
+        out = backward(mb, loss=loss, full_backward=full_backward, **kwargs)
         _release(infos("args_recv_info", mb))
         _release(infos("grad_recv_info", mb))
         if (full_backward and isinstance(loss, torch.Tensor) and loss.grad_fn is not None
