@@ -26,7 +26,15 @@ page faults. Rows (ms per step, one column per rank, means over the measured ste
   allocator's cost; a reused block costs none);
 - idle % measured: 1 - chunks / pipeline; idle % simulated: the same lists replayed by
   ``titanext.schedules.simulator`` with this run's per-stage F / I / W / B (comm = 0): what the
-  schedule itself leaves idle given those costs.
+  schedule itself leaves idle given those costs; pipeline simulated: the replay's step (the
+  rank's chunks / (1 - simulated idle)).
+
+A last table puts the schedules side by side (:func:`summary_rows`): each one's measured step
+against 1F1B's, its simulated step (the replay plus the measured time outside the pipeline)
+against 1F1B's simulated step, and its compute (every rank's chunks) against 1F1B's. The
+simulated ratio is the lead the schedule's order gives with the chunk costs it had; if the
+measured ratio is higher, the rest went to waits and the runtime; a compute ratio above 1 says
+its chunks cost more than 1F1B's for the same model.
 
 The ranks keep freed memory (``pipeline_trainer.KEEP_FREED_MEMORY``) unless
 ``--glibc-default``: the page-fault row is that setting's reason. ``--pin`` pins rank r's
@@ -241,6 +249,8 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
         ("page faults / step (x1000)", lambda r, i: r["faults"] / 1e3),
         ("idle % measured", lambda r, i: 100 * (1 - chunks(r) / ms(r, "pipeline"))),
         ("idle % simulated", lambda r, i: None if sim[i] is None else 100 * sim[i]),
+        ("pipeline simulated", lambda r, i: None if sim[i] is None
+         else chunks(r) / (1 - sim[i])),
     ]
     out = []
     for label, get in rows:
@@ -252,12 +262,48 @@ def trace_rows(per_rank: list[dict], measured: int) -> list[dict]:
     return out
 
 
+def _figures(per_rank: list[dict], measured: int) -> dict[str, float | None]:
+    """One schedule's step (ms, slowest rank), its simulated step (the slowest rank's replayed
+    pipeline plus the measured time outside it) and its chunks' total over ranks (ms)."""
+    step = statistics.mean(max(ts) for ts in zip(*(r["step"] for r in per_rank))) * 1e3
+    chunks = [sum(r["wall"].get(k, 0.0) for k in "FIWB") * 1e3 / measured for r in per_rank]
+    outside = max(statistics.mean(r["step"]) * 1e3 - r["wall"]["pipeline"] * 1e3 / measured
+                  for r in per_rank)
+    sims = [None if r["sim"] is None else c / (1 - r["sim"]) for r, c in zip(per_rank, chunks)]
+    return {"step": step, "chunks": sum(chunks),
+            "sim": None if None in sims else max(sims) + outside}
+
+
+def summary_rows(figures: dict[str, dict], base: str = "1F1B") -> list[dict]:
+    """Per schedule: the measured step against ``base``'s; the simulated step (each schedule's
+    own measured chunk costs replayed, no communication) against ``base``'s simulated step;
+    and its compute (every rank's chunks) against ``base``'s. measured = simulated x overhead:
+    the schedule's order gives the simulated ratio, the run's waits and runtime the rest, and
+    the compute ratio says how much of either comes from chunks costing more than under base."""
+    b = figures.get(base)
+    rows = []
+    for name, f in figures.items():
+        def ratio(key):
+            if b is None or f[key] is None or b[key] is None:
+                return ""
+            return f"{f[key] / b[key]:.3f}x"
+        rows.append({"schedule": name, "step (ms)": f"{f['step']:,.0f}",
+                     f"vs {base}": ratio("step"),
+                     "simulated step (ms)": "" if f["sim"] is None else f"{f['sim']:,.0f}",
+                     f"simulated vs {base}": ratio("sim"),
+                     f"compute vs {base}": ratio("chunks")})
+    return rows
+
+
 def trace_tables(schedules, steps: int, measured: int, pin: bool, glibc_default: bool
-                 ) -> dict[str, list[dict]]:
+                 ) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every schedule's trace table, and the summary table (:func:`summary_rows`)."""
     with tempfile.TemporaryDirectory() as folder, rank_environment(glibc_default):
         everyone = run_distributed(_trace, 2, args=(schedules, steps, measured, folder, pin),
                                    timeout_s=3600)[0]
-    return {name: trace_rows([r[name] for r in everyone], measured) for name in schedules}
+    per = {name: [r[name] for r in everyone] for name in schedules}
+    return ({name: trace_rows(p, measured) for name, p in per.items()},
+            summary_rows({name: _figures(p, measured) for name, p in per.items()}))
 
 
 def main(argv=None) -> int:
@@ -285,10 +331,13 @@ def main(argv=None) -> int:
           f"x {SEQ} tokens, fp32; {a.steps} steps per schedule, the last {a.measured} measured"
           f"{', ranks pinned to cores' if a.pin else ''}"
           f"{', glibc malloc defaults' if a.glibc_default else ', freed memory kept'}", flush=True)
-    for name, rows in trace_tables(a.schedules.split(","), a.steps, a.measured, a.pin,
-                                     a.glibc_default).items():
+    tables, summary = trace_tables(a.schedules.split(","), a.steps, a.measured, a.pin,
+                                   a.glibc_default)
+    for name, rows in tables.items():
         print(f"\n{name}:")
         print(format_table(rows, markdown=a.markdown))
+    print("\nThe schedules side by side (simulated: each one's measured chunk costs replayed):")
+    print(format_table(summary, markdown=a.markdown))
     after = os.getloadavg()
     print(f"\nload average before {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, after "
           f"{after[0]:.1f} {after[1]:.1f} {after[2]:.1f}; the run took {time.time() - t0:.0f} s")

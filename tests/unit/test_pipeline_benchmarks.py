@@ -83,3 +83,23 @@ def test_trace_rows_add_up():
     assert rows["waits on send / recv"] == "100.0" and rows["runtime between chunks"] == "100.0"
     assert rows["idle % measured"] == "22.2" and rows["idle % simulated"] == "5.0"
     assert rows["gc passes / step"] == "1.0" and rows["page faults / step (x1000)"] == "3.0"
+    assert rows["pipeline simulated"] == "736.8"  # 700 ms of chunks / (1 - 0.05)
+
+
+def test_trace_summary_splits_the_lead_into_order_and_compute():
+    """The side-by-side table: measured, simulated (each schedule's own chunk costs replayed)
+    and compute ratios to 1F1B, from every rank's raw figures."""
+    cli = _load("pipeline_trace")
+
+    def rank(step, pipeline, chunks, sim):
+        return {"step": [step, step], "sim": sim, "wall": {"pipeline": pipeline, "F": chunks}}
+
+    one = [rank(2.0, 3.6, 3.0, 0.1), rank(2.0, 3.6, 2.8, 0.2)]
+    zbv = [rank(1.9, 3.4, 3.2, 0.0), rank(1.9, 3.4, 3.0, 0.05)]
+    figs = {"1F1B": cli._figures(one, 2), "ZBV": cli._figures(zbv, 2)}
+    # the slowest rank's replay (rank 1: 1,400 ms / 0.8) plus the time outside (2,000 - 1,800)
+    assert figs["1F1B"]["sim"] == 1750 + 200 and figs["ZBV"]["sim"] == 1600 + 200
+    rows = {r["schedule"]: r for r in cli.summary_rows(figs)}
+    assert rows["1F1B"]["vs 1F1B"] == "1.000x" and rows["ZBV"]["vs 1F1B"] == "0.950x"
+    assert rows["ZBV"]["simulated vs 1F1B"] == f"{1800 / 1950:.3f}x"
+    assert rows["ZBV"]["compute vs 1F1B"] == f"{3100 / 2900:.3f}x"
