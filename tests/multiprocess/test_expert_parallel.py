@@ -288,6 +288,8 @@ def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str)
         losses, norms = [], []
         for until in (STEPS // 2, None) if name.endswith("_resume") else (None,):
             trainer = Trainer(cfg)
+            if name.removesuffix("_rep2") in COPIES_PER_STEP:
+                _route_to_ep_rank_0(trainer)
             record_grad_norms(trainer, norms)
             with count_comm() as cc:
                 losses += trainer.train(until_step=until)
@@ -295,6 +297,20 @@ def _train(rank: int, world_size: int, cases: dict[str, list[str]], folder: str)
                   for part in trainer.model_parts for n, p in part.named_parameters()}
         out[name] = (losses, norms, params, trainer.moe_load, cc.replicas, cc.weight_bytes_sent)
     return out
+
+
+def _route_to_ep_rank_0(trainer) -> None:
+    """Every token's experts among those ep rank 0 holds (the first half: + 1 on their
+    selection bias, over sigmoid scores in [0, 1]), in a copies case and in the same layout
+    without copies alike, so that every step plans copies whatever the kernel path. With the
+    router's own choice the two ep ranks' rows can land within the 5% replication slack, and
+    then no copy is made and the comparison checks nothing: stage 0's one MoE block did so in
+    both steps under the SSE path (docs/cpu_kernel_paths.md)."""
+    for part in trainer.model_parts:
+        for module in part.modules():
+            bias = getattr(module, "expert_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias[: bias.numel() // 2] += 1.0
 
 
 @pytest.fixture(scope="module")
