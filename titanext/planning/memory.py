@@ -223,14 +223,14 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
 
 def _two_level_saved(lo: Layout) -> float:
     """Bytes per token and MoE block that two-level dispatch saves beyond the flat one without
-    AC: its combine weighs each routed row's expert output in float32 (kept for the routing
-    weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
-    dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
+    AC: the route's indices and weights (16 per routed row). Its combine sums rows that the
+    experts weighted already, and its sums keep only their indices, so no expert output is kept
+    (before the weighted SwiGLU, 4 h more per routed row). AC recomputes them."""
     moe = lo.shape.moe
     if (moe is None or lo.ep == 1 or lo.ac not in ("none", "modules")
             or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
-    return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
+    return moe.top_k * 16 / lo.cp
 
 
 def _ddp(lo: Layout) -> bool:

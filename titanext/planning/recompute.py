@@ -19,7 +19,8 @@ What a choice stops saving, per block and token (the region's inputs stay saved)
     layernorm:       2 ((4 + a) h + 4)          # fp32 x, x * rsqrt, rsqrt of both norms
     mla_up_proj:     sum over r_q, r_kv of (4 + a) r - 4
     core_attn:       n (a max(d_qk, d_v) + 4)   # the output and lse (v padded: - 8 a head)
-    moe_act:         2 a k f_e                  # silu(gate) and silu(gate) * up, k routed rows
+    moe_act:         a k f_e                    # the weighted silu(gate) * up (w2's input),
+                                                # k routed rows; gate, up and weights stay
     mlp:             4 a f                      # a dense block's w1, w3 outputs and SwiGLU
     shared_experts:  4 a f_s
 
@@ -36,7 +37,7 @@ all-to-all runs twice.
 
 >>> drop_bytes(("moe_act",), h=7168, a=2, mla=(1536, 512, 128, 64, 128), heads=128, ffn=0,
 ...            moe=(8, 2048, 2048))
-65536.0
+32768.0
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def drop_bytes(modules: tuple[str, ...], *, h: int, a: int, mla: tuple[int, int,
             width = max(d_qk, d_v) if d_qk else h / max(1.0, heads)
             out += heads * (a * width + (-4 if d_qk and d_v != d_qk else 4))
         elif name == "moe_act" and moe:
-            out += 2 * a * moe[0] * moe[1]
+            out += a * moe[0] * moe[1]
         elif name == "mlp":
             out += 4 * a * ffn
         elif name == "shared_experts" and moe:
