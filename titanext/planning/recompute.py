@@ -18,6 +18,10 @@ What a choice stops saving, per block and token (the region's inputs stay saved)
 
     layernorm:       2 ((4 + a) h + 4)          # fp32 x, x * rsqrt, rsqrt of both norms
     mla_up_proj:     sum over r_q, r_kv of (4 + a) r - 4
+                     + n a (2 d_qk + d_v [d_v = d_qk])   # the region ends after RoPE: q, k and
+                                                # v are recomputed; a v that the kernel pads to
+                                                # d_qk stays as the kernel's own copy; not with
+                                                # core_attn, whose recompute keeps q, k, v
     core_attn:       n (a max(d_qk, d_v) + 4)   # the output and lse (v padded: - 8 a head)
     moe_act:         a k f_e                    # the weighted silu(gate) * up (w2's input),
                                                 # k routed rows; gate, up and weights stay
@@ -72,6 +76,8 @@ def drop_bytes(modules: tuple[str, ...], *, h: int, a: int, mla: tuple[int, int,
             out += 2 * ((4 + a) * h + 4)
         elif name == "mla_up_proj":
             out += sum((4 + a) * r - 4 for r in (r_q, r_kv) if r)
+            if "core_attn" not in modules:  # else the recomputed core keeps q, k, v as inputs
+                out += heads * a * (2 * d_qk * (d_qk >= d_v) + d_v * (d_v >= d_qk))
         elif name == "core_attn":
             width = max(d_qk, d_v) if d_qk else h / max(1.0, heads)
             out += heads * (a * width + (-4 if d_qk and d_v != d_qk else 4))

@@ -9,11 +9,13 @@ forward, each a callable of the model: a module's ``forward`` or one of its meth
 ======================  ==========================================================================
 ``"layernorm"``         the block's own norms (its direct children named ``*Norm``: titanext's
                         ``attention_norm`` and ``ffn_norm``)
-``"mla_up_proj"``       MLA's up-projections with their norms (``MLAttention.q_up``,
-                        ``MLAttention.kv_up``); the low-rank latents they start from are kept
+``"mla_up_proj"``       MLA's up-projections with their norms, through RoPE (``MLAttention.q_up``,
+                        ``MLAttention.kv_up``): q, k and v are recomputed; the low-rank latents
+                        they start from are kept
 ``"core_attn"``         the attention core (``attn_fn``: scores, softmax, SDPA); q, k, v are kept
-``"moe_act"``           the routed experts' SwiGLU (``GroupedExperts.act``): its inputs are kept,
-                        ``silu(gate) * up`` is recomputed
+                        (as its inputs, also with ``mla_up_proj``)
+``"moe_act"``           the routed experts' weighted SwiGLU (``GroupedExperts.act``): its inputs
+                        (gate, up, routing weights) are kept, w2's input is recomputed
 ``"mlp"``               a dense block's whole feed-forward (``feed_forward``)
 ``"shared_experts"``    a MoE block's shared experts
 ======================  ==========================================================================
