@@ -202,7 +202,29 @@ class RouterGate(nn.Linear):
     titanext_convert = False  # float8 / deferral keep it as it is, on purpose (no warning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return _Fp32Linear.apply(x, self.weight)
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``F.linear(x.float(), w.float())`` that keeps ``x`` and ``w`` as they came (a 16-bit
+    ``x`` is the MoE's input, which its experts keep anyway) instead of their fp32 copies, and
+    casts them again in the backward: the same products, without an fp32 [tokens, dim] copy per
+    MoE block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = grad.matmul(w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = grad.reshape(-1, grad.shape[-1]).t().matmul(
+                x.float().reshape(-1, x.shape[-1])).to(w.dtype)
+        return dx, dw
 
 
 class Router(nn.Module):
