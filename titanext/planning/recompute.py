@@ -20,8 +20,9 @@ What a choice stops saving, per block and token (the region's inputs stay saved)
     mla_up_proj:     sum over r_q, r_kv of (4 + a) r - 4
                      + n a (2 d_qk + d_v [d_v = d_qk])   # the region ends after RoPE: q, k and
                                                 # v are recomputed; a v that the kernel pads to
-                                                # d_qk stays as the kernel's own copy; not with
-                                                # core_attn, whose recompute keeps q, k, v
+                                                # d_qk stays as the kernel's own copy; with
+                                                # core_attn, n a (2 d_qk + d_v): the recomputed
+                                                # core keeps q, k, v as handles
     core_attn:       n (a max(d_qk, d_v) + 4)   # the output and lse (v padded: - 8 a head)
     moe_act:         a k f_e                    # the weighted silu(gate) * up (w2's input),
                                                 # k routed rows; gate, up and weights stay
@@ -76,7 +77,9 @@ def drop_bytes(modules: tuple[str, ...], *, h: int, a: int, mla: tuple[int, int,
             out += 2 * ((4 + a) * h + 4)
         elif name == "mla_up_proj":
             out += sum((4 + a) * r - 4 for r in (r_q, r_kv) if r)
-            if "core_attn" not in modules:  # else the recomputed core keeps q, k, v as inputs
+            if "core_attn" in modules:  # the recomputed core's inputs: handles too
+                out += heads * a * (2 * d_qk + d_v)
+            else:  # what the attention kernel saves of them (a v it pads is its own copy)
                 out += heads * a * (2 * d_qk * (d_qk >= d_v) + d_v * (d_v >= d_qk))
         elif name == "core_attn":
             width = max(d_qk, d_v) if d_qk else h / max(1.0, heads)

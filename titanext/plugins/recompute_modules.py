@@ -78,8 +78,9 @@ class _Region:
                     saved.append(t)
                     return len(saved) - 1
 
-                args, kwargs = pytree.tree_map_only(torch.Tensor, _detached, (self.args,
-                                                                              self.kwargs))
+                args, kwargs = pytree.tree_map_only(
+                    (torch.Tensor, _Arg), _detached, (self.args, self.kwargs),
+                    is_leaf=lambda v: isinstance(v, _Arg))
                 _ACTIVE.on = True  # a region inside (none of titanext's) runs plainly
                 try:
                     with torch.enable_grad(), saved_tensors_hooks(pack, saved.__getitem__):
@@ -91,8 +92,26 @@ class _Region:
             return self.saved, self.out
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
+def _detached(t: torch.Tensor | _Arg) -> torch.Tensor:
+    if isinstance(t, _Arg):
+        return _unpack(t.packed).detach().requires_grad_(t.requires_grad)
     return t.detach().requires_grad_(t.requires_grad)
+
+
+class _Arg:
+    """A region's kept input that is another region's output (its handle: recomputed, not kept)
+    or stored in float8 (its bytes), and whether it required grad (the recompute must save what
+    the forward saved)."""
+
+    __slots__ = ("packed", "requires_grad")
+
+    def __init__(self, packed, requires_grad: bool):
+        self.packed, self.requires_grad = packed, requires_grad
+
+
+def _kept_arg(t: torch.Tensor):
+    packed = _pack_outside(t)
+    return t if packed is t else _Arg(packed, t.requires_grad)
 
 
 class _Internal:
@@ -194,6 +213,8 @@ def _run_region(fn: Callable, *args, **kwargs):
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"recompute by module: {fn!r} returned {type(out).__name__}; a "
                         "recomputed region must return one tensor")
+    # inputs that another region recomputes or that are stored in float8 are kept as such
+    region.args, region.kwargs = pytree.tree_map_only(torch.Tensor, _kept_arg, (args, kwargs))
     root = _root(out)
     _OUTPUTS[root] = (region, root.storage_offset())
     return out
