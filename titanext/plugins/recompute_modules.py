@@ -54,7 +54,7 @@ from titanext.plugins.expert_parallel._comm import dequantize_rows, quantize_row
 from titanext.plugins.rules import RECOMPUTE_MODULES
 
 __all__ = ["RECOMPUTE_MODULES", "module_regions", "prepare_blocks", "recompute_modules",
-           "recompute_region", "store_in_float8"]
+           "recompute_region", "store_in_float8", "stored_in_float8"]
 
 
 class _Region:
@@ -163,6 +163,11 @@ def store_in_float8(t: torch.Tensor) -> None:
     """Keep what a prepared block saves of ``t`` (or of a view of it) in float8 (see
     :mod:`titanext.plugins.float8_storage`), while ``t`` lives."""
     _FLOAT8[_root(t)] = True
+
+
+def stored_in_float8(t: torch.Tensor) -> bool:
+    """Whether :func:`store_in_float8` marked ``t`` (or the tensor it is a view of)."""
+    return _root(t) in _FLOAT8
 
 
 def _unpack(packed):
