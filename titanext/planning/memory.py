@@ -429,8 +429,10 @@ def _float8_stored(lo: Layout, *, moe: bool) -> float:
     """Bytes per token a dense or MoE block stops saving with ``float8_storage``."""
     shape = lo.shape
     wo_in = (shape.n_heads * shape.mla[4] if shape.mla[1] else shape.dim) / lo.tp
+    routed = moe and shape.moe
     return float8_storage_saving(lo.recipe.float8_storage, a=lo.a, wo_in=wo_in, h=shape.dim,
-                                 top_k=shape.moe.top_k if moe and shape.moe else 0) / lo.cp
+                                 top_k=shape.moe.top_k if routed else 0,
+                                 expert_hidden=shape.moe.hidden if routed else 0) / lo.cp
 
 
 def static_memory_floor(lo: Layout) -> float:

@@ -126,15 +126,19 @@ def recompute_flops_bytes(modules: Iterable[str], *, h: int, a: int,
 
 
 def float8_storage_saving(names: tuple[str, ...], *, a: int, wo_in: float, h: int,
-                          top_k: int) -> float:
+                          top_k: int, expert_hidden: int = 0) -> float:
     """Bytes per token one block stops saving with ``[activation_checkpoint] float8_storage``
     (:mod:`titanext.plugins.float8_storage`): each stored row of ``d`` values keeps ``d`` float8
     bytes and one exponent byte per 1 x 128 block instead of ``a d``. ``wo_in``: the width of
     wo's input (heads x v features per TP rank); ``top_k``: routed rows per token in a MoE
-    block (0 in a dense one).
+    block (0 in a dense one); ``expert_hidden``: a routed expert's SwiGLU width (its two
+    inputs, gate and up, per routed row: ``expert_act_input``).
 
     >>> float8_storage_saving(("expert_up_proj_input",), a=2, wo_in=16384, h=7168, top_k=8)
     56896.0
+    >>> float8_storage_saving(("expert_act_input",), a=2, wo_in=16384, h=7168, top_k=8,
+    ...                       expert_hidden=2048)
+    32512.0
     """
     def row(d: float) -> float:
         return a * d - (d + -(-d // 128))
@@ -144,4 +148,6 @@ def float8_storage_saving(names: tuple[str, ...], *, a: int, wo_in: float, h: in
         out += row(wo_in)
     if "expert_up_proj_input" in names and top_k:
         out += top_k * row(h)
+    if "expert_act_input" in names and top_k:
+        out += 2 * top_k * row(expert_hidden)
     return out

@@ -140,7 +140,8 @@ def _model_has(args: Any) -> dict[str, bool]:
     return {"layernorm": True, "mla_up_proj": bool(getattr(args, "mla", False)),
             "core_attn": True, "moe_act": moe is not None, "mlp": dense,
             "shared_experts": moe is not None and moe.num_shared_experts > 0,
-            "expert_up_proj_input": moe is not None, "attention_out_input": True}
+            "expert_up_proj_input": moe is not None, "attention_out_input": True,
+            "expert_act_input": moe is not None}
 
 
 def resolved_recompute_modules(names: Any, args: Any) -> tuple[str, ...]:
