@@ -51,8 +51,7 @@ class AddLossGradient(torch.autograd.Function):
 
 class _SumRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, index: torch.Tensor,  # type: ignore[override]
-                num: int) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(index)
         ctx.dtype = rows.dtype
         out = torch.zeros(num, *rows.shape[1:], dtype=torch.float32, device=rows.device)
