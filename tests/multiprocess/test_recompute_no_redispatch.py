@@ -33,10 +33,10 @@ KEEP = [*FULL, "--activation_checkpoint.keep_all_to_all=true"]
 MODULES = ["--activation_checkpoint.mode=modules",
            "--activation_checkpoint.recompute_modules=layernorm,core_attn,moe_act,mlp,"
            "shared_experts"]
-# float8 storage of both inputs, with recompute by module, on the 1F1B layout: within the
-# measured float8 error of full AC (the first step's loss is bitwise: only dW changes)
+# float8 storage of the three inputs, with recompute by module, on the 1F1B layout: within the
+# measured float8 error of full AC (the first step's loss is bitwise: only gradients change)
 F8_STORE = [*MODULES, "--activation_checkpoint.float8_storage=expert_up_proj_input,"
-            "attention_out_input"]
+            "attention_out_input,expert_act_input"]
 F8_LOSS_RTOL, F8_PARAM_RTOL = 2e-4, 2.5e-2
 # DeepSeek-V3's choice on MLA (debugdeepseek) inside DualPipe stages (pp 2 x ep 2; its split
 # backward recomputes each region twice): mla_up_proj recomputes q, k, v through RoPE, moe_act the
