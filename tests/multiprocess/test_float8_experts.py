@@ -8,7 +8,8 @@ when an ep rank sees the rows that one process sees in a micro-batch: ranks 2g a
 an ep group and hold sequences 4g .. 4g + 3 of the global batch, so the reference is one process
 accumulating two micro-batches of 4 sequences. Losses, gradient norms and parameters after 4
 steps match it to 1e-5 (dense parameters: test_expert_parallel.py's 1e-4, Adam's rounding
-noise), for the flat and the two-level dispatch and both recipes.
+noise), for the flat and the two-level dispatch with the rowwise recipe; blockwise within the
+float8 error (see FLOAT8_ERROR_LOSS_RTOL).
 
 Hot-expert copies compute their share of a hot expert's dW with scales over that share only, and
 float8 dispatch rounds the dispatched rows: both within float8 error of one process (a loss
@@ -66,7 +67,12 @@ REFERENCES = {
     "debugmoe_fp32": ("debugmoe", []),
 }
 # Copies' dW scales span only their share of the hot expert's rows (see the module docstring);
-# float8 dispatch rounds the rows themselves (test_ep_two_level_trainer.py's bound).
+# float8 dispatch rounds the rows themselves (test_ep_two_level_trainer.py's bound). Blockwise:
+# w2's input carries the routing weights (applied before w2), which follow the router's
+# parameters, dense and so equal to one process's only to Adam's rounding noise; blockwise's dW
+# scales per column of an expert's rows (amax / 448, not a power of two, mixing rows of other
+# weights) turn that noise into other float8 roundings (expert weights 3e-3 off after 4 steps).
+# Rowwise's power-of-two scales absorb it here.
 FLOAT8_ERROR_LOSS_RTOL = 1e-3
 
 
@@ -120,7 +126,7 @@ def test_float8_experts_under_ep_match_one_float8_process(references, tmp_path):
             continue
         ref = references[ref_name]
         assert got[name][3] == 2, f"{name}: {got[name][3]} float8 experts modules"
-        if name.endswith(("_rep1", "_float8_dispatch")):
+        if name.endswith(("_rep1", "_float8_dispatch", "_blockwise")):
             assert not name.endswith("_rep1") or got[name][4] > 0, "no expert was copied"
             torch.testing.assert_close(torch.tensor(got[name][0]), torch.tensor(ref[0]),
                                        rtol=FLOAT8_ERROR_LOSS_RTOL, atol=0)

@@ -13,7 +13,9 @@
   side's thread: bitwise full AC, with and without the overlap;
 - recompute by module (``mode = "modules"``, every part debugmoe has) on the two-level and the
   pipeline layouts, and with the overlap: bitwise full AC (itself bitwise no AC), with the
-  all-to-alls and count exchanges of keep_all_to_all (no collective runs twice).
+  all-to-alls and count exchanges of keep_all_to_all (no collective runs twice);
+- DeepSeek-V3's choice on debugdeepseek (MLA's up-projections through RoPE, the weighted
+  SwiGLU, norms, shared experts) in DualPipe stages over pp 2 x ep 2: bitwise no AC.
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ KEEP = [*FULL, "--activation_checkpoint.keep_all_to_all=true"]
 MODULES = ["--activation_checkpoint.mode=modules",
            "--activation_checkpoint.recompute_modules=layernorm,core_attn,moe_act,mlp,"
            "shared_experts"]
-# float8 storage of both inputs, with recompute by module, on the 1F1B layout: within the
-# measured float8 error of full AC (the first step's loss is bitwise: only dW changes)
+# float8 storage of the three inputs, with recompute by module, on the 1F1B layout: within the
+# measured float8 error of full AC (the first step's loss is bitwise: only gradients change)
 F8_STORE = [*MODULES, "--activation_checkpoint.float8_storage=expert_up_proj_input,"
-            "attention_out_input"]
+            "attention_out_input,expert_act_input"]
 F8_LOSS_RTOL, F8_PARAM_RTOL = 2e-4, 2.5e-2
+# DeepSeek-V3's choice on MLA (debugdeepseek) inside DualPipe stages (pp 2 x ep 2; its split
+# backward recomputes each region twice): mla_up_proj recomputes q, k, v through RoPE, moe_act the
+# weighted SwiGLU; bitwise no AC
+DEEPSEEK = {"none": ["--model.flavor=debugdeepseek", "--activation_checkpoint.mode=none"],
+            "modules": ["--model.flavor=debugdeepseek", "--activation_checkpoint.mode=modules",
+                        "--activation_checkpoint.recompute_modules=layernorm,mla_up_proj,"
+                        "moe_act,shared_experts"]}
 # name: (overrides, micro-batches per step, MoE layers on rank 0 x dispatch levels), global
 # batch 8; DualPipe's two directions are left to the ratio check
 LAYOUTS = {
@@ -66,6 +75,10 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
             with count_comm() as cc:  # around test_expert_parallel's own counter
                 got = _ep._train(rank, world_size, {name: [*overrides, *extra]}, folder)[name]
             out[name] = (*got[:3], cc.all_to_alls, cc.count_exchanges)
+    dualpipe = LAYOUTS["pp2_dualpipe_x_ep2"][0]
+    for ac, extra in DEEPSEEK.items():
+        name = f"deepseek_dualpipe_{ac}"
+        out[name] = _ep._train(rank, world_size, {name: [*dualpipe, *extra]}, folder)[name][:3]
     return out, _overlap(rank, world_size, f"{folder}/overlap")
 
 
@@ -105,6 +118,11 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
         assert overlapped[3] == keep[3] == modules[3] and 4 * full[3] == 6 * keep[3], (
             full[3], keep[3], overlapped[3], modules[3])
     per_rank = [trained for trained, _ in per_rank]
+    for rank, got in enumerate(per_rank):  # MLA and the weighted SwiGLU recomputed: bitwise
+        none, mod = got["deepseek_dualpipe_none"], got["deepseek_dualpipe_modules"]
+        assert none[:2] == mod[:2] and len(none[0]) == 2, (rank, none[:2], mod[:2])
+        bad = [n for n in none[2] if not torch.equal(none[2][n], mod[2][n])]
+        assert not bad, f"debugdeepseek DualPipe rank {rank}: parameters differ from no AC: {bad}"
     counts = {}
     for rank, got in enumerate(per_rank):
         for layout, (_, microbatches, n_moe) in LAYOUTS.items():

@@ -332,3 +332,37 @@ def test_moe_config_overrides_reach_the_model():
     m = args.moe
     assert (m.num_experts, m.top_k, m.capacity_factor, m.use_grouped_mm) == (4, 1, 1.5, False)
     assert [args.is_moe_layer(i) for i in range(args.n_layers)] == [False, True, False]
+
+
+@pytest.mark.parametrize("flavor,dtype", [("debugmoe", torch.float32),
+                                          ("debugdeepseek", torch.bfloat16)])
+def test_moe_keeps_no_expert_output_for_the_routing_weights(flavor, dtype):
+    """The routing weight multiplies SwiGLU's output before w2, so the backward keeps no expert
+    output [rows, dim] (and no fp32 copy of one) for the weights' gradient: of the [T k, dim]
+    tensors, only the experts' input is saved, and the layer saves what the planner counts."""
+    from titanext.models import get_model_args
+    from titanext.planning.moe import MoEShape, moe_activation_extra
+
+    args = get_model_args("llama3", flavor)
+    moe = MoE(args.dim, args.moe).to(dtype)
+    tokens, m = 256, args.moe
+    x = torch.randn(1, tokens, args.dim, dtype=dtype, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (x, *moe.parameters(), *moe.buffers())}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(x).float().sum().backward()
+    rows = [shape for shape, _ in saved.values() if shape == (tokens * m.top_k, args.dim)]
+    assert len(rows) == 1, sorted(saved.values())  # the dispatched rows only
+    shape = MoEShape(layer_ids=frozenset(), num_experts=m.num_experts, top_k=m.top_k,
+                     hidden=m.hidden_dim, shared_hidden=m.num_shared_experts * m.hidden_dim,
+                     groups=m.num_expert_groups, sharded=0, replicated=0, experts=0, tensors=0,
+                     linears=())
+    planned = moe_activation_extra(shape, "none", dim=args.dim, a=dtype.itemsize)
+    measured = sum(n for _, n in saved.values()) / tokens
+    assert abs(planned - measured) <= 0.08 * measured, (planned, measured)

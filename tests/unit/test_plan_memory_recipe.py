@@ -71,7 +71,7 @@ def test_recompute_by_module_drops_what_each_choice_stops_saving():
     # 3 blocks of debugdeepseek (dim 64), 2 norms each: (4 + 2) 64 + 4 bytes a token, 1024 tokens
     assert none - layernorm.memory["activations"] == pytest.approx(3 * 2 * 388 * 1024)
     assert drop_bytes(("moe_act",), h=7168, a=2, mla=(1536, 512, 128, 64, 128), heads=128,
-                      ffn=0, moe=(8, 2048, 2048)) == 2 * 2 * 8 * 2048
+                      ffn=0, moe=(8, 2048, 2048)) == 2 * 8 * 2048  # w2's weighted input
     # the rerun lengthens the backward's input-gradient pass only
     base, rerun = _plan().time["stage_f_i_w_s"][0], layernorm.time["stage_f_i_w_s"][0]
     assert rerun[0] == base[0] and rerun[2] == base[2] and rerun[1] > base[1]

@@ -191,9 +191,10 @@ class ActivationCheckpoint:
     recompute_modules: list[str] = _field([], check=_any_of(RECOMPUTE_MODULES),
                                           rule="any of " + ", ".join(map(repr, RECOMPUTE_MODULES)))
     """With mode = 'modules': the parts of each block recomputed in backward (Megatron-Core's
-    names): layernorm (the block's norms), mla_up_proj (MLA's q/kv up-projections and their
-    norms), core_attn (scores, softmax, SDPA), moe_act (the experts' SwiGLU: its input kept,
-    its output recomputed), mlp (a dense block's feed-forward), shared_experts. Each must exist
+    names): layernorm (the block's norms), mla_up_proj (MLA's q/kv up-projections with their
+    norms and RoPE: q, k, v recomputed), core_attn (scores, softmax, SDPA), moe_act (the
+    experts' weighted SwiGLU: its input kept, its output recomputed), mlp (a dense block's
+    feed-forward), shared_experts. Each must exist
     in the model. Empty: DeepSeek-V3's choice, layernorm + mla_up_proj + moe_act, of those the
     model has. No all-to-all runs twice; losses and gradients are bitwise those of mode =
     'none'."""
@@ -201,9 +202,11 @@ class ActivationCheckpoint:
                                        rule="any of " + ", ".join(map(repr, FLOAT8_STORAGE)))
     """Tensors saved for the backward in float8 e4m3 with one power-of-two scale per 1 x 128
     block (DeepSeek-V3's activation caching), dequantized in the backward:
-    expert_up_proj_input (the dispatched rows feeding the routed experts' up-projections) and
-    attention_out_input (the input of the linear after attention, wo). About half the bytes of
-    bf16; weight gradients change within the measured float8 error (docs/deepseek_v3.md)."""
+    expert_up_proj_input (the dispatched rows feeding the routed experts' up-projections),
+    attention_out_input (the input of the linear after attention, wo) and expert_act_input (the
+    routed experts' SwiGLU inputs, w1 and w3 outputs). About half the bytes of bf16; with float8
+    linears and experts too. Weight gradients change within the measured float8 error (and with
+    expert_act_input the gradients upstream of SwiGLU: docs/deepseek_v3.md)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AddLossGradient", "FeedForward", "document_positions"]
+__all__ = ["AddLossGradient", "FeedForward", "document_positions", "sum_rows"]
 
 
 class FeedForward(nn.Module):
@@ -47,6 +47,32 @@ class AddLossGradient(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.meta
         return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
+class _SumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.dtype = rows.dtype
+        out = torch.zeros(num, *rows.shape[1:], dtype=torch.float32, device=rows.device)
+        return out.index_add_(0, index, rows.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index).to(ctx.dtype), None, None
+
+
+def sum_rows(rows: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
+    """``out[i] = sum of rows[j] with index[j] == i`` ([num, ...], fp32 sums): ``index_add``,
+    whose backward reads only ``index``. (torch's own index_add keeps its source rows for the
+    backward, e.g. a MoE's [tokens x top_k, dim] expert outputs, although only their shape is
+    needed.)
+
+    >>> sum_rows(torch.ones(3, 2), torch.tensor([0, 1, 0]), 2).tolist()
+    [[2.0, 2.0], [1.0, 1.0]]
+    """
+    return _SumRows.apply(rows, index, num)
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -237,27 +237,37 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.wq(x) if hasattr(self, "wq") else self.q_up(self.wq_a(x))
-        q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope + self.rope).split(
-            [self.nope, self.rope], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_layout)], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)
-        kv = self.kv_up(latent).view(bsz, seqlen, -1, self.nope + self.v_head_dim)
-        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q = (self._rope_q(self.wq(x), cos, sin) if hasattr(self, "wq")
+             else self.q_up(self.wq_a(x), cos, sin))
+        kv = self.kv_up(self.wkv_a(x), cos, sin)  # [B, S, H, qk + v]: k then v
+        k, v = kv.split([self.nope + self.rope, self.v_head_dim], dim=-1)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                            scale=self.softmax_scale, **docs)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    # The up-projections with their norms: the seams recompute by module wraps
-    # (recompute_modules = ["mla_up_proj"] keeps their inputs, the low-rank latents).
-    def q_up(self, q_latent: torch.Tensor) -> torch.Tensor:
-        return self.wq_b(self.q_norm(q_latent))
+    # The up-projections with their norms, through RoPE: the seams recompute by module wraps
+    # (recompute_modules = ["mla_up_proj"] keeps their inputs, the low-rank latents, and
+    # recomputes q, k and v, which the attention core would otherwise keep).
+    def q_up(self, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q [B, S, H, qk] from the query latent ``wq_a(x)``: wq_b(q_norm(.)), RoPE."""
+        return self._rope_q(self.wq_b(self.q_norm(q_latent)), cos, sin)
 
-    def kv_up(self, kv_latent: torch.Tensor) -> torch.Tensor:
-        return self.wkv_b(self.kv_norm(kv_latent))
+    def kv_up(self, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[k | v] [B, S, H, qk + v] from ``wkv_a(x)`` = [latent | k_rope]: wkv_b(kv_norm(latent))
+        gives each head's k_nope and v; RoPE rotates the one k_rope all heads share."""
+        bsz, seqlen, _ = kv_a.shape
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v_head_dim)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
+        return torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1), v], dim=-1)
+
+    def _rope_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = q.shape
+        q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope + self.rope).split(
+            [self.nope, self.rope], dim=-1)
+        return torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_layout)], dim=-1)
 
 
 class TransformerBlock(nn.Module):

@@ -11,9 +11,10 @@ torch.Size([2, 16, 64])
 Flow of ``MoE.forward`` on T = batch x seq tokens: the router scores every token against every
 expert in fp32 and picks ``top_k`` experts per token; optionally drops assignments over an
 expert's capacity; sorts the T x top_k assignments by expert (stable); runs
-``experts(x_sorted, counts_per_expert)`` (the one seam expert parallelism wraps: nothing else
-assumes the experts are local); scatters the outputs back scaled by the routing weights; adds
-the shared experts.
+``experts(x_sorted, counts_per_expert, row_weights)`` (the one seam expert parallelism wraps:
+nothing else assumes the experts are local), which multiplies each row's routing weight into
+its SwiGLU output before w2 (an experts module without ``takes_row_weights`` is called with two
+arguments and its outputs are scaled instead); sums each token's rows; adds the shared experts.
 
 Load balancing (both switchable, see docs/moe_ep.md):
 - aux-loss-free: ``router.expert_bias`` is added to the scores for *selection only*; after each
@@ -39,10 +40,11 @@ from titanext._compat import grouped_mm
 from titanext._fake_backend import balanced_counts, is_fake
 from titanext.models.args import MoEArgs
 from titanext.models.init import init_tensor_, normal_
-from titanext.models.layers import AddLossGradient, FeedForward
+from titanext.models.layers import AddLossGradient, FeedForward, sum_rows
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "Router", "RouterGate", "TokenRouting",
-           "expert_load", "grouped_mm_supported", "set_aux_loss_weight", "update_expert_bias"]
+           "WeightedSwiGLU", "expert_load", "grouped_mm_supported", "set_aux_loss_weight",
+           "update_expert_bias"]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -103,6 +105,9 @@ class GroupedExperts(nn.Module):
     """
 
     float8_grouped_mm = None
+    # ``forward(x, counts, row_weights)``: the routing weight of each row is applied inside, to
+    # SwiGLU's output before w2 (:class:`WeightedSwiGLU`); the caller only sums the rows
+    takes_row_weights = True
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int,
                  use_grouped_mm: bool | Literal["auto"] = "auto"):
@@ -112,30 +117,68 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.use_grouped_mm = use_grouped_mm
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``row_weights`` [T] (fp32, or None: unweighted): each row's routing weight,
+        multiplied into SwiGLU's output before w2 (``w2(g act(h)) = g w2(act(h))``), so that
+        no expert output is kept for the weights' gradient."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.float8_grouped_mm is not None:
             mm = self.float8_grouped_mm
             offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
-            return mm(self.act(mm(x, w1, offs), mm(x, w3, offs)), w2, offs)
+            return mm(self.act(mm(x, w1, offs), mm(x, w3, offs), row_weights), w2, offs)
         use = self.use_grouped_mm
         if use == "auto":
             use = grouped_mm_supported(x, w1, w2, w3)
         if use:
             offs = torch.cumsum(num_tokens_per_expert, 0, dtype=torch.int32)
             h = self.act(grouped_mm(x, w1.transpose(-2, -1), offs=offs),
-                         grouped_mm(x, w3.transpose(-2, -1), offs=offs))
+                         grouped_mm(x, w3.transpose(-2, -1), offs=offs), row_weights)
             return grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         # The loop needs the counts on the host: one device-to-host sync.
-        outs = []
-        for e, xe in enumerate(torch.split(x, _host_counts(num_tokens_per_expert, x.shape[0]))):
-            outs.append(F.linear(self.act(F.linear(xe, w1[e]), F.linear(xe, w3[e])), w2[e]))
+        counts = _host_counts(num_tokens_per_expert, x.shape[0])
+        gs = torch.split(row_weights, counts) if row_weights is not None else [None] * len(counts)
+        outs = [F.linear(self.act(F.linear(xe, w1[e]), F.linear(xe, w3[e]), ge), w2[e])
+                for e, (xe, ge) in enumerate(zip(torch.split(x, counts), gs, strict=True))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
-    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's activation ``silu(gate) * up``: the seam recompute by module wraps
-        (``recompute_modules = ["moe_act"]`` keeps ``gate`` and ``up``, recomputes this)."""
-        return F.silu(gate) * up
+    def act(self, gate: torch.Tensor, up: torch.Tensor,
+            row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's activation ``silu(gate) * up``, times each row's routing weight when given:
+        the seam recompute by module wraps (``recompute_modules = ["moe_act"]`` keeps ``gate``,
+        ``up`` and the weights, recomputes this)."""
+        if row_weights is None:
+            return F.silu(gate) * up
+        return WeightedSwiGLU.apply(gate, up, row_weights)
+
+
+class WeightedSwiGLU(torch.autograd.Function):
+    """``(silu(gate) * up) * g`` per row, rounded once to ``gate``'s dtype (the product in
+    ``gate``'s dtype, as the unweighted SwiGLU; the weight in fp32).
+
+    It saves ``gate``, ``up`` and ``g`` only and recomputes ``silu(gate) * up`` in its backward:
+    the weight's gradient ``sum(dout * silu(gate) * up)`` reads what SwiGLU keeps anyway, so the
+    experts' outputs [rows, dim] need not be kept for it (weighting after w2 would). Megatron-Core
+    weights its MoE SwiGLU the same way."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor,  # type: ignore[override]
+                g: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, g)
+        acc = torch.promote_types(gate.dtype, torch.float32)
+        return ((F.silu(gate) * up).to(acc) * g.to(acc).unsqueeze(-1)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+        gate, up, g = ctx.saved_tensors
+        acc = torch.promote_types(gate.dtype, torch.float32)
+        gf, d = gate.to(acc), dout.to(acc)
+        s = torch.sigmoid(gf)
+        dg = (d * (F.silu(gate) * up).to(acc)).sum(-1).to(g.dtype)  # the forward's product
+        dh = d * g.to(acc).unsqueeze(-1)  # d(silu(gate) * up)
+        dup = (dh * gf * s).to(up.dtype)
+        dgate = (dh * up.to(acc) * s * (1 + gf * (1 - s))).to(gate.dtype)
+        return dgate, dup, dg
 
 
 class TokenRouting:
@@ -159,7 +202,29 @@ class RouterGate(nn.Linear):
     titanext_convert = False  # float8 / deferral keep it as it is, on purpose (no warning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return _Fp32Linear.apply(x, self.weight)
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """``F.linear(x.float(), w.float())`` that keeps ``x`` and ``w`` as they came (a 16-bit
+    ``x`` is the MoE's input, which its experts keep anyway) instead of their fp32 copies, and
+    casts them again in the backward: the same products, without an fp32 [tokens, dim] copy per
+    MoE block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = grad.matmul(w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = grad.reshape(-1, grad.shape[-1]).t().matmul(
+                x.float().reshape(-1, x.shape[-1])).to(w.dtype)
+        return dx, dw
 
 
 class Router(nn.Module):
@@ -279,10 +344,13 @@ class MoE(nn.Module):
             order, kept_counts = self._capacity_order(flat_ids, counts,
                                                       scores.gather(-1, ids).reshape(-1))
         token_of = order // a.top_k
-        y = self.experts(tokens[token_of], kept_counts)  # [kept, dim] in expert order
-        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return out.index_add_(0, token_of, y).to(tokens.dtype)
+        row_weights = weights.reshape(-1)[order]
+        if getattr(self.experts, "takes_row_weights", False):  # weighted before w2: no expert
+            # output is kept for the weights' gradient
+            y = self.experts(tokens[token_of], kept_counts, row_weights)
+        else:  # [kept, dim] in expert order
+            y = self.experts(tokens[token_of], kept_counts).float() * row_weights.unsqueeze(-1)
+        return sum_rows(y, token_of, tokens.shape[0]).to(tokens.dtype)
 
     def _capacity_order(self, flat_ids: torch.Tensor, counts: torch.Tensor,
                         flat_scores: torch.Tensor):

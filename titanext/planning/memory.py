@@ -223,14 +223,14 @@ def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
 
 def _two_level_saved(lo: Layout) -> float:
     """Bytes per token and MoE block that two-level dispatch saves beyond the flat one without
-    AC: its combine weighs each routed row's expert output in float32 (kept for the routing
-    weights' gradient, 4 h) and keeps the route's indices and weights (16); the debug MoE's
-    dry run at ep 4, k 2, h 64: 548 bytes (this: 544). AC recomputes both."""
+    AC: the route's indices and weights (16 per routed row). Its combine sums rows that the
+    experts weighted already, and its sums keep only their indices, so no expert output is kept
+    (before the weighted SwiGLU, 4 h more per routed row). AC recomputes them."""
     moe = lo.shape.moe
     if (moe is None or lo.ep == 1 or lo.ac not in ("none", "modules")
             or lo.recipe.ep_dispatch != "two_level"):
         return 0.0
-    return moe.top_k * (4 * lo.shape.dim + 16) / lo.cp
+    return moe.top_k * 16 / lo.cp
 
 
 def _ddp(lo: Layout) -> bool:
@@ -429,8 +429,10 @@ def _float8_stored(lo: Layout, *, moe: bool) -> float:
     """Bytes per token a dense or MoE block stops saving with ``float8_storage``."""
     shape = lo.shape
     wo_in = (shape.n_heads * shape.mla[4] if shape.mla[1] else shape.dim) / lo.tp
+    routed = moe and shape.moe
     return float8_storage_saving(lo.recipe.float8_storage, a=lo.a, wo_in=wo_in, h=shape.dim,
-                                 top_k=shape.moe.top_k if moe and shape.moe else 0) / lo.cp
+                                 top_k=shape.moe.top_k if routed else 0,
+                                 expert_hidden=shape.moe.hidden if routed else 0) / lo.cp
 
 
 def static_memory_floor(lo: Layout) -> float:

@@ -13,9 +13,13 @@ Saved activations per token of a MoE block (``a`` bytes per value; measured with
 hooks on ``debugmoe``, see tests/unit/test_plan.py), on top of the block's attention part (the dense
 formula with ``f = 0``)::
 
-    none:       a (3 k h + 4 k f_e + 4 f_s) + 4 E + 16 G + 40 k + 16
-                # expert inputs (k h), the weighted outputs before the scatter (2 k h), SwiGLU of
-                # the routed (k f_e) and shared (f_s) experts, fp32 scores, routing indices
+    none:       a (k h + 3 k f_e + 4 f_s) + 4 E + 16 G + 44 k + 16
+                # expert inputs (k h); the routed experts' weighted SwiGLU keeps gate and up
+                # and w2 its weighted output (3 k f_e), no expert output is kept (the routing
+                # weight multiplies SwiGLU's output before w2: titanext.models.moe.
+                # WeightedSwiGLU); the shared experts' SwiGLU (4 f_s); fp32 scores, routing
+                # indices and weights (the router keeps the block's 16-bit input, not an fp32
+                # copy: titanext.models.moe.RouterGate)
     selective:  a 2 f_s + 4 E        # matmul outputs kept: shared w1/w3, the fp32 router scores
     full:       0                    # the block input only, already in the dense part
 
@@ -134,7 +138,7 @@ def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> flo
     if mode == "selective":
         return a * 2 * h_s + 4 * e
     groups = 16 * shape.groups if shape.groups > 1 else 0
-    return a * (3 * k * dim + 4 * k * h_e + 4 * h_s) + 4 * e + groups + 40 * k + 16
+    return a * (k * dim + 3 * k * h_e + 4 * h_s) + 4 * e + groups + 44 * k + 16
 
 
 def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) -> float:

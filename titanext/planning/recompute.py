@@ -18,8 +18,14 @@ What a choice stops saving, per block and token (the region's inputs stay saved)
 
     layernorm:       2 ((4 + a) h + 4)          # fp32 x, x * rsqrt, rsqrt of both norms
     mla_up_proj:     sum over r_q, r_kv of (4 + a) r - 4
+                     + n a (2 d_qk + d_v [d_v = d_qk])   # the region ends after RoPE: q, k and
+                                                # v are recomputed; a v that the kernel pads to
+                                                # d_qk stays as the kernel's own copy; with
+                                                # core_attn, n a (2 d_qk + d_v): the recomputed
+                                                # core keeps q, k, v as handles
     core_attn:       n (a max(d_qk, d_v) + 4)   # the output and lse (v padded: - 8 a head)
-    moe_act:         2 a k f_e                  # silu(gate) and silu(gate) * up, k routed rows
+    moe_act:         a k f_e                    # the weighted silu(gate) * up (w2's input),
+                                                # k routed rows; gate, up and weights stay
     mlp:             4 a f                      # a dense block's w1, w3 outputs and SwiGLU
     shared_experts:  4 a f_s
 
@@ -36,7 +42,7 @@ all-to-all runs twice.
 
 >>> drop_bytes(("moe_act",), h=7168, a=2, mla=(1536, 512, 128, 64, 128), heads=128, ffn=0,
 ...            moe=(8, 2048, 2048))
-65536.0
+32768.0
 """
 
 from __future__ import annotations
@@ -71,11 +77,15 @@ def drop_bytes(modules: tuple[str, ...], *, h: int, a: int, mla: tuple[int, int,
             out += 2 * ((4 + a) * h + 4)
         elif name == "mla_up_proj":
             out += sum((4 + a) * r - 4 for r in (r_q, r_kv) if r)
+            if "core_attn" in modules:  # the recomputed core's inputs: handles too
+                out += heads * a * (2 * d_qk + d_v)
+            else:  # what the attention kernel saves of them (a v it pads is its own copy)
+                out += heads * a * (2 * d_qk * (d_qk >= d_v) + d_v * (d_v >= d_qk))
         elif name == "core_attn":
             width = max(d_qk, d_v) if d_qk else h / max(1.0, heads)
             out += heads * (a * width + (-4 if d_qk and d_v != d_qk else 4))
         elif name == "moe_act" and moe:
-            out += 2 * a * moe[0] * moe[1]
+            out += a * moe[0] * moe[1]
         elif name == "mlp":
             out += 4 * a * ffn
         elif name == "shared_experts" and moe:
@@ -116,15 +126,19 @@ def recompute_flops_bytes(modules: Iterable[str], *, h: int, a: int,
 
 
 def float8_storage_saving(names: tuple[str, ...], *, a: int, wo_in: float, h: int,
-                          top_k: int) -> float:
+                          top_k: int, expert_hidden: int = 0) -> float:
     """Bytes per token one block stops saving with ``[activation_checkpoint] float8_storage``
     (:mod:`titanext.plugins.float8_storage`): each stored row of ``d`` values keeps ``d`` float8
     bytes and one exponent byte per 1 x 128 block instead of ``a d``. ``wo_in``: the width of
     wo's input (heads x v features per TP rank); ``top_k``: routed rows per token in a MoE
-    block (0 in a dense one).
+    block (0 in a dense one); ``expert_hidden``: a routed expert's SwiGLU width (its two
+    inputs, gate and up, per routed row: ``expert_act_input``).
 
     >>> float8_storage_saving(("expert_up_proj_input",), a=2, wo_in=16384, h=7168, top_k=8)
     56896.0
+    >>> float8_storage_saving(("expert_act_input",), a=2, wo_in=16384, h=7168, top_k=8,
+    ...                       expert_hidden=2048)
+    32512.0
     """
     def row(d: float) -> float:
         return a * d - (d + -(-d // 128))
@@ -134,4 +148,6 @@ def float8_storage_saving(names: tuple[str, ...], *, a: int, wo_in: float, h: in
         out += row(wo_in)
     if "expert_up_proj_input" in names and top_k:
         out += top_k * row(h)
+    if "expert_act_input" in names and top_k:
+        out += 2 * top_k * row(expert_hidden)
     return out

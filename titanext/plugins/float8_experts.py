@@ -46,6 +46,7 @@ from titanext._compat import grouped_mm
 from titanext._fake_backend import is_fake
 from titanext.models.moe import GroupedExperts
 from titanext.plugins._loud import log_rank0, stacked_experts, stacked_experts_line
+from titanext.plugins.recompute_modules import store_in_float8, stored_in_float8
 from titanext.plugins.rules import FLOAT8_EXPERT_RECIPES
 
 __all__ = ["FLOAT8_EXPERT_RECIPES", "Float8GroupedMM", "apply_float8_experts",
@@ -275,6 +276,8 @@ def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     # gradient's float8 grouped GEMM reads the rows' dimension as a stride of 16 bytes' multiples)
     bound = -(-rows // _KERNEL_ALIGN) * _KERNEL_ALIGN + _KERNEL_ALIGN * offs.numel()
     xp = x.new_zeros(bound, x.shape[1]).index_copy(0, dst, x)
+    if stored_in_float8(x):  # the GEMM saves its padded copy: stored as x would have been
+        store_in_float8(xp)
     y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(-2, -1), padded_ends,
                                                out_dtype=x.dtype,
                                                pad_token_groups_for_grouped_mm=False)

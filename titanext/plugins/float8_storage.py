@@ -7,16 +7,24 @@ and dequantized when the backward reads them.
 ``"expert_up_proj_input"``  the rows the routed experts' up-projections (``w1``, ``w3``) read:
                             the dispatched rows under expert parallelism
 ``"attention_out_input"``   the input of the linear after attention (``wo``)
+``"expert_act_input"``      the routed experts' SwiGLU inputs (the ``w1`` and ``w3`` outputs:
+                            ``gate`` and ``up`` of ``GroupedExperts.act``)
 =========================  =====================================================================
 
-Only the weight gradients of those GEMMs read the stored input, so they are the only gradients
-that change (dW = dY^T x~ with x~ the dequantized rows); the forward, every input gradient and
-every other weight gradient are bitwise those of high-precision storage. The rows take
-``dim + ceil(dim / 128)`` bytes instead of ``2 dim`` (bf16) or ``4 dim`` (fp32).
+For the first two, only the weight gradients of those GEMMs read the stored input, so they are
+the only gradients that change (dW = dY^T x~ with x~ the dequantized rows); the forward, every
+input gradient and every other weight gradient are bitwise those of high-precision storage.
+SwiGLU's backward reads its stored inputs for its own input gradients (and, recomputed by
+``moe_act``, w2's input is rebuilt from them), so with ``expert_act_input`` every gradient
+upstream of the experts' SwiGLU changes, within the float8 error. The rows take
+``dim + ceil(dim / 128)`` bytes instead of ``2 dim`` (bf16) or ``4 dim`` (fp32). They combine
+with float8 linears and float8 routed experts (``[float8]``), whose GEMMs save their
+high-precision inputs and quantize them again in the backward: those read the dequantized rows.
 
 What DeepSeek-V3 does that this does not: its float8 GEMMs read the cached float8 tensors
-directly (no dequantize), and it caches the SwiGLU input and the MoE down-projection input in
-float8 (some in its custom E5M6 format); here the storage is separate from the compute dtype.
+directly (no dequantize, no second quantization), and it caches the MoE down-projection input
+in float8 too (some in its custom E5M6 format); here the storage is separate from the compute
+dtype.
 
 >>> import torch
 >>> from titanext.models import build_model, get_model_args
@@ -27,6 +35,7 @@ float8 (some in its custom E5M6 format); here the storage is separate from the c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -43,7 +52,7 @@ __all__ = ["FLOAT8_STORAGE", "apply_float8_storage"]
 
 
 def _targets(block: nn.Module, name: str) -> list[nn.Module]:
-    if name == "expert_up_proj_input":
+    if name in ("expert_up_proj_input", "expert_act_input"):
         return [m for m in block.modules() if isinstance(m, GroupedExperts)]
     return [m.wo for m in block.modules()
             if callable(getattr(m, "attn_fn", None)) and isinstance(getattr(m, "wo", None),
@@ -54,13 +63,12 @@ def _problem(fqn: str, module: nn.Module) -> str | None:
     """Why the input of ``module`` cannot be stored in float8 here (its GEMM would save another
     tensor than its input, so storing would silently do nothing), or None."""
     weight = module.w1 if isinstance(module, GroupedExperts) else module.weight
-    if isinstance(module, GroupedExperts) and module.float8_grouped_mm is not None:
-        return f"{fqn} runs float8 grouped GEMMs ([float8] moe_experts), which save their own"
     if isinstance(weight, DTensor) and not isinstance(module, GroupedExperts):
         return f"{fqn} is tensor-parallel (its input is a DTensor)"
+    # torchao's Float8Linear saves its high-precision input, as nn.Linear does
     if isinstance(module, nn.Linear) and type(module) not in (nn.Linear,) and not isinstance(
-            module, DeferredLinear):
-        return f"{fqn} is a {type(module).__name__} (float8 training saves its own tensors)"
+            module, DeferredLinear) and type(module).__name__ != "Float8Linear":
+        return f"{fqn} is a {type(module).__name__} (it may save other tensors than its input)"
     return None
 
 
@@ -77,6 +85,18 @@ def _mark_input(module: nn.Module, args: tuple):
     store_in_float8(args[0])
 
 
+def _marking_act(act):
+    """``act`` (a GroupedExperts' SwiGLU, or its recomputed region) with its inputs marked."""
+    @torch.compiler.disable  # marks live in a weak dictionary of tensors
+    @functools.wraps(act)
+    def act_stored(gate, up, *rest):
+        store_in_float8(gate)
+        store_in_float8(up)
+        return act(gate, up, *rest)
+
+    return act_stored
+
+
 def apply_float8_storage(model: nn.Module, names: Sequence[str], *,
                          blocks: Iterable[nn.Module] | str | None = None,
                          required: bool = True) -> dict[str, int]:
@@ -84,7 +104,8 @@ def apply_float8_storage(model: nn.Module, names: Sequence[str], *,
     every block of ``model`` (in place; after expert parallelism, before compile). Returns the
     modules per name. Raises a ValueError for an unknown name, a name with no module in any
     block (with ``required``; a pipeline stage passes False), and a module whose GEMM saves
-    something else than its input (float8 linears or experts, tensor-parallel ``wo``)."""
+    something else than its input (a tensor-parallel ``wo``, a linear subclass other than
+    torchao's Float8Linear)."""
     unknown = [n for n in names if n not in FLOAT8_STORAGE]
     if unknown:
         raise ValueError(f"activation_checkpoint.float8_storage = {list(names)!r}: unknown "
@@ -100,8 +121,11 @@ def apply_float8_storage(model: nn.Module, names: Sequence[str], *,
     if problems:
         raise ValueError(f"activation_checkpoint.float8_storage: {problems[0]}; remove it from "
                          "float8_storage")
-    for modules in found.values():
+    for name, modules in found.items():
         for m in modules:
+            if name == "expert_act_input":
+                m.act = _marking_act(m.act)
+                continue
             hook = _mark_input if isinstance(m, GroupedExperts) else _to_autocast_dtype
             m.register_forward_pre_hook(hook)
     prepare_blocks(model, block_list)

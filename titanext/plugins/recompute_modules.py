@@ -9,11 +9,13 @@ forward, each a callable of the model: a module's ``forward`` or one of its meth
 ======================  ==========================================================================
 ``"layernorm"``         the block's own norms (its direct children named ``*Norm``: titanext's
                         ``attention_norm`` and ``ffn_norm``)
-``"mla_up_proj"``       MLA's up-projections with their norms (``MLAttention.q_up``,
-                        ``MLAttention.kv_up``); the low-rank latents they start from are kept
+``"mla_up_proj"``       MLA's up-projections with their norms, through RoPE (``MLAttention.q_up``,
+                        ``MLAttention.kv_up``): q, k and v are recomputed; the low-rank latents
+                        they start from are kept
 ``"core_attn"``         the attention core (``attn_fn``: scores, softmax, SDPA); q, k, v are kept
-``"moe_act"``           the routed experts' SwiGLU (``GroupedExperts.act``): its inputs are kept,
-                        ``silu(gate) * up`` is recomputed
+                        (as its inputs, also with ``mla_up_proj``)
+``"moe_act"``           the routed experts' weighted SwiGLU (``GroupedExperts.act``): its inputs
+                        (gate, up, routing weights) are kept, w2's input is recomputed
 ``"mlp"``               a dense block's whole feed-forward (``feed_forward``)
 ``"shared_experts"``    a MoE block's shared experts
 ======================  ==========================================================================
@@ -52,7 +54,7 @@ from titanext.plugins.expert_parallel._comm import dequantize_rows, quantize_row
 from titanext.plugins.rules import RECOMPUTE_MODULES
 
 __all__ = ["RECOMPUTE_MODULES", "module_regions", "prepare_blocks", "recompute_modules",
-           "recompute_region", "store_in_float8"]
+           "recompute_region", "store_in_float8", "stored_in_float8"]
 
 
 class _Region:
@@ -76,8 +78,9 @@ class _Region:
                     saved.append(t)
                     return len(saved) - 1
 
-                args, kwargs = pytree.tree_map_only(torch.Tensor, _detached, (self.args,
-                                                                              self.kwargs))
+                args, kwargs = pytree.tree_map_only(
+                    (torch.Tensor, _Arg), _detached, (self.args, self.kwargs),
+                    is_leaf=lambda v: isinstance(v, _Arg))
                 _ACTIVE.on = True  # a region inside (none of titanext's) runs plainly
                 try:
                     with torch.enable_grad(), saved_tensors_hooks(pack, saved.__getitem__):
@@ -89,8 +92,26 @@ class _Region:
             return self.saved, self.out
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
+def _detached(t: torch.Tensor | _Arg) -> torch.Tensor:
+    if isinstance(t, _Arg):
+        return _unpack(t.packed).detach().requires_grad_(t.requires_grad)
     return t.detach().requires_grad_(t.requires_grad)
+
+
+class _Arg:
+    """A region's kept input that is another region's output (its handle: recomputed, not kept)
+    or stored in float8 (its bytes), and whether it required grad (the recompute must save what
+    the forward saved)."""
+
+    __slots__ = ("packed", "requires_grad")
+
+    def __init__(self, packed, requires_grad: bool):
+        self.packed, self.requires_grad = packed, requires_grad
+
+
+def _kept_arg(t: torch.Tensor):
+    packed = _pack_outside(t)
+    return t if packed is t else _Arg(packed, t.requires_grad)
 
 
 class _Internal:
@@ -144,6 +165,11 @@ def store_in_float8(t: torch.Tensor) -> None:
     _FLOAT8[_root(t)] = True
 
 
+def stored_in_float8(t: torch.Tensor) -> bool:
+    """Whether :func:`store_in_float8` marked ``t`` (or the tensor it is a view of)."""
+    return _root(t) in _FLOAT8
+
+
 def _unpack(packed):
     if isinstance(packed, _Float8):
         return packed.value()
@@ -192,6 +218,8 @@ def _run_region(fn: Callable, *args, **kwargs):
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"recompute by module: {fn!r} returned {type(out).__name__}; a "
                         "recomputed region must return one tensor")
+    # inputs that another region recomputes or that are stored in float8 are kept as such
+    region.args, region.kwargs = pytree.tree_map_only(torch.Tensor, _kept_arg, (args, kwargs))
     root = _root(out)
     _OUTPUTS[root] = (region, root.storage_offset())
     return out

@@ -51,7 +51,7 @@ RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", 
 DEFAULT_RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
 #: ``[activation_checkpoint] float8_storage``: tensors saved for the backward in float8 e4m3
 #: with 1 x 128 scales (:mod:`titanext.plugins.float8_storage`).
-FLOAT8_STORAGE = ("expert_up_proj_input", "attention_out_input")
+FLOAT8_STORAGE = ("expert_up_proj_input", "attention_out_input", "expert_act_input")
 
 
 def float8_problems(f: Any, p: Any, skip: set[str]) -> list[str]:
@@ -140,7 +140,8 @@ def _model_has(args: Any) -> dict[str, bool]:
     return {"layernorm": True, "mla_up_proj": bool(getattr(args, "mla", False)),
             "core_attn": True, "moe_act": moe is not None, "mlp": dense,
             "shared_experts": moe is not None and moe.num_shared_experts > 0,
-            "expert_up_proj_input": moe is not None, "attention_out_input": True}
+            "expert_up_proj_input": moe is not None, "attention_out_input": True,
+            "expert_act_input": moe is not None}
 
 
 def resolved_recompute_modules(names: Any, args: Any) -> tuple[str, ...]:
@@ -156,7 +157,7 @@ def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any
     """One line per problem of ``[activation_checkpoint] recompute_modules`` and
     ``float8_storage``: recompute_modules without mode = 'modules', a name the model lacks,
     core_attn under context parallelism (its ring would communicate again), float8 storage
-    with a full recompute, a tensor-parallel wo or float8 experts.
+    with a full recompute, a tensor-parallel wo.
 
     >>> from titanext.config import ConfigError, load_config
     >>> try:
@@ -194,10 +195,6 @@ def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any
         problems.append(f"{key}.float8_storage names 'attention_out_input', but "
                         f"parallelism.tensor_parallel_degree = {tp} (a tensor-parallel wo saves "
                         "a DTensor, not stored in float8 yet); remove it or use tp = 1")
-    if "expert_up_proj_input" in store and cfg.float8.moe_experts:
-        problems.append(f"{key}.float8_storage names 'expert_up_proj_input', but float8."
-                        "moe_experts = true: float8 grouped GEMMs save their own float8 inputs; "
-                        "remove one of them")
     cp = cfg.parallelism.context_parallel_degree
     if "core_attn" in ac.recompute_modules and ac.mode == "modules" and cp > 1:
         problems.append(f"{key}.recompute_modules names 'core_attn', but "
@@ -209,5 +206,6 @@ def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any
 
 _WHAT = {"mla_up_proj": "MLA attention: q_lora_rank / kv_lora_rank",
          "moe_act": "routed experts", "mlp": "dense block", "shared_experts": "shared experts",
-         "expert_up_proj_input": "routed experts", "layernorm": "norms",
+         "expert_up_proj_input": "routed experts", "expert_act_input": "routed experts",
+         "layernorm": "norms",
          "core_attn": "attention", "attention_out_input": "attention"}

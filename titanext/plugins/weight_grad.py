@@ -376,7 +376,7 @@ class _DeferredGroupedFn(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
+def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert, row_weights=None):
     w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
     mm = module.float8_grouped_mm  # float8 experts: their recipe's I and W halves (emulated)
     use = mm is not None or module.use_grouped_mm
@@ -388,17 +388,18 @@ def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert):
     else:
         counts = num_tokens_per_expert.tolist()
     h = module.act(_DeferredGroupedFn.apply(x, module.w1, offs, counts, mm),
-                   _DeferredGroupedFn.apply(x, module.w3, offs, counts, mm))
+                   _DeferredGroupedFn.apply(x, module.w3, offs, counts, mm), row_weights)
     return _DeferredGroupedFn.apply(h, module.w2, offs, counts, mm)
 
 
 class DeferredGroupedExperts(GroupedExperts):
     """:class:`GroupedExperts` whose three weight gradients can be deferred."""
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
         if _STATE.recording and torch.is_grad_enabled():
-            return _deferred_experts(self, x, num_tokens_per_expert)
-        return super().forward(x, num_tokens_per_expert)
+            return _deferred_experts(self, x, num_tokens_per_expert, row_weights)
+        return super().forward(x, num_tokens_per_expert, row_weights)
 
 
 # -- the converter ----------------------------------------------------------------------------

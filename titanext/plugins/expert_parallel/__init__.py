@@ -15,7 +15,10 @@ torchtitan's ``GroupedExperts`` inside its router / reorderer MoE, found by its 
   rows grouped by expert in expert order, ``num_tokens_per_expert`` a LongTensor [experts]
   (rows per expert, summing to N); it returns [N, out_dim] in the same row order, and computes
   as many experts as its parameters' *local* first dimension (use ``p.to_local()`` for DTensor
-  parameters). Routing weights are applied by the caller, after the experts module returns.
+  parameters). Routing weights are applied by the caller, after the experts module returns;
+  or, where the module's ``takes_row_weights`` is set (titanext's ``GroupedExperts``), it is
+  called as ``experts(x, num_tokens_per_expert, row_weights)`` and applies them itself (before
+  w2): the weights then travel beside the rows (``_dispatch.dispatch_row_values``).
 
 Dispatch (forward pre-hook), for W = ep ranks and L = E / W local experts:
 

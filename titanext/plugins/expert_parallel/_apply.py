@@ -22,6 +22,7 @@ from titanext.plugins.expert_parallel._dispatch import (
     TwoLevelRoute,
     combine_tokens,
     combine_two_level,
+    dispatch_row_values,
     dispatch_tokens,
     dispatch_two_level,
     node_groups,
@@ -43,12 +44,6 @@ _NEEDS_ROUTING = ("{} under two-level expert-parallel dispatch sends each token 
                   "and needs its routing: call it as experts(tokens, TokenRouting(top_k_index, "
                   "top_k_weights)) (titanext.models.moe.MoE does when experts.takes_routing is "
                   "set), or use dispatch='flat'")
-
-
-def _combine(y: torch.Tensor, route: Route | TwoLevelRoute) -> torch.Tensor:
-    if isinstance(route, TwoLevelRoute):
-        return combine_two_level(y, route)
-    return combine_tokens(y, route)
 
 
 # -- the ParallelStyle -----------------------------------------------------------------------------
@@ -82,10 +77,12 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(pname, dist_p)
 
     def _input_fn(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        if len(inputs) != 2:
+        takes_weights = getattr(module, "takes_row_weights", False)
+        if len(inputs) != 2 and not (len(inputs) == 3 and takes_weights):
             raise TypeError(f"{type(module).__name__} under ExpertParallel must be called as "
-                            "experts(x, num_tokens_per_expert) with positional arguments")
-        x, counts = inputs
+                            "experts(x, num_tokens_per_expert) with positional arguments (and "
+                            "row_weights third if its takes_row_weights is set)")
+        x, counts = inputs[:2]
         if self.nodes is not None:
             if not hasattr(counts, "weights"):
                 raise TypeError(_NEEDS_ROUTING.format(type(module).__name__))
@@ -106,15 +103,23 @@ class ExpertParallel(ParallelStyle):
             for name, w in local.items():  # a parameter slot holding a tensor, as FSDP2 does
                 module._parameters[name] = DTensor.from_local(w, mesh, [Shard(0)],
                                                               run_check=False)
-        module._ep_routes = [*getattr(module, "_ep_routes", []), (route, swapped)]
-        return x_local, local_counts
+        weights = None  # the rows' routing weights, where the experts apply them
+        if self.nodes is not None and takes_weights:
+            weights = dispatch_row_values(route.weight, route.inner)
+        elif len(inputs) == 3 and inputs[2] is not None:
+            weights = dispatch_row_values(inputs[2], route)
+        module._ep_routes = [*getattr(module, "_ep_routes", []),
+                             (route, swapped, weights is not None)]
+        return (x_local, local_counts) if weights is None else (x_local, local_counts, weights)
 
     @staticmethod
     def _output_fn(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        route, swapped = module._ep_routes.pop()
+        route, swapped, weighted = module._ep_routes.pop()
         for name, p in swapped.items():  # the parameters again, before FSDP's post-forward
             module._parameters[name] = p
-        return _combine(outputs, route)
+        if isinstance(route, TwoLevelRoute):
+            return combine_two_level(outputs, route, weighted=not weighted)
+        return combine_tokens(outputs, route)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _group(device_mesh)  # 1D check

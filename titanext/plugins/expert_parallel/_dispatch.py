@@ -25,8 +25,10 @@ Dispatch (``apply_expert_parallel(..., dispatch="two_level", ranks_per_node=N)``
    hot-expert replication included (copies stay inside the node).
 
 Combine, the reverse: the experts' rows come back inside the node; each received token's rows
-are weighted by their routing weights and **summed inside the node** (fp32, sent in the rows'
-dtype); one row per (token, node) crosses the network back; the sender adds its nodes' sums.
+are weighted by their routing weights (by the experts, before w2, when they take row weights:
+the weights then travel inside the node beside the rows) and **summed inside the node** (fp32,
+sent in the rows' dtype); one row per (token, node) crosses the network back; the sender adds
+its nodes' sums.
 So a token costs at most ``num_limited_groups`` rows on the network each way, instead of
 ``top_k``. Every step is differentiable (the weights' gradients come back beside the rows').
 
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanext._fake_backend import balanced_counts
+from titanext.models.layers import sum_rows
 from titanext.plugins._mesh import one_dim_group
 from titanext.plugins.expert_parallel._comm import PLAIN, AllToAll, Wire, swap_counts
 from titanext.plugins.expert_parallel.replication import (
@@ -51,7 +54,8 @@ from titanext.plugins.expert_parallel.replication import (
 )
 
 __all__ = ["NodeGroups", "Route", "TwoLevelRoute", "combine_tokens", "combine_two_level",
-           "dispatch_tokens", "dispatch_two_level", "ep_group", "node_groups"]
+           "dispatch_row_values", "dispatch_tokens", "dispatch_two_level", "ep_group",
+           "node_groups"]
 
 
 # -- flat ------------------------------------------------------------------------------------------
@@ -127,6 +131,17 @@ def dispatch_tokens(x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
     local_counts = recv.view(world, n_local).sum(0)
     return (received.index_select(0, order), local_counts,
             Route(send_splits, recv_splits, order, pg, wire=wire))
+
+
+def dispatch_row_values(values: torch.Tensor, route: Route) -> torch.Tensor:
+    """``values`` [N] (one per row of the dispatched ``x``: the routing weights) to where
+    :func:`dispatch_tokens` sent the rows, in the expert input's order. One more
+    ``all_to_all_single`` of ``4 N`` bytes (counted as routing), differentiable; no sync."""
+    if route.send_order is not None:
+        values = values.index_select(0, route.send_order)
+    got = AllToAll.apply(values.unsqueeze(1), route.recv_splits, route.send_splits, route.group,
+                         "routing", Wire(route.wire.ranks_per_node))
+    return got.squeeze(1).index_select(0, route.order)
 
 
 def combine_tokens(y: torch.Tensor, route: Route) -> torch.Tensor:
@@ -260,15 +275,17 @@ def dispatch_two_level(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     return rows, local_counts, route
 
 
-def combine_two_level(y: torch.Tensor, route: TwoLevelRoute) -> torch.Tensor:
-    """Inverse of :func:`dispatch_two_level`, weighted: ``out[t] = sum_j w[t, j] y[t, j]`` over
-    token t's experts, each node's part summed inside the node before it crosses back. Returns
-    [T, dim] in ``y``'s dtype (fp32 sums, one rounding per node and one at the end)."""
+def combine_two_level(y: torch.Tensor, route: TwoLevelRoute, weighted: bool = True
+                      ) -> torch.Tensor:
+    """Inverse of :func:`dispatch_two_level`: ``out[t] = sum_j w[t, j] y[t, j]`` over token
+    t's experts (``weighted``; else ``y`` comes weighted already, from experts that took
+    :func:`dispatch_row_values` of ``route.weight``), each node's part summed inside the node
+    before it crosses back. Returns [T, dim] in ``y``'s dtype (fp32 sums, one rounding per node
+    and one at the end). Weighted here, the weights' gradient keeps an fp32 copy of every row."""
     back = combine_tokens(y, route.inner)  # [V, dim]: this node's assignments, by expert
     received = sum(route.recv_splits)
-    partial = torch.zeros(received, y.shape[1], dtype=torch.float32, device=y.device)
-    partial = partial.index_add(0, route.row, back.float() * route.weight.unsqueeze(1))
+    rows = back.float() * route.weight.unsqueeze(1) if weighted else back
+    partial = sum_rows(rows, route.row, received)
     home = AllToAll.apply(partial.to(y.dtype), route.send_splits, route.recv_splits,
                           route.groups.inter, "tokens", Wire(1))
-    out = torch.zeros(route.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    return out.index_add(0, route.token, home.float()).to(y.dtype)
+    return sum_rows(home, route.token, route.num_tokens).to(y.dtype)

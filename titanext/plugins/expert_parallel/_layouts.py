@@ -37,8 +37,9 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 def follows_experts_protocol(module: nn.Module) -> bool:
     """Whether ``module`` holds its expert weights directly (every parameter has the expert
     count as dim 0 and at least 2 dims; no submodule has parameters) and its forward takes
-    exactly ``(x, num_tokens_per_expert...)``: the second argument's name starts with
-    ``num_tokens_per_expert`` (torchtitan's ``num_tokens_per_expert_E`` included)."""
+    ``(x, num_tokens_per_expert...)``: the second argument's name starts with
+    ``num_tokens_per_expert`` (torchtitan's ``num_tokens_per_expert_E`` included); any further
+    positional argument has a default (titanext's ``row_weights``)."""
     params = [p for _, p in module.named_parameters(recurse=False)]
     if not params or len(params) != sum(1 for _ in module.parameters()):
         return False
@@ -48,5 +49,7 @@ def follows_experts_protocol(module: nn.Module) -> bool:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return False
-    names = [n for n, q in signature.parameters.items() if q.kind in _POSITIONAL]
-    return len(names) == 2 and names[1].startswith("num_tokens_per_expert")
+    params = [q for q in signature.parameters.values() if q.kind in _POSITIONAL]
+    extra = params[2:]  # titanext's row_weights: optional
+    return (len(params) >= 2 and params[1].name.startswith("num_tokens_per_expert")
+            and all(q.default is not q.empty for q in extra))
