@@ -230,9 +230,10 @@ def busy_compute(lo: Layout, per_stage: list[MicrobatchTime], events: list | Non
     if events is None:
         return lo.pp_microbatches * per_stage[0].total
     busy = [0.0] * lo.pp
+    cost = {(s, kind): c for s, mt in enumerate(per_stage)  # each stage's, worked out once
+            for kind, c in (("F", mt.f), ("I", mt.i), ("W", mt.w), ("B", mt.i + mt.w))}
     for e in events:
-        mt = per_stage[e.stage]
-        busy[e.rank] += {"F": mt.f, "I": mt.i, "W": mt.w, "B": mt.i + mt.w}[e.kind]
+        busy[e.rank] += cost[e.stage, e.kind]
     return max(busy)
 
 

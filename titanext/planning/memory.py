@@ -565,25 +565,27 @@ def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts
     done = dict.fromkeys(rk.stages, 0)
     acc_on = dict.fromkeys(rk.stages, False)
     reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
+    stages = rk.stages
 
-    now = [0.0]  # the end of the event being replayed: the receive buffers posted by then
+    # The terms (in the order of _PEAK_TERMS), each summed again only when what it reads
+    # changes: gradients at a backward's start and a reduce, activations and buffers per event.
+    def gradients() -> tuple[float, float]:
+        return (sum([grad[s] for s in stages  # without FSDP: param.grad
+                     if reduced[s] or (acc_on[s] and not sharded)]),
+                sum([acc[s] for s in stages if acc_on[s]]))
 
-    def terms(extra=(0.0, 0.0)) -> tuple[float, ...]:  # in the order of _PEAK_TERMS
-        return (sum(grad[s] for s in rk.stages  # without FSDP: param.grad
-                    if reduced[s] or (acc_on[s] and not sharded)),
-                sum(acc[s] for s in rk.stages if acc_on[s]),
-                sum(live[s] * act[s] + pending[s] * wact[s] for s in rk.stages),
-                # buffers with posted <= now < freed (every interval has posted < freed)
-                boundary * (bisect.bisect_right(posts, now[0])
-                            - bisect.bisect_right(frees, now[0])),
-                extra[0], extra[1])
+    def held() -> float:
+        return sum([live[s] * act[s] + pending[s] * wact[s] for s in stages])
 
-    best = terms()
+    def buffers(now: float) -> float:  # those with posted <= now < freed (posted < freed)
+        return boundary * (bisect.bisect_right(posts, now) - bisect.bisect_right(frees, now))
+    grads_now, held_now, buffers_now = gradients(), held(), buffers(0.0)
+    best = (*grads_now, held_now, buffers_now, 0.0, 0.0)
     best_total = sum(best)
 
-    def consider(extra=(0.0, 0.0)) -> None:
+    def consider(extra: tuple[float, float] = (0.0, 0.0)) -> None:
         nonlocal best, best_total
-        now_terms = terms(extra)
+        now_terms = (*grads_now, held_now, buffers_now, *extra)
         total = sum(now_terms)
         if total > best_total:
             best, best_total = now_terms, total
@@ -593,30 +595,34 @@ def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts
         if s not in live:
             continue
         recompute, loss = transient[s]
-        now[0] = e.end
+        buffers_now = buffers(e.end)
         if e.kind == "F":
             live[s] += 1
+            held_now = held()
             consider()
             continue
         if e.kind in ("I", "B"):
             acc_on[s] = True
+            grads_now = gradients()
             consider((0.0, loss))  # the loss backward runs first, freed before the blocks'
         if e.kind == "I":  # then its weight-gradient inputs build up
             live[s] -= 1
             pending[s] += 1
+            held_now = held()
             consider()
-        elif e.kind == "B":
-            consider((recompute, 0.0))
-            live[s] -= 1
-        else:
-            consider()
-            pending[s] -= 1
+        else:  # B: one block's recompute on top; W: its inputs freed after
+            consider((recompute, 0.0) if e.kind == "B" else (0.0, 0.0))
+            live[s] -= e.kind == "B"
+            pending[s] -= e.kind == "W"
+            held_now = held()
         if e.kind in ("B", "W"):
             done[s] += 1
             if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
                 reduced[s] = True
+                grads_now = gradients()
                 consider()
                 acc_on[s] = False
+                grads_now = gradients()
     return dict(zip(_PEAK_TERMS, best))
 
 

@@ -13,7 +13,7 @@ from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
 from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
 from titanext.schedules.placement import num_stages_for, resolved_stages_per_rank
 from titanext.schedules.registry import get_schedule_class
-from titanext.schedules.simulator import SimResult, replay
+from titanext.schedules.simulator import ReplayProgram, SimResult, compile_order, replay
 from titanext.schedules.zero_bubble import GeneratedSchedule
 
 __all__ = ["forwards_in_flight", "schedule_order", "schedule_problems", "simulate",
@@ -131,20 +131,37 @@ def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b:
         return c if c is None or isinstance(c, tuple) else c * share
 
     costs = dict(f=part(f), b=part(b), w=part(w), comm=comm, a2a=part(a2a), a2a_b=part(a2a_b))
-    order_costs = ({} if runtime_order and not getattr(cls, "measures_costs", False)
-                   else dict(f=_mean(f), b=_mean(b), w=_mean(w), comm=comm))
-    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
-        order = combined_order(cls.__name__, pp, microbatches, spr)
-    elif overlap and cls.__name__ not in OVERLAP_SCHEDULES:
+    if overlap and cls.__name__ not in OVERLAP_SCHEDULES:
         raise ValueError(f"schedule {cls.__name__!r} has no paired forward/backward chunks to "
                          f"overlap; choose one of {', '.join(OVERLAP_SCHEDULES)}")
+    chain = num_stages_for(cls.placement, pp, spr)
+    if runtime_order and not getattr(cls, "measures_costs", False):  # the same lists whatever
+        program = _compiled_order(cls, pp, microbatches, spr, max_pending_weight_grads,  # the
+                                  overlap)  # costs: worked out once (the planner asks often)
+    else:
+        program = _compile(cls, pp, microbatches, spr, max_pending_weight_grads, overlap,
+                           dict(f=_mean(f), b=_mean(b), w=_mean(w), comm=comm))
+    return replay(program, num_stages=chain, stage_size=share, overlap=overlap, **costs)
+
+
+def _compile(cls, pp: int, microbatches: int, spr: int, max_pending_weight_grads: int,
+             overlap: bool, order_costs: dict) -> ReplayProgram:
+    """The checked action lists :func:`simulate` replays (overlapped: 1F1B and Interleaved1F1B
+    as their combined lists), compiled for :func:`~titanext.schedules.simulator.replay`."""
+    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
+        order = combined_order(cls.__name__, pp, microbatches, spr)
     else:
         order = schedule_order(cls, pp=pp, microbatches=microbatches, stages_per_rank=spr,
                                max_pending_weight_grads=max_pending_weight_grads, **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
-    return replay(order, num_stages=chain, stage_size=share, overlap=overlap, **costs)
+    return compile_order(order, num_stages=chain, overlap=overlap)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_order(cls, pp, microbatches, spr, max_pending_weight_grads, overlap):
+    return _compile(cls, pp, microbatches, spr, max_pending_weight_grads, overlap, {})
 
 
 def _mean(c) -> float:

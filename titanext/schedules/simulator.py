@@ -127,11 +127,12 @@ _KIND = {F: "F", I: "I", W: "W", B: "B"}
 Cost = float | Mapping[int, float] | Sequence[float]
 
 
-def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
+def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
            w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
            overhead: float = 0.0, stage_size: float = 1.0, a2a: Cost = 0.0,
            a2a_b: Cost | None = None, overlap: bool = False) -> SimResult:
-    """Simulate per-rank compute lists; raises ValueError if they deadlock.
+    """Simulate per-rank compute lists; raises ValueError if they deadlock. ``order`` may be
+    compiled already (:func:`compile_order`: the same lists replayed with other costs).
 
     ``num_stages`` is the length of the chain a micro-batch runs through. The rank of a stage
     may depend on the micro-batch (DualPipe's two directions). An OVERLAP_F_B action runs its
@@ -151,11 +152,8 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
     >>> replay(order, num_stages=2).makespan, replay(order, num_stages=2, f=[1, 2]).makespan
     (15.0, 19.0)
     """
-    order_units = {r: [u for a in acts for u in _units(a, overlap)] for r, acts in order.items()}
-    # each unit as (kind, stage, micro-batch) triples, read once
-    units = {r: [tuple((_KIND[x.computation_type], x.stage_index, x.microbatch_index)
-                       for x in u) for u in us] for r, us in order_units.items()}
-    owner = {(s, j): r for r, us in units.items() for u in us for _, s, j in u}
+    program = order if isinstance(order, ReplayProgram) else compile_order(
+        order, num_stages=num_stages, overlap=overlap)
     by_kind = {"F": f, "I": b, "W": w, "B": full_b}
 
     def pick(c: Cost, stage: int) -> float:
@@ -172,34 +170,12 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
         return pick(a2a if kind == "F" or a2a_b is None else a2a_b, stage)
 
     # (compute, all-to-all) seconds of each (kind, stage)
-    costs = {(k, s): (cost(k, s), a2a_of(k, s))
-             for k, s in {(k, s) for us in units.values() for u in us for k, s, _ in u}}
-    done: dict[tuple[str, int, int], float] = {}
-    pos = {r: 0 for r in units}
-    free = {r: 0.0 for r in units}
+    costs = {(k, s): (cost(k, s), a2a_of(k, s)) for k, s in program.kind_stages}
+    done = [0.0] * program.slots  # the end of each F and I (a B's too) the others wait for
+    free = dict.fromkeys(program.ranks, 0.0)
     events: list[Event] = []
     comm_events: list[Event] = []
-    exposed = {r: 0.0 for r in units}
-    live = {r: 0 for r in units}
-    peak = {r: 0 for r in units}
-
-    def ready(kind: str, s: int, j: int) -> float | None:
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            dep = done.get(("F", s - 1, j))
-            return None if dep is None else dep + (comm if owner[s - 1, j] != owner[s, j] else 0.0)
-        if kind in ("I", "B"):
-            own = done.get(("F", s, j))
-            if own is None:
-                return None
-            if s == num_stages - 1:
-                return own
-            dep = done.get(("I", s + 1, j))
-            if dep is None:
-                return None
-            return max(own, dep + (comm if owner[s + 1, j] != owner[s, j] else 0.0))
-        return done.get(("I", s, j))
+    exposed = dict.fromkeys(program.ranks, 0.0)
 
     def place(r: int, unit: tuple, start: float) -> float:
         """Events of ``unit`` from ``start``; returns its end."""
@@ -225,30 +201,113 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
         exposed[r] += hide_b + hide_f
         return mid + cb + hide_f
 
+    for r, unit, needs, writes in program.steps:
+        start = free[r]
+        for need in needs:  # each chunk's inputs (compile_order's tags)
+            tag = need[0]
+            if tag == _FIRST:
+                t = 0.0
+            elif tag == _AFTER:
+                t = done[need[1]]
+            elif tag == _SENT:
+                t = done[need[1]] + (comm if need[2] else 0.0)
+            else:  # _BACKWARD: its own F, and the next stage's input gradient
+                t = max(done[need[1]], done[need[2]] + (comm if need[3] else 0.0))
+            start = max(start, t)
+        end = place(r, unit, start)
+        free[r] = end + overhead
+        for slot in writes:
+            done[slot] = end
+    return _result(events, comm_events, program.ranks, program.peak, exposed, stage_size)
+
+
+# what a chunk waits for, in a ReplayProgram's steps: nothing (the first stage's F), one slot
+# (a backward of the last stage: its own F; a W: its I), one slot sent from another stage (F:
+# the previous stage's F), or a backward's own F and the next stage's input gradient
+_FIRST, _AFTER, _SENT, _BACKWARD = range(4)
+
+
+@dataclass(frozen=True)
+class ReplayProgram:
+    """An order's replay worked out once, whatever the costs (:func:`compile_order`): the
+    order in which :func:`replay` places the chunks (which action can start next depends only
+    on which have run, not on when), what each waits for, and the ranks' activation peaks.
+    The planner replays the same order with many costs."""
+
+    ranks: tuple[int, ...]
+    #: (rank, unit: its (kind, stage, micro-batch) chunks, what each chunk waits for (a
+    #: tagged tuple of slots, and whether a slot comes from another rank), the slots it ends)
+    steps: tuple[tuple, ...]
+    slots: int
+    kind_stages: frozenset
+    peak: dict[int, int]
+
+
+def compile_order(order: dict[int, list], *, num_stages: int,
+                  overlap: bool = False) -> ReplayProgram:
+    """``order``'s :class:`ReplayProgram` (for :func:`replay`); raises ValueError if the
+    lists deadlock.
+
+    >>> from titanext.schedules import schedule_order
+    >>> program = compile_order(schedule_order("1F1B", pp=2, microbatches=4), num_stages=2)
+    >>> replay(program, num_stages=2).makespan, program.peak
+    (15.0, {0: 2, 1: 1})
+    """
+    order_units = {r: [u for a in acts for u in _units(a, overlap)] for r, acts in order.items()}
+    # each unit as (kind, stage, micro-batch) triples, read once
+    units = {r: [tuple((_KIND[x.computation_type], x.stage_index, x.microbatch_index)
+                       for x in u) for u in us] for r, us in order_units.items()}
+    owner = {(s, j): r for r, us in units.items() for u in us for _, s, j in u}
+    slot: dict[tuple[str, int, int], int] = {}  # each F and I that has run: its slot
+
+    def need(kind: str, s: int, j: int) -> tuple | None:
+        """What chunk (kind, s, j) waits for, or None while some of it has not run."""
+        if kind == "F":
+            if s == 0:
+                return (_FIRST,)
+            dep = slot.get(("F", s - 1, j))
+            return None if dep is None else (_SENT, dep, owner[s - 1, j] != owner[s, j])
+        if kind in ("I", "B"):
+            own = slot.get(("F", s, j))
+            if own is None:
+                return None
+            if s == num_stages - 1:
+                return (_AFTER, own)
+            dep = slot.get(("I", s + 1, j))
+            if dep is None:
+                return None
+            return (_BACKWARD, own, dep, owner[s + 1, j] != owner[s, j])
+        dep = slot.get(("I", s, j))
+        return None if dep is None else (_AFTER, dep)
+
+    steps = []
+    pos = dict.fromkeys(units, 0)
+    live = dict.fromkeys(units, 0)
+    peak = dict.fromkeys(units, 0)
     remaining = sum(len(us) for us in units.values())
     while remaining:
         progressed = False
         for r, us in units.items():
             while pos[r] < len(us):
                 unit = us[pos[r]]
-                start = free[r]
+                needs = []
                 for kind, s, j in unit:
-                    t = ready(kind, s, j)
-                    if t is None:
+                    n = need(kind, s, j)
+                    if n is None:
                         break
-                    start = max(start, t)
+                    needs.append(n)
                 else:
-                    end = place(r, unit, start)
-                    free[r] = end + overhead
+                    writes = []
                     for kind, s, j in unit:
-                        done[kind, s, j] = end
-                        if kind == "B":  # a full backward is also the input gradient others
-                            done["I", s, j] = end  # wait for
+                        if kind != "W":  # a full backward is also the input gradient others
+                            key = ("F" if kind == "F" else "I", s, j)  # wait for
+                            writes.append(slot.setdefault(key, len(slot)))
                         if kind == "F":
                             live[r] += 1
                             peak[r] = max(peak[r], live[r])
                         elif kind in ("W", "B"):
                             live[r] -= 1
+                    steps.append((r, unit, tuple(needs), tuple(writes)))
                     pos[r] += 1
                     remaining -= 1
                     progressed = True
@@ -257,7 +316,8 @@ def replay(order: dict[int, list], *, num_stages: int, f: Cost = 1.0, b: Cost = 
         if not progressed:
             stuck = {r: str(order_units[r][pos[r]]) for r in units if pos[r] < len(units[r])}
             raise ValueError(f"the schedule deadlocks; next actions per rank: {stuck}")
-    return _result(events, comm_events, units, peak, exposed, stage_size)
+    kind_stages = frozenset((k, s) for us in units.values() for u in us for k, s, _ in u)
+    return ReplayProgram(tuple(units), tuple(steps), len(slot), kind_stages, peak)
 
 
 def _units(a, overlap: bool) -> list[tuple]:
@@ -270,7 +330,7 @@ def _units(a, overlap: bool) -> list[tuple]:
     return [(x,) for x in xs]
 
 
-def _result(events, comm_events, units, peak, exposed, stage_size) -> SimResult:
+def _result(events, comm_events, ranks, peak, exposed, stage_size) -> SimResult:
     makespan = max(e.end for e in events) - min(e.start for e in events)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -284,7 +344,7 @@ def _result(events, comm_events, units, peak, exposed, stage_size) -> SimResult:
     makespan = max(makespan, max(last.values()) - min(first.values()))
     widest = max(first, key=lambda r: last[r] - first[r])
     span, busy = last[widest] - first[widest], busy_by_rank[widest]
-    ranks = sorted(units)
+    ranks = sorted(ranks)
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
                      peak_activations=[peak[r] for r in ranks], events=events,
                      peak_memory=[peak[r] * stage_size for r in ranks],
