@@ -560,12 +560,10 @@ def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts
     (:data:`_PEAK_TERMS`, see :func:`_pipeline_peak`)."""
     act, wact, acc, grad, transient = per_stage
     m = lo.pipe.microbatches
-    live = dict.fromkeys(rk.stages, 0)
-    pending = dict.fromkeys(rk.stages, 0)  # between I and W
-    done = dict.fromkeys(rk.stages, 0)
-    acc_on = dict.fromkeys(rk.stages, False)
-    reduced = dict.fromkeys(rk.stages, lo.accum > 1)  # earlier rounds' sharded gradients
     stages = rk.stages
+    live, pending, done = (dict.fromkeys(stages, 0) for _ in range(3))  # pending: I done, W not
+    acc_on = dict.fromkeys(stages, False)
+    reduced = dict.fromkeys(stages, lo.accum > 1)  # earlier rounds' sharded gradients
 
     # The terms (in the order of _PEAK_TERMS), each summed again only when what it reads
     # changes: gradients at a backward's start and a reduce, activations and buffers per event.
