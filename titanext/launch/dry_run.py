@@ -44,7 +44,7 @@ from titanext._fake_backend import (
 )
 from titanext._text import format_table
 from titanext.config import JobConfig
-from titanext.config.layout import fake_world_size
+from titanext.config.layout import fake_world_size, resolve_job_layout
 from titanext.models.llama import sdpa_attention
 from titanext.planning.estimate import plan_config
 from titanext.planning.layout import resolve_layout
@@ -52,10 +52,11 @@ from titanext.planning.memory import memory_per_pp_rank
 from titanext.plugins.expert_parallel._comm import count_comm
 from titanext.plugins.recompute_modules import recompute_region
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
+from titanext.schedules.orders import Repetition, fewest_repeating_microbatches
 from titanext.trainer import Trainer
 
-__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
-           "measure_real", "planner_peak_bytes", "use_fused_attention"]
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "fewer_microbatches",
+           "host_float", "measure", "measure_real", "planner_peak_bytes", "use_fused_attention"]
 
 GiB, GB = 2**30, 1e9
 # Gradient-accumulation rounds a dry run runs: the first creates the gradients, the second is
@@ -72,6 +73,11 @@ class CommBytes(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        # with :func:`_stepping_fewer`: each call's (schedule step, (stage, micro-batch) whose
+        # chunk or send / receive made it, or None: the step's own)
+        self.step, self.owner = -1, None
+        self.log: list[tuple[int, tuple | None, str, int]] = []
+        self.seen: dict[int, set[int]] = defaultdict(set)  # each stage's micro-batches
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,6 +89,7 @@ class CommBytes(TorchDispatchMode):
             key = name.strip("_").removesuffix("_coalesced").removesuffix("_base")
             self.bytes[key] += max(sizes, default=0)
             self.calls[key] += 1
+            self.log.append((self.step, self.owner, key, max(sizes, default=0)))
         return func(*args, **kwargs)
 
 
@@ -138,6 +145,103 @@ def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
         cfg.compile.enable = False
         notes.append("torch.compile is off in a dry run: eager activations (an upper bound)")
     return cfg, notes
+
+
+def fewer_microbatches(cfg: JobConfig, world_size: int, rank: int
+                       ) -> tuple[JobConfig, Repetition | None]:
+    """The config a pipelined dry run of ``rank`` builds, and why it steps fewer micro-batches.
+
+    With ``comm.fake_microbatches = "fewest"``, the fewest micro-batches whose action list on
+    this rank's pipeline position is the full one less repetitions of its steady state
+    (:func:`titanext.schedules.orders.fewest_repeating_microbatches`): local and global batch
+    scaled with them, micro-batches of the same size. Else ``cfg`` itself and None."""
+    p = cfg.parallelism
+    pp, m = p.pipeline_parallel_degree, p.pipeline_parallel_microbatches
+    if pp == 1 or cfg.comm.fake_microbatches == "all":
+        return cfg, None
+    plan = resolve_job_layout(cfg, world_size).pipeline
+    rep = fewest_repeating_microbatches(
+        plan.name, pp=pp, rank=rank // (world_size // pp), microbatches=m,
+        stages_per_rank=plan.stages_per_rank,
+        max_pending_weight_grads=plan.max_pending_weight_grads, overlap=plan.comm_overlap)
+    if rep is None:
+        return cfg, None
+    reduced, t = copy.deepcopy(cfg), cfg.training
+    reduced.parallelism.pipeline_parallel_microbatches = rep.fewer
+    reduced.training.local_batch_size = t.local_batch_size // m * rep.fewer
+    if t.global_batch_size > 0:  # else local x dp, scaled with the local batch
+        reduced.training.global_batch_size = t.global_batch_size // m * rep.fewer
+    return reduced, rep
+
+
+def _full_batches(trainer, rep: Repetition) -> list[tuple]:
+    """Each accumulation round's loader batch at the full micro-batch count (its rows from as
+    many of the reduced trainer's batches as it takes): every micro-batch's inputs exist for
+    the step, as in the full run."""
+    rows = trainer.cfg.training.local_batch_size // rep.fewer * rep.microbatches
+    parts = [trainer.next_microbatches() for _ in range(-(-rep.microbatches // rep.fewer))]
+    return [tuple(None if ts[0] is None else torch.cat(ts)[:rows] for ts in zip(*batches))
+            for batches in zip(*parts)]
+
+
+@contextlib.contextmanager
+def _stepping_fewer(schedule, stages, rows: int, comm: CommBytes):
+    """Inside: ``schedule.step`` hands its stages the first ``rows`` rows of each batch tensor
+    (views: the whole batch stays alive, as in the full run), and ``comm`` logs, with each
+    collective, the schedule step and the (stage, micro-batch) whose F, I, B or W chunk ran it
+    or whose sends or receives were last posted (the step's own collectives after the last)."""
+    step = schedule.step
+
+    def first_rows(*args, **kwargs):
+        def cut(t):
+            return t[:rows] if isinstance(t, torch.Tensor) and t.dim() and len(t) > rows else t
+        comm.step, comm.owner = comm.step + 1, None
+        return step(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
+
+    def owned(fn, stage: int, keep: bool):
+        def run(j, *args, **kwargs):
+            outer, comm.owner = comm.owner, (stage, j)
+            comm.seen[stage].add(j)
+            try:
+                return fn(j, *args, **kwargs)
+            finally:
+                if keep:  # a chunk: the owner around it again
+                    comm.owner = outer
+        return run
+
+    chunks = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    posts = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops")
+    saved = [(st, n, st.__dict__.get(n)) for st in stages for n in chunks + posts]
+    schedule.step = first_rows
+    for st, n, _ in saved:
+        setattr(st, n, owned(getattr(st, n), st.stage_index, n in chunks))
+    try:
+        yield
+    finally:
+        del schedule.step
+        for st, n, fn in saved:
+            if fn is None:
+                delattr(st, n)
+            else:
+                setattr(st, n, fn)
+
+
+def _full_step_comm(comm: CommBytes, rep: Repetition) -> tuple[dict[str, int], dict[str, int]]:
+    """The step's collectives at the full micro-batch count: what each stage's middle
+    micro-batch called (its chunks' collectives, its sends and receives) once more for each
+    micro-batch of the full count the stage did not run; every micro-batch but a stage's first
+    and last calls the same."""
+    nbytes, calls = defaultdict(int, comm.bytes), defaultdict(int, comm.calls)
+    middle = {}
+    for stage, ids in comm.seen.items():
+        ids = sorted(ids)
+        assert len(ids) >= 3, (stage, ids)  # a first, a last and one between
+        middle[stage] = (ids[len(ids) // 2], len(ids) * rep.microbatches // rep.fewer - len(ids))
+    for _, owner, key, size in comm.log:
+        if owner is not None and owner[1] == middle[owner[0]][0]:
+            nbytes[key] += middle[owner[0]][1] * size
+            calls[key] += middle[owner[0]][1]
+    return dict(nbytes), dict(calls)
 
 
 def stage_activation(trainer) -> torch.Tensor:
@@ -198,10 +302,11 @@ def _create_optimizer_state(trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes, int]:
-    """One train step of ``trainer`` under MemTracker and the byte counter (inside ``mode``, a
-    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm,
-    the optimizer step's own peak)."""
+def _measure_step(trainer, batches, mode, comm: CommBytes | None = None
+                  ) -> tuple[dict[str, int], int, CommBytes, int]:
+    """One train step of ``trainer`` under MemTracker and the byte counter ``comm`` (a new one
+    by default; inside ``mode``, a fake-tensor mode, or a null context on real tensors):
+    (memory at the peak, peak, comm, the optimizer step's own peak)."""
     with mode:  # the optimizer state exists in every step but the first: create it
         _create_optimizer_state(trainer)
     tracker = mem_tracker()
@@ -215,7 +320,7 @@ def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommByte
              trainer.optimizer.register_step_post_hook(
                  lambda *_: phase.append(tracker.end_phase())))
     with (mode, around_stage_init(schedule, tracker.module_hooks_paused), tracker,
-          CommBytes() as comm):
+          comm or CommBytes() as comm):
         trainer.train_step(batches)
     for hook in hooks:
         hook.remove()
@@ -231,11 +336,12 @@ def measure(cfg: JobConfig) -> DryRunResult:
     world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
     start = time.time()
     cfg, notes = dry_run_config(cfg)
+    stepped, rep = fewer_microbatches(cfg, world_size, rank)
     if not dist.is_initialized():
         init_fake_process_group(rank, world_size)
     mode = fake_tensor_mode()
     with mode:
-        trainer = Trainer(cfg)
+        trainer = Trainer(stepped)
     if trainer.dims.ep_enabled:
         notes.append("EP dispatch assumes perfectly balanced routing (fake tensors carry no "
                      "token counts): expert activations and all-to-all bytes are estimated")
@@ -245,7 +351,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
     if trainer.pipeline is not None:
         with mode:
             loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))
-    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    # real tokens; they turn fake inside the step
+    batches = trainer.next_microbatches() if rep is None else _full_batches(trainer, rep)
     rounds = len(batches)
     if rounds > MEASURED_ROUNDS:  # later rounds repeat the second one exactly
         batches = batches[:MEASURED_ROUNDS]
@@ -253,8 +360,25 @@ def measure(cfg: JobConfig) -> DryRunResult:
                      "peak is the second round's); step comm is scaled by "
                      f"{rounds}/{MEASURED_ROUNDS}")
 
-    with count_comm() as ep_comm:
-        memory, peak, comm, step_peak = _measure_step(trainer, batches, mode)
+    comm = CommBytes()
+    fewer = contextlib.nullcontext() if rep is None else _stepping_fewer(
+        trainer.pipeline.schedule, trainer.pipeline.stages,
+        cfg.training.local_batch_size // rep.microbatches * rep.fewer, comm)
+    with count_comm() as ep_comm, fewer:
+        memory, peak, comm, step_peak = _measure_step(trainer, batches, mode, comm)
+    if rep is None:
+        comm_bytes, comm_calls = comm.bytes, comm.calls
+    else:
+        comm_bytes, comm_calls = _full_step_comm(comm, rep)
+    if rep is not None:
+        notes.append(
+            f"pipeline: {rep.fewer} of {rep.microbatches} micro-batches stepped (exact): this "
+            f"rank's action list at {rep.microbatches} is the one at {rep.fewer} with "
+            f"{rep.period} steady-state action(s) repeated {rep.repeats} more times, which end "
+            "holding what they began with, so the step passes through the same memory and "
+            "peaks at the same bytes; all micro-batches' inputs are built, and each stage's "
+            "middle micro-batch's collectives are added once per micro-batch not run (comm.fake_microbatches = 'all' "
+            "steps every one)")
     scale = rounds / len(batches)
     if ep_comm.weight_all_to_alls:
         copied = ep_comm.weight_bytes_sent * scale / GB
@@ -265,8 +389,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
                      "(the bound)")
     result = DryRunResult(rank, world_size, memory, peak,
                           planner_peak_bytes(cfg, world_size, rank),
-                          {k: round(v * scale) for k, v in comm.bytes.items()},
-                          {k: round(v * scale) for k, v in comm.calls.items()},
+                          {k: round(v * scale) for k, v in comm_bytes.items()},
+                          {k: round(v * scale) for k, v in comm_calls.items()},
                           time.time() - start)
     result.notes = notes
     result.optimizer_peak = step_peak
@@ -321,6 +445,7 @@ def dry_run(cfg: JobConfig) -> int:
     for note in result.notes:
         print(f"titanext: dry run: note: {note}")
     ratio = result.peak / result.planner if result.planner else math.nan
+    print(f"titanext: dry run: peak of the step = {result.peak} bytes")
     print(f"titanext: dry run built and stepped in {result.seconds:.1f}s; measured / planner "
           f"peak = {ratio:.2f}")
     print(result.summary(), flush=True)
