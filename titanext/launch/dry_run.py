@@ -148,30 +148,43 @@ def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
 
 
 def fewer_microbatches(cfg: JobConfig, world_size: int, rank: int
-                       ) -> tuple[JobConfig, Repetition | None]:
-    """The config a pipelined dry run of ``rank`` builds, and why it steps fewer micro-batches.
+                       ) -> tuple[JobConfig, Repetition | None, str | None]:
+    """The config a pipelined dry run of ``rank`` builds, whether it steps fewer micro-batches,
+    and a note saying why (None without a pipeline or with ``comm.fake_microbatches = "all"``).
 
-    With ``comm.fake_microbatches = "fewest"``, the fewest micro-batches whose action list on
-    this rank's pipeline position is the full one less repetitions of its steady state
-    (:func:`titanext.schedules.orders.fewest_repeating_microbatches`): local and global batch
-    scaled with them, micro-batches of the same size. Else ``cfg`` itself and None."""
+    With ``"fewest"``: the fewest micro-batches whose action list on this rank's pipeline
+    position is the full one less repetitions of its steady state
+    (:func:`titanext.schedules.orders.fewest_repeating_microbatches`), local and global batch
+    scaled with them (micro-batches of the same size). Not on a rank holding the last stage:
+    the loss each micro-batch returns stays until the step's end, so its peak grows with the
+    micro-batch count (by 4 bytes each), and not where no fewer count repeats the lists."""
     p = cfg.parallelism
     pp, m = p.pipeline_parallel_degree, p.pipeline_parallel_microbatches
     if pp == 1 or cfg.comm.fake_microbatches == "all":
-        return cfg, None
-    plan = resolve_job_layout(cfg, world_size).pipeline
+        return cfg, None, None
+    plan, pp_rank = resolve_job_layout(cfg, world_size).pipeline, rank // (world_size // pp)
+    every = f"pipeline: all {m} micro-batches stepped: "
+    if plan.num_stages - 1 in plan.rank_stage_ids[pp_rank]:
+        return cfg, None, every + ("this rank holds the last stage, whose micro-batches' losses "
+                                   "stay to the step's end (a peak that grows with their count)")
     rep = fewest_repeating_microbatches(
-        plan.name, pp=pp, rank=rank // (world_size // pp), microbatches=m,
-        stages_per_rank=plan.stages_per_rank,
+        plan.name, pp=pp, rank=pp_rank, microbatches=m, stages_per_rank=plan.stages_per_rank,
         max_pending_weight_grads=plan.max_pending_weight_grads, overlap=plan.comm_overlap)
     if rep is None:
-        return cfg, None
+        return cfg, None, every + ("no fewer micro-batches run this rank's action list less "
+                                   "repetitions of a steady state")
     reduced, t = copy.deepcopy(cfg), cfg.training
     reduced.parallelism.pipeline_parallel_microbatches = rep.fewer
     reduced.training.local_batch_size = t.local_batch_size // m * rep.fewer
     if t.global_batch_size > 0:  # else local x dp, scaled with the local batch
         reduced.training.global_batch_size = t.global_batch_size // m * rep.fewer
-    return reduced, rep
+    return reduced, rep, (
+        f"pipeline: {rep.fewer} of {m} micro-batches stepped (exact): this rank's action list "
+        f"at {m} is the one at {rep.fewer} with {rep.period} steady-state action(s) repeated "
+        f"{rep.repeats} more times, which end holding what they began with, so the step passes "
+        "through the same memory and peaks at the same bytes; all micro-batches' inputs are "
+        "built, and each stage's middle micro-batch's collectives are added once per "
+        "micro-batch not run (comm.fake_microbatches = 'all' steps every one)")
 
 
 def _full_batches(trainer, rep: Repetition) -> list[tuple]:
@@ -336,7 +349,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
     world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
     start = time.time()
     cfg, notes = dry_run_config(cfg)
-    stepped, rep = fewer_microbatches(cfg, world_size, rank)
+    stepped, rep, why = fewer_microbatches(cfg, world_size, rank)
+    notes += [why] if why else []
     if not dist.is_initialized():
         init_fake_process_group(rank, world_size)
     mode = fake_tensor_mode()
@@ -370,15 +384,6 @@ def measure(cfg: JobConfig) -> DryRunResult:
         comm_bytes, comm_calls = comm.bytes, comm.calls
     else:
         comm_bytes, comm_calls = _full_step_comm(comm, rep)
-    if rep is not None:
-        notes.append(
-            f"pipeline: {rep.fewer} of {rep.microbatches} micro-batches stepped (exact): this "
-            f"rank's action list at {rep.microbatches} is the one at {rep.fewer} with "
-            f"{rep.period} steady-state action(s) repeated {rep.repeats} more times, which end "
-            "holding what they began with, so the step passes through the same memory and "
-            "peaks at the same bytes; all micro-batches' inputs are built, and each stage's "
-            "middle micro-batch's collectives are added once per micro-batch not run (comm.fake_microbatches = 'all' "
-            "steps every one)")
     scale = rounds / len(batches)
     if ep_comm.weight_all_to_alls:
         copied = ep_comm.weight_bytes_sent * scale / GB
