@@ -78,6 +78,7 @@ class CommBytes(TorchDispatchMode):
         self.step, self.owner = -1, None
         self.log: list[tuple[int, tuple | None, str, int]] = []
         self.seen: dict[int, set[int]] = defaultdict(set)  # each stage's micro-batches
+        self.posts: list[tuple[int, tuple, str, int]] = []  # sends / receives a stage posted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -201,8 +202,8 @@ def _full_batches(trainer, rep: Repetition) -> list[tuple]:
 def _stepping_fewer(schedule, stages, rows: int, comm: CommBytes):
     """Inside: ``schedule.step`` hands its stages the first ``rows`` rows of each batch tensor
     (views: the whole batch stays alive, as in the full run), and ``comm`` logs, with each
-    collective, the schedule step and the (stage, micro-batch) whose F, I, B or W chunk ran it
-    or whose sends or receives were last posted (the step's own collectives after the last)."""
+    collective, the schedule step and the (stage, micro-batch) whose F, I, B or W chunk ran it,
+    and in ``comm.posts`` each send and receive a stage posts, with its micro-batch."""
     step = schedule.step
 
     def first_rows(*args, **kwargs):
@@ -211,15 +212,24 @@ def _stepping_fewer(schedule, stages, rows: int, comm: CommBytes):
         comm.step, comm.owner = comm.step + 1, None
         return step(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
 
-    def owned(fn, stage: int, keep: bool):
+    def chunk(fn, stage: int):
         def run(j, *args, **kwargs):
             outer, comm.owner = comm.owner, (stage, j)
             comm.seen[stage].add(j)
             try:
                 return fn(j, *args, **kwargs)
             finally:
-                if keep:  # a chunk: the owner around it again
-                    comm.owner = outer
+                comm.owner = outer
+        return run
+
+    def post(fn, stage: int):
+        def run(j, *args, **kwargs):
+            ops = fn(j, *args, **kwargs)
+            for op in ops:  # torch's P2POp: isend or irecv of one tensor
+                key = "send" if op.op in (dist.isend, dist.send) else "recv"
+                comm.posts.append((comm.step, (stage, j), key,
+                                   op.tensor.numel() * op.tensor.element_size()))
+            return ops
         return run
 
     chunks = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -227,7 +237,7 @@ def _stepping_fewer(schedule, stages, rows: int, comm: CommBytes):
     saved = [(st, n, st.__dict__.get(n)) for st in stages for n in chunks + posts]
     schedule.step = first_rows
     for st, n, _ in saved:
-        setattr(st, n, owned(getattr(st, n), st.stage_index, n in chunks))
+        setattr(st, n, (chunk if n in chunks else post)(getattr(st, n), st.stage_index))
     try:
         yield
     finally:
@@ -250,7 +260,9 @@ def _full_step_comm(comm: CommBytes, rep: Repetition) -> tuple[dict[str, int], d
         ids = sorted(ids)
         assert len(ids) >= 3, (stage, ids)  # a first, a last and one between
         middle[stage] = (ids[len(ids) // 2], len(ids) * rep.microbatches // rep.fewer - len(ids))
-    for _, owner, key, size in comm.log:
+    # a chunk's own collectives, and the sends and receives posted for a micro-batch (torch
+    # posts one micro-batch's send with another's receive)
+    for _, owner, key, size in [e for e in comm.log if e[2] not in ("send", "recv")] + comm.posts:
         if owner is not None and owner[1] == middle[owner[0]][0]:
             nbytes[key] += middle[owner[0]][1] * size
             calls[key] += middle[owner[0]][1]
