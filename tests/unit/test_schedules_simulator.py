@@ -94,14 +94,15 @@ def test_problems_name_the_keys():
 
 def test_fewest_repeating_microbatches_of_the_671b_config():
     """DeepSeek-V3's shipped pipeline (DualPipe, pp 16, 120 micro-batches, at most 2 deferred
-    W's): every rank's list is its list at 32 with one F&B pair per direction repeated 44 more
-    times, and the shorter list holds as many micro-batches at once (the dry run steps 32)."""
-    for rank in (0, 8, 15):
+    W's): pp rank 8's list is its list at 32 with one F&B pair per direction repeated 44 more
+    times (the dry run steps 32), ranks 0 and 15's at 36 (42 more), and the shorter lists
+    hold as many micro-batches at once."""
+    for rank, fewer in ((0, 36), (8, 32), (15, 36)):
         rep = fewest_repeating_microbatches("DualPipe", pp=16, rank=rank, microbatches=120,
                                             max_pending_weight_grads=2)
-        assert (rep.fewer, rep.period, rep.repeats) == (32, 2, 44), rep
+        assert (rep.fewer, rep.period, rep.repeats) == (fewer, 2, (120 - fewer) // 2), rep
         held = [forwards_in_flight("DualPipe", pp=16, microbatches=m,
-                                   max_pending_weight_grads=2)[rank] for m in (32, 120)]
+                                   max_pending_weight_grads=2)[rank] for m in (fewer, 120)]
         assert held[0] == held[1], held
 
 
@@ -129,8 +130,10 @@ def test_a_repeating_list_is_the_full_list_less_balanced_repetitions(name):
 
 def test_an_unbalanced_run_is_not_a_repetition():
     """A repeated run that leaves one more forward in flight (memory that grows with the
-    count) does not count: only balanced runs make equal peaks."""
+    count) does not count, nor one that holds a stage's first or last action of a kind: only
+    balanced runs between those make equal peaks."""
     f0, b0 = ((F, 0),), ((B, 0),)
     assert _repetition([f0, b0], [f0, f0, b0]) is None
-    assert _repetition([f0, b0], [f0, b0, f0, b0]) == (2, 2, 1)
+    assert _repetition([f0, b0] * 3, [f0, b0] * 4) == (2, 4, 1)
+    assert _repetition([f0, b0] * 2, [f0, b0] * 3) is None  # it holds a first or last F or B
     assert fewest_repeating_microbatches("Auto", pp=2, rank=0, microbatches=8) is None

@@ -199,16 +199,17 @@ def _full_batches(trainer, rep: Repetition) -> list[tuple]:
 
 
 @contextlib.contextmanager
-def _stepping_fewer(schedule, stages, rows: int, comm: CommBytes):
+def _stepping_fewer(schedule, stages, rows: int, full: int, comm: CommBytes):
     """Inside: ``schedule.step`` hands its stages the first ``rows`` rows of each batch tensor
-    (views: the whole batch stays alive, as in the full run), and ``comm`` logs, with each
+    of ``full`` rows (views: the whole batch stays alive, as in the full run; every tensor the
+    runner hands the schedule is batch-first), and ``comm`` logs, with each
     collective, the schedule step and the (stage, micro-batch) whose F, I, B or W chunk ran it,
     and in ``comm.posts`` each send and receive a stage posts, with its micro-batch."""
     step = schedule.step
 
     def first_rows(*args, **kwargs):
         def cut(t):
-            return t[:rows] if isinstance(t, torch.Tensor) and t.dim() and len(t) > rows else t
+            return t[:rows] if isinstance(t, torch.Tensor) and t.dim() and len(t) == full else t
         comm.step, comm.owner = comm.step + 1, None
         return step(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
 
@@ -389,7 +390,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
     comm = CommBytes()
     fewer = contextlib.nullcontext() if rep is None else _stepping_fewer(
         trainer.pipeline.schedule, trainer.pipeline.stages,
-        cfg.training.local_batch_size // rep.microbatches * rep.fewer, comm)
+        cfg.training.local_batch_size // rep.microbatches * rep.fewer,
+        cfg.training.local_batch_size, comm)
     with count_comm() as ep_comm, fewer:
         memory, peak, comm, step_peak = _measure_step(trainer, batches, mode, comm)
     if rep is None:
