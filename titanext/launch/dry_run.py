@@ -82,15 +82,17 @@ class CommBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns = getattr(func, "namespace", "")
+        if getattr(func, "namespace", "") not in _COMM_NAMESPACES:  # every op: the short way
+            return func(*args, **kwargs)
         name = func.__name__.split(".")[0]
-        if ns in _COMM_NAMESPACES and not any(s in name for s in _SKIP):
-            sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
-                         if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())]
+        if not any(s in name for s in _SKIP):
+            size = max((sum(t.numel() * t.element_size() for t in tree_leaves(a)
+                            if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())),
+                       default=0)
             key = name.strip("_").removesuffix("_coalesced").removesuffix("_base")
-            self.bytes[key] += max(sizes, default=0)
+            self.bytes[key] += size
             self.calls[key] += 1
-            self.log.append((self.step, self.owner, key, max(sizes, default=0)))
+            self.log.append((self.step, self.owner, key, size))
         return func(*args, **kwargs)
 
 
