@@ -196,7 +196,8 @@ def _full_batches(trainer, rep: Repetition) -> list[tuple]:
     the step, as in the full run."""
     rows = trainer.cfg.training.local_batch_size // rep.fewer * rep.microbatches
     parts = [trainer.next_microbatches() for _ in range(-(-rep.microbatches // rep.fewer))]
-    return [tuple(None if ts[0] is None else torch.cat(ts)[:rows] for ts in zip(*batches))
+    # a copy of the rows: a view would keep the whole concatenation's storage (a tracked size)
+    return [tuple(None if ts[0] is None else torch.cat(ts)[:rows].clone() for ts in zip(*batches))
             for batches in zip(*parts)]
 
 
