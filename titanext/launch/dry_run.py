@@ -106,6 +106,7 @@ class DryRunResult:
         self.notes: list[str] = []  # what is estimated or changed rather than measured
         self.optimizer_peak = 0  # the optimizer step's own peak (bytes), and the planner's
         self.planner_optimizer = 0.0
+        self.optimizer_at = ""  # " (at N of M micro-batches)" where fewer were stepped
 
     @property
     def comm_total(self) -> int:
@@ -416,6 +417,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
                           time.time() - start)
     result.notes = notes
     result.optimizer_peak = step_peak
+    if rep is not None:  # what stays from each micro-batch past the pipeline's step can grow it
+        result.optimizer_at = f" (at {rep.fewer} of {rep.microbatches} micro-batches)"
     result.planner_optimizer = planner_peak_bytes(cfg, world_size, rank, moment="optimizer step")
     return result
 
@@ -458,7 +461,8 @@ def dry_run(cfg: JobConfig) -> int:
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
     rows.append({"memory": "peak of the step", "GiB": result.peak / GiB})
     rows.append({"memory": "planner", "GiB": result.planner / GiB})
-    rows.append({"memory": "peak in the optimizer step", "GiB": result.optimizer_peak / GiB})
+    rows.append({"memory": "peak in the optimizer step" + result.optimizer_at,
+                 "GiB": result.optimizer_peak / GiB})
     rows.append({"memory": "planner (optimizer step)", "GiB": result.planner_optimizer / GiB})
     print(format_table(rows))
     comm_rows = [{"collective": k, "calls": result.calls[k], "GB": v / GB}
