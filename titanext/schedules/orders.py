@@ -173,7 +173,7 @@ def fewest_repeating_microbatches(name: str, *, pp: int, rank: int, microbatches
     overlap`` runs (1F1B and Interleaved1F1B's combined pairs). The dry run steps this count.
 
     >>> fewest_repeating_microbatches("1F1B", pp=4, rank=1, microbatches=16).fewer
-    4
+    5
     """
     cls = capped_schedule_class(get_schedule_class(name), max_pending_weight_grads)
     if getattr(cls, "measures_costs", False):
