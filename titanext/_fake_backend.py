@@ -152,7 +152,9 @@ def mem_tracker():
     for a second iteration; here a root's second forward drops only its per-module stats (the
     step's totals and peak are kept)."""
     # private torch module: loaded only for a dry run
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools import mem_tracker as tracker_module
+
+    MemTracker = tracker_module.MemTracker
 
     class StepTracker(MemTracker):
         _propagating = 0  # inside DTensor's sharding propagation (global-shape fake tensors)
@@ -162,7 +164,7 @@ def mem_tracker():
             _TRACKERS.append(self)
             self._hooks = contextlib.ExitStack()
             self._hooks.enter_context(_hooks_without_graph_cycles())
-            self._hooks.enter_context(_flat_outputs_mapped_directly())
+            self._hooks.enter_context(_flat_outputs_mapped_directly(tracker_module))
             return super().__enter__()
 
         def __exit__(self, *args):
@@ -255,14 +257,12 @@ def _hooks_without_graph_cycles():
 
 
 @contextlib.contextmanager
-def _flat_outputs_mapped_directly():
+def _flat_outputs_mapped_directly(module):
     """MemTracker's ``tree_map_only`` over each op's outputs, the same map done directly for a
     tensor or a plain tuple / list of tensors, numbers and None (nearly every op's outputs, all
     pytree leaves): pytree's flatten and rebuild took 13% of a dry run's step (cProfile, a
-    debug DeepSeek pipeline). Any other tree goes to pytree as before."""
-    # private torch module: loaded only for a dry run
-    from torch.distributed._tools import mem_tracker as module
-
+    debug DeepSeek pipeline). Any other tree goes to pytree as before. ``module``: torch's
+    mem_tracker module."""
     original = getattr(module, "tree_map_only", None)
     if original is None:  # a torch whose tracker maps otherwise: left as it is
         yield
