@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 
 from titanext.schedules import SCHEDULE_NAMES, leaves, schedule_problems, simulate, validate_order
+from titanext.schedules._torch_ir import B, F
+from titanext.schedules.orders import (
+    _repetition,
+    _shape,
+    fewest_repeating_microbatches,
+    forwards_in_flight,
+    schedule_order,
+)
 from titanext.schedules.dualpipe import dualpipe_order, dualpipev_order
 
 
@@ -93,3 +101,50 @@ def test_problems_name_the_keys():
                                                                  compiled=True))
     assert schedule_problems("1F1B", pp=2, microbatches=4, compiled=True) == []
     assert "did you mean 'ZBH2'" in schedule_problems("ZBH3", pp=2, microbatches=4)[0]
+
+
+def test_fewest_repeating_microbatches_of_the_671b_config():
+    """DeepSeek-V3's shipped pipeline (DualPipe, pp 16, 120 micro-batches, at most 2 deferred
+    W's): pp rank 8's list is its list at 32 with one F&B pair per direction repeated 44 more
+    times (the dry run steps 32), ranks 0 and 15's at 36 (42 more), and the shorter lists
+    hold as many micro-batches at once."""
+    for rank, fewer in ((0, 36), (8, 32), (15, 36)):
+        rep = fewest_repeating_microbatches("DualPipe", pp=16, rank=rank, microbatches=120,
+                                            max_pending_weight_grads=2)
+        assert (rep.fewer, rep.period, rep.repeats) == (fewer, 2, (120 - fewer) // 2), rep
+        held = [forwards_in_flight("DualPipe", pp=16, microbatches=m,
+                                   max_pending_weight_grads=2)[rank] for m in (fewer, 120)]
+        assert held[0] == held[1], held
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n != "Auto"])
+def test_a_repeating_list_is_the_full_list_less_balanced_repetitions(name):
+    """Where a fewer count is returned, its list with the repeated run inserted is the full
+    list action for action (micro-batch indices aside), and every rank holds as many
+    micro-batches at once; a schedule has none exactly where what a rank holds at once grows
+    with the count (GPipe and LoopedBFS: all forwards first)."""
+    pp, m = 4, 24
+    for rank in range(pp):
+        rep = fewest_repeating_microbatches(name, pp=pp, rank=rank, microbatches=m)
+        grows = len({forwards_in_flight(name, pp=pp, microbatches=k)[rank] for k in (m, 2 * m)})
+        assert (rep is None) == (grows == 2), (name, rank, rep)
+        if rep is None:
+            continue
+        assert rep.fewer < m, (name, rank)
+        short, full = (_shape(schedule_order(name, pp=pp, microbatches=k)[rank])
+                       for k in (rep.fewer, m))
+        block = short[rep.end - rep.period:rep.end]
+        assert short[:rep.end] + block * rep.repeats + short[rep.end:] == full
+        held = [forwards_in_flight(name, pp=pp, microbatches=k)[rank] for k in (rep.fewer, m)]
+        assert held[0] == held[1], (name, rank, held)
+
+
+def test_an_unbalanced_run_is_not_a_repetition():
+    """A repeated run that leaves one more forward in flight (memory that grows with the
+    count) does not count, nor one that holds a stage's first or last action of a kind: only
+    balanced runs between those make equal peaks."""
+    f0, b0 = ((F, 0),), ((B, 0),)
+    assert _repetition([f0, b0], [f0, f0, b0]) is None
+    assert _repetition([f0, b0] * 3, [f0, b0] * 4) == (2, 4, 1)
+    assert _repetition([f0, b0] * 2, [f0, b0] * 3) is None  # it holds a first or last F or B
+    assert fewest_repeating_microbatches("Auto", pp=2, rank=0, microbatches=8) is None

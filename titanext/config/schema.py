@@ -363,6 +363,12 @@ class Comm:
     fake_rank: int = _field(0, ge=0)
     """The rank a ``fake_backend`` dry run plays (pipeline ranks differ: the first holds the
     embedding, the last the head); must be below the world size."""
+    fake_microbatches: str = _field("fewest", choices=("fewest", "all"))
+    """Micro-batches a pipelined ``fake_backend`` dry run steps. ``fewest``: the fewest whose
+    action list on this rank is the full list less repetitions of its steady state, which
+    leave memory as they found it, so the peak is the full step's (the inputs of every
+    micro-batch are built; the repeated actions' collectives are added to the step's comm;
+    docs/dry_run.md). ``all``: every micro-batch (slower, for a check)."""
 
 
 @dataclass

@@ -44,7 +44,7 @@ from titanext._fake_backend import (
 )
 from titanext._text import format_table
 from titanext.config import JobConfig
-from titanext.config.layout import fake_world_size
+from titanext.config.layout import fake_world_size, resolve_job_layout
 from titanext.models.llama import sdpa_attention
 from titanext.planning.estimate import plan_config
 from titanext.planning.layout import resolve_layout
@@ -52,10 +52,11 @@ from titanext.planning.memory import memory_per_pp_rank
 from titanext.plugins.expert_parallel._comm import count_comm
 from titanext.plugins.recompute_modules import recompute_region
 from titanext.schedules._torch_ir import around_stage_init, loopback_stage_metadata
+from titanext.schedules.orders import Repetition, fewest_repeating_microbatches
 from titanext.trainer import Trainer
 
-__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "host_float", "measure",
-           "measure_real", "planner_peak_bytes", "use_fused_attention"]
+__all__ = ["CommBytes", "DryRunResult", "dry_run", "dry_run_config", "fewer_microbatches",
+           "host_float", "measure", "measure_real", "planner_peak_bytes", "use_fused_attention"]
 
 GiB, GB = 2**30, 1e9
 # Gradient-accumulation rounds a dry run runs: the first creates the gradients, the second is
@@ -72,17 +73,26 @@ class CommBytes(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        # with :func:`_stepping_fewer`: each call's (schedule step, (stage, micro-batch) whose
+        # chunk or send / receive made it, or None: the step's own)
+        self.step, self.owner = -1, None
+        self.log: list[tuple[int, tuple | None, str, int]] = []
+        self.seen: dict[int, set[int]] = defaultdict(set)  # each stage's micro-batches
+        self.posts: list[tuple[int, tuple, str, int]] = []  # sends / receives a stage posted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns = getattr(func, "namespace", "")
+        if getattr(func, "namespace", "") not in _COMM_NAMESPACES:  # every op: the short way
+            return func(*args, **kwargs)
         name = func.__name__.split(".")[0]
-        if ns in _COMM_NAMESPACES and not any(s in name for s in _SKIP):
-            sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
-                         if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())]
+        if not any(s in name for s in _SKIP):
+            size = max((sum(t.numel() * t.element_size() for t in tree_leaves(a)
+                            if isinstance(t, torch.Tensor)) for a in (*args, *kwargs.values())),
+                       default=0)
             key = name.strip("_").removesuffix("_coalesced").removesuffix("_base")
-            self.bytes[key] += max(sizes, default=0)
+            self.bytes[key] += size
             self.calls[key] += 1
+            self.log.append((self.step, self.owner, key, size))
         return func(*args, **kwargs)
 
 
@@ -96,6 +106,7 @@ class DryRunResult:
         self.notes: list[str] = []  # what is estimated or changed rather than measured
         self.optimizer_peak = 0  # the optimizer step's own peak (bytes), and the planner's
         self.planner_optimizer = 0.0
+        self.optimizer_at = ""  # " (at N of M micro-batches)" where fewer were stepped
 
     @property
     def comm_total(self) -> int:
@@ -138,6 +149,129 @@ def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
         cfg.compile.enable = False
         notes.append("torch.compile is off in a dry run: eager activations (an upper bound)")
     return cfg, notes
+
+
+def fewer_microbatches(cfg: JobConfig, world_size: int, rank: int
+                       ) -> tuple[JobConfig, Repetition | None, str | None]:
+    """The config a pipelined dry run of ``rank`` builds, whether it steps fewer micro-batches,
+    and a note saying why (None without a pipeline or with ``comm.fake_microbatches = "all"``).
+
+    With ``"fewest"``: the fewest micro-batches whose action list on this rank's pipeline
+    position is the full one less repetitions of its steady state
+    (:func:`titanext.schedules.orders.fewest_repeating_microbatches`), local and global batch
+    scaled with them (micro-batches of the same size). Not on a rank holding the last stage:
+    the loss each micro-batch returns stays until the step's end, so its peak grows with the
+    micro-batch count (by 4 bytes each), and not where no fewer count repeats the lists."""
+    p = cfg.parallelism
+    pp, m = p.pipeline_parallel_degree, p.pipeline_parallel_microbatches
+    if pp == 1 or cfg.comm.fake_microbatches == "all":
+        return cfg, None, None
+    plan, pp_rank = resolve_job_layout(cfg, world_size).pipeline, rank // (world_size // pp)
+    every = f"pipeline: all {m} micro-batches stepped: "
+    if plan.num_stages - 1 in plan.rank_stage_ids[pp_rank]:
+        return cfg, None, every + ("this rank holds the last stage, whose micro-batches' losses "
+                                   "stay to the step's end (a peak that grows with their count)")
+    rep = fewest_repeating_microbatches(
+        plan.name, pp=pp, rank=pp_rank, microbatches=m, stages_per_rank=plan.stages_per_rank,
+        max_pending_weight_grads=plan.max_pending_weight_grads, overlap=plan.comm_overlap)
+    if rep is None:
+        return cfg, None, every + ("no fewer micro-batches run this rank's action list less "
+                                   "repetitions of a steady state")
+    reduced, t = copy.deepcopy(cfg), cfg.training
+    reduced.parallelism.pipeline_parallel_microbatches = rep.fewer
+    reduced.training.local_batch_size = t.local_batch_size // m * rep.fewer
+    if t.global_batch_size > 0:  # else local x dp, scaled with the local batch
+        reduced.training.global_batch_size = t.global_batch_size // m * rep.fewer
+    return reduced, rep, (
+        f"pipeline: {rep.fewer} of {m} micro-batches stepped (exact): this rank's action list "
+        f"at {m} is the one at {rep.fewer} with {rep.period} steady-state action(s) repeated "
+        f"{rep.repeats} more times, which end holding what they began with, so the step passes "
+        "through the same memory and peaks at the same bytes; all micro-batches' inputs are "
+        "built, and each stage's middle micro-batch's collectives are added once per "
+        "micro-batch not run (comm.fake_microbatches = 'all' steps every one)")
+
+
+def _full_batches(trainer, rep: Repetition) -> list[tuple]:
+    """Each accumulation round's loader batch at the full micro-batch count (its rows from as
+    many of the reduced trainer's batches as it takes): every micro-batch's inputs exist for
+    the step, as in the full run."""
+    rows = trainer.cfg.training.local_batch_size // rep.fewer * rep.microbatches
+    parts = [trainer.next_microbatches() for _ in range(-(-rep.microbatches // rep.fewer))]
+    # a copy of the rows: a view would keep the whole concatenation's storage (a tracked size)
+    return [tuple(None if ts[0] is None else torch.cat(ts)[:rows].clone() for ts in zip(*batches))
+            for batches in zip(*parts)]
+
+
+@contextlib.contextmanager
+def _stepping_fewer(schedule, stages, rows: int, full: int, comm: CommBytes):
+    """Inside: ``schedule.step`` hands its stages the first ``rows`` rows of each batch tensor
+    of ``full`` rows (views: the whole batch stays alive, as in the full run; every tensor the
+    runner hands the schedule is batch-first), and ``comm`` logs, with each
+    collective, the schedule step and the (stage, micro-batch) whose F, I, B or W chunk ran it,
+    and in ``comm.posts`` each send and receive a stage posts, with its micro-batch."""
+    step = schedule.step
+
+    def first_rows(*args, **kwargs):
+        def cut(t):
+            return t[:rows] if isinstance(t, torch.Tensor) and t.dim() and len(t) == full else t
+        comm.step, comm.owner = comm.step + 1, None
+        return step(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
+
+    def chunk(fn, stage: int):
+        def run(j, *args, **kwargs):
+            outer, comm.owner = comm.owner, (stage, j)
+            comm.seen[stage].add(j)
+            try:
+                return fn(j, *args, **kwargs)
+            finally:
+                comm.owner = outer
+        return run
+
+    def post(fn, stage: int):
+        def run(j, *args, **kwargs):
+            ops = fn(j, *args, **kwargs)
+            for op in ops:  # torch's P2POp: isend or irecv of one tensor
+                key = "send" if op.op in (dist.isend, dist.send) else "recv"
+                comm.posts.append((comm.step, (stage, j), key,
+                                   op.tensor.numel() * op.tensor.element_size()))
+            return ops
+        return run
+
+    chunks = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    posts = ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops")
+    saved = [(st, n, st.__dict__.get(n)) for st in stages for n in chunks + posts]
+    schedule.step = first_rows
+    for st, n, _ in saved:
+        setattr(st, n, (chunk if n in chunks else post)(getattr(st, n), st.stage_index))
+    try:
+        yield
+    finally:
+        del schedule.step
+        for st, n, fn in saved:
+            if fn is None:
+                delattr(st, n)
+            else:
+                setattr(st, n, fn)
+
+
+def _full_step_comm(comm: CommBytes, rep: Repetition) -> tuple[dict[str, int], dict[str, int]]:
+    """The step's collectives at the full micro-batch count: what each stage's middle
+    micro-batch called (its chunks' collectives, its sends and receives) once more for each
+    micro-batch of the full count the stage did not run; every micro-batch but a stage's first
+    and last calls the same."""
+    nbytes, calls = defaultdict(int, comm.bytes), defaultdict(int, comm.calls)
+    middle = {}
+    for stage, ids in comm.seen.items():
+        ids = sorted(ids)
+        assert len(ids) >= 3, (stage, ids)  # a first, a last and one between
+        middle[stage] = (ids[len(ids) // 2], len(ids) * rep.microbatches // rep.fewer - len(ids))
+    # a chunk's own collectives, and the sends and receives posted for a micro-batch (torch
+    # posts one micro-batch's send with another's receive)
+    for _, owner, key, size in [e for e in comm.log if e[2] not in ("send", "recv")] + comm.posts:
+        if owner is not None and owner[1] == middle[owner[0]][0]:
+            nbytes[key] += middle[owner[0]][1] * size
+            calls[key] += middle[owner[0]][1]
+    return dict(nbytes), dict(calls)
 
 
 def stage_activation(trainer) -> torch.Tensor:
@@ -198,10 +332,11 @@ def _create_optimizer_state(trainer) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommBytes, int]:
-    """One train step of ``trainer`` under MemTracker and the byte counter (inside ``mode``, a
-    fake-tensor mode, or a null context on real tensors): (memory at the peak, peak, comm,
-    the optimizer step's own peak)."""
+def _measure_step(trainer, batches, mode, comm: CommBytes | None = None
+                  ) -> tuple[dict[str, int], int, CommBytes, int]:
+    """One train step of ``trainer`` under MemTracker and the byte counter ``comm`` (a new one
+    by default; inside ``mode``, a fake-tensor mode, or a null context on real tensors):
+    (memory at the peak, peak, comm, the optimizer step's own peak)."""
     with mode:  # the optimizer state exists in every step but the first: create it
         _create_optimizer_state(trainer)
     tracker = mem_tracker()
@@ -215,7 +350,7 @@ def _measure_step(trainer, batches, mode) -> tuple[dict[str, int], int, CommByte
              trainer.optimizer.register_step_post_hook(
                  lambda *_: phase.append(tracker.end_phase())))
     with (mode, around_stage_init(schedule, tracker.module_hooks_paused), tracker,
-          CommBytes() as comm):
+          comm or CommBytes() as comm):
         trainer.train_step(batches)
     for hook in hooks:
         hook.remove()
@@ -231,11 +366,13 @@ def measure(cfg: JobConfig) -> DryRunResult:
     world_size, rank = fake_world_size(cfg), cfg.comm.fake_rank
     start = time.time()
     cfg, notes = dry_run_config(cfg)
+    stepped, rep, why = fewer_microbatches(cfg, world_size, rank)
+    notes += [why] if why else []
     if not dist.is_initialized():
         init_fake_process_group(rank, world_size)
     mode = fake_tensor_mode()
     with mode:
-        trainer = Trainer(cfg)
+        trainer = Trainer(stepped)
     if trainer.dims.ep_enabled:
         notes.append("EP dispatch assumes perfectly balanced routing (fake tensors carry no "
                      "token counts): expert activations and all-to-all bytes are estimated")
@@ -245,7 +382,8 @@ def measure(cfg: JobConfig) -> DryRunResult:
     if trainer.pipeline is not None:
         with mode:
             loopback_stage_metadata(trainer.pipeline.schedule, stage_activation(trainer))
-    batches = trainer.next_microbatches()  # real tokens; they turn fake inside the step
+    # real tokens; they turn fake inside the step
+    batches = trainer.next_microbatches() if rep is None else _full_batches(trainer, rep)
     rounds = len(batches)
     if rounds > MEASURED_ROUNDS:  # later rounds repeat the second one exactly
         batches = batches[:MEASURED_ROUNDS]
@@ -253,8 +391,17 @@ def measure(cfg: JobConfig) -> DryRunResult:
                      "peak is the second round's); step comm is scaled by "
                      f"{rounds}/{MEASURED_ROUNDS}")
 
-    with count_comm() as ep_comm:
-        memory, peak, comm, step_peak = _measure_step(trainer, batches, mode)
+    comm = CommBytes()
+    fewer = contextlib.nullcontext() if rep is None else _stepping_fewer(
+        trainer.pipeline.schedule, trainer.pipeline.stages,
+        cfg.training.local_batch_size // rep.microbatches * rep.fewer,
+        cfg.training.local_batch_size, comm)
+    with count_comm() as ep_comm, fewer:
+        memory, peak, comm, step_peak = _measure_step(trainer, batches, mode, comm)
+    if rep is None:
+        comm_bytes, comm_calls = comm.bytes, comm.calls
+    else:
+        comm_bytes, comm_calls = _full_step_comm(comm, rep)
     scale = rounds / len(batches)
     if ep_comm.weight_all_to_alls:
         copied = ep_comm.weight_bytes_sent * scale / GB
@@ -265,11 +412,13 @@ def measure(cfg: JobConfig) -> DryRunResult:
                      "(the bound)")
     result = DryRunResult(rank, world_size, memory, peak,
                           planner_peak_bytes(cfg, world_size, rank),
-                          {k: round(v * scale) for k, v in comm.bytes.items()},
-                          {k: round(v * scale) for k, v in comm.calls.items()},
+                          {k: round(v * scale) for k, v in comm_bytes.items()},
+                          {k: round(v * scale) for k, v in comm_calls.items()},
                           time.time() - start)
     result.notes = notes
     result.optimizer_peak = step_peak
+    if rep is not None:  # what stays from each micro-batch past the pipeline's step can grow it
+        result.optimizer_at = f" (at {rep.fewer} of {rep.microbatches} micro-batches)"
     result.planner_optimizer = planner_peak_bytes(cfg, world_size, rank, moment="optimizer step")
     return result
 
@@ -312,7 +461,8 @@ def dry_run(cfg: JobConfig) -> int:
     rows = [{"memory": k, "GiB": v / GiB} for k, v in result.memory.items() if v]
     rows.append({"memory": "peak of the step", "GiB": result.peak / GiB})
     rows.append({"memory": "planner", "GiB": result.planner / GiB})
-    rows.append({"memory": "peak in the optimizer step", "GiB": result.optimizer_peak / GiB})
+    rows.append({"memory": "peak in the optimizer step" + result.optimizer_at,
+                 "GiB": result.optimizer_peak / GiB})
     rows.append({"memory": "planner (optimizer step)", "GiB": result.planner_optimizer / GiB})
     print(format_table(rows))
     comm_rows = [{"collective": k, "calls": result.calls[k], "GB": v / GB}
@@ -321,6 +471,7 @@ def dry_run(cfg: JobConfig) -> int:
     for note in result.notes:
         print(f"titanext: dry run: note: {note}")
     ratio = result.peak / result.planner if result.planner else math.nan
+    print(f"titanext: dry run: peak of the step = {result.peak} bytes")
     print(f"titanext: dry run built and stepped in {result.seconds:.1f}s; measured / planner "
           f"peak = {ratio:.2f}")
     print(result.summary(), flush=True)

@@ -7,8 +7,9 @@ running a schedule with given settings (:func:`schedule_problems`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
-from titanext.schedules._torch_ir import B, F, I, check_actions, leaves, torch_pipeline_order
+from titanext.schedules._torch_ir import B, F, I, W, check_actions, leaves, torch_pipeline_order
 from titanext.schedules.memory_cap import CAPPABLE, capped_schedule_class
 from titanext.schedules.overlap import OVERLAP_SCHEDULES, combined_order
 from titanext.schedules.placement import num_stages_for, resolved_stages_per_rank
@@ -16,8 +17,8 @@ from titanext.schedules.registry import get_schedule_class
 from titanext.schedules.simulator import ReplayProgram, SimResult, compile_order, replay
 from titanext.schedules.zero_bubble import GeneratedSchedule
 
-__all__ = ["forwards_in_flight", "schedule_order", "schedule_problems", "simulate",
-           "validate_order"]
+__all__ = ["Repetition", "fewest_repeating_microbatches", "forwards_in_flight",
+           "schedule_order", "schedule_problems", "simulate", "validate_order"]
 
 
 def validate_order(order: dict[int, list], *, pp: int, num_stages: int, microbatches: int
@@ -91,6 +92,116 @@ def forwards_in_flight(name: str | type, *, pp: int, microbatches: int,
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+@dataclass(frozen=True)
+class Repetition:
+    """Rank ``rank``'s action list at ``microbatches`` is its list at ``fewer`` with the
+    ``period`` actions that end at action ``end`` (of the shorter list) repeated ``repeats``
+    more times right after them; the repeated actions hold as many micro-batches, per stage
+    and kind, when they end as when they begin. ``leaves``: the first and one-past-last leaf
+    (single F, I, B or W; an overlapped pair has two) of the repeated actions."""
+
+    rank: int
+    microbatches: int
+    fewer: int
+    period: int
+    end: int
+    repeats: int
+    leaves: tuple[int, int]
+
+
+def _shape(actions: list) -> list[tuple]:
+    """A rank's actions without their micro-batch indices: what they do, and to which stage."""
+    return [tuple((x.computation_type, x.stage_index) for x in leaves(a)) for a in actions]
+
+
+def _balanced(shape: list[tuple]) -> bool:
+    """Whether these actions leave every stage with the forwards (F - I - B) and pending
+    weight gradients (I - W) they found."""
+    net: dict[tuple, int] = {}
+    for action in shape:
+        for kind, stage in action:
+            held = {F: ("fwd",), I: ("fwd", "w"), B: ("fwd",), W: ("w",)}.get(kind, ())
+            for what in held:
+                sign = 1 if (kind, what) in ((F, "fwd"), (I, "w")) else -1
+                net[(stage, what)] = net.get((stage, what), 0) + sign
+    return not any(net.values())
+
+
+def _inside(block: list[tuple], before: list[tuple], after: list[tuple]) -> bool:
+    """Whether every (kind, stage) of ``block`` also runs before and after it: a stage's first
+    and last F, I, B or W (the first weight gradient creates the gradients, FSDP gathers
+    first and reduces last) are not repeated."""
+    kinds = {leaf for action in block for leaf in action}
+    return all(any(k in a for a in before) and any(k in a for a in after) for k in kinds)
+
+
+def _repetition(short: list[tuple], long: list[tuple]) -> tuple[int, int, int] | None:
+    """(period, end, repeats) such that ``long`` is ``short`` with ``short[end - period:end]``
+    repeated ``repeats`` more times at ``end``, the repeated actions balanced and inside
+    (:func:`_inside`); the shortest period. None if there is none."""
+    extra = len(long) - len(short)
+    if extra <= 0:
+        return None
+    prefix = next((i for i, (a, b) in enumerate(zip(short, long)) if a != b), len(short))
+    for period in range(1, extra + 1):
+        if extra % period:
+            continue
+        for end in range(max(period, prefix - extra), min(prefix, len(short)) + 1):
+            block = short[end - period:end]
+            if (long == short[:end] + block * (extra // period) + short[end:]
+                    and _balanced(block) and _inside(block, short[:end - period], short[end:])):
+                return period, end, extra // period
+    return None
+
+
+def fewest_repeating_microbatches(name: str, *, pp: int, rank: int, microbatches: int,
+                                  stages_per_rank: int | None = None,
+                                  max_pending_weight_grads: int = 0, overlap: bool = False
+                                  ) -> Repetition | None:
+    """The fewest micro-batches whose action list on pp rank ``rank`` is the list at
+    ``microbatches`` less whole repetitions of a balanced run of actions (the steady state),
+    or None (no fewer count does, or the lists depend on measured costs, as Auto's do).
+
+    With micro-batches of one shape, the rank's memory after the repeated run is what it was
+    before it, so the longer list passes through the same memory states as the shorter one
+    and peaks at the same bytes. The run holds no stage's first or last action of a kind
+    (one-time effects: the first weight gradient creates the gradients; ZBV at 3 micro-batches
+    of 12 repeated one and measured 2.9 MB less). What every micro-batch adds for the whole
+    step (its inputs, its returned loss) is not in the lists. ``overlap``: the lists ``expert_parallel_comm_
+    overlap`` runs (1F1B and Interleaved1F1B's combined pairs). The dry run steps this count.
+
+    >>> fewest_repeating_microbatches("1F1B", pp=4, rank=1, microbatches=16).fewer
+    5
+    """
+    cls = capped_schedule_class(get_schedule_class(name), max_pending_weight_grads)
+    if getattr(cls, "measures_costs", False):
+        return None
+    spr = resolved_stages_per_rank(cls, stages_per_rank)
+
+    def shape(m: int) -> list[tuple] | None:
+        try:
+            if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
+                return _shape(combined_order(cls.__name__, pp, m, spr).get(rank, []))
+            return _shape(schedule_order(cls, pp=pp, microbatches=m, stages_per_rank=spr
+                                         ).get(rank, []))
+        except Exception:  # a count the schedule cannot run (torch's checks, DualPipe's parity)
+            return None
+
+    full = shape(microbatches)
+    for fewer in range(1, microbatches):
+        if schedule_problems(name, pp=pp, microbatches=fewer, stages_per_rank=stages_per_rank,
+                             max_pending_weight_grads=max_pending_weight_grads):
+            continue
+        short = shape(fewer)
+        found = _repetition(short, full) if short and full else None
+        if found:
+            period, end, repeats = found
+            first = sum(len(a) for a in short[:end - period])
+            return Repetition(rank, microbatches, fewer, period, end, repeats,
+                              (first, first + sum(len(a) for a in short[end - period:end])))
+    return None
 
 
 def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
