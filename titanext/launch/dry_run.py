@@ -394,8 +394,7 @@ def measure(cfg: JobConfig) -> DryRunResult:
     comm = CommBytes()
     fewer = contextlib.nullcontext() if rep is None else _stepping_fewer(
         trainer.pipeline.schedule, trainer.pipeline.stages,
-        cfg.training.local_batch_size // rep.microbatches * rep.fewer,
-        cfg.training.local_batch_size, comm)
+        stepped.training.local_batch_size, cfg.training.local_batch_size, comm)
     with count_comm() as ep_comm, fewer:
         memory, peak, comm, step_peak = _measure_step(trainer, batches, mode, comm)
     if rep is None:

@@ -116,17 +116,20 @@ def _shape(actions: list) -> list[tuple]:
     return [tuple((x.computation_type, x.stage_index) for x in leaves(a)) for a in actions]
 
 
+# what one action of each kind changes on its stage: (forwards in flight, pending W's)
+_HELD = {F: (1, 0), I: (-1, 1), B: (-1, 0), W: (0, -1)}
+
+
 def _balanced(shape: list[tuple]) -> bool:
     """Whether these actions leave every stage with the forwards (F - I - B) and pending
     weight gradients (I - W) they found."""
-    net: dict[tuple, int] = {}
+    net: dict[int, tuple[int, int]] = {}
     for action in shape:
         for kind, stage in action:
-            held = {F: ("fwd",), I: ("fwd", "w"), B: ("fwd",), W: ("w",)}.get(kind, ())
-            for what in held:
-                sign = 1 if (kind, what) in ((F, "fwd"), (I, "w")) else -1
-                net[(stage, what)] = net.get((stage, what), 0) + sign
-    return not any(net.values())
+            fwd, w = net.get(stage, (0, 0))
+            d_fwd, d_w = _HELD.get(kind, (0, 0))
+            net[stage] = (fwd + d_fwd, w + d_w)
+    return all(v == (0, 0) for v in net.values())
 
 
 def _inside(block: list[tuple], before: list[tuple], after: list[tuple]) -> bool:
@@ -169,8 +172,9 @@ def fewest_repeating_microbatches(name: str, *, pp: int, rank: int, microbatches
     and peaks at the same bytes. The run holds no stage's first or last action of a kind
     (one-time effects: the first weight gradient creates the gradients; ZBV at 3 micro-batches
     of 12 repeated one and measured 2.9 MB less). What every micro-batch adds for the whole
-    step (its inputs, its returned loss) is not in the lists. ``overlap``: the lists ``expert_parallel_comm_
-    overlap`` runs (1F1B and Interleaved1F1B's combined pairs). The dry run steps this count.
+    step (its inputs, its returned loss) is not in the lists. ``overlap``: the lists
+    ``expert_parallel_comm_overlap`` runs (1F1B and Interleaved1F1B's combined pairs). The dry
+    run steps this count.
 
     >>> fewest_repeating_microbatches("1F1B", pp=4, rank=1, microbatches=16).fewer
     5
@@ -182,10 +186,7 @@ def fewest_repeating_microbatches(name: str, *, pp: int, rank: int, microbatches
 
     def shape(m: int) -> list[tuple] | None:
         try:
-            if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
-                return _shape(combined_order(cls.__name__, pp, m, spr).get(rank, []))
-            return _shape(schedule_order(cls, pp=pp, microbatches=m, stages_per_rank=spr
-                                         ).get(rank, []))
+            return _shape(_action_lists(cls, pp, m, spr, 0, overlap).get(rank, []))
         except Exception:  # a count the schedule cannot run (torch's checks, DualPipe's parity)
             return None
 
@@ -259,15 +260,22 @@ def _compile(cls, pp: int, microbatches: int, spr: int, max_pending_weight_grads
              overlap: bool, order_costs: dict) -> ReplayProgram:
     """The checked action lists :func:`simulate` replays (overlapped: 1F1B and Interleaved1F1B
     as their combined lists), compiled for :func:`~titanext.schedules.simulator.replay`."""
-    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
-        order = combined_order(cls.__name__, pp, microbatches, spr)
-    else:
-        order = schedule_order(cls, pp=pp, microbatches=microbatches, stages_per_rank=spr,
-                               max_pending_weight_grads=max_pending_weight_grads, **order_costs)
+    order = _action_lists(cls, pp, microbatches, spr, max_pending_weight_grads, overlap,
+                          **order_costs)
     chain = num_stages_for(cls.placement, pp, spr)
     if cls.placement != "dualpipe":
         validate_order(order, pp=pp, num_stages=chain, microbatches=microbatches)
     return compile_order(order, num_stages=chain, overlap=overlap)
+
+
+def _action_lists(cls, pp: int, microbatches: int, spr: int, max_pending_weight_grads: int,
+                  overlap: bool, **costs: float) -> dict[int, list]:
+    """The lists a run of ``cls`` executes: :func:`schedule_order`'s, or with ``overlap`` 1F1B
+    and Interleaved1F1B's combined lists (``expert_parallel_comm_overlap``)."""
+    if overlap and cls.__name__ in ("1F1B", "Interleaved1F1B"):
+        return combined_order(cls.__name__, pp, microbatches, spr)
+    return schedule_order(cls, pp=pp, microbatches=microbatches, stages_per_rank=spr,
+                          max_pending_weight_grads=max_pending_weight_grads, **costs)
 
 
 @functools.lru_cache(maxsize=256)
