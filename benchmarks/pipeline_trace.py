@@ -281,18 +281,16 @@ def summary_rows(figures: dict[str, dict], base: str = "1F1B") -> list[dict]:
     the schedule's order gives the simulated ratio, the run's waits and runtime the rest, and
     the compute ratio says how much of either comes from chunks costing more than under base."""
     b = figures.get(base)
-    rows = []
-    for name, f in figures.items():
-        def ratio(key):
-            if b is None or f[key] is None or b[key] is None:
-                return ""
-            return f"{f[key] / b[key]:.3f}x"
-        rows.append({"schedule": name, "step (ms)": f"{f['step']:,.0f}",
-                     f"vs {base}": ratio("step"),
-                     "simulated step (ms)": "" if f["sim"] is None else f"{f['sim']:,.0f}",
-                     f"simulated vs {base}": ratio("sim"),
-                     f"compute vs {base}": ratio("chunks")})
-    return rows
+
+    def ratio(f: dict, key: str) -> str:
+        if b is None or f[key] is None or b[key] is None:
+            return ""
+        return f"{f[key] / b[key]:.3f}x"
+
+    return [{"schedule": name, "step (ms)": f"{f['step']:,.0f}", f"vs {base}": ratio(f, "step"),
+             "simulated step (ms)": "" if f["sim"] is None else f"{f['sim']:,.0f}",
+             f"simulated vs {base}": ratio(f, "sim"), f"compute vs {base}": ratio(f, "chunks")}
+            for name, f in figures.items()]
 
 
 def trace_tables(schedules, steps: int, measured: int, pin: bool, glibc_default: bool

@@ -6,6 +6,7 @@ import pytest
 
 from titanext.schedules import SCHEDULE_NAMES, leaves, schedule_problems, simulate, validate_order
 from titanext.schedules._torch_ir import B, F
+from titanext.schedules.dualpipe import dualpipe_order, dualpipev_order
 from titanext.schedules.orders import (
     _repetition,
     _shape,
@@ -13,7 +14,6 @@ from titanext.schedules.orders import (
     forwards_in_flight,
     schedule_order,
 )
-from titanext.schedules.dualpipe import dualpipe_order, dualpipev_order
 
 
 def _text(acts) -> str:
