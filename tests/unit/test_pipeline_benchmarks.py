@@ -1,5 +1,5 @@
-"""benchmarks/pipeline_trainer.py and pipeline_trace.py: argument handling and table rows,
-without running a step (speed stays out of the tests)."""
+"""benchmarks/pipeline_trainer.py, pipeline_trace.py and pipeline_replay.py: argument handling
+and table rows, without running a step (speed stays out of the tests)."""
 
 from __future__ import annotations
 
@@ -103,3 +103,27 @@ def test_trace_summary_splits_the_lead_into_order_and_compute():
     assert rows["1F1B"]["vs 1F1B"] == "1.000x" and rows["ZBV"]["vs 1F1B"] == "0.950x"
     assert rows["ZBV"]["simulated vs 1F1B"] == f"{1800 / 1950:.3f}x"
     assert rows["ZBV"]["compute vs 1F1B"] == f"{3100 / 2900:.3f}x"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--schedules", "ZBV,1F1B"], ["--schedules ZBV,1F1B", "1F1B first"]),
+    (["--rank", "2"], ["--rank 2", "0 to 1"]),
+    (["--rounds", "0"], ["--rounds 0", ">= 1"]),
+])
+def test_replay_bad_input_exits_2_with_one_line(args, words, capsys):
+    assert _load("pipeline_replay").main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_replay_runs_each_rank_its_own_list():
+    replay = _load("pipeline_replay")
+    zbh1 = replay.rank_actions("ZBH1", 1)
+    assert zbh1[:5] == [("F", 1, 0), ("I", 1, 0), ("F", 1, 1), ("I", 1, 1), ("W", 1, 0)]
+    for rank in (0, 1):  # every micro-batch once per kind and stage: F, then I, then W
+        acts = replay.rank_actions("ZBV", rank)
+        for s in {s for _, s, _ in acts}:
+            for mb in range(replay.MICROBATCHES):
+                assert [k for k, st, m in acts if (st, m) == (s, mb)] == ["F", "I", "W"]
+    with pytest.raises(ValueError, match="DualPipe: rank 0 runs"):
+        replay.rank_actions("DualPipe", 0)
