@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests import REPO_ROOT
+from tests import REPO_ROOT, pool
 from titanext.config import ConfigError, load_config
 from titanext.launch.dry_run import fewer_microbatches
 
@@ -21,18 +21,44 @@ SUMMARY = re.compile(r"^titanext: dry run: rank (\d+) of (\d+), peak memory (\d+
                      r"\(planner: (\d+\.\d\d) GiB\), step comm (\d+\.\d\d) GB$")
 
 
-def _command(config: str | None, overrides: tuple[str, ...]) -> list[str]:
-    path = ["--config", str(ROOT / "train_configs" / config)] if config else []
-    return [sys.executable, "-m", "titanext.train", *path, "--comm.mode=fake_backend",
-            "--metrics.enable_tensorboard=false", *overrides]
+def _argv(config: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    path = ("--config", str(ROOT / "train_configs" / config)) if config else ()
+    return (*path, "--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", *overrides)
 
 
-def _run(command: list[str], timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _main(argv: tuple[str, ...], environ: dict, out_path: str, err_path: str) -> None:
+    """``python -m titanext.train argv`` in a process forked from the test pools' server, which
+    has torch and the trainer imported (tests/pool.py: half of a small dry run's CPU was
+    ``python -m``'s start-up), writing its output where ``out_path`` and ``err_path`` say."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(ROOT)
+    for fd, path in ((1, out_path), (2, err_path)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    from titanext.distributed.failsafe import exit_process
+    from titanext.train import main
+
+    exit_process(main(list(argv)))
+
+
+def _run(argv: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # an ordinary process, no torchrun
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env)
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+        process = pool.fork_context().Process(target=_main, args=(argv, env, out, err))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["titanext.train", *argv], timeout)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(["titanext.train", *argv], process.exitcode,
+                                               o.read(), e.read())
 
 
 #: every dry run of this module by its command line: one asked for again (the DualPipe case at 32
@@ -43,13 +69,14 @@ _DONE: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
 def dry_runs(*runs: tuple[str | None, tuple[str, ...]], timeout: int = 240
              ) -> list[subprocess.CompletedProcess]:
     """``python -m titanext.train`` as a dry run of each ``(config, overrides)``
-    (``train_configs/<config>``; None: the defaults), side by side: a dry run steps fake tensors
-    in Python on one core, so two run in the time of one on CI's two cores."""
-    commands = [tuple(_command(config, tuple(overrides))) for config, overrides in runs]
+    (``train_configs/<config>``; None: the defaults), each in a process of its own (:func:`_main`),
+    side by side: a dry run steps fake tensors in Python on one core, so two run in the time of
+    one on CI's two cores."""
+    commands = [_argv(config, tuple(overrides)) for config, overrides in runs]
     todo = list(dict.fromkeys(c for c in commands if c not in _DONE))
     if todo:
-        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            for command, out in zip(todo, pool.map(lambda c: _run(list(c), timeout), todo),
+        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as threads:
+            for command, out in zip(todo, threads.map(lambda c: _run(c, timeout), todo),
                                     strict=True):
                 _DONE[command] = out
     return [_DONE[c] for c in commands]
