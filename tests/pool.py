@@ -1,5 +1,6 @@
 """Gloo worker pools that live for the whole pytest run: process start-up, ``import torch`` and the
-gloo handshake are paid once per world size, not once per test.
+gloo handshake are paid once per world size, not once per test, and the workers are forked from a
+server that imported torch and the trainer once (:func:`fork_context`).
 
 ``run(fn, world_size, args, kwargs, timeout_s)`` hands ``fn(rank, world_size, *args, **kwargs)``
 to the ``world_size`` workers of that size's pool and returns the per-rank results, exactly as a
@@ -48,7 +49,7 @@ import traceback
 import warnings
 from multiprocessing.connection import wait
 
-__all__ = ["forget_meshes", "run", "shutdown"]
+__all__ = ["fork_context", "forget_meshes", "run", "shutdown"]
 
 #: At most this many idle workers stay alive (1 + 2 + 3 + 4 + 8 fit); the least recently used pool
 #: is closed first when a new one would pass it.
@@ -64,6 +65,9 @@ THREAD_LIMIT = 100
 START_TIMEOUT_S = 180.0
 #: How long to wait, after the first failed rank, for the others' errors (shown beside it).
 ERROR_GRACE_S = 1.0
+#: Imported once by the server that forks the workers (:func:`fork_context`): every case needs
+#: torch, and most build a Trainer.
+PRELOAD = ["torch", "torch.distributed", "titanext.trainer"]
 #: The shortest time a case may run before it counts as hung.
 DEADLINE_FLOOR_S = 300.0
 
@@ -82,10 +86,24 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------- worker side
 
 
-def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None:
+def fork_context():
+    """The multiprocessing context the workers start from: forked by a server that imported
+    PRELOAD once, where each spawned worker imported torch and the trainer itself (some 2-4 s
+    of CPU each, for dozens of workers a run). tests/e2e/test_dry_run.py's dry runs start
+    from it too."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(rank: int, world_size: int, port: int, conn, dump_path: str, environ: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    # the parent's environment now, as a spawned worker would have it (the fork server keeps
+    # the one it started with)
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -279,13 +297,13 @@ class _Pool:
         self.dumps = tempfile.mkdtemp(prefix=f"titanext-pool{world_size}-")
         self.procs: list = []
         self.conns: list = []
-        ctx = mp.get_context("spawn")
+        ctx = fork_context()
         port = _free_port()
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, daemon=True, name=f"pool{world_size}-rank{rank}",
                                args=(rank, world_size, port, child,
-                                     os.path.join(self.dumps, f"{rank}.txt")))
+                                     os.path.join(self.dumps, f"{rank}.txt"), dict(os.environ)))
             proc.start()
             child.close()
             self.procs.append(proc)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests import REPO_ROOT
+from tests import REPO_ROOT, pool
 from titanext.config import ConfigError, load_config
 from titanext.launch.dry_run import fewer_microbatches
 
@@ -20,18 +21,71 @@ SUMMARY = re.compile(r"^titanext: dry run: rank (\d+) of (\d+), peak memory (\d+
                      r"\(planner: (\d+\.\d\d) GiB\), step comm (\d+\.\d\d) GB$")
 
 
-def dry_run(config: str | None, *overrides: str, timeout: int = 240
-            ) -> subprocess.CompletedProcess:
-    """``python -m titanext.train`` as a dry run of ``train_configs/<config>`` (None: the
-    defaults) with ``overrides``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _argv(config: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    path = ("--config", str(ROOT / "train_configs" / config)) if config else ()
+    return (*path, "--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", *overrides)
+
+
+def _main(argv: tuple[str, ...], environ: dict, out_path: str, err_path: str) -> None:
+    """``python -m titanext.train argv`` in a process forked from the test pools' server, which
+    has torch and the trainer imported (tests/pool.py: half of a small dry run's CPU was
+    ``python -m``'s start-up), writing its output where ``out_path`` and ``err_path`` say."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(ROOT)
+    for fd, path in ((1, out_path), (2, err_path)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    from titanext.distributed.failsafe import exit_process
+    from titanext.train import main
+
+    exit_process(main(list(argv)))
+
+
+def _run(argv: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # an ordinary process, no torchrun
-    path = ["--config", str(ROOT / "train_configs" / config)] if config else []
-    return subprocess.run(
-        [sys.executable, "-m", "titanext.train", *path, "--comm.mode=fake_backend",
-         "--metrics.enable_tensorboard=false", *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+        process = pool.fork_context().Process(target=_main, args=(argv, env, out, err))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["titanext.train", *argv], timeout)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(["titanext.train", *argv], process.exitcode,
+                                               o.read(), e.read())
+
+
+#: every dry run of this module by its command line: one asked for again (the DualPipe case at 32
+#: micro-batches, in two tests) is answered from its first run
+_DONE: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+
+
+def dry_runs(*runs: tuple[str | None, tuple[str, ...]], timeout: int = 240
+             ) -> list[subprocess.CompletedProcess]:
+    """``python -m titanext.train`` as a dry run of each ``(config, overrides)``
+    (``train_configs/<config>``; None: the defaults), each in a process of its own (:func:`_main`),
+    side by side: a dry run steps fake tensors in Python on one core, so two run in the time of
+    one on CI's two cores."""
+    commands = [_argv(config, tuple(overrides)) for config, overrides in runs]
+    todo = list(dict.fromkeys(c for c in commands if c not in _DONE))
+    if todo:
+        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as threads:
+            for command, out in zip(todo, threads.map(lambda c: _run(c, timeout), todo),
+                                    strict=True):
+                _DONE[command] = out
+    return [_DONE[c] for c in commands]
+
+
+def dry_run(config: str | None, *overrides: str, timeout: int = 240
+            ) -> subprocess.CompletedProcess:
+    """One dry run of ``config`` with ``overrides`` (:func:`dry_runs`)."""
+    return dry_runs((config, overrides), timeout=timeout)[0]
 
 
 def test_a_large_config_dry_runs_fits_and_the_planner_is_within_15_percent():
@@ -109,16 +163,10 @@ def test_dualpipe_dry_run_peak_does_not_grow_with_the_micro_batches():
     whatever their count. The dry run measured 73.05 / 76.05 MiB at 8 / 32 (one boundary tensor
     more per micro-batch): MemTracker's module hooks kept every micro-batch's graph, and its
     received input, until the step ended (issue 45). Stepping every micro-batch (the default
-    steps 8 of 32 here: the case below)."""
-    peaks = {}
-    for m in (8, 32):
-        out = dry_run("debug_model.toml", "--comm.fake_world_size=4", "--comm.fake_rank=1",
-                      "--parallelism.pipeline_parallel_degree=4",
-                      "--parallelism.pipeline_parallel_schedule=DualPipe",
-                      f"--parallelism.pipeline_parallel_microbatches={m}",
-                      f"--training.local_batch_size={m}", "--activation_checkpoint.mode=full",
-                      "--comm.fake_microbatches=all")
-        peaks[m] = _peak_and_comm(out)[0]
+    steps 8 of 32 here: the case below, which reuses the run at 32)."""
+    at_8, at_32 = dry_runs(*(_fewer_case("dualpipe", m, "--comm.fake_microbatches=all")
+                             for m in (8, 32)))
+    peaks = {8: _peak_and_comm(at_8)[0], 32: _peak_and_comm(at_32)[0]}
     assert peaks[32] == peaks[8], peaks  # bytes; the growth was 3 MiB
 
 
@@ -147,19 +195,28 @@ FEWER_CASES = {  # (config, world size, rank, micro-batches, fewest, overrides)
 }
 
 
+def _fewer_case(case: str, microbatches: int | None = None, *more: str
+                ) -> tuple[str, tuple[str, ...]]:
+    """FEWER_CASES[case] as a dry run's (config, overrides), at ``microbatches`` (None: its
+    own count)."""
+    config, world, rank, m, _, extra = FEWER_CASES[case]
+    m = m if microbatches is None else microbatches
+    return config, (f"--comm.fake_world_size={world}", f"--comm.fake_rank={rank}", *extra,
+                    f"--parallelism.pipeline_parallel_microbatches={m}",
+                    f"--training.local_batch_size={m}", *more)
+
+
 @pytest.mark.parametrize("case", FEWER_CASES)
 def test_fewest_micro_batches_give_the_full_steps_peak_and_comm(case):
     """A pipelined dry run steps the fewest micro-batches whose action list is the full one less
     repetitions of a balanced steady state (docs/dry_run.md): its peak is the full step's to the
     byte, and its collectives (the middle micro-batch's added per micro-batch not run) are the
     full step's, call for call."""
-    config, world, rank, m, fewest, extra = FEWER_CASES[case]
-    args = (f"--comm.fake_world_size={world}", f"--comm.fake_rank={rank}", *extra,
-            f"--parallelism.pipeline_parallel_microbatches={m}", f"--training.local_batch_size={m}")
-    fewer = dry_run(config, *args)
+    m, fewest = FEWER_CASES[case][3:5]
+    fewer, every = dry_runs(_fewer_case(case), _fewer_case(case, None,
+                                                           "--comm.fake_microbatches=all"))
     assert f"pipeline: {fewest} of {m} micro-batches stepped (exact)" in fewer.stdout, \
         fewer.stdout[-3000:]
-    every = dry_run(config, *args, "--comm.fake_microbatches=all")
     assert _peak_and_comm(fewer) == _peak_and_comm(every)
 
 
@@ -190,16 +247,15 @@ def test_a_one_rank_moe_model_dry_runs_in_float32():
 
 
 def test_bad_fake_world_exits_2_with_one_line():
-    out = dry_run("debug_model.toml", "--comm.fake_world_size=6",
-                  "--parallelism.tensor_parallel_degree=4", timeout=60)
-    assert out.returncode == 2
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "world size 6" in out.stderr
-    out = dry_run("debug_model.toml", "--comm.fake_world_size=8", "--comm.fake_rank=8",
-                  timeout=60)  # a rank outside the fake world
-    assert out.returncode == 2
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "comm.fake_rank = 8" in out.stderr
+    world, rank = dry_runs(("debug_model.toml", ("--comm.fake_world_size=6",
+                                                 "--parallelism.tensor_parallel_degree=4")),
+                           ("debug_model.toml", ("--comm.fake_world_size=8",
+                                                 "--comm.fake_rank=8")),  # outside the world
+                           timeout=60)
+    for out, what in ((world, "world size 6"), (rank, "comm.fake_rank = 8")):
+        assert out.returncode == 2
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert what in out.stderr
 
 
 def test_fake_world_rules():
