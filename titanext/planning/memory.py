@@ -536,7 +536,7 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     # torch's split W leaves its param-dtype gradients beside FSDP's reduce-dtype accumulators
     # until the module's next backward; a deferred W moves each into them at once
-    leaves = split and lo.pipe.split_backward != "deferred"
+    leaves = split and lo.job.pipeline.split_backward != "deferred"
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
