@@ -32,6 +32,8 @@ in a new torch is fixed here:
 - :func:`view_base`: the tensor a view shares its storage with (``Tensor._base``);
 - :func:`inductor_cache_options`: ``torch.compile`` options that key inductor's cache by the CPU
   vector ISA it generates C++ for (``torch._inductor.cpu_vec_isa``).
+- :func:`fsdp_reduce_dtype_accumulators`, :func:`fold_into_reduce_dtype`: FSDP2's per-parameter
+  gradient accumulator in the reduce dtype, which a deferred weight gradient joins at once.
 
 Not private, but shaped by the torch version: :func:`pinned_async_save_options`, the
 ``async_save`` options of ``[checkpoint] async_mode = "async_with_pinned_mem"``.
@@ -246,3 +248,43 @@ def inductor_cache_options(backend: str) -> dict | None:
 
     isa = cpu_vec_isa.pick_vec_isa()
     return {"cpp.simdlen": isa.bit_width()} if isa else None
+
+
+def fsdp_reduce_dtype_accumulators(module: torch.nn.Module) -> dict[int, object]:
+    """FSDP2's per-parameter state of every parameter under ``module`` whose gradient is
+    accumulated in another dtype than the parameter's (``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``), keyed by ``id`` of the unsharded parameter the forward uses.
+
+    FSDP2 converts a backward's param-dtype gradient to the reduce dtype in its post-backward
+    hook. A weight gradient written after that hook (a deferred W) stays in the param dtype
+    until the next backward of that module, and several such W's sum in it:
+    :func:`fold_into_reduce_dtype` moves it at once, as the hook would."""
+    # deferred: FSDP2's private module state is needed only when a W runs under FSDP
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    found = {}
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = fully_shard.state(m)._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else ():
+            param = getattr(fp, "_unsharded_param", None)
+            if param is not None and fp.reduce_dtype not in (None, param.dtype):
+                found[id(param)] = fp
+    return found
+
+
+def fold_into_reduce_dtype(fsdp_param) -> None:
+    """Add the unsharded parameter's param-dtype ``.grad`` into FSDP2's reduce-dtype
+    accumulator (creating it on the first fold) and drop it: what FSDP2's post-backward does
+    with a gradient (``accumulate_unsharded_grad_if_needed`` and ``to_accumulated_grad_if_needed``,
+    without their unsharded-state check: a W may run after a reshard)."""
+    param = fsdp_param._unsharded_param
+    grad = param.grad
+    if grad is None or grad.dtype == fsdp_param.reduce_dtype:
+        return
+    if fsdp_param.unsharded_accumulated_grad is None:
+        fsdp_param.unsharded_accumulated_grad = grad.to(fsdp_param.reduce_dtype)
+    else:
+        fsdp_param.unsharded_accumulated_grad += grad
+    param.grad = None

@@ -487,8 +487,9 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients over the
       micro-batches and reduce-scatters once, after the stage's last backward. FSDP converts
       each backward's gradient to the reduce dtype (``reduce_bytes`` per parameter, from the
-      stage's first backward to its reduce); a split backward's W leaves the param-dtype
-      gradient too (``a`` more, until the next input-gradient pass or the reduce);
+      stage's first backward to its reduce); torch's split W (``split_backward =
+      "autograd"``) leaves the param-dtype gradient too (``a`` more, until the next
+      input-gradient pass or the reduce), a deferred W adds it to the accumulator at once;
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
       step by a step with gradient accumulation); without FSDP the gradients accumulate in
       place from the stage's first backward;
@@ -533,6 +534,9 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
+    # torch's split W leaves its param-dtype gradients beside FSDP's reduce-dtype accumulators
+    # until the module's next backward; a deferred W moves each into them at once
+    leaves = split and lo.job.pipeline.split_backward != "deferred"
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
@@ -540,7 +544,7 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
                   + (head_act + mtp_act if s == last_stage else 0.0))
         wact[s] = lo.tokens_mb * _over_blocks(lo, ids, wgrad_dense, wgrad_moe)
         psi = sum(rank_params(lo, ids, s == 0, s == last_stage)[:2])
-        acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if split else 0)) * psi \
+        acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if leaves else 0)) * psi \
             if sharded else 0.0
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
         recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)

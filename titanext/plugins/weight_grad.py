@@ -49,6 +49,10 @@ Rules:
   after each stage's last W/B. Outside a pipeline, run the earlier micro-batches' queues before
   the last backward and give that one no queue (its dW is then computed inside autograd, before
   FSDP's post-backward hook reduce-scatters).
+  With a reduce dtype other than the parameters' (bf16 parameters, fp32 reduction), a stage's
+  W adds each dW to FSDP2's fp32 accumulator at once (:class:`ReduceDtypeFolds`), as FSDP2's
+  post-backward hook does with a backward's gradient: no bf16 gradient is left beside it, and
+  consecutive W's sum in fp32.
 - TP/SP: DTensor weights and activations go through DTensor ops (dX is Partial where autograd's
   would be), and dW is redistributed to the parameter's placements if they differ.
 - EP: grouped experts compute on the local expert shard; dW is wrapped back into the DTensor.
@@ -70,7 +74,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from titanext._compat import grouped_mm
+from titanext._compat import fold_into_reduce_dtype, fsdp_reduce_dtype_accumulators, grouped_mm
 from titanext.models.moe import GroupedExperts, grouped_mm_supported
 from titanext.plugins._baton_threads import register_side_state
 from titanext.plugins._loud import (
@@ -137,6 +141,9 @@ class WeightGradQueue:
         #: called with each parameter once its last queued GEMM of a ``run`` has been added
         #: (set on the queue a stage was built with; queues ``take()`` made from it see it too)
         self.after_each: Callable[[torch.Tensor], None] | None = None
+        #: called like ``after_each``, after it: moves the gradient where its owner accumulates
+        #: it (:class:`ReduceDtypeFolds` under FSDP2 mixed precision)
+        self.fold: Callable[[torch.Tensor], None] | None = None
         self._source: WeightGradQueue | None = None
 
     def __len__(self) -> int:
@@ -162,8 +169,10 @@ class WeightGradQueue:
     @torch.no_grad()
     def run(self) -> None:
         items, self._items = self._items, []
-        hook = self.after_each or (self._source.after_each if self._source is not None else None)
-        last = {id(item[1]): k for k, item in enumerate(items)} if hook is not None else {}
+        source = self._source if self._source is not None else self
+        hook, fold = self.after_each or source.after_each, self.fold or source.fold
+        last = ({id(item[1]): k for k, item in enumerate(items)}
+                if hook is not None or fold is not None else {})
         for k, (fn, param, x, dy, extra) in enumerate(items):
             into, grad = getattr(fn, "into", None), param.grad
             if (into is not None and grad is not None and not _is_dtensor(grad)
@@ -171,8 +180,11 @@ class WeightGradQueue:
                 into(grad, x, dy)  # the GEMM adds into the gradient: no temporary, no add pass
             else:
                 _accumulate(param, fn(x, dy, param, extra))
-            if hook is not None and last[id(param)] == k:
-                hook(param)
+            if last and last[id(param)] == k:
+                if hook is not None:
+                    hook(param)
+                if fold is not None:
+                    fold(param)
 
     __call__ = run
 
@@ -506,6 +518,29 @@ def has_deferred_modules(model: nn.Module) -> bool:
 
 # -- pipeline stages ----------------------------------------------------------------------------
 
+class ReduceDtypeFolds:
+    """A :class:`WeightGradQueue`'s ``fold`` for FSDP2 with a reduce dtype other than the
+    parameters' (bf16 parameters, fp32 gradient reduction): each weight gradient a W writes
+    joins FSDP2's fp32 accumulator at once, as a backward's gradient does in FSDP2's
+    post-backward hook. Without it the param-dtype gradient would stay next to the accumulator
+    until that module's next backward (2 more bytes a parameter) and consecutive W's would sum
+    in bf16. Parameters FSDP2 does not manage, or without a separate reduce dtype, are left
+    alone. The map is built at the first W (FSDP2 makes the unsharded parameters at its first
+    forward and keeps them)."""
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+        self._accumulators: dict[int, object] | None = None
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self._accumulators is None:
+            self._accumulators = {k: v for m in self.modules
+                                  for k, v in fsdp_reduce_dtype_accumulators(m).items()}
+        owner = self._accumulators.get(id(param))
+        if owner is not None:
+            fold_into_reduce_dtype(owner)
+
+
 class DeferredPipelineStage(PipelineStage):
     """torch's ``PipelineStage`` (same arguments, plus an optional shared
     ``weight_grad_queue``) whose converted modules defer weight gradients: its F and I/B chunks
@@ -520,6 +555,9 @@ class DeferredPipelineStage(PipelineStage):
         queue = weight_grad_queue if weight_grad_queue is not None else WeightGradQueue()
         super().__init__(*args, dw_builder=queue.take, **kwargs)
         self.weight_grad_queue = queue
+        if not isinstance(queue.fold, ReduceDtypeFolds):  # one per queue: a rank's stages share it
+            queue.fold = ReduceDtypeFolds()
+        queue.fold.modules.append(self.submod)
 
     def forward_one_chunk(self, *args, **kwargs):
         with weight_grad_deferral():
