@@ -487,9 +487,8 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients over the
       micro-batches and reduce-scatters once, after the stage's last backward. FSDP converts
       each backward's gradient to the reduce dtype (``reduce_bytes`` per parameter, from the
-      stage's first backward to its reduce); torch's split W (``split_backward =
-      "autograd"``) leaves the param-dtype gradient too (``a`` more, until the next
-      input-gradient pass or the reduce), a deferred W adds it to the accumulator at once;
+      stage's first backward to its reduce); torch's split W (``"autograd"``) leaves the
+      param-dtype gradient too (``a`` more, until the next I or the reduce), a deferred W not;
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
       step by a step with gradient accumulation); without FSDP the gradients accumulate in
       place from the stage's first backward;
@@ -534,9 +533,7 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
-    # torch's split W leaves its param-dtype gradients beside FSDP's reduce-dtype accumulators
-    # until the module's next backward; a deferred W moves each into them at once
-    leaves = split and lo.job.pipeline.split_backward != "deferred"
+    leaves = split and lo.job.pipeline.split_backward != "deferred"  # see _pipeline_peak
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
         n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
         n_d = len(ids) - n_m
