@@ -51,13 +51,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 __all__ = ["aten_op_names", "view_base", "cuda_memory_snapshot", "flash_attention_cpu",
            "flash_attention_cpu_backward", "flash_attention_cuda", "flash_attention_cuda_backward",
            "foreach_mul_", "grouped_mm", "profiler_enabled", "pytree", "record_cuda_memory_history",
            "reduce_scatter_single", "set_pg_timeout", "trunc_normal_",
            "abort_all_process_groups", "assert_on_device", "default_store",
-           "inductor_cache_options"]
+           "inductor_cache_options", "fsdp_reduce_dtype_accumulators", "fold_into_reduce_dtype"]
 
 #: ``torch._grouped_mm(a, b, offs=...)`` where this torch has it (CPU from 2.9), else None.
 grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -259,9 +260,6 @@ def fsdp_reduce_dtype_accumulators(module: torch.nn.Module) -> dict[int, object]
     hook. A weight gradient written after that hook (a deferred W) stays in the param dtype
     until the next backward of that module, and several such W's sum in it:
     :func:`fold_into_reduce_dtype` moves it at once, as the hook would."""
-    # deferred: FSDP2's private module state is needed only when a W runs under FSDP
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     found = {}
     for m in module.modules():
         if not isinstance(m, FSDPModule):

@@ -484,11 +484,10 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
       from another rank is held from its sender's F to this stage's I or B, its output
       gradient from its sender's I or B to the same point (one from this rank is the sender's
       tensor, counted there); torch alone would hold ``2 m`` of them per stage all step;
-    - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients over the
-      micro-batches and reduce-scatters once, after the stage's last backward. FSDP converts
-      each backward's gradient to the reduce dtype (``reduce_bytes`` per parameter, from the
-      stage's first backward to its reduce); torch's split W (``"autograd"``) leaves the
-      param-dtype gradient too (``a`` more, until the next I or the reduce), a deferred W not;
+    - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients in the
+      reduce dtype (``reduce_bytes`` a parameter, from the stage's first backward to its one
+      reduce-scatter after its last); torch's split W (``"autograd"``) leaves the param-dtype
+      gradient too (``a`` more, until the next I or the reduce), a deferred W does not;
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
       step by a step with gradient accumulation); without FSDP the gradients accumulate in
       place from the stage's first backward;
