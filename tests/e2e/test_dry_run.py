@@ -95,6 +95,8 @@ def test_overlapped_expert_parallel_dry_runs():
 
 
 PEAK_BYTES = re.compile(r"^titanext: dry run: peak of the step = (\d+) bytes$", re.M)
+OPTIMIZER_PEAK_BYTES = re.compile(
+    r"^titanext: dry run: peak in the optimizer step = (\d+) bytes$", re.M)
 COMM_ROW = re.compile(r"^(\w+) +(\d+) +(\S+)$", re.M)  # collective, calls, GB
 
 
@@ -109,8 +111,10 @@ def test_dualpipe_dry_run_peak_does_not_grow_with_the_micro_batches():
     whatever their count. The dry run measured 73.05 / 76.05 MiB at 8 / 32 (one boundary tensor
     more per micro-batch): MemTracker's module hooks kept every micro-batch's graph, and its
     received input, until the step ended (issue 45). Stepping every micro-batch (the default
-    steps 8 of 32 here: the case below)."""
-    peaks = {}
+    steps 8 of 32 here: the case below). The optimizer step's own peak does not grow either:
+    it was 4 boundary tensors more per micro-batch (76.05 / 88.05 MiB at 8 / 32), the meta
+    stand-ins of the released receive buffers, which the tracker's phase summed as memory."""
+    peaks, step_peaks = {}, {}
     for m in (8, 32):
         out = dry_run("debug_model.toml", "--comm.fake_world_size=4", "--comm.fake_rank=1",
                       "--parallelism.pipeline_parallel_degree=4",
@@ -119,7 +123,9 @@ def test_dualpipe_dry_run_peak_does_not_grow_with_the_micro_batches():
                       f"--training.local_batch_size={m}", "--activation_checkpoint.mode=full",
                       "--comm.fake_microbatches=all")
         peaks[m] = _peak_and_comm(out)[0]
+        step_peaks[m] = int(OPTIMIZER_PEAK_BYTES.search(out.stdout)[1])
     assert peaks[32] == peaks[8], peaks  # bytes; the growth was 3 MiB
+    assert step_peaks[32] == step_peaks[8], step_peaks
 
 
 FEWER_CASES = {  # (config, world size, rank, micro-batches, fewest, overrides)
