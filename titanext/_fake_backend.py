@@ -201,8 +201,10 @@ def mem_tracker():
                 self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
 
         def end_phase(self) -> int:
-            """The phase's peak bytes (all devices); the step's peak goes on."""
-            phase = sum(self._peak_mem.values())
+            """The phase's peak bytes (all devices but meta, whose tensors hold no memory: the
+            pipeline's released receive buffers are meta stand-ins, 2 per micro-batch and
+            stage); the step's peak goes on."""
+            phase = sum(v for dev, v in self._peak_mem.items() if torch.device(dev).type != "meta")
             peaks, snaps = self._outer
             for dev, peak in peaks.items():
                 if peak >= self._peak_mem.get(dev, 0):

@@ -136,15 +136,26 @@ def dry_run_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
     """The config a dry run steps (and :func:`measure_real` compares with): the target cluster's.
 
     ``mixed_precision_param = "auto"`` becomes ``"bfloat16"``, what a CUDA run uses (the dry run
-    itself runs on the CPU device, where "auto" would mean float32); ``torch.compile`` is off
-    (dynamo does not trace under an outer fake mode). Returns the config and a note per change.
+    itself runs on the CPU device, where "auto" would mean float32); float8's ``auto_filter =
+    "auto"`` converts what it does on float8 GPUs (on the CPU, every linear); ``torch.compile``
+    is off (dynamo does not trace under an outer fake mode). Returns the config and a note per
+    change.
     """
     notes = []
-    if cfg.training.mixed_precision_param == "auto" or cfg.compile.enable:
+    f8 = cfg.float8
+    # float8 on the CPU is emulated, where "auto" converts every linear; on the float8 GPUs the
+    # planner plans for, torchao's size rule keeps the small ones in bf16, and those defer
+    # their weight gradients (what a split backward holds from I to W differs)
+    f8_auto = f8.enable and f8.auto_filter == "auto" and f8.emulate == "auto"
+    if cfg.training.mixed_precision_param == "auto" or cfg.compile.enable or f8_auto:
         cfg = copy.deepcopy(cfg)
     if cfg.training.mixed_precision_param == "auto":
         cfg.training.mixed_precision_param = "bfloat16"
         notes.append('mixed_precision_param = "auto" is bfloat16 here, as on a CUDA cluster')
+    if f8_auto:
+        cfg.float8.auto_filter = True
+        notes.append('float8 auto_filter = "auto" converts here what it does on float8 GPUs: '
+                     "linears too small to gain stay in bf16 (the float8 math is emulated)")
     if cfg.compile.enable:
         cfg.compile.enable = False
         notes.append("torch.compile is off in a dry run: eager activations (an upper bound)")
@@ -471,6 +482,7 @@ def dry_run(cfg: JobConfig) -> int:
         print(f"titanext: dry run: note: {note}")
     ratio = result.peak / result.planner if result.planner else math.nan
     print(f"titanext: dry run: peak of the step = {result.peak} bytes")
+    print(f"titanext: dry run: peak in the optimizer step = {result.optimizer_peak} bytes")
     print(f"titanext: dry run built and stepped in {result.seconds:.1f}s; measured / planner "
           f"peak = {ratio:.2f}")
     print(result.summary(), flush=True)

@@ -65,12 +65,13 @@ class Layout:
     head_float8: bool
     zero_n: int  # ranks sharding the optimizer state
     reshard: bool
-    gathered_layer: float  # bytes of one gathered FSDP unit
+    gathered_layer: float  # bytes of one gathered FSDP unit (the larger of a dense and a MoE one)
     gathered_per_element: float
     gpus_per_node: int
     ulysses: int = 1  # CP's Ulysses degree: cp = ulysses x ring (cp for "alltoall", 1 = ring)
     job: JobLayout | None = None  # the resolved job every figure above is read from
     autocast: bool = False  # the forward runs under torch.autocast to ``a`` (no FSDP, no pp)
+    gathered_by_kind: tuple[float, float] = (0.0, 0.0)  # a gathered dense unit's, a MoE one's
 
     @property
     def recipe(self) -> Recipe:
@@ -176,9 +177,11 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
                       + a * (shape.layer_sharded - f8_weights)) / tp + a * shape.layer_replicated
     gathered_per_element = gathered_layer / (shape.layer_sharded / tp + shape.layer_replicated)
     moe_linears: list[Linear] = []
+    gathered_by_kind = (gathered_layer, 0.0)
     if moe:  # a MoE unit gathers its attention, router, shared and this rank's experts
-        gathered_layer = max(gathered_layer, a * (moe.sharded / tp + moe.replicated
-                                                  + moe.experts / ep))
+        gathered_by_kind = (gathered_layer,
+                            a * (moe.sharded / tp + moe.replicated + moe.experts / ep))
+        gathered_layer = max(gathered_by_kind)
         moe_linears = with_ep(moe.linears, moe.num_experts, ep)
         converted = dict(f8_moe)  # the block's own linears (attention, shared experts)
         moe_linears = [dataclasses.replace(lin, float8=converted.get(lin.name, lin.float8),
@@ -194,7 +197,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         zero_n=n_fsdp if recipe.zero_stage >= 2 else dp * cp, reshard=reshard,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
         gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job,
-        autocast=recipe.autocast(job, "cuda") is not None)
+        autocast=recipe.autocast(job, "cuda") is not None, gathered_by_kind=gathered_by_kind)
 
 
 def _auto_filter(f8, float8_hardware: bool | None) -> bool:

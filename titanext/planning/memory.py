@@ -60,6 +60,7 @@ from titanext.planning.moe import moe_activation_extra
 from titanext.planning.muon import step_bytes
 from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
 from titanext.planning.shapes import ModelShape
+from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
            "moment_bytes", "optimizer_step_bytes", "static_memory_floor", "zero_bytes_per_rank"]
@@ -210,17 +211,6 @@ def mtp_activation_bytes(lo: Layout, per_layer: float, per_moe_layer: float,
     return shape.mtp_layers * (lo.tokens_mb * (block + 3 * lo.a * shape.dim / lo.cp) + head_act)
 
 
-def _weight_grad_inputs(lo: Layout, ffn: float) -> float:
-    """Bytes per token of one block that a split backward keeps from its input-gradient pass (I)
-    to its weight-gradient pass (W): every matmul's input and output gradient. Under TP with SP
-    the inputs of the column-wise matmuls and the output gradients of the row-wise ones are the
-    gathered sequence (4 h); the rest is split by tp: a (4 h + (2 h + 2 h_kv + 3 f) / tp).
-    MLA's attention part is ``shape.attn_wgrad`` instead (latents and their gradients)."""
-    h, hkv, tp = lo.shape.dim, lo.shape.kv_dim, lo.tp
-    whole, split = lo.shape.attn_wgrad if any(lo.shape.attn_wgrad) else (2 * h, 2 * h + 2 * hkv)
-    return lo.a * (whole + 2 * h + (split + 3 * ffn) / tp) / lo.cp
-
-
 def _two_level_saved(lo: Layout) -> float:
     """Bytes per token and MoE block that two-level dispatch saves beyond the flat one without
     AC: the route's indices and weights (16 per routed row). Its combine sums rows that the
@@ -321,10 +311,15 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
         mem["optimizer"] -= 4 * _muon_elements(lo, rk, psi_experts)
     mem[OPTIMIZER_LABELS[lo.cfg.optimizer.name]] = mem.pop("optimizer")
     if sharded and lo.n_fsdp > 1:  # gathered units: two in flight, or all without resharding
-        mem["gathered params"] = lo.gathered_layer * (2 if lo.reshard else rk.layers)
-        if not lo.reshard:  # the embedding and the head stay gathered too
+        dense_unit, moe_unit = lo.gathered_by_kind
+        mem["gathered params"] = (lo.gathered_layer * 2 if lo.reshard
+                                  else dense_unit * (rk.layers - n_m) + moe_unit * n_m)
+        if not lo.reshard:  # the embedding, the head and the MTP modules stay gathered too
+            mtp = shape.mtp_layers * (moe_unit if shape.mtp_moe else dense_unit) + a * (
+                shape.mtp_layers * (shape.mtp_extra + shape.mtp_eh_proj / tp))
             mem["gathered params"] += a * ((shape.embedding / tp if rk.embedding else 0)
-                                           + (shape.output / tp if rk.head else 0))
+                                           + (shape.output / tp if rk.head else 0)) + (
+                mtp if rk.head else 0)
     else:
         mem["gathered params"] = 0.0
     copies = lo.recipe.expert_replicas if moe else 0
@@ -474,9 +469,9 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
 
     - **activations**: each micro-batch between its F and its backward holds
       ``T x (the blocks' saved bytes + the stage output (a h / tp_sp) [+ the head's])``; under
-      a split backward it then holds :func:`_weight_grad_inputs` of every block from its I to
-      its W (the 70B's rank 0 runs W right after I: +4.1 GiB at I, -5.1 GiB at W; its middle
-      ranks defer seven Ws to the cooldown and peak at 79 GiB there);
+      a split backward it then holds what :mod:`~titanext.planning.weight_grads` counts of
+      every block from its I to its W (the 70B's rank 0 runs W right after I: +4.1 GiB at I,
+      -5.1 GiB at W; its middle ranks defer seven Ws to the cooldown and peak at 79 GiB there);
     - **backward transients**: a full backward (B) under full AC recomputes one block (its
       saved bytes without AC);
     - **pipeline buffers**: receive buffers (``T a h / tp_sp`` each) of the micro-batches in
@@ -522,12 +517,15 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
                                                  cp=lo.cp, moe=True, ulysses=lo.ulysses)
                 if moe else 0.0)
-    wgrad_dense = _weight_grad_inputs(lo, shape.ffn)
+    # float8 linears compute their dW at I: they keep nothing to W
+    wgrad_dense = (weight_grad_inputs(lo, shape.ffn)
+                   - float8_not_kept(lo.linears, a=a, tp=lo.tp, cp=lo.cp))
     # a MoE block: its attention and shared experts like a dense block's, and per routed row
     # (k per token, replicated over tp) the experts' inputs and output gradients (2 h) and
     # the SwiGLU product and two hidden gradients (3 f_e): the DeepSeek-V3 dry run's index_select
     # / index_add rows of [k T, h] per block and micro-batch
-    wgrad_moe = (_weight_grad_inputs(lo, moe.shared_hidden)
+    wgrad_moe = (weight_grad_inputs(lo, moe.shared_hidden)
+                 - float8_not_kept(lo.moe_linears, a=a, tp=lo.tp, cp=lo.cp)
                  + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
