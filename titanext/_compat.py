@@ -274,15 +274,7 @@ def fsdp_reduce_dtype_accumulators(module: torch.nn.Module) -> dict[int, object]
 
 def fold_into_reduce_dtype(fsdp_param) -> None:
     """Add the unsharded parameter's param-dtype ``.grad`` into FSDP2's reduce-dtype
-    accumulator (creating it on the first fold) and drop it: what FSDP2's post-backward does
-    with a gradient (``accumulate_unsharded_grad_if_needed`` and ``to_accumulated_grad_if_needed``,
-    without their unsharded-state check: a W may run after a reshard)."""
-    param = fsdp_param._unsharded_param
-    grad = param.grad
-    if grad is None or grad.dtype == fsdp_param.reduce_dtype:
-        return
-    if fsdp_param.unsharded_accumulated_grad is None:
-        fsdp_param.unsharded_accumulated_grad = grad.to(fsdp_param.reduce_dtype)
-    else:
-        fsdp_param.unsharded_accumulated_grad += grad
-    param.grad = None
+    accumulator (creating it on the first fold) and drop it: FSDP2's own two steps of its
+    post-backward, in its order (the same methods on torch 2.11 to 2.14.1)."""
+    fsdp_param.accumulate_unsharded_grad_if_needed()
+    fsdp_param.to_accumulated_grad_if_needed()
