@@ -32,6 +32,7 @@ from titanext._compat import inductor_cache_options
 from titanext._fake_backend import host_float, real_tensors
 from titanext._profiler_ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMIZER, PIPELINE, phase
 from titanext.components.checkpoint import CheckpointManager, manifest_info
+from titanext.components.garbage_collection import scheduled_collection
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.param_groups import (
@@ -360,7 +361,7 @@ class Trainer:
         losses = []
         profiler = self.profiler()
         try:
-            with profiler:
+            with profiler, scheduled_collection(t.gc_freq) as collect_garbage:
                 while self.step < last_step:
                     lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
                     with profiler.around_step(self.step + 1):
@@ -373,6 +374,7 @@ class Trainer:
                     losses.append(loss)
                     with phase(LOG):
                         self._after_step(metrics, tokens_per_step, loss, grad_norm, lr)
+                    collect_garbage(self.step)
                     profiler.step(self.step)
         finally:
             metrics.close()
