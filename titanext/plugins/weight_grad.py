@@ -86,8 +86,8 @@ from titanext.plugins._loud import (
     unconverted_line,
 )
 
-__all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
-           "has_deferred_modules", "weight_grad_deferral"]
+__all__ = ["AutogradSplitStage", "DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads",
+           "deferral_active", "has_deferred_modules", "weight_grad_deferral"]
 
 logger = logging.getLogger("titanext")
 
@@ -532,12 +532,20 @@ class ReduceDtypeFolds:
         self.modules: list[nn.Module] = []
         self._accumulators: dict[int, object] | None = None
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def _owners(self) -> dict[int, object]:
         if self._accumulators is None:
             self._accumulators = {k: v for m in self.modules
                                   for k, v in fsdp_reduce_dtype_accumulators(m).items()}
-        owner = self._accumulators.get(id(param))
+        return self._accumulators
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self._owners().get(id(param))
         if owner is not None:
+            fold_into_reduce_dtype(owner)
+
+    def fold_all(self) -> None:
+        """Fold every managed parameter's param-dtype gradient (none: nothing to do)."""
+        for owner in self._owners().values():
             fold_into_reduce_dtype(owner)
 
 
@@ -566,3 +574,21 @@ class DeferredPipelineStage(PipelineStage):
     def backward_one_chunk(self, *args, **kwargs):
         with weight_grad_deferral(self.weight_grad_queue):
             return super().backward_one_chunk(*args, **kwargs)
+
+
+class AutogradSplitStage(PipelineStage):
+    """torch's ``PipelineStage`` for ``split_backward = "autograd"``: torch's W
+    (``stage_backward_weight``) writes each weight gradient after FSDP2's post-backward hook
+    has run for that micro-batch, so under FSDP2 mixed precision it would stay in bf16 and the
+    next W would add to it in bf16. Each W's gradients join FSDP2's fp32 accumulator at once
+    (:class:`ReduceDtypeFolds`), as a deferred W's do. Same arguments as ``PipelineStage``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._folds = ReduceDtypeFolds()
+        self._folds.modules.append(self.submod)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        self._folds.fold_all()
+        return out
