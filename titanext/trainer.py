@@ -115,8 +115,10 @@ class Trainer:
                          emulate=f8.emulate, device=self.device,
                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
         if f8.moe_experts:  # the routed experts' grouped GEMMs (the rules checked it has them)
+            # a dry run plans the float8 GPU's run: the kernels' own backward, not deferred
             apply_float8_experts(model, recipe=f8.moe_experts_recipe, emulate=f8.emulate,
-                                 device=self.device)
+                                 device=self.device,
+                                 target_kernels=cfg.comm.mode == "fake_backend")
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
         self.param_groups = self._param_groups(model)
