@@ -9,7 +9,7 @@ import pytest
 
 from tests import REPO_ROOT
 from titanext.config import load_config, resolved_dp_shard
-from titanext.planning.cli import plan_config
+from titanext.planning.cli import DEVICES, advise, plan_config
 from titanext.train import main
 
 CONFIGS = str(REPO_ROOT / "train_configs")
@@ -59,3 +59,18 @@ def test_realistic_configs_are_rejected_at_the_wrong_world_size(monkeypatch, cap
     assert main(["--config", os.path.join(CONFIGS, "llama3_70b_multinode.toml"),
                  "--print-config"]) == 2
     assert "config error" in capsys.readouterr().err
+
+
+def test_the_671b_advice_over_every_layout_ranks_the_shipped_pipeline_first():
+    """The advice's whole search for DeepSeek-V3 671B on 2048 H100s (every tp, pp, cp and ep;
+    about a minute of CPU, so here and not in the inner loop) ranks first the layouts that
+    tests/unit/test_plan.py's search, held to pp = 16 and tp = cp = 1, checks: ep = 16, 32 and
+    the shipped 64, with full recompute and the 120 micro-batches of one sequence."""
+    path = os.path.join(CONFIGS, "deepseek_v3_671b.toml")
+    plans = advise(path, [], 2048, top=3)
+    for plan, ep in zip(plans, (16, 32, 64), strict=True):
+        lo = plan.layout
+        load_config(path, lo["overrides"], world_size=2048)  # raises if invalid
+        assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
+        assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
+                lo["local_batch_size"]) == (1, 16, 1, ep, 128, "full", 120), lo

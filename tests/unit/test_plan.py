@@ -106,9 +106,14 @@ def _live_storages() -> dict[int, int]:
 def measure_activation_bytes(step) -> int:
     """Bytes of tensors kept alive for backward by ``step()`` (a forward returning the loss):
     tensors saved by autograd (seen through saved-tensor hooks) and tensors that activation
-    checkpointing keeps itself (seen as new live Python tensors)."""
+    checkpointing keeps itself (seen as new live Python tensors). The backward is not run: the
+    forward's graph holds all of them."""
     gc.collect()  # garbage from earlier work must not hide new tensors that reuse its memory
     before = _live_storages()
+    # every object alive now is old (its storage is in ``before``): frozen, they leave the
+    # collector's generations, so the scan after the forward and any collection during it walk
+    # only what the forward made (not the whole test session's heap)
+    gc.freeze()
     saved = {}
 
     def pack(t):
@@ -116,12 +121,14 @@ def measure_activation_bytes(step) -> int:
         saved[ptr] = nbytes
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    new = {**_live_storages(), **saved}
-    total = sum(n for ptr, n in new.items() if ptr and ptr not in before)
-    loss.backward()
-    return total
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step()
+        new = {**_live_storages(), **saved}
+    finally:
+        gc.unfreeze()
+    del loss
+    return sum(n for ptr, n in new.items() if ptr and ptr not in before)
 
 
 def _measure_body(rank, world_size, overrides):
@@ -224,14 +231,16 @@ def test_planning_modules_doctests():
 
 # -- advice and the CLI -------------------------------------------------------------------------
 
-def _advised(config: str, world_size: int, top: int) -> list:
-    """The advice for ``config``, checked: some, each valid at ``world_size`` and fitting."""
+def _advised(config: str, world_size: int, top: int, **fixed: int) -> list:
+    """The advice for ``config`` (with the degrees in ``fixed``), checked: some, each valid at
+    ``world_size`` and fitting."""
     path = str(ROOT / "train_configs" / config)
-    plans = advise(path, [], world_size, top=top)
+    plans = advise(path, [], world_size, top=top, fixed=fixed)
     assert plans
     for plan in plans:
         load_config(path, plan.layout["overrides"], world_size=world_size)  # raises if invalid
         assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
+        assert all(plan.layout[k] == v for k, v in fixed.items()), plan.layout
     return plans
 
 
@@ -240,18 +249,35 @@ def test_advice_validates_and_fits():
 
 
 def test_advice_for_the_671b_names_a_layout_that_fits():
-    """DeepSeek-V3 671B on 2048 H100s (DualPipe, 120 micro-batches): the advice's local batches
-    under PP are the micro-batch count x 1..8 sequences, so its layouts validate; the shipped
-    one is among the first (before: local batches of 1-8 sequences, none of which the
-    micro-batch count divides, and no advice at all). Since the stages hold receive buffers
-    only for the micro-batches in flight (titanext.schedules.follow_in_flight), ep = 32 (twice
-    the experts per rank) fits too; since a deferred W adds its gradients to FSDP's fp32
-    accumulators at once (no bf16 copy beside them), so does ep = 16. Fewer all-to-all peers
-    rank them first, ahead of the shipped ep = 64."""
-    layouts = [p.layout for p in _advised("deepseek_v3_671b.toml", 2048, top=3)]
+    """DeepSeek-V3 671B on 2048 H100s (DualPipe, 120 micro-batches), the search held to the
+    shipped pp = 16, tp = cp = 1 (the whole search, which ranks the same layouts first, is
+    tests/e2e/test_configs_realistic.py's): the advice's local batches under PP are the
+    micro-batch count x 1..8 sequences, so its layouts validate; the shipped one is among the
+    first (before: local batches of 1-8 sequences, none of which the micro-batch count divides,
+    and no advice at all). Since the stages hold receive buffers only for the micro-batches in
+    flight (titanext.schedules.follow_in_flight), ep = 32 (twice the experts per rank) fits too;
+    since a deferred W adds its gradients to FSDP's fp32 accumulators at once (no bf16 copy
+    beside them), so does ep = 16. Fewer all-to-all peers rank them first, ahead of the shipped
+    ep = 64."""
+    layouts = [p.layout for p in _advised("deepseek_v3_671b.toml", 2048, top=3, pp=16, tp=1,
+                                          cp=1)]
     for lo, ep in zip(layouts, (16, 32, 64), strict=True):
         assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
                 lo["local_batch_size"]) == (1, 16, 1, ep, 128, "full", 120), lo
+
+
+def test_fixed_degrees_keep_the_advice_s_ranking():
+    """``advise(fixed=...)`` (``titanext-plan --fix``) searches fewer layouts and ranks them as
+    the whole search does: its first layouts are the whole search's first layouts with those
+    degrees, whether held to the best layout's or to others."""
+    path = str(ROOT / "train_configs" / "llama3_8b.toml")
+    whole = [p.layout for p in advise(path, [], 16, top=10_000)]  # every layout that fits
+    for fixed in ({"tp": whole[0]["tp"], "pp": whole[0]["pp"]}, {"tp": 4, "cp": 2}):
+        held = [p.layout for p in advise(path, [], 16, top=3, fixed=fixed)]
+        same = [lo for lo in whole if all(lo[k] == v for k, v in fixed.items())]
+        assert len(same) >= 3 and held == same[:3], (fixed, held, same[:3])
+    with pytest.raises(ValueError, match="dp_shard cannot be fixed"):
+        advise(path, [], 16, fixed={"dp_shard": 2})
 
 
 @pytest.mark.parametrize("config,world,extra", [
@@ -316,10 +342,11 @@ def test_cli_prints_tables_and_json_fast(tmp_path, capsys):
         assert needle in out.stdout
     assert (tmp_path / "m.svg").read_text().startswith("<svg")
     # the same CLI in this process (its start-up, timed above, is the one thing a second
-    # child would add): --json prints the plans as JSON instead of the tables
+    # child would add): --json prints the plans as JSON instead of the tables (one advised
+    # layout is enough to see them there; the search for five was timed above)
     from titanext.planning.cli import main
 
-    assert main([*args[3:], "--json"]) == 0
+    assert main([*args[3:], "--json", "--top", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["advice"] and data["config"]["memory"]
 
@@ -348,6 +375,19 @@ def test_cli_top_0_plans_the_config_without_advice_and_a_negative_top_exits_2(ca
     assert main(["--config", path, "--world-size", "8", "--top", "-1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "titanext-plan: error: --top = -1 must be >= 0 (0: no advice)"]
+
+
+def test_cli_bad_fix_is_one_line_each_and_exit_2(capsys):
+    path = str(ROOT / "train_configs" / "debug_model.toml")
+    assert main(["--config", path, "--world-size", "8", "--fix", "pp=2,dp=4",
+                 "--fix", "tp=0", "--fix", "pp=1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "titanext-plan: error: --fix dp=4: 'dp' cannot be fixed (one of tp, pp, cp, ep)",
+        "titanext-plan: error: --fix tp=0: tp = '0' must be an integer >= 1",
+        "titanext-plan: error: --fix pp=1: pp is fixed twice"]
+    assert main(["--config", path, "--world-size", "8", "--fix", "tp=2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tensor_parallel_degree = 2") == 2, out
 
 # -- the pipeline bubble comes from the simulator --------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from titanext.config import ConfigError, load_config
 from titanext.planning.estimate import Plan, plan_config, tokens_per_s_ceiling
@@ -17,7 +17,10 @@ from titanext.planning.layout import resolve_layout
 from titanext.planning.memory import static_memory_floor
 from titanext.planning.shapes import model_shape
 
-__all__ = ["advise", "toml_snippet"]
+__all__ = ["FIXABLE", "advise", "toml_snippet"]
+
+#: the degrees the advice's search can be held to (``advise(fixed=...)``, ``titanext-plan --fix``)
+FIXABLE = ("tp", "pp", "cp", "ep")
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,26 +41,28 @@ def _local_batch_sizes(pp: int, microbatches: int) -> tuple[int, ...]:
 
 
 def _candidate_specs(base, world_size: int, global_batch: int, too_big: dict[tuple, int], *,
-                     device: Device, gpus_per_node: int, efficiency: float) -> list[tuple]:
-    """Every layout the advice searches, with its tokens/s ceiling: (ceiling, index, config,
-    (tp, pp, cp, ep, local), recompute level); those whose memory floor does not fit mark
-    ``too_big`` instead."""
+                     device: Device, gpus_per_node: int, efficiency: float,
+                     fixed: Mapping[str, int]) -> list[tuple]:
+    """Every layout the advice searches (with the degrees in ``fixed``), with its tokens/s
+    ceiling: (ceiling, index, config, (tp, pp, cp, ep, local), recompute level); those whose
+    memory floor does not fit mark ``too_big`` instead."""
     moe = model_shape(base).moe
     microbatches = base.parallelism.pipeline_parallel_microbatches
     hbm = 0.9 * device.hbm_bytes
     specs = []
     for tp in _divisors(world_size):
-        if tp > 2 * gpus_per_node:
+        if tp > 2 * gpus_per_node or fixed.get("tp", tp) != tp:
             continue
-        for pp in _divisors(world_size // tp):
-            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0):
+        for pp in (p for p in _divisors(world_size // tp) if fixed.get("pp", p) == p):
+            for cp in (c for c in (1, 2, 4, 8) if (world_size // (tp * pp)) % c == 0
+                       and fixed.get("cp", c) == c):
                 dp = world_size // (tp * pp * cp)
                 # expert parallelism borrows dp_shard x cp ranks (MoE models only)
                 eps = [e for e in _divisors(dp * cp) if moe and moe.num_experts % e == 0] or [1]
                 for ep, local, (level, ac) in itertools.product(
                         eps, _local_batch_sizes(pp, microbatches), enumerate(_RECOMPUTE)):
                     key = (tp, pp, cp, ep, local)
-                    if (global_batch % (local * dp)
+                    if (global_batch % (local * dp) or fixed.get("ep", ep) != ep
                             or too_big.get(key, len(_RECOMPUTE)) <= level):
                         continue
                     cfg = _candidate_config(base, key, dp, ac, global_batch)
@@ -100,7 +105,8 @@ def _recompute_lists(base, ac: str) -> dict[str, list[str]]:
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
-           efficiency: float = 0.6, comm_sms: int = COMM_SMS) -> list[Plan]:
+           efficiency: float = 0.6, comm_sms: int = COMM_SMS,
+           fixed: Mapping[str, int] | None = None) -> list[Plan]:
     """The ``top`` feasible layouts ranked by estimated tokens/s (best first).
 
     Each candidate gets a cheap ceiling first (:func:`~titanext.planning.estimate.
@@ -111,7 +117,17 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     are dropped. The global batch of the config is kept; the micro-batch size (1, 2, 4 or 8
     sequences; under PP, times the config's micro-batch count) and recompute mode are
     searched. The schedule and the other pipeline keys stay the config's. ``top`` < 1: none.
+
+    ``fixed`` holds degrees of :data:`FIXABLE` to their values (``{"pp": 16}``: only layouts
+    with 16 pipeline stages): the same ranking among fewer layouts, so a faster search when
+    some degrees are settled (a cluster's pipeline, a model's experts per rank). Another key
+    raises :class:`ValueError`.
     """
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise ValueError(f"advise(fixed=...): {', '.join(unknown)} cannot be fixed "
+                         f"(only {', '.join(FIXABLE)})")
     if top < 1:
         return []
     base = load_config(path, overrides, world_size=world_size)
@@ -124,7 +140,8 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     # floor (static_memory_floor) or, once planned, by its plan; less recomputation keeps more
     too_big: dict[tuple, int] = {}
     specs = _candidate_specs(base, world_size, global_batch, too_big, device=device,
-                             gpus_per_node=gpus_per_node, efficiency=efficiency)
+                             gpus_per_node=gpus_per_node, efficiency=efficiency,
+                             fixed=fixed)
     specs.sort(key=lambda sp: (-sp[0], sp[1]))
     candidates: list[Plan] = []
     valid: dict[int, list[str] | None] = {}  # id(plan) -> its overrides, None: invalid

@@ -1,8 +1,8 @@
 """Planner: per-rank memory, communication, bubble and throughput of a layout, and advice.
 
     titanext-plan --config train_configs/llama3_70b.toml --world-size 64 \\
-        [--gpus-per-node 8] [--device h100] [--top 5] [--json] [--svg memory.svg] \\
-        [--imbalance 1.0] [--comm-sms 20] \\
+        [--gpus-per-node 8] [--device h100] [--top 5] [--fix pp=16,tp=1] [--json] \\
+        [--svg memory.svg] [--imbalance 1.0] [--comm-sms 20] \\
         [--section.key=value ...]
 
 It answers "which degrees should I use?" in seconds, without a process group, following the
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from titanext._text import format_table
 from titanext.config import ConfigError, load_config, parse_cli
-from titanext.planning.advice import advise, toml_snippet
+from titanext.planning.advice import FIXABLE, advise, toml_snippet
 from titanext.planning.estimate import Plan, plan_config
 from titanext.planning.hardware import COMM_SMS, DEVICES, GB, Device
 from titanext.planning.memory import (
@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                          "H800's 132; 0 charges none; docs/planner.md)")
     ap.add_argument("--top", type=int, default=5,
                     help="layouts to advise (0: none, the config's plan only)")
+    ap.add_argument("--fix", action="append", default=[], metavar="KEY=N[,KEY=N]",
+                    help="search only layouts with these degrees (keys: " + ", ".join(FIXABLE)
+                         + "; e.g. --fix pp=16,tp=1): the same ranking among fewer layouts, "
+                           "a faster search")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--svg", help="write the memory picture to this file")
     return ap
@@ -82,11 +86,28 @@ def _option_problems(known: argparse.Namespace) -> list[str]:
         problems.append(f"--gpus-per-node = {known.gpus_per_node} must be >= 1")
     if known.top < 0:
         problems.append(f"--top = {known.top} must be >= 0 (0: no advice)")
+    problems += _fixed(known.fix)[1]
     sms = DEVICES[known.device].sms
     if not 0 <= known.comm_sms < sms:
         problems.append(f"--comm-sms = {known.comm_sms} must be in [0, {sms}) "
                         f"({DEVICES[known.device].name} has {sms} SMs)")
     return problems
+
+
+def _fixed(values: Sequence[str]) -> tuple[dict[str, int], list[str]]:
+    """``--fix`` as advise's ``fixed``, and one line per bad item."""
+    fixed, problems = {}, []
+    for item in (i for v in values for i in v.split(",") if i):
+        key, _, value = item.partition("=")
+        if key in fixed:
+            problems.append(f"--fix {item}: {key} is fixed twice")
+        elif key not in FIXABLE:
+            problems.append(f"--fix {item}: {key!r} cannot be fixed (one of {', '.join(FIXABLE)})")
+        elif not value.isdigit() or int(value) < 1:
+            problems.append(f"--fix {item}: {key} = {value!r} must be an integer >= 1")
+        else:
+            fixed[key] = int(value)
+    return fixed, problems
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           compare_replication=True, comm_sms=known.comm_sms)
     advice = advise(path, overrides, known.world_size, device=device,
                     gpus_per_node=known.gpus_per_node, top=known.top, efficiency=known.efficiency,
-                    comm_sms=known.comm_sms) if known.top else []
+                    comm_sms=known.comm_sms, fixed=_fixed(known.fix)[0]) if known.top else []
     if known.svg:
         with open(known.svg, "w") as f:
             labels = ["config", *(f"#{i + 1}" for i in range(len(advice)))]
