@@ -36,6 +36,21 @@ def _cfg(folder: str, layout: list[str], extra: list[str]):
                                 f"--job.dump_folder={folder}", *extra], world_size=2)
 
 
+def _heap_bytes() -> int:
+    """Bytes malloc has handed out and not taken back (glibc's mallinfo2: heap and mmap)."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks",
+                                                    "hblkhd", "usmblks", "fsmblks", "uordblks",
+                                                    "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def _body(rank: int, world_size: int, folder: str) -> dict:
     import torch.distributed as dist
 
@@ -51,8 +66,17 @@ def _body(rank: int, world_size: int, folder: str) -> dict:
         # failed on them
         profiled = Trainer(_cfg(f"{folder}/{name}", layout, PROFILED)).train()
         gc_after = gc.isenabled()  # [training] gc_freq gives Python's setting back
-        plain = Trainer(_cfg(f"{folder}/{name}-plain", layout, [])).train()
-        out[name] = {"profiled": profiled, "plain": plain, "gc_after": gc_after}
+        gc.collect()
+        gc.disable()  # kept off by train() (it restores the setting it found)
+        trainer = Trainer(_cfg(f"{folder}/{name}-plain", layout, []))
+        plain = trainer.train()
+        before = _heap_bytes()
+        gc.collect()  # what only the cyclic collector frees: held by cycles since the build
+        cyclic = before - _heap_bytes()
+        gc.enable()
+        del trainer
+        out[name] = {"profiled": profiled, "plain": plain, "gc_after": gc_after,
+                     "cyclic_bytes": cyclic}
     dist.barrier()
     dist.destroy_process_group()
     init_fake_process_group(rank, world_size)  # the same rank, now in a dry run
@@ -84,6 +108,11 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
             r = results[rank][name]
             if not r["gc_after"]:
                 problems.append(f"{name} rank {rank}: Python's collector left off after train()")
+            # gc_freq keeps the collector off for up to 50 steps: a reference cycle holding a
+            # step's tensors would pile them up (measured: 2-110 KB from the build, none a step)
+            if r["cyclic_bytes"] > 256 * 1024:
+                problems.append(f"{name} rank {rank}: {r['cyclic_bytes']} bytes held by "
+                                "reference cycles after 4 steps with the collector off")
             if r["profiled"] != r["plain"]:  # bitwise: profiling only observes
                 problems.append(f"{name} rank {rank}: losses {r['profiled']} != {r['plain']}")
             for step in (2, 4):
