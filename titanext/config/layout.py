@@ -288,6 +288,9 @@ class Recipe:
     """``ac = "modules"``: the parts of each block recomputed, any of ``RECOMPUTE_MODULES``
     (``titanext.plugins.recompute_modules``); a config's empty list is resolved to DeepSeek-V3's
     choice that the model has."""
+    ac_full_blocks: int = 0
+    """``ac = "modules"``: the first blocks of each pipeline stage (or of the model) that are
+    fully checkpointed instead (with ``keep_all_to_all``'s choice), the rest by module."""
     float8_storage: tuple[str, ...] = ()
     """Tensors saved for the backward in float8 with 1 x 128 scales, any of
     ``FLOAT8_STORAGE`` (``titanext.plugins.float8_storage``)."""
@@ -300,7 +303,7 @@ class Recipe:
     def __post_init__(self) -> None:
         problems = [_recipe_problem(name, getattr(self, name), allowed)
                     for name, allowed in _RECIPE_CHOICES.items()]
-        for name in ("ep_ranks_per_node", "expert_replicas"):
+        for name in ("ep_ranks_per_node", "expert_replicas", "ac_full_blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 problems.append(f"{name} = {value!r}; allowed: an integer >= 0")
@@ -316,7 +319,8 @@ class Recipe:
     def recompute(self) -> str:
         """"none", "full", "selective:<option>" or "modules:<name>+<name>..."."""
         if self.ac == "modules":
-            return "modules:" + "+".join(self.recompute_modules)
+            full = f" (full:{self.ac_full_blocks})" if self.ac_full_blocks else ""
+            return "modules:" + "+".join(self.recompute_modules) + full
         return f"selective:{self.ac_option}" if self.ac == "selective" else self.ac
 
     @property
@@ -384,6 +388,8 @@ def _recompute_problems(r: Recipe) -> list[str]:
                 or any(n not in allowed for n in getattr(r, name))]
     if r.ac == "modules" and not r.recompute_modules:
         problems.append("ac = 'modules' needs recompute_modules, e.g. ('layernorm', 'moe_act')")
+    if r.ac_full_blocks and r.ac != "modules":
+        problems.append(f"ac_full_blocks = {r.ac_full_blocks!r} needs ac = 'modules', not {r.ac!r}")
     if r.recompute_modules and r.ac != "modules":
         problems.append(f"recompute_modules = {r.recompute_modules!r} needs ac = 'modules', "
                         f"not {r.ac!r}")
@@ -426,6 +432,7 @@ def recipe_from_config(cfg: JobConfig) -> Recipe:
         ac_save_ops=tuple(ac.selective_op_save_list), keep_all_to_all=ac.keep_all_to_all,
         recompute_modules=(resolved_recompute_modules(ac.recompute_modules, model_args(cfg))
                            if ac.mode == "modules" else ()),
+        ac_full_blocks=ac.full_blocks if ac.mode == "modules" else 0,
         float8_storage=tuple(ac.float8_storage),
         compile=tuple(c.components) if c.enable else (), compile_backend=c.backend,
         float8=cfg.float8.enable)

@@ -418,8 +418,9 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     ac = cfg.activation_checkpoint
     keep = ac.keep_all_to_all and _ok(skip, "activation_checkpoint.mode",
                                       "activation_checkpoint.selective_ac_option")
-    if keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option):
-        problems.append(keep_all_to_all_problem(ac.mode, ac.selective_ac_option))
+    problem = keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option, ac.full_blocks)
+    if problem:
+        problems.append(problem)
     problems += _model_problems(cfg, skip, degrees_ok)
     plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
     if degrees_ok and cfg.parallelism.pipeline_parallel_degree > 1 and _ok(

@@ -198,6 +198,13 @@ class ActivationCheckpoint:
     in the model. Empty: DeepSeek-V3's choice, layernorm + mla_up_proj + moe_act, of those the
     model has. No all-to-all runs twice; losses and gradients are bitwise those of mode =
     'none'."""
+    full_blocks: int = _field(0, ge=0)
+    """With mode = 'modules': the first full_blocks transformer blocks of each pipeline stage
+    (of the model without pipeline parallelism) are fully checkpointed instead (with
+    keep_all_to_all as under mode = 'full'), the rest recompute only recompute_modules
+    (Megatron-Core's recompute_method = 'block' with recompute_num_layers). More full blocks:
+    less memory, slower; titanext-plan prints both. 0 = none; float8_storage applies to the
+    other blocks. Losses and gradients are bitwise those of mode = 'none'."""
     float8_storage: list[str] = _field([], check=_any_of(FLOAT8_STORAGE),
                                        rule="any of " + ", ".join(map(repr, FLOAT8_STORAGE)))
     """Tensors saved for the backward in float8 e4m3 with one power-of-two scale per 1 x 128
