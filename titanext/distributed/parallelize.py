@@ -164,6 +164,11 @@ def parallelize(
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
     """
     r = recipe if recipe is not None else Recipe()
+    if isinstance(r.ac_full_blocks, tuple):  # one count per stage: this one's, or none
+        if dims.pp_enabled or len(r.ac_full_blocks) != 1:
+            raise ValueError(f"Recipe(ac_full_blocks={r.ac_full_blocks!r}) has one count per "
+                             "pipeline stage; parallelize each stage with recipe.for_stage(s)")
+        r = r.for_stage(0)
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
     blocks = _check_before_changes(model, dims, r, tp_plan, blocks, experts, experts_layout,
                                    init_weights is not None)

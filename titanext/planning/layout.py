@@ -118,12 +118,13 @@ class Layout:
 
     def full_ac_ids(self, layer_ids) -> frozenset[int]:
         """The blocks among one stage's ``layer_ids`` that are fully checkpointed: all of them
-        under ``ac = "full"``, the first ``[activation_checkpoint] full_blocks`` (by layer id,
-        the stage's own order) under ``"modules"``, none otherwise."""
-        if self.ac == "full":
-            return frozenset(layer_ids)
-        n = self.recipe.ac_full_blocks if self.ac == "modules" else 0
-        return frozenset(sorted(layer_ids)[:n])
+        under ``ac = "full"``, the first ``[activation_checkpoint] full_blocks`` (the stage's
+        entry; by layer id, the stage's own order) under ``"modules"``, none otherwise."""
+        ids = sorted(layer_ids)
+        if self.ac == "full" or not ids:
+            return frozenset(ids)
+        stage = self.job.pipeline.stage_of_block(ids[0])
+        return frozenset(ids[:self.recipe.full_blocks_on(stage)] if self.ac == "modules" else ())
 
     def with_full_ac(self) -> Layout:
         """This layout with every block fully checkpointed (``keep_all_to_all`` as set): the
