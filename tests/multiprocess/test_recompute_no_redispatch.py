@@ -16,6 +16,8 @@
   all-to-alls and count exchanges of keep_all_to_all (no collective runs twice);
 - recompute by module with the first block of each 1F1B stage fully checkpointed
   (``full_blocks = 1`` with keep_all_to_all): bitwise full AC, the all-to-alls of keep_all_to_all;
+  with one count per stage (``full_blocks = [0, 1]``): bitwise, and stage 1's ranks re-dispatch
+  as full AC does, stage 0's not;
 - DeepSeek-V3's choice on debugdeepseek (MLA's up-projections through RoPE, the weighted
   SwiGLU, norms, shared experts) in DualPipe stages over pp 2 x ep 2, also with each stage's
   first block fully checkpointed (``full_blocks = 1``, re-dispatching): bitwise no AC.
@@ -46,6 +48,9 @@ F8_LOSS_RTOL, F8_PARAM_RTOL = 2e-4, 2.5e-2
 # by module, stage 1's MoE block 2 full; bitwise full AC, nothing sent twice
 MIXED = [*MODULES, "--activation_checkpoint.full_blocks=1",
          "--activation_checkpoint.keep_all_to_all=true"]
+# one count per stage (0 on stage 0, 1 on stage 1: MoE block 2 full, re-dispatching): bitwise,
+# and stage 1's ranks send what full AC sends, stage 0's what keep_all_to_all sends
+MIXED_LIST = [*MODULES, "--activation_checkpoint.full_blocks=0,1"]
 # DeepSeek-V3's choice on MLA (debugdeepseek) inside DualPipe stages (pp 2 x ep 2; its split
 # backward recomputes each region twice): mla_up_proj recomputes q, k, v through RoPE, moe_act the
 # weighted SwiGLU; bitwise no AC
@@ -80,7 +85,8 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
     out = {}
     for layout, (overrides, _, _) in LAYOUTS.items():
         modules = (("modules", MODULES),) if layout != "ep2_x_fsdp4" else ()
-        modules += (("f8", F8_STORE), ("mixed", MIXED)) if layout == "pp2_x_ep2_1F1B" else ()
+        modules += ((("f8", F8_STORE), ("mixed", MIXED), ("mixed_list", MIXED_LIST))
+                    if layout == "pp2_x_ep2_1F1B" else ())
         for ac, extra in (("full", FULL), ("keep", KEEP), *modules):
             name = f"{layout}_{ac}"
             with count_comm() as cc:  # around test_expert_parallel's own counter
@@ -160,6 +166,12 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
                 assert full[:2] == mod[:2] and mod[3:] == keep[3:], (layout, case, full, mod, keep)
                 bad = [n for n in full[2] if not torch.equal(full[2][n], mod[2][n])]
                 assert not bad, f"{layout} rank {rank}: {case}' parameters differ: {bad}"
+            if f"{layout}_mixed_list" in got:  # each stage its own count (ranks 2, 3: stage 1)
+                mod = got[f"{layout}_mixed_list"]
+                assert full[:2] == mod[:2] and mod[3:] == (full if rank >= 2 else keep)[3:], (
+                    layout, rank, full, mod, keep)
+                bad = [n for n in full[2] if not torch.equal(full[2][n], mod[2][n])]
+                assert not bad, f"{layout} rank {rank}: mixed_list's parameters differ: {bad}"
             assert 0 < keep[3] < full[3] and 0 < keep[4] < full[4], (layout, full, keep)
             # every recompute full AC ran issued the forward's count exchange(s) and its two
             # token all-to-alls per level again; with keep_all_to_all no recompute issues any
