@@ -462,6 +462,9 @@ def _layout_summary(lo: Layout) -> dict:
     cfg = lo.cfg
     return {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
             "pp": lo.pp, "ep": lo.ep, "zero_stage": lo.recipe.zero_stage, "ac": lo.ac,
+            "full_blocks": (list(lo.recipe.ac_full_blocks)
+                            if isinstance(lo.recipe.ac_full_blocks, tuple)
+                            else lo.recipe.ac_full_blocks),
             "local_batch_size": cfg.training.local_batch_size,
             "gradient_accumulation": lo.accum, "microbatches": lo.accum,
             "pp_schedule": lo.pipe.name if lo.pp > 1 else None,
