@@ -393,6 +393,10 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
+            # a block's recompute in its backward, or the loss backward before it: the larger
+            recompute = max(_recompute_bytes(lo, ids) for ids in rk.stage_layer_ids)
+            if recompute > mem["loss backward"]:
+                mem["loss backward"], mem["backward transients"] = 0.0, recompute
             mem["optimizer step"] = 0.0
             # zero_grad(set_to_none=True): the backward starts without gradients, unless an
             # earlier micro-batch left them (accumulation) or DDP's buckets hold them (ZeRO-1)
@@ -532,11 +536,6 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     loss backward)."""
     shape, moe, a = lo.shape, lo.shape.moe, lo.a
     last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
-    none_layer = activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
-                                                  cp=lo.cp, ulysses=lo.ulysses)
-    none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
-                                                 cp=lo.cp, moe=True, ulysses=lo.ulysses)
-                if moe else 0.0)
     # float8 linears compute their dW at I: they keep nothing to W
     wgrad_dense = (weight_grad_inputs(lo, shape.ffn)
                    - float8_not_kept(lo.linears, a=a, tp=lo.tp, cp=lo.cp))
@@ -552,8 +551,6 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     leaves = split and lo.job.pipeline.split_backward != "deferred"  # see _pipeline_peak
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
-        n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
-        n_d = len(ids) - n_m
         act[s] = (lo.tokens_mb * _over_blocks(lo, ids, per_layer, per_moe_layer, full) + boundary
                   + (head_act + mtp_act if s == last_stage else 0.0))
         wact[s] = lo.tokens_mb * _over_blocks(lo, ids, wgrad_dense, wgrad_moe)
@@ -561,19 +558,20 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if leaves else 0)) * psi \
             if sharded else 0.0
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
-        # one block's recompute, alive in its backward: a full one's activations, or the
-        # regions of one by module
-        whole = lo.full_ac_ids(ids)
-        f_m = len(moe.layer_ids.intersection(whole)) if moe else 0
-        f_d = len(whole) - f_m
-        recompute = lo.tokens_mb * max(none_layer if f_d else 0.0, none_moe if f_m else 0.0)
-        if lo.ac == "modules":
-            modules = lo.recipe.recompute_modules
-            recompute = max(recompute, lo.tokens_mb / lo.cp * max(
-                _block_terms(shape, a, lo.tp, False, modules) if n_d > f_d else 0.0,
-                _block_terms(shape, a, lo.tp, True, modules) if n_m > f_m else 0.0))
-        transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
+        transient[s] = (_recompute_bytes(lo, ids), loss_backward if s == last_stage else 0.0)
     return act, wact, acc, grad, transient
+
+
+def _recompute_bytes(lo: Layout, ids) -> float:
+    """One block's recompute among a stage's blocks ``ids``, alive in its backward (the largest):
+    a fully checkpointed one's activations, or the regions of one by module."""
+    shape, moe, whole, tokens = lo.shape, lo.shape.moe, lo.full_ac_ids(ids), lo.tokens_mb
+    modules = lo.recipe.recompute_modules if lo.ac == "modules" else ()
+    kw = dict(a=lo.a, tp=lo.tp, sp=lo.sp, cp=lo.cp, ulysses=lo.ulysses)
+    return max([tokens * activation_bytes_per_token_layer(shape, "none", moe=routed, **kw)
+                if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
+                                                                     modules) if modules else 0.0
+                for block in ids for routed in [bool(moe) and block in moe.layer_ids]] + [0.0])
 
 
 def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
