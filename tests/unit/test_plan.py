@@ -247,11 +247,14 @@ def test_advice_for_the_671b_names_a_layout_that_fits():
     only for the micro-batches in flight (titanext.schedules.follow_in_flight), ep = 32 (twice
     the experts per rank) fits too; since a deferred W adds its gradients to FSDP's fp32
     accumulators at once (no bf16 copy beside them), so does ep = 16. Fewer all-to-all peers
-    rank them first, ahead of the shipped ep = 64."""
+    rank them first, ahead of the shipped ep = 64. Since the advice tries recompute by module
+    with the first blocks of each stage whole (full_blocks), cp = 2 with one whole block a stage
+    ranks first, ep = 16 with full AC second."""
     layouts = [p.layout for p in _advised("deepseek_v3_671b.toml", 2048, top=3)]
-    for lo, ep in zip(layouts, (16, 32, 64), strict=True):
-        assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
-                lo["local_batch_size"]) == (1, 16, 1, ep, 128, "full", 120), lo
+    got = [(lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"], lo["full_blocks"],
+            lo["local_batch_size"]) for lo in layouts]
+    assert got == [(1, 16, 2, 64, 64, "modules", 1, 120), (1, 16, 1, 16, 128, "full", 0, 120),
+                   (1, 16, 2, 64, 64, "modules", 2, 120)], got
 
 
 @pytest.mark.parametrize("config,world,extra", [
