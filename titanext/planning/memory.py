@@ -55,10 +55,16 @@ from __future__ import annotations
 
 import bisect
 
+from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
 from titanext.planning.muon import step_bytes
-from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
+from titanext.planning.recompute import (
+    backward_walk,
+    drop_bytes,
+    float8_storage_saving,
+    mla_saved_bytes,
+)
 from titanext.planning.shapes import ModelShape
 from titanext.planning.stages import recv_intervals
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
@@ -71,26 +77,6 @@ __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_p
 OPTIMIZER_LABELS = {"AdamW": "optimizer (Adam)", "Adam": "optimizer (Adam)",
                     "Muon": "optimizer (Muon + AdamW)"}
 _STATIC = ("params (fp32 master)", *dict.fromkeys(OPTIMIZER_LABELS.values()), "gathered params")
-
-
-# -- the playbook's closed forms ------------------------------------------------------------------
-
-def zero_bytes_per_rank(psi: float, n: int, stage: int, *,
-                        fp32_grad_accum: bool = False) -> float:
-    """Model-state bytes per rank under ZeRO-``stage`` (0 = plain DP) with bf16 mixed precision."""
-    params, grads, rest = 2 * psi, (6 if fp32_grad_accum else 2) * psi, 12 * psi
-    if stage >= 1:
-        rest /= n
-    if stage >= 2:
-        grads /= n
-    if stage >= 3:
-        params /= n
-    return params + grads + rest
-
-
-def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
-    """Korthikanti et al.'s GPT layer without recomputation: 34 s b h + 5 a s^2 b (16-bit)."""
-    return 34 * s * b * h + 5 * heads * s * s * b
 
 
 # -- activations ----------------------------------------------------------------------------------
@@ -393,10 +379,16 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
-            # a block's recompute in its backward, or the loss backward before it: the larger
-            recompute = max(_recompute_bytes(lo, ids) for ids in rk.stage_layer_ids)
-            if recompute > mem["loss backward"]:
-                mem["loss backward"], mem["backward transients"] = 0.0, recompute
+            # the loss backward, or a block's recompute beside what the blocks before it saved
+            # (one stage: the blocks' backward walked, last first), whichever is larger
+            ids, moe = sorted(rk.layer_ids), lo.shape.moe
+            reruns = [x for s_ids in rk.stage_layer_ids for x in _reruns(lo, s_ids)]
+            held = [in_flight[r] * lo.tokens_mb * (full if full and i in lo.full_ac_ids(ids) else (
+                per_layer, per_moe_layer))[bool(moe) and i in moe.layer_ids] for i in ids]
+            walk = (backward_walk(held, reruns) if lo.pp == 1
+                    else mem["activations"] + max(reruns, default=0.0))
+            if walk > mem["activations"] + mem["loss backward"]:
+                mem["loss backward"], mem["backward transients"] = 0.0, walk - mem["activations"]
             mem["optimizer step"] = 0.0
             # zero_grad(set_to_none=True): the backward starts without gradients, unless an
             # earlier micro-batch left them (accumulation) or DDP's buckets hold them (ZeRO-1)
@@ -558,20 +550,21 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if leaves else 0)) * psi \
             if sharded else 0.0
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
-        transient[s] = (_recompute_bytes(lo, ids), loss_backward if s == last_stage else 0.0)
+        transient[s] = (max(_reruns(lo, ids), default=0.0),
+                        loss_backward if s == last_stage else 0.0)
     return act, wact, acc, grad, transient
 
 
-def _recompute_bytes(lo: Layout, ids) -> float:
-    """One block's recompute among a stage's blocks ``ids``, alive in its backward (the largest):
+def _reruns(lo: Layout, ids) -> list[float]:
+    """Each block's recompute among a stage's blocks ``ids`` (in order), alive in its backward:
     a fully checkpointed one's activations, or the regions of one by module."""
     shape, moe, whole, tokens = lo.shape, lo.shape.moe, lo.full_ac_ids(ids), lo.tokens_mb
     modules = lo.recipe.recompute_modules if lo.ac == "modules" else ()
     kw = dict(a=lo.a, tp=lo.tp, sp=lo.sp, cp=lo.cp, ulysses=lo.ulysses)
-    return max([tokens * activation_bytes_per_token_layer(shape, "none", moe=routed, **kw)
-                if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
-                                                                     modules) if modules else 0.0
-                for block in ids for routed in [bool(moe) and block in moe.layer_ids]] + [0.0])
+    return [tokens * activation_bytes_per_token_layer(shape, "none", moe=routed, **kw)
+            if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
+                                                                 modules) if modules else 0.0
+            for block in sorted(ids) for routed in [bool(moe) and block in moe.layer_ids]]
 
 
 def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
