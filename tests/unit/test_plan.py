@@ -248,13 +248,14 @@ def test_advice_for_the_671b_names_a_layout_that_fits():
     the experts per rank) fits too; since a deferred W adds its gradients to FSDP's fp32
     accumulators at once (no bf16 copy beside them), so does ep = 16. Fewer all-to-all peers
     rank them first, ahead of the shipped ep = 64. Since the advice tries recompute by module
-    with the first blocks of each stage whole (full_blocks), cp = 2 with one whole block a stage
-    ranks first, ep = 16 with full AC second."""
+    with the first blocks of each stage whole (full_blocks, one count for every stage; the
+    shipped config gives each stage its own), cp = 2 with one whole block a stage ranks first
+    (ep 64, then 32), ep = 16 with full AC third."""
     layouts = [p.layout for p in _advised("deepseek_v3_671b.toml", 2048, top=3)]
     got = [(lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"], lo["full_blocks"],
             lo["local_batch_size"]) for lo in layouts]
-    assert got == [(1, 16, 2, 64, 64, "modules", 1, 120), (1, 16, 1, 16, 128, "full", 0, 120),
-                   (1, 16, 2, 64, 64, "modules", 2, 120)], got
+    assert got == [(1, 16, 2, 64, 64, "modules", 1, 120), (1, 16, 2, 32, 64, "modules", 1, 120),
+                   (1, 16, 1, 16, 128, "full", 0, 120)], got
 
 
 @pytest.mark.parametrize("config,world,extra", [
