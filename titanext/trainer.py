@@ -158,7 +158,7 @@ class Trainer:
 
         def parallelize_stage(part: torch.nn.Module) -> torch.nn.Module:
             # the stage's own recipe (a per-stage full_blocks), found by its first block
-            first = int(next(iter(part.layers), 0))
+            first = int(next(iter(getattr(part, "layers", None) or ()), 0))
             return parallelize_part(part, recipe=self.recipe.for_stage(plan.stage_of_block(first)))
 
         self.pipeline = PipelineRunner(
