@@ -157,10 +157,17 @@ class Trainer:
         positions = torch.arange(t.seq_len, device=self.device)  # each stage runs RoPE on
         if dims.cp_enabled:  # the positions of this rank's slice
             positions = shard_sequence(positions, 0, dims.cp_mesh, self.cp_layout)
+        plan = self.layout.pipeline
+
+        def parallelize_stage(part: torch.nn.Module) -> torch.nn.Module:
+            # the stage's own recipe (a per-stage full_blocks), found by its first block
+            first = int(next(iter(getattr(part, "layers", None) or ()), 0))
+            return parallelize_part(part, recipe=self.recipe.for_stage(plan.stage_of_block(first)))
+
         self.pipeline = PipelineRunner(
-            model, dims, self.layout.pipeline, device=self.device,
+            model, dims, plan, device=self.device,
             loss_fn=lambda logits, labels: self.compute_loss(logits, labels),
-            position_ids=positions, parallelize_stage=parallelize_part,
+            position_ids=positions, parallelize_stage=parallelize_stage,
             reset_stage_state=self._reset_stage_state, loss_context=self._loss_context)
         self.model_parts = self.pipeline.parts
         self.model = self.train_module = self.model_parts[0]

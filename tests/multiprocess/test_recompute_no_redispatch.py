@@ -14,8 +14,13 @@
 - recompute by module (``mode = "modules"``, every part debugmoe has) on the two-level and the
   pipeline layouts, and with the overlap: bitwise full AC (itself bitwise no AC), with the
   all-to-alls and count exchanges of keep_all_to_all (no collective runs twice);
+- recompute by module with the first block of each 1F1B stage fully checkpointed
+  (``full_blocks = 1`` with keep_all_to_all): bitwise full AC, the all-to-alls of keep_all_to_all;
+  with one count per stage (``full_blocks = [0, 1]``): bitwise, and stage 1's ranks re-dispatch
+  as full AC does, stage 0's not;
 - DeepSeek-V3's choice on debugdeepseek (MLA's up-projections through RoPE, the weighted
-  SwiGLU, norms, shared experts) in DualPipe stages over pp 2 x ep 2: bitwise no AC.
+  SwiGLU, norms, shared experts) in DualPipe stages over pp 2 x ep 2, also with each stage's
+  first block fully checkpointed (``full_blocks = 1``, re-dispatching): bitwise no AC.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ MODULES = ["--activation_checkpoint.mode=modules",
 F8_STORE = [*MODULES, "--activation_checkpoint.float8_storage=expert_up_proj_input,"
             "attention_out_input,expert_act_input"]
 F8_LOSS_RTOL, F8_PARAM_RTOL = 2e-4, 2.5e-2
+# recompute by module with each stage's first block fully checkpointed (full_blocks = 1, and
+# keep_all_to_all for those), on the 1F1B layout: stage 0's dense block 0 full and MoE block 1
+# by module, stage 1's MoE block 2 full; bitwise full AC, nothing sent twice
+MIXED = [*MODULES, "--activation_checkpoint.full_blocks=1",
+         "--activation_checkpoint.keep_all_to_all=true"]
+# one count per stage (0 on stage 0, 1 on stage 1: MoE block 2 full, re-dispatching): bitwise,
+# and stage 1's ranks send what full AC sends, stage 0's what keep_all_to_all sends
+MIXED_LIST = [*MODULES, "--activation_checkpoint.full_blocks=0,1"]
 # DeepSeek-V3's choice on MLA (debugdeepseek) inside DualPipe stages (pp 2 x ep 2; its split
 # backward recomputes each region twice): mla_up_proj recomputes q, k, v through RoPE, moe_act the
 # weighted SwiGLU; bitwise no AC
@@ -45,6 +58,9 @@ DEEPSEEK = {"none": ["--model.flavor=debugdeepseek", "--activation_checkpoint.mo
             "modules": ["--model.flavor=debugdeepseek", "--activation_checkpoint.mode=modules",
                         "--activation_checkpoint.recompute_modules=layernorm,mla_up_proj,"
                         "moe_act,shared_experts"]}
+# and with each DualPipe stage's first block fully checkpointed (stage 0: dense block 0 full, MoE
+# block 1 by module; stage 1: MoE block 2 full, its recompute dispatching again): bitwise no AC
+DEEPSEEK["mixed"] = [*DEEPSEEK["modules"], "--activation_checkpoint.full_blocks=1"]
 # name: (overrides, micro-batches per step, MoE layers on rank 0 x dispatch levels), global
 # batch 8; DualPipe's two directions are left to the ratio check
 LAYOUTS = {
@@ -69,7 +85,8 @@ def _train(rank: int, world_size: int, folder: str) -> dict:
     out = {}
     for layout, (overrides, _, _) in LAYOUTS.items():
         modules = (("modules", MODULES),) if layout != "ep2_x_fsdp4" else ()
-        modules += (("f8", F8_STORE),) if layout == "pp2_x_ep2_1F1B" else ()
+        modules += ((("f8", F8_STORE), ("mixed", MIXED), ("mixed_list", MIXED_LIST))
+                    if layout == "pp2_x_ep2_1F1B" else ())
         for ac, extra in (("full", FULL), ("keep", KEEP), *modules):
             name = f"{layout}_{ac}"
             with count_comm() as cc:  # around test_expert_parallel's own counter
@@ -119,10 +136,12 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
             full[3], keep[3], overlapped[3], modules[3])
     per_rank = [trained for trained, _ in per_rank]
     for rank, got in enumerate(per_rank):  # MLA and the weighted SwiGLU recomputed: bitwise
-        none, mod = got["deepseek_dualpipe_none"], got["deepseek_dualpipe_modules"]
-        assert none[:2] == mod[:2] and len(none[0]) == 2, (rank, none[:2], mod[:2])
-        bad = [n for n in none[2] if not torch.equal(none[2][n], mod[2][n])]
-        assert not bad, f"debugdeepseek DualPipe rank {rank}: parameters differ from no AC: {bad}"
+        none = got["deepseek_dualpipe_none"]
+        for case in ("modules", "mixed"):
+            mod = got[f"deepseek_dualpipe_{case}"]
+            assert none[:2] == mod[:2] and len(none[0]) == 2, (rank, case, none[:2], mod[:2])
+            bad = [n for n in none[2] if not torch.equal(none[2][n], mod[2][n])]
+            assert not bad, f"debugdeepseek DualPipe {case} rank {rank}: parameters differ: {bad}"
     counts = {}
     for rank, got in enumerate(per_rank):
         for layout, (_, microbatches, n_moe) in LAYOUTS.items():
@@ -140,11 +159,19 @@ def test_recompute_without_redispatch(moe_reference, tmp_path):  # noqa: F811
                       f"grad norms {f8[1]} vs {full[1]}, worst parameter relative error "
                       f"{worst:.2e}")
                 assert 0 < worst < F8_PARAM_RTOL, (layout, rank, worst)
-            if f"{layout}_modules" in got:  # recompute by module: bitwise, nothing sent twice
-                mod = got[f"{layout}_modules"]
-                assert full[:2] == mod[:2] and mod[3:] == keep[3:], (layout, full, mod, keep)
+            for case in ("modules", "mixed"):  # by module (some blocks full): bitwise, nothing
+                if f"{layout}_{case}" not in got:  # sent twice
+                    continue
+                mod = got[f"{layout}_{case}"]
+                assert full[:2] == mod[:2] and mod[3:] == keep[3:], (layout, case, full, mod, keep)
                 bad = [n for n in full[2] if not torch.equal(full[2][n], mod[2][n])]
-                assert not bad, f"{layout} rank {rank}: modules' parameters differ: {bad}"
+                assert not bad, f"{layout} rank {rank}: {case}' parameters differ: {bad}"
+            if f"{layout}_mixed_list" in got:  # each stage its own count (ranks 2, 3: stage 1)
+                mod = got[f"{layout}_mixed_list"]
+                assert full[:2] == mod[:2] and mod[3:] == (full if rank >= 2 else keep)[3:], (
+                    layout, rank, full, mod, keep)
+                bad = [n for n in full[2] if not torch.equal(full[2][n], mod[2][n])]
+                assert not bad, f"{layout} rank {rank}: mixed_list's parameters differ: {bad}"
             assert 0 < keep[3] < full[3] and 0 < keep[4] < full[4], (layout, full, keep)
             # every recompute full AC ran issued the forward's count exchange(s) and its two
             # token all-to-alls per level again; with keep_all_to_all no recompute issues any

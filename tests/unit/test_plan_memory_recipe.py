@@ -87,9 +87,10 @@ def test_float8_storage_keeps_one_byte_and_an_exponent_per_128_values():
 
 
 def test_the_advice_tries_recompute_by_module():
-    """The advice's search has four recompute levels: full, selective, modules (the config's
-    ``recompute_modules``, unset: DeepSeek-V3's default) and none. On debugdeepseek "modules"
-    layouts are advised, each validating with its overrides; from a config that sets
+    """The advice's search has six recompute levels: full, selective, modules (the config's
+    ``recompute_modules``, unset: DeepSeek-V3's default) with 2, 1 or 0 ``full_blocks`` a
+    stage, and none. On debugdeepseek "modules" layouts are advised (also with full_blocks),
+    each validating with its overrides; from a config that sets
     ``recompute_modules`` and ``float8_storage``, the other levels clear those lists (a full
     recompute with them set is a config error). Shown failing without "modules" in the levels:
     no modules layout advised."""
@@ -97,13 +98,13 @@ def test_the_advice_tries_recompute_by_module():
             "--activation_checkpoint.recompute_modules=layernorm,moe_act",
             "--activation_checkpoint.float8_storage=attention_out_input"]
     plans = advise("train_configs/debug_moe.toml", base, 8, top=60)
-    modes = {p.layout["ac"] for p in plans}
-    assert {"full", "modules", "none"} <= modes, modes
+    modes = {(p.layout["ac"], p.layout["full_blocks"]) for p in plans}
+    assert {("full", 0), ("modules", 0), ("modules", 1), ("none", 0)} <= modes, modes
     for plan in plans:
         cfg = load_config("train_configs/debug_moe.toml", [*base, *plan.layout["overrides"]],
                           world_size=8)
         ckpt = cfg.activation_checkpoint
-        assert ckpt.mode == plan.layout["ac"]
+        assert (ckpt.mode, ckpt.full_blocks) == (plan.layout["ac"], plan.layout["full_blocks"])
         assert ckpt.recompute_modules == (["layernorm", "moe_act"] if ckpt.mode == "modules"
                                           else [])
 

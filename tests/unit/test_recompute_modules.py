@@ -9,7 +9,9 @@ titanext.plugins.recompute_modules), in one process (fp32 CPU):
   exactly the bytes of the norms' (layernorm) and SwiGLU's (moe_act) outputs and intermediates,
   and by something for every other choice;
 - names are checked: unknown, absent from the model, or without mode = "modules" are errors,
-  in Python and in the config (one line each).
+  in Python and in the config (one line each);
+- ``full_blocks``: the first blocks fully checkpointed, the rest by module: bitwise, and the
+  saved bytes between the two recipes.
 
 The multi-process layouts (EP x PP, FSDP, two-level dispatch with hot-expert copies, DualPipe)
 are in tests/multiprocess/test_recompute_no_redispatch.py.
@@ -79,6 +81,32 @@ def test_recompute_by_module_is_bitwise_no_recompute(flavor, names):
         ref = _step(_model(flavor, defer=defer)[0], tokens, defer, split)
         got = _step(_model(flavor, names, defer=defer)[0], tokens, defer, split)
         _assert_bitwise(ref, got, (flavor, names, defer, split))
+
+
+def test_full_blocks_mix_full_and_module_recompute():
+    """``full_blocks = n``: the first n blocks fully checkpointed, the rest by module; bitwise no
+    recompute, and the saved bytes step from recompute by module (n = 0) down to full AC (n =
+    every block, exactly its bytes)."""
+    tokens = torch.randint(0, 200, (2, 32))
+    ref = _step(_model("debugdeepseek")[0], tokens)
+    saved = []
+    for n in range(4):
+        model, _ = _model("debugdeepseek")
+        apply_activation_checkpointing(model, mode="modules", recompute_modules=ALL, full_blocks=n)
+        _assert_bitwise(ref, _step(model, tokens), ("full_blocks", n))
+        saved.append(_saved_after_forward(model, tokens))
+    full, _ = _model("debugdeepseek")
+    apply_activation_checkpointing(full, mode="full")
+    assert saved[0] > saved[1] > saved[2] > saved[3] == _saved_after_forward(full, tokens), saved
+    with pytest.raises(ValueError, match="full_blocks = 1 with mode = 'full'"):
+        apply_activation_checkpointing(full, mode="full", full_blocks=1)
+    with pytest.raises(ValueError, match="full_blocks = -1"):
+        Recipe(ac="modules", recompute_modules=("mlp",), ac_full_blocks=-1)
+    ac = "--activation_checkpoint."
+    assert _problems(ac + "full_blocks=2") == [
+        "activation_checkpoint.full_blocks = 2 only applies with mode = 'modules', but mode = "
+        "'none'; set mode = 'modules' or full_blocks = 0"]
+    assert _problems(ac + "mode=modules", ac + "full_blocks=1", ac + "keep_all_to_all=true") == []
 
 
 def _saved_after_forward(model, tokens) -> int:

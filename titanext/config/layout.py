@@ -123,6 +123,15 @@ class PipelinePlan:
         """Ranks that hold the last stage and so report every micro-batch's loss."""
         return sum(self.num_stages - 1 in ids for ids in self.rank_stage_ids)
 
+    def stage_of_block(self, block: int) -> int:
+        """The stage that holds the model's block ``block`` (its index; 0 without a split)."""
+        end = 0
+        for stage, n in enumerate(self.layers_per_stage or ()):
+            end += n
+            if block < end:
+                return stage
+        return 0
+
     def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
         return self.rank_stage_ids[pp_rank]
 
@@ -288,6 +297,10 @@ class Recipe:
     """``ac = "modules"``: the parts of each block recomputed, any of ``RECOMPUTE_MODULES``
     (``titanext.plugins.recompute_modules``); a config's empty list is resolved to DeepSeek-V3's
     choice that the model has."""
+    ac_full_blocks: int | tuple[int, ...] = 0
+    """``ac = "modules"``: how many of the first blocks of each pipeline stage (or of the model)
+    are fully checkpointed instead (with ``keep_all_to_all``'s choice), the rest by module;
+    a tuple: one count per stage (:meth:`for_stage`)."""
     float8_storage: tuple[str, ...] = ()
     """Tensors saved for the backward in float8 with 1 x 128 scales, any of
     ``FLOAT8_STORAGE`` (``titanext.plugins.float8_storage``)."""
@@ -306,6 +319,11 @@ class Recipe:
                 problems.append(f"{name} = {value!r}; allowed: an integer >= 0")
         problems += [f"compile = {self.compile!r}; allowed: any of 'model', 'loss'"
                      for c in self.compile if c not in _COMPILE_SCOPES][:1]
+        full = self.ac_full_blocks
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+               for v in (full if isinstance(full, tuple) else (full,))):
+            problems.append(f"ac_full_blocks = {full!r}; allowed: an integer >= 0 or a tuple "
+                            "of them (one per pipeline stage)")
         problems += _recompute_problems(self)
         problems = [p for p in problems if p]
         if problems:
@@ -316,8 +334,23 @@ class Recipe:
     def recompute(self) -> str:
         """"none", "full", "selective:<option>" or "modules:<name>+<name>..."."""
         if self.ac == "modules":
-            return "modules:" + "+".join(self.recompute_modules)
+            n = self.ac_full_blocks
+            full = (f" (full:{','.join(map(str, n)) if isinstance(n, tuple) else n})"
+                    if n else "")
+            return "modules:" + "+".join(self.recompute_modules) + full
         return f"selective:{self.ac_option}" if self.ac == "selective" else self.ac
+
+    def for_stage(self, stage: int) -> Recipe:
+        """The recipe of pipeline stage ``stage``: a per-stage ``ac_full_blocks`` resolved to
+        its entry (the recipe itself otherwise)."""
+        full = self.ac_full_blocks
+        return dataclasses.replace(self, ac_full_blocks=full[stage]) if isinstance(
+            full, tuple) else self
+
+    def full_blocks_on(self, stage: int) -> int:
+        """``ac_full_blocks`` of pipeline stage ``stage``."""
+        full = self.ac_full_blocks
+        return full[stage] if isinstance(full, tuple) else full
 
     @property
     def fsdp_zero_stage(self) -> int:
@@ -384,6 +417,9 @@ def _recompute_problems(r: Recipe) -> list[str]:
                 or any(n not in allowed for n in getattr(r, name))]
     if r.ac == "modules" and not r.recompute_modules:
         problems.append("ac = 'modules' needs recompute_modules, e.g. ('layernorm', 'moe_act')")
+    if r.ac != "modules" and any(r.ac_full_blocks if isinstance(r.ac_full_blocks, tuple)
+                                 else (r.ac_full_blocks,)):
+        problems.append(f"ac_full_blocks = {r.ac_full_blocks!r} needs ac = 'modules', not {r.ac!r}")
     if r.recompute_modules and r.ac != "modules":
         problems.append(f"recompute_modules = {r.recompute_modules!r} needs ac = 'modules', "
                         f"not {r.ac!r}")
@@ -426,6 +462,8 @@ def recipe_from_config(cfg: JobConfig) -> Recipe:
         ac_save_ops=tuple(ac.selective_op_save_list), keep_all_to_all=ac.keep_all_to_all,
         recompute_modules=(resolved_recompute_modules(ac.recompute_modules, model_args(cfg))
                            if ac.mode == "modules" else ()),
+        ac_full_blocks=(tuple(ac.full_blocks) if isinstance(ac.full_blocks, list)
+                        else ac.full_blocks) if ac.mode == "modules" else 0,
         float8_storage=tuple(ac.float8_storage),
         compile=tuple(c.components) if c.enable else (), compile_backend=c.backend,
         float8=cfg.float8.enable)

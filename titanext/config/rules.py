@@ -406,6 +406,20 @@ def collect_problems(cfg: JobConfig, world_size: int | None = None,
     return found
 
 
+def _full_blocks_problems(cfg: JobConfig, plan: PipelinePlan | None, skip: set[str]
+                          ) -> list[str]:
+    """``[activation_checkpoint] full_blocks`` as a list: one count per pipeline stage."""
+    full, key = cfg.activation_checkpoint.full_blocks, "activation_checkpoint.full_blocks"
+    if not isinstance(full, list) or key in skip:
+        return []
+    pp = cfg.parallelism.pipeline_parallel_degree
+    stages = plan.num_stages if plan is not None else 1 if pp == 1 else None
+    if stages is None or len(full) == stages:
+        return []
+    return [f"{key} = {full!r} has {len(full)} entries, but the job has {stages} pipeline "
+            f"stage{'s' if stages > 1 else ''}; give one count per stage, or one integer for all"]
+
+
 def _ok(skip: set[str], *keys: str) -> bool:
     """True when none of ``keys`` failed its own check (bare names are parallelism keys)."""
     return not skip.intersection(k if "." in k else f"parallelism.{k}" for k in keys)
@@ -418,8 +432,9 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     ac = cfg.activation_checkpoint
     keep = ac.keep_all_to_all and _ok(skip, "activation_checkpoint.mode",
                                       "activation_checkpoint.selective_ac_option")
-    if keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option):
-        problems.append(keep_all_to_all_problem(ac.mode, ac.selective_ac_option))
+    problem = keep and keep_all_to_all_problem(ac.mode, ac.selective_ac_option, ac.full_blocks)
+    if problem:
+        problems.append(problem)
     problems += _model_problems(cfg, skip, degrees_ok)
     plan = None  # the pipeline as the trainer would run it (pp > 1 and its own rules pass)
     if degrees_ok and cfg.parallelism.pipeline_parallel_degree > 1 and _ok(
@@ -429,6 +444,7 @@ def _cross_field_problems(cfg: JobConfig, world_size: int | None, skip: set[str]
     problems += float8_problems(cfg.float8, cfg.parallelism, skip)
     problems += float8_experts_problems(cfg, skip, model_args)
     problems += recompute_problems(cfg, skip, model_args)
+    problems += _full_blocks_problems(cfg, plan, skip)
     problems += _moe_problems(cfg, skip)
     problems += _ep_problems(cfg, skip, shard if degrees_ok else None)
     problems += replication_problems(cfg, skip, model_args)

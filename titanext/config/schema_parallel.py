@@ -29,6 +29,13 @@ __all__ = ["ActivationCheckpoint", "Compile", "Float8", "MoEConfig", "Parallelis
 _COMPILE_COMPONENTS = ("model", "loss")
 
 
+def _counts(value: int | list[int]) -> str | None:
+    """A check for an integer >= 0 or a list of them."""
+    if any(v < 0 for v in (value if isinstance(value, list) else [value])):
+        return "an integer >= 0 or a list of them, one per pipeline stage"
+    return None
+
+
 def _any_of(allowed: tuple[str, ...]):
     """A check for a list whose every entry is one of ``allowed``."""
     def check(names: list[str]) -> str | None:
@@ -183,8 +190,8 @@ class ActivationCheckpoint:
     """aten op names whose outputs op-level selective AC keeps (matmuls and attention by
     default: expensive to recompute, cheap to store)."""
     keep_all_to_all: bool = _field(False)
-    """Recompute without re-dispatch, for blocks that are fully checkpointed (mode = 'full' or
-    a layer-level selective_ac_option): also keep what their expert-parallel collectives
+    """Recompute without re-dispatch, for blocks that are fully checkpointed (mode = 'full', a
+    layer-level selective_ac_option, or full_blocks with mode = 'modules'): also keep what their expert-parallel collectives
     received (dispatched token rows, expert outputs before the combine, split sizes) and replay
     it in the recompute, so no all-to-all runs twice (4 per MoE layer and micro-batch instead
     of 6), for about 2 x top_k x dim more saved values per token and MoE layer."""
@@ -198,6 +205,16 @@ class ActivationCheckpoint:
     in the model. Empty: DeepSeek-V3's choice, layernorm + mla_up_proj + moe_act, of those the
     model has. No all-to-all runs twice; losses and gradients are bitwise those of mode =
     'none'."""
+    full_blocks: int | list[int] = _field(0, check=_counts, rule="an integer >= 0 or a list of "
+                                          "them, one per pipeline stage")
+    """With mode = 'modules': the first full_blocks transformer blocks of each pipeline stage
+    (of the model without pipeline parallelism) are fully checkpointed instead (with
+    keep_all_to_all as under mode = 'full'), the rest recompute only recompute_modules
+    (Megatron-Core's recompute_method = 'block' with recompute_num_layers). A list gives each
+    stage its own count, in stage order (DualPipe: a stage's two copies share its entry), as
+    a pipeline's stages hold different micro-batches in flight. More full blocks: less memory,
+    slower; titanext-plan prints both. 0 = none; float8_storage applies to the other blocks.
+    Losses and gradients are bitwise those of mode = 'none'."""
     float8_storage: list[str] = _field([], check=_any_of(FLOAT8_STORAGE),
                                        rule="any of " + ", ".join(map(repr, FLOAT8_STORAGE)))
     """Tensors saved for the backward in float8 e4m3 with one power-of-two scale per 1 x 128

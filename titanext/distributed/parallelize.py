@@ -73,6 +73,7 @@ from titanext.plugins._blocks import find_blocks
 from titanext.plugins.activation_checkpoint import (
     apply_activation_checkpointing,
     check_activation_checkpointing,
+    split_full_blocks,
 )
 from titanext.plugins.compile import apply_compile
 from titanext.plugins.context_parallel import (
@@ -163,6 +164,11 @@ def parallelize(
     ZeRO-1 (keep ``model`` for attribute access). See the module docstring for an example.
     """
     r = recipe if recipe is not None else Recipe()
+    if isinstance(r.ac_full_blocks, tuple):  # one count per stage: this one's, or none
+        if dims.pp_enabled or len(r.ac_full_blocks) != 1:
+            raise ValueError(f"Recipe(ac_full_blocks={r.ac_full_blocks!r}) has one count per "
+                             "pipeline stage; parallelize each stage with recipe.for_stage(s)")
+        r = r.for_stage(0)
     device = torch.device(device if device is not None else dims.world_mesh.device_type)
     blocks = _check_before_changes(model, dims, r, tp_plan, blocks, experts, experts_layout,
                                    init_weights is not None)
@@ -172,10 +178,11 @@ def parallelize(
                                        save_ops=r.ac_save_ops, blocks=blocks,
                                        keep_all_to_all=r.keep_all_to_all,
                                        recompute_modules=r.recompute_modules,
-                                       required=not dims.pp_enabled)
-        if r.float8_storage:
-            apply_float8_storage(model, r.float8_storage, blocks=blocks,
-                                 required=not dims.pp_enabled)
+                                       required=not dims.pp_enabled, full_blocks=r.ac_full_blocks)
+        if r.float8_storage:  # what the fully checkpointed blocks save is their input only
+            stored = split_full_blocks(find_blocks(model, blocks), r.ac_full_blocks)[1]
+            apply_float8_storage(model, r.float8_storage, blocks=stored,
+                                 required=not dims.pp_enabled and bool(stored))
         if r.compile_model:
             _compile(model, dims, r, blocks, expert_units)
         if r.fsdp(dims):
@@ -254,7 +261,7 @@ def _check_before_changes(model: nn.Module, dims: ParallelDims, r: Recipe,
     error the plugin itself would raise later); returns the blocks, resolved once."""
     fsdp = r.fsdp(dims)
     check_activation_checkpointing(r.ac, r.ac_option, r.ac_save_ops, r.keep_all_to_all,
-                                   r.recompute_modules)
+                                   r.recompute_modules, r.ac_full_blocks)
     if r.float8_storage and r.ac not in ("none", "modules"):
         raise ValueError(f"Recipe(float8_storage={r.float8_storage!r}) keeps what the backward "
                          f"reads from a block's forward, but ac = {r.ac!r} recomputes it; use "

@@ -79,8 +79,9 @@ def _candidate_specs(base, world_size: int, global_batch: int, too_big: dict[tup
     return specs
 
 
-def _candidate_config(base, key: tuple, dp: int, ac: str, global_batch: int):
-    """``base`` with a candidate's degrees, micro-batch size and recompute mode."""
+def _candidate_config(base, key: tuple, dp: int, ac: tuple[str, int], global_batch: int):
+    """``base`` with a candidate's degrees, micro-batch size and recompute level (mode, full
+    blocks per stage)."""
     tp, pp, cp, ep, local = key
     return dataclasses.replace(
         base,
@@ -89,18 +90,20 @@ def _candidate_config(base, key: tuple, dp: int, ac: str, global_batch: int):
             pipeline_parallel_degree=pp, context_parallel_degree=cp,
             expert_parallel_degree=ep, data_parallel_replicate_degree=1,
             data_parallel_shard_degree=dp),
-        activation_checkpoint=dataclasses.replace(base.activation_checkpoint, mode=ac,
-                                                  **_recompute_lists(base, ac)),
+        activation_checkpoint=dataclasses.replace(base.activation_checkpoint, mode=ac[0],
+                                                  **_recompute_lists(base, *ac)),
         training=dataclasses.replace(base.training, local_batch_size=local,
                                      global_batch_size=global_batch))
 
 
-def _recompute_lists(base, ac: str) -> dict[str, list[str]]:
+def _recompute_lists(base, ac: str, full_blocks: int = 0) -> dict[str, list[str] | int]:
     """The config's ``recompute_modules`` and ``float8_storage`` where recompute mode ``ac``
-    takes them (modules; float8 storage also without recompute), else empty."""
+    takes them (modules; float8 storage also without recompute), else empty; ``full_blocks``
+    (modules only)."""
     ckpt = base.activation_checkpoint
     return {"recompute_modules": list(ckpt.recompute_modules) if ac == "modules" else [],
-            "float8_storage": list(ckpt.float8_storage) if ac in ("modules", "none") else []}
+            "float8_storage": list(ckpt.float8_storage) if ac in ("modules", "none") else [],
+            "full_blocks": full_blocks if ac == "modules" else 0}
 
 
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
@@ -115,8 +118,9 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     validated in rank order through :func:`titanext.config.load_config` with ``world_size``,
     so a layout that fails validation is never proposed; those that do not fit in 90% of HBM
     are dropped. The global batch of the config is kept; the micro-batch size (1, 2, 4 or 8
-    sequences; under PP, times the config's micro-batch count) and recompute mode are
-    searched. The schedule and the other pipeline keys stay the config's. ``top`` < 1: none.
+    sequences; under PP, times the config's micro-batch count) and recompute level (the mode;
+    under "modules" also 0, 1 or 2 ``full_blocks`` a stage) are searched. The schedule and
+    the other pipeline keys stay the config's. ``top`` < 1: none.
 
     ``fixed`` holds degrees of :data:`FIXABLE` to their values (``{"pp": 16}``: only layouts
     with 16 pipeline stages): the same ranking among fewer layouts, so a faster search when
@@ -192,10 +196,12 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
     return chosen
 
 
-#: recompute modes, most recomputation (least memory) first; "modules" is the config's
-#: ``recompute_modules`` (unset: DeepSeek-V3's norms, MLA up-projections and SwiGLU of those the
-#: model has), which saves more than selective's matmul outputs
-_RECOMPUTE = ("full", "selective", "modules", "none")
+#: recompute levels (mode, ``full_blocks`` per stage), most recomputation (least memory) first;
+#: "modules" is the config's ``recompute_modules`` (unset: DeepSeek-V3's norms, MLA
+#: up-projections and SwiGLU of those the model has), which saves more than selective's matmul
+#: outputs, also with the first one or two blocks of each stage fully checkpointed
+_RECOMPUTE = (("full", 0), ("selective", 0), ("modules", 2), ("modules", 1), ("modules", 0),
+              ("none", 0))
 
 
 def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_size: int,
@@ -209,9 +215,9 @@ def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_siz
             "--parallelism.data_parallel_replicate_degree=1",
             f"--parallelism.data_parallel_shard_degree={lo['dp_shard']}",
             f"--activation_checkpoint.mode={lo['ac']}",
-            *(f"--activation_checkpoint.{k}={','.join(v)}"  # only where the config's differ
-              for k, v in _recompute_lists(base, lo["ac"]).items()
-              if v != list(getattr(base.activation_checkpoint, k))),
+            *(f"--activation_checkpoint.{k}={_cli(v)}"  # only where the config's differ
+              for k, v in _recompute_lists(base, lo["ac"], lo["full_blocks"]).items()
+              if v != getattr(base.activation_checkpoint, k)),
             f"--training.local_batch_size={lo['local_batch_size']}",
             f"--training.global_batch_size={global_batch}"]
     try:
@@ -219,6 +225,10 @@ def _validated(plan: Plan, path: str | None, overrides: Sequence[str], world_siz
     except ConfigError:
         return None
     return cand
+
+
+def _cli(value: list | int) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def toml_snippet(plan: Plan) -> str:
@@ -231,4 +241,5 @@ def toml_snippet(plan: Plan) -> str:
         f"pipeline_parallel_degree = {lo['pp']}",
         *([f"expert_parallel_degree = {lo['ep']}"] if lo["ep"] > 1 else []),
         "", "[training]", f"local_batch_size = {lo['local_batch_size']}",
-        "", "[activation_checkpoint]", f'mode = "{lo["ac"]}"'])
+        "", "[activation_checkpoint]", f'mode = "{lo["ac"]}"',
+        *([f"full_blocks = {lo['full_blocks']}"] if lo["full_blocks"] else [])])

@@ -46,15 +46,14 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
     busiest ep rank, which every rank waits for. The EP row also carries one micro-batch's
     all-to-all seconds in its F and in its I (``a2a_f_s``, ``a2a_i_s``), which the pipeline
     simulation may hide behind the paired chunk (``expert_parallel_comm_overlap``)."""
-    shape, moe, tp, cp, ep, pp, a, ac = (lo.shape, lo.shape.moe, lo.tp, lo.cp, lo.ep, lo.pp,
-                                         lo.a, lo.ac)
+    shape, moe, tp, cp, ep, pp, a = lo.shape, lo.shape.moe, lo.tp, lo.cp, lo.ep, lo.pp, lo.a
     tokens, passes, sp = lo.tokens, lo.passes, lo.sp
     comm = []
     if tp > 1:
         tp_fwd = 4 if sp else 2  # SP: 2 all-gathers + 2 reduce-scatters per block
         tp_bytes = tokens * shape.dim * a * (tp - 1) / tp * (1 if sp else 2)  # per collective
         n_f = tp_fwd * rank.layers
-        n_i = n_f * (2 if ac == "full" else 1)  # backward (+ the recomputed forward's)
+        n_i = n_f + tp_fwd * lo.full_ac_blocks(rank)  # backward (+ the recomputed forwards')
         c = {"parallelism": "TP/SP" if sp else "TP", "collectives": (n_f + n_i) * passes,
              "bytes": (n_f + n_i) * tp_bytes * passes, "level": lo.level(1, tp),
              "overlap": "none"}
@@ -73,9 +72,9 @@ def model_parallel_comm(lo: Layout, device: Device, rank: RankStages, mt: Microb
         # dispatch + combine forward, again backward (and in the recompute); one count exchange
         # per dispatch; on the critical path (the MoE waits for its tokens)
         n_f = 2 * lo.n_moe(rank)
-        n_i = n_f * (2 if lo.recomputes_all_to_all else 1)
+        n_i = n_f + 2 * lo.recomputed_moe(rank)
         one = all_to_all_bytes(tokens, dim=shape.dim, top_k=moe.top_k, ep=ep, a=a) * imbalance
-        counts = lo.n_moe(rank) * (2 if lo.recomputes_all_to_all else 1)  # once per dispatch
+        counts = lo.n_moe(rank) + lo.recomputed_moe(rank)  # once per dispatch
         overlapped = r.ep_comm_overlap
         c = {"parallelism": "EP all-to-all", "collectives": (n_f + n_i + counts) * passes,
              "bytes": (n_f + n_i) * one * passes, "level": lo.level(tp, ep),
@@ -112,7 +111,7 @@ def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: Micro
     fan-out to the experts inside the node), both on the critical path; the first carries the
     micro-batch's all-to-all seconds of both (``a2a_f_s``, ``a2a_i_s``)."""
     r, shape, moe, a, tp, ep = lo.recipe, lo.shape, lo.shape.moe, lo.a, lo.tp, lo.ep
-    n_moe, full, passes = lo.n_moe(rank), lo.recomputes_all_to_all, lo.passes
+    n_moe, n_re, passes = lo.n_moe(rank), lo.recomputed_moe(rank), lo.passes
     row = row_bytes(shape.dim, a)
     disp_row = row_bytes(shape.dim, a, r.ep_float8_dispatch)
     if r.ep_dispatch == "flat":  # one level; one all-to-all each
@@ -140,18 +139,22 @@ def expert_dispatch_comm(lo: Layout, device: Device, rank: RankStages, mt: Micro
     fwd_disp, fwd_comb = sizes(disp_row, True), sizes(row, False)
     bwd_disp, bwd_comb = sizes(row, True), sizes(row, False)
     f_parts = [fwd_disp, fwd_comb]
-    i_parts = [bwd_comb, bwd_disp, *([fwd_disp, fwd_comb] if full else [])]
+    i_parts = [bwd_comb, bwd_disp]  # and in the n_re blocks recomputed: the forward's again
     rows, t_f, t_i = [], 0.0, 0.0
     overlap = "paired chunk" if r.ep_comm_overlap else "none"
     for lvl, ((name, level), counts) in enumerate(zip(names, exchanges, strict=True)):
         c = {"parallelism": name, "level": level, "overlap": overlap,
-             "collectives": passes * n_moe * (counts * (2 if full else 1)
-                                               + sum(part[lvl][1] for part in f_parts + i_parts)),
-             "bytes": passes * n_moe * sum(part[lvl][0] for part in f_parts + i_parts)}
+             "collectives": passes * (n_moe * (counts + sum(part[lvl][1]
+                                                            for part in f_parts + i_parts))
+                                      + n_re * (counts + sum(part[lvl][1] for part in f_parts))),
+             "bytes": passes * sum(part[lvl][0] * n for parts, n in ((f_parts + i_parts, n_moe),
+                                                                     (f_parts, n_re))
+                                   for part in parts)}
         rows.append(c)
-        for parts, is_f in ((f_parts, True), (i_parts, False)):
-            t = n_moe * sum(comm_time({**c, "collectives": part[lvl][1], "bytes": part[lvl][0]},
-                                      device) for part in parts)
+        for parts, n, is_f in ((f_parts, n_moe, True), (i_parts, n_moe, False),
+                               (f_parts, n_re, False)):
+            t = n * sum(comm_time({**c, "collectives": part[lvl][1], "bytes": part[lvl][0]},
+                                  device) for part in parts)
             t_f, t_i = (t_f + t, t_i) if is_f else (t_f, t_i + t)
     rows[0]["a2a_f_s"], rows[0]["a2a_i_s"] = t_f, t_i
     return rows, dataclasses.replace(mt, f=mt.f + t_f, i=mt.i + t_i)
@@ -202,7 +205,7 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
     """
     shape, a, tp, cp, u = lo.shape, lo.a, lo.tp, lo.cp, lo.ulysses
     r, tokens, passes = cp // u, lo.tokens, lo.passes
-    forwards = 2 if lo.ac == "full" else 1
+    forwards = 1 + lo.full_ac_blocks(rank) / max(1, rank.layers)  # (a share: full_blocks)
     head_dim = shape.dim // shape.n_heads
     heads, kv_heads = shape.n_heads // tp, shape.kv_dim // head_dim // tp
     sent_kv = max(kv_heads, u)  # replicated so that every Ulysses rank holds its q heads' kv
@@ -234,7 +237,7 @@ def context_parallel_comm(lo: Layout, rank: RankStages, device: Device, attentio
                                + (forwards * 8 * tokens * u * (r - 1) if docs else 0)),
              "level": lo.level(tp * u, r), "overlap": "attention"}
         rows.append(c)
-        hidden = attention_f * (1 + 2.5 + (1 if lo.ac == "full" else 0))
+        hidden = attention_f * (1 + 2.5 + (forwards - 1))
         exposed_i += max(0.0, comm_time(c, device) / passes - hidden)
     return rows, exposed_f, exposed_i
 

@@ -73,10 +73,17 @@ class StageCosts:
 
 
 def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, moe_blocks: int,
-                 imbalance: float, embedding: bool = False, head: bool = False
-                 ) -> MicrobatchTime:
+                 imbalance: float, embedding: bool = False, head: bool = False,
+                 full: tuple[int, int] = (0, 0)) -> MicrobatchTime:
     """Roofline of one micro-batch through ``dense`` + ``moe_blocks`` blocks (and the
-    embedding / the final norm, head and loss)."""
+    embedding / the final norm, head and loss); ``full``: how many of the dense and of the MoE
+    ones ``[activation_checkpoint] full_blocks`` fully checkpoints under ``mode = "modules"``."""
+    if lo.ac == "modules" and any(full):
+        return (_blocks_time(lo, device, efficiency, dense=dense - full[0],
+                             moe_blocks=moe_blocks - full[1], imbalance=imbalance,
+                             embedding=embedding, head=head)
+                + _blocks_time(lo.with_full_ac(), device, efficiency, dense=full[0],
+                               moe_blocks=full[1], imbalance=imbalance))
     shape, moe = lo.shape, lo.shape.moe
     common = dict(tokens=lo.tokens, seq_len=lo.cfg.training.seq_len, dim=shape.dim,
                   kv_dim=shape.kv_dim, vocab=shape.vocab, tp=lo.tp, sp=lo.sp, a=lo.a, ac=lo.ac,
@@ -150,8 +157,11 @@ def stage_times(lo: Layout, device: Device, efficiency: float, *,
     out = []
     for s in range(last + 1):
         n_moe = len(moe.layer_ids & ids[s]) if moe else 0
+        whole = lo.full_ac_ids(ids[s])
+        full_moe = len(moe.layer_ids & whole) if moe else 0
         mt = _blocks_time(lo, device, efficiency, dense=len(ids[s]) - n_moe, moe_blocks=n_moe,
-                          imbalance=imbalance, embedding=s == 0, head=s == last)
+                          imbalance=imbalance, embedding=s == 0, head=s == last,
+                          full=(len(whole) - full_moe, full_moe))
         out.append(mt + mtp_time(lo, device, efficiency, imbalance=imbalance) if s == last else mt)
     return out
 
@@ -452,6 +462,9 @@ def _layout_summary(lo: Layout) -> dict:
     cfg = lo.cfg
     return {"dp_replicate": lo.rep, "dp_shard": lo.shard, "cp": lo.cp, "tp": lo.tp,
             "pp": lo.pp, "ep": lo.ep, "zero_stage": lo.recipe.zero_stage, "ac": lo.ac,
+            "full_blocks": (list(lo.recipe.ac_full_blocks)
+                            if isinstance(lo.recipe.ac_full_blocks, tuple)
+                            else lo.recipe.ac_full_blocks),
             "local_batch_size": cfg.training.local_batch_size,
             "gradient_accumulation": lo.accum, "microbatches": lo.accum,
             "pp_schedule": lo.pipe.name if lo.pp > 1 else None,

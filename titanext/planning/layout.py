@@ -116,11 +116,36 @@ class Layout:
     def level(self, stride: int, size: int) -> str:
         return level(stride, size, self.gpus_per_node)
 
-    @property
-    def recomputes_all_to_all(self) -> bool:
-        """Full AC's recompute runs the EP all-to-alls (and copies) again, unless
-        ``[activation_checkpoint] keep_all_to_all`` replays what the forward received."""
-        return self.ac == "full" and not self.recipe.keep_all_to_all
+    def full_ac_ids(self, layer_ids) -> frozenset[int]:
+        """The blocks among one stage's ``layer_ids`` that are fully checkpointed: all of them
+        under ``ac = "full"``, the first ``[activation_checkpoint] full_blocks`` (the stage's
+        entry; by layer id, the stage's own order) under ``"modules"``, none otherwise."""
+        ids = sorted(layer_ids)
+        if self.ac == "full" or not ids:
+            return frozenset(ids)
+        stage = self.job.pipeline.stage_of_block(ids[0])
+        return frozenset(ids[:self.recipe.full_blocks_on(stage)] if self.ac == "modules" else ())
+
+    def with_full_ac(self) -> Layout:
+        """This layout with every block fully checkpointed (``keep_all_to_all`` as set): the
+        per-block terms of ``full_blocks``' blocks under ``ac = "modules"``."""
+        recipe = dataclasses.replace(self.recipe, ac="full", recompute_modules=(),
+                                     float8_storage=(), ac_full_blocks=0)
+        return dataclasses.replace(self, ac="full", job=dataclasses.replace(self.job,
+                                                                            recipe=recipe))
+
+    def full_ac_blocks(self, rank: RankStages) -> int:
+        """Blocks of a pp rank that are fully checkpointed (:meth:`full_ac_ids`)."""
+        return sum(len(self.full_ac_ids(ids)) for ids in rank.stage_layer_ids)
+
+    def recomputed_moe(self, rank: RankStages) -> int:
+        """MoE blocks of a pp rank whose recompute runs the EP all-to-alls (and copies) again:
+        the fully checkpointed ones, unless ``[activation_checkpoint] keep_all_to_all``
+        replays what the forward received."""
+        moe = self.shape.moe
+        if moe is None or self.recipe.keep_all_to_all:
+            return 0
+        return sum(len(moe.layer_ids & self.full_ac_ids(ids)) for ids in rank.stage_layer_ids)
 
     @property
     def kept_all_to_all_per_token(self) -> float:
@@ -129,7 +154,7 @@ class Layout:
         before the combine, ``top_k`` of each (balanced routing: a rank receives what it sends)."""
         moe = self.shape.moe
         if moe is None or self.ac != "full" or not self.recipe.keep_all_to_all:
-            return 0.0
+            return 0.0  # (ac = "modules": with_full_ac()'s, for its full blocks)
         f8 = self.recipe.ep_float8_dispatch
         return moe.top_k * (row_bytes(self.shape.dim, self.a, f8) + self.shape.dim * self.a)
 

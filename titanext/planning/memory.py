@@ -55,11 +55,18 @@ from __future__ import annotations
 
 import bisect
 
+from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
 from titanext.planning.muon import step_bytes
-from titanext.planning.recompute import drop_bytes, float8_storage_saving, mla_saved_bytes
+from titanext.planning.recompute import (
+    backward_walk,
+    drop_bytes,
+    float8_storage_saving,
+    mla_saved_bytes,
+)
 from titanext.planning.shapes import ModelShape
+from titanext.planning.stages import recv_intervals
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
@@ -70,26 +77,6 @@ __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_p
 OPTIMIZER_LABELS = {"AdamW": "optimizer (Adam)", "Adam": "optimizer (Adam)",
                     "Muon": "optimizer (Muon + AdamW)"}
 _STATIC = ("params (fp32 master)", *dict.fromkeys(OPTIMIZER_LABELS.values()), "gathered params")
-
-
-# -- the playbook's closed forms ------------------------------------------------------------------
-
-def zero_bytes_per_rank(psi: float, n: int, stage: int, *,
-                        fp32_grad_accum: bool = False) -> float:
-    """Model-state bytes per rank under ZeRO-``stage`` (0 = plain DP) with bf16 mixed precision."""
-    params, grads, rest = 2 * psi, (6 if fp32_grad_accum else 2) * psi, 12 * psi
-    if stage >= 1:
-        rest /= n
-    if stage >= 2:
-        grads /= n
-    if stage >= 3:
-        params /= n
-    return params + grads + rest
-
-
-def gpt_activation_bytes(s: int, b: int, h: int, heads: int) -> float:
-    """Korthikanti et al.'s GPT layer without recomputation: 34 s b h + 5 a s^2 b (16-bit)."""
-    return 34 * s * b * h + 5 * heads * s * s * b
 
 
 # -- activations ----------------------------------------------------------------------------------
@@ -347,6 +334,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
     shape, tp, a = lo.shape, lo.tp, lo.a
     per_layer, per_moe_layer = saved_bytes_per_token(lo)
+    full = _full_blocks_saved(lo)
     head_act = lo.tokens * (a * 3 * shape.dim / (tp if lo.sp else 1) + 4 * shape.vocab / tp + 16)
     if lo.autocast:  # the head is not a checkpointed block: its matmul keeps autocast's
         head_act += a * shape.output / tp  # 16-bit copy of the weight for its backward
@@ -373,7 +361,7 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
             mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
                                       grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
-                                      loss_backward=loss_backward))
+                                      loss_backward=loss_backward, full=full))
             mem["optimizer step"] = 0.0
             mem = _later_peak(mem, {"grads (fp32)": grads,  # torch's stage buffers stay
                                     "pipeline buffers": mem["pipeline buffers"],
@@ -385,11 +373,22 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
                 mem["unsharded grads (pp)"] = lo.reduce_bytes * (psi_dense + psi_experts)
             stages = len(rk.stages)
             mem["activations"] = (in_flight[r] * lo.tokens_mb / stages
-                                  * _over_blocks(lo, rk.layer_ids, per_layer, per_moe_layer)
+                                  * sum(_over_blocks(lo, ids, per_layer, per_moe_layer, full)
+                                        for ids in rk.stage_layer_ids)
                                   + (head_act + mtp_activation_bytes(lo, per_layer, per_moe_layer,
                                                                      head_act)
                                      if rk.head else 0.0))
             mem["loss backward"] = loss_backward if rk.head else 0.0
+            # the loss backward, or a block's recompute beside what the blocks before it saved
+            # (one stage: the blocks' backward walked, last first), whichever is larger
+            ids, moe = sorted(rk.layer_ids), lo.shape.moe
+            reruns = [x for s_ids in rk.stage_layer_ids for x in _reruns(lo, s_ids)]
+            held = [in_flight[r] * lo.tokens_mb * (full if full and i in lo.full_ac_ids(ids) else (
+                per_layer, per_moe_layer))[bool(moe) and i in moe.layer_ids] for i in ids]
+            walk = (backward_walk(held, reruns) if lo.pp == 1
+                    else mem["activations"] + max(reruns, default=0.0))
+            if walk > mem["activations"] + mem["loss backward"]:
+                mem["loss backward"], mem["backward transients"] = 0.0, walk - mem["activations"]
             mem["optimizer step"] = 0.0
             # zero_grad(set_to_none=True): the backward starts without gradients, unless an
             # earlier micro-batch left them (accumulation) or DDP's buckets hold them (ZeRO-1)
@@ -420,6 +419,15 @@ def saved_bytes_per_token(lo: Layout) -> tuple[float, float]:
     return per_layer, per_moe_layer
 
 
+def _full_blocks_saved(lo: Layout) -> tuple[float, float] | None:
+    """Saved bytes per token of a dense and of a MoE block that ``[activation_checkpoint]
+    full_blocks`` fully checkpoints under ``mode = "modules"`` (None: no such block)."""
+    if lo.ac != "modules" or not any(lo.full_ac_ids(ids) for rk in lo.pipe.ranks
+                                     for ids in rk.stage_layer_ids):
+        return None
+    return saved_bytes_per_token(lo.with_full_ac())
+
+
 def _float8_stored(lo: Layout, *, moe: bool) -> float:
     """Bytes per token a dense or MoE block stops saving with ``float8_storage``."""
     shape = lo.shape
@@ -443,7 +451,7 @@ def static_memory_floor(lo: Layout) -> float:
     from titanext.schedules import forwards_in_flight
 
     memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
-    saved = saved_bytes_per_token(lo)
+    saved = (*saved_bytes_per_token(lo), _full_blocks_saved(lo))
     pipe = lo.pipe
     counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
                                  stages_per_rank=pipe.stages_per_rank)
@@ -453,15 +461,22 @@ def static_memory_floor(lo: Layout) -> float:
                for m, rk, n in zip(memories, pipe.ranks, counts, strict=True))
 
 
-def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float) -> float:
-    """``dense`` per dense block plus ``moe`` per MoE block, over the blocks ``layer_ids``."""
+def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
+                 full: tuple[float, float] | None = None) -> float:
+    """``dense`` per dense block plus ``moe`` per MoE block, over the blocks ``layer_ids`` of one
+    stage; those ``full_blocks`` fully checkpoints at ``full``'s (dense, moe) instead."""
+    if full is not None:
+        whole = lo.full_ac_ids(layer_ids)
+        return (_over_blocks(lo, set(layer_ids) - whole, dense, moe)
+                + _over_blocks(lo, whole, *full))
     n_m = len(lo.shape.moe.layer_ids.intersection(layer_ids)) if lo.shape.moe else 0
     return (len(layer_ids) - n_m) * dense + n_m * moe
 
 
 def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
                    grads: float, per_layer: float, per_moe_layer: float, head_act: float,
-                   loss_backward: float) -> dict[str, float]:
+                   loss_backward: float, full: tuple[float, float] | None = None
+                   ) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
     trainer runs them (``events``, :func:`titanext.planning.stages.simulate_times`).
 
@@ -500,26 +515,22 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     boundary = lo.tokens_mb * lo.a * lo.shape.dim / (lo.tp if lo.sp else 1) / lo.cp
     per_stage = _stage_terms(lo, rk, split=split, sharded=sharded, grads=grads,
                              per_layer=per_layer, per_moe_layer=per_moe_layer,
-                             head_act=head_act, loss_backward=loss_backward, boundary=boundary)
-    posts, frees = _recv_intervals(r, rk.stages, events_by_rank, by_key)
+                             head_act=head_act, loss_backward=loss_backward, boundary=boundary,
+                             full=full)
+    posts, frees = recv_intervals(r, rk.stages, events_by_rank, by_key)
     return _replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
                         sharded=sharded, boundary=boundary)
 
 
 def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, per_layer: float,
-                 per_moe_layer: float, head_act: float, loss_backward: float, boundary: float
-                 ) -> tuple[dict, ...]:
+                 per_moe_layer: float, head_act: float, loss_backward: float, boundary: float,
+                 full: tuple[float, float] | None = None) -> tuple[dict, ...]:
     """Per stage of pp rank ``rk`` (see :func:`_pipeline_peak`): a micro-batch's activations
     between F and backward, its weight-gradient inputs between I and W, the unsharded
     gradient accumulators, the sharded gradients, and the backward transients (recompute,
     loss backward)."""
     shape, moe, a = lo.shape, lo.shape.moe, lo.a
     last_stage = max(s for k in lo.pipe.ranks for s in k.stages)
-    none_layer = activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
-                                                  cp=lo.cp, ulysses=lo.ulysses)
-    none_moe = (activation_bytes_per_token_layer(shape, "none", a=a, tp=lo.tp, sp=lo.sp,
-                                                 cp=lo.cp, moe=True, ulysses=lo.ulysses)
-                if moe else 0.0)
     # float8 linears compute their dW at I: they keep nothing to W
     wgrad_dense = (weight_grad_inputs(lo, shape.ffn)
                    - float8_not_kept(lo.linears, a=a, tp=lo.tp, cp=lo.cp))
@@ -535,24 +546,28 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])
     leaves = split and lo.job.pipeline.split_backward != "deferred"  # see _pipeline_peak
     for s, ids in zip(rk.stages, rk.stage_layer_ids):
-        n_m = len(moe.layer_ids.intersection(ids)) if moe else 0
-        n_d = len(ids) - n_m
-        act[s] = (lo.tokens_mb * _over_blocks(lo, ids, per_layer, per_moe_layer) + boundary
+        act[s] = (lo.tokens_mb * _over_blocks(lo, ids, per_layer, per_moe_layer, full) + boundary
                   + (head_act + mtp_act if s == last_stage else 0.0))
         wact[s] = lo.tokens_mb * _over_blocks(lo, ids, wgrad_dense, wgrad_moe)
         psi = sum(rank_params(lo, ids, s == 0, s == last_stage)[:2])
         acc[s] = ((lo.reduce_bytes if lo.reduce_bytes != a else 0) + (a if leaves else 0)) * psi \
             if sharded else 0.0
         grad[s] = grads * psi / psi_rank if psi_rank else 0.0
-        recompute = (lo.tokens_mb * max(none_layer if n_d else 0.0, none_moe if n_m else 0.0)
-                     if lo.ac == "full" else 0.0)
-        if lo.ac == "modules":  # one block's recomputed regions, alive in its backward
-            modules = lo.recipe.recompute_modules
-            recompute = lo.tokens_mb / lo.cp * max(
-                _block_terms(shape, a, lo.tp, False, modules) if n_d else 0.0,
-                _block_terms(shape, a, lo.tp, True, modules) if n_m else 0.0)
-        transient[s] = (recompute, loss_backward if s == last_stage else 0.0)
+        transient[s] = (max(_reruns(lo, ids), default=0.0),
+                        loss_backward if s == last_stage else 0.0)
     return act, wact, acc, grad, transient
+
+
+def _reruns(lo: Layout, ids) -> list[float]:
+    """Each block's recompute among a stage's blocks ``ids`` (in order), alive in its backward:
+    a fully checkpointed one's activations, or the regions of one by module."""
+    shape, moe, whole, tokens = lo.shape, lo.shape.moe, lo.full_ac_ids(ids), lo.tokens_mb
+    modules = lo.recipe.recompute_modules if lo.ac == "modules" else ()
+    kw = dict(a=lo.a, tp=lo.tp, sp=lo.sp, cp=lo.cp, ulysses=lo.ulysses)
+    return [tokens * activation_bytes_per_token_layer(shape, "none", moe=routed, **kw)
+            if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
+                                                                 modules) if modules else 0.0
+            for block in sorted(ids) for routed in [bool(moe) and block in moe.layer_ids]]
 
 
 def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
@@ -627,25 +642,3 @@ def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts
 
 _PEAK_TERMS = ("grads (fp32)", "unsharded grads (pp)", "activations", "pipeline buffers",
                "backward transients", "loss backward")
-
-
-def _recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float], list[float]]:
-    """The sorted posted and freed times of rank ``r``'s receive buffers for ``stages``: a
-    micro-batch's input activation from another rank from its sender's F start to the end of
-    this stage's I or B (the sender's start: torch posts a receive about one chunk before it
-    can land), its output gradient likewise from its sender's I or B. A buffer counts at an
-    event of the rank that ends in ``[posted, freed)``, the I or B that frees it included
-    (freed: a tiny bit later); a buffer freed before it is posted never counts. ``by_key``:
-    every rank's F, I and B events by (stage, "F" or "IB", micro-batch)."""
-    posts, frees = [], []
-    for e in events_by_rank.get(r, ()):
-        if e.stage not in stages or e.kind not in ("I", "B"):
-            continue
-        for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
-                       by_key.get((e.stage + 1, "IB", e.microbatch))):
-            if sender is not None and sender.rank != r:
-                freed = e.end + 1e-9 * max(1.0, e.end)
-                if sender.start < freed:
-                    posts.append(sender.start)
-                    frees.append(freed)
-    return sorted(posts), sorted(frees)

@@ -47,9 +47,10 @@ all-to-all runs twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["drop_bytes", "float8_storage_saving", "mla_saved_bytes", "recompute_flops_bytes"]
+__all__ = ["backward_walk", "drop_bytes", "float8_storage_saving", "mla_saved_bytes",
+           "recompute_flops_bytes"]
 
 
 def mla_saved_bytes(*, h: int, a: int, mla: tuple[int, int, int, int, int], heads: float,
@@ -151,3 +152,14 @@ def float8_storage_saving(names: tuple[str, ...], *, a: int, wo_in: float, h: in
     if "expert_act_input" in names and top_k:
         out += 2 * top_k * row(expert_hidden)
     return out
+
+
+def backward_walk(held: Sequence[float], reruns: Sequence[float]) -> float:
+    """The largest moment of one micro-batch's blocks' backward, the last block first: block
+    ``i``'s recompute (``reruns[i]``) beside what blocks ``0..i`` still hold (``held``; the
+    later ones have freed theirs)."""
+    total, peak = 0.0, 0.0
+    for kept, rerun in zip(held, reruns, strict=True):
+        total += kept
+        peak = max(peak, total + rerun)
+    return peak

@@ -128,3 +128,25 @@ def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a
                             overlap=overlap)
     return sim.makespan * unit, dataclasses.replace(
         sim, a2a_exposed=[x * unit for x in sim.a2a_exposed]), unit
+
+
+def recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float], list[float]]:
+    """The sorted posted and freed times of rank ``r``'s receive buffers for ``stages``: a
+    micro-batch's input activation from another rank from its sender's F start to the end of
+    this stage's I or B (the sender's start: torch posts a receive about one chunk before it
+    can land), its output gradient likewise from its sender's I or B. A buffer counts at an
+    event of the rank that ends in ``[posted, freed)``, the I or B that frees it included
+    (freed: a tiny bit later); a buffer freed before it is posted never counts. ``by_key``:
+    every rank's F, I and B events by (stage, "F" or "IB", micro-batch)."""
+    posts, frees = [], []
+    for e in events_by_rank.get(r, ()):
+        if e.stage not in stages or e.kind not in ("I", "B"):
+            continue
+        for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
+                       by_key.get((e.stage + 1, "IB", e.microbatch))):
+            if sender is not None and sender.rank != r:
+                freed = e.end + 1e-9 * max(1.0, e.end)
+                if sender.start < freed:
+                    posts.append(sender.start)
+                    frees.append(freed)
+    return sorted(posts), sorted(frees)

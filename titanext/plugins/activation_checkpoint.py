@@ -14,7 +14,11 @@
   parallelism in the block it is plain full AC.
 - modules (``recompute_modules=("layernorm", "moe_act", ...)``): only those parts of each block
   are recomputed, everything else is saved; no collective runs twice
-  (:mod:`titanext.plugins.recompute_modules`).
+  (:mod:`titanext.plugins.recompute_modules`). With ``full_blocks=n`` the first ``n`` blocks
+  (of each pipeline stage: each stage's model is passed on its own) are fully checkpointed
+  instead, with ``keep_all_to_all`` as under full AC, and the rest recompute by module: a
+  layout trades memory for speed between the two (Megatron-Core's ``recompute_method =
+  "block"`` with ``recompute_num_layers``).
 
 The block's ``forward`` is replaced in place instead of wrapping the module, so parameter
 names (and therefore checkpoints) are the same with and without AC.
@@ -42,7 +46,15 @@ from titanext.plugins.expert_parallel._comm import CommTape
 from titanext.plugins.recompute_modules import recompute_modules as _module_regions
 from titanext.plugins.rules import DEFAULT_SAVE_OPS, RECOMPUTE_MODULES, keep_all_to_all_problem
 
-__all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing"]
+__all__ = ["DEFAULT_SAVE_OPS", "apply_activation_checkpointing", "check_activation_checkpointing",
+           "split_full_blocks"]
+
+
+def split_full_blocks(blocks: Sequence[nn.Module], full_blocks: int
+                      ) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``blocks`` (in order) as (fully checkpointed, recomputed by module) for
+    ``mode="modules"`` with ``full_blocks``: the first ``full_blocks`` and the rest."""
+    return list(blocks[:full_blocks]), list(blocks[full_blocks:])
 
 
 def _resolve_ops(names: Iterable[str]) -> set:
@@ -60,13 +72,18 @@ def _resolve_ops(names: Iterable[str]) -> set:
 def check_activation_checkpointing(mode: str, option: str = "op",
                                    save_ops: Sequence[str] = DEFAULT_SAVE_OPS,
                                    keep_all_to_all: bool = False,
-                                   recompute_modules: Sequence[str] = ()) -> None:
+                                   recompute_modules: Sequence[str] = (),
+                                   full_blocks: int = 0) -> None:
     """The ValueError :func:`apply_activation_checkpointing` would raise for these options,
     raised without touching a model (a recipe checks before it mutates)."""
     if mode not in ("none", "full", "selective", "modules"):
         raise ValueError(f"activation_checkpoint.mode = {mode!r}; allowed: none, full, "
                          "selective, modules")
-    problem = keep_all_to_all_problem(mode, option) if keep_all_to_all else None
+    if isinstance(full_blocks, bool) or not isinstance(full_blocks, int) or full_blocks < 0 or (
+            full_blocks and mode != "modules"):
+        raise ValueError(f"activation_checkpoint.full_blocks = {full_blocks!r} with mode = "
+                         f"{mode!r}; allowed: an integer >= 0, above 0 only with mode = 'modules'")
+    problem = keep_all_to_all_problem(mode, option, full_blocks) if keep_all_to_all else None
     if problem:
         raise ValueError(problem)
     if (mode == "modules") != bool(recompute_modules) or any(
@@ -116,18 +133,26 @@ def apply_activation_checkpointing(
     keep_all_to_all: bool = False,
     recompute_modules: Sequence[str] = (),
     required: bool = True,
+    full_blocks: int = 0,
 ) -> nn.Module:
     """Apply AC to each block of ``model`` (``blocks`` or ``model.layers``), in place.
     ``keep_all_to_all``: recompute without re-dispatch; ``recompute_modules``: what
     ``mode="modules"`` recomputes, each of which must be in some block unless ``required`` is
-    False (a pipeline stage); see the module docstring."""
-    check_activation_checkpointing(mode, option, save_ops, keep_all_to_all, recompute_modules)
+    False (a pipeline stage); ``full_blocks``: with ``mode="modules"``, how many of the first
+    blocks are fully checkpointed instead; see the module docstring."""
+    check_activation_checkpointing(mode, option, save_ops, keep_all_to_all, recompute_modules,
+                                   full_blocks)
     if mode == "none":
         return model
-    if mode == "modules":
-        _module_regions(model, recompute_modules, blocks=blocks, required=required, apply=True)
-        return model
     block_list = find_blocks(model, blocks)
+    if mode == "modules":
+        # every name must be in some block of the model, also one only the full blocks hold
+        _module_regions(model, recompute_modules, blocks=block_list, required=required)
+        full, by_module = split_full_blocks(block_list, full_blocks)
+        for block in full:
+            _checkpoint_forward(block, keep_all_to_all=keep_all_to_all)
+        _module_regions(model, recompute_modules, blocks=by_module, required=False, apply=True)
+        return model
     if mode == "full":
         for block in block_list:
             _checkpoint_forward(block, keep_all_to_all=keep_all_to_all)

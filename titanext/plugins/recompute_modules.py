@@ -75,7 +75,10 @@ class _Region:
                 saved: list = []
 
                 def pack(t):
-                    saved.append(t)
+                    # detached, as torch.utils.checkpoint keeps its recomputed tensors: a saved
+                    # tensor's graph holds this hook, which holds the list, which held the
+                    # tensor: a cycle freed only by Python's GC (memory kept past the backward)
+                    saved.append(t.detach())
                     return len(saved) - 1
 
                 args, kwargs = pytree.tree_map_only(

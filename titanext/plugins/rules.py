@@ -14,11 +14,12 @@ import and re-export them. A plugin package keeps its own rules in its ``rules``
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["DEFAULT_SAVE_OPS", "FLOAT8_ALL_GATHER_RECIPES", "FLOAT8_EXPERT_RECIPES",
-           "FLOAT8_RECIPES", "FLOAT8_STORAGE", "RECOMPUTE_MODULES", "float8_experts_problems",
+           "FLOAT8_RECIPES", "FLOAT8_STORAGE", "RECOMPUTE_MODULES", "any_full_blocks",
+           "float8_experts_problems",
            "float8_problems", "keep_all_to_all_problem", "recompute_problems",
            "resolved_recompute_modules"]
 
@@ -116,16 +117,26 @@ def float8_experts_problems(cfg: Any, skip: set[str], model_args: Callable[[Any]
     return problems
 
 
-def keep_all_to_all_problem(mode: str, option: str) -> str | None:
+def any_full_blocks(full_blocks: int | Sequence[int]) -> bool:
+    """Whether ``[activation_checkpoint] full_blocks`` (a count, or one per stage) fully
+    checkpoints any block."""
+    return any(v > 0 for v in (full_blocks if isinstance(full_blocks, list | tuple)
+                               else (full_blocks,)))
+
+
+def keep_all_to_all_problem(mode: str, option: str, full_blocks: int | Sequence[int] = 0
+                            ) -> str | None:
     """Why ``[activation_checkpoint] keep_all_to_all = true`` cannot run with this ``mode`` /
-    ``selective_ac_option`` (it keeps what a *fully* checkpointed block's collectives received),
-    or None."""
+    ``selective_ac_option`` / ``full_blocks`` (it keeps what a *fully* checkpointed block's
+    collectives received), or None."""
     if mode in ("full", "selective") and not (mode == "selective" and option == "op"):
         return None
+    if mode == "modules" and any_full_blocks(full_blocks):
+        return None  # the fully checkpointed blocks keep it
     if mode == "modules":
         return ("activation_checkpoint.keep_all_to_all = true keeps what a recomputed block's "
-                "all-to-alls received, but mode = 'modules' never recomputes an all-to-all; "
-                "remove keep_all_to_all")
+                "all-to-alls received, but mode = 'modules' with full_blocks = 0 never recomputes "
+                "an all-to-all; remove keep_all_to_all or set full_blocks")
     return (f"activation_checkpoint.keep_all_to_all = true needs whole checkpointed blocks, but "
             f"mode = {mode!r}" + (f" with selective_ac_option = {option!r}"
                                   if mode == "selective" else "")
@@ -154,8 +165,9 @@ def resolved_recompute_modules(names: Any, args: Any) -> tuple[str, ...]:
 
 
 def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any]) -> list[str]:
-    """One line per problem of ``[activation_checkpoint] recompute_modules`` and
-    ``float8_storage``: recompute_modules without mode = 'modules', a name the model lacks,
+    """One line per problem of ``[activation_checkpoint] recompute_modules``, ``full_blocks``
+    and ``float8_storage``: recompute_modules or full_blocks without mode = 'modules', a name
+    the model lacks,
     core_attn under context parallelism (its ring would communicate again), float8 storage
     with a full recompute, a tensor-parallel wo.
 
@@ -173,6 +185,10 @@ def recompute_problems(cfg: Any, skip: set[str], model_args: Callable[[Any], Any
         problems.append(f"{key}.recompute_modules = {ac.recompute_modules!r} only applies with "
                         f"mode = 'modules', but mode = {ac.mode!r}; set mode = 'modules' or "
                         "remove recompute_modules")
+    if any_full_blocks(ac.full_blocks) and ac.mode != "modules" and f"{key}.mode" not in skip:
+        problems.append(f"{key}.full_blocks = {ac.full_blocks} only applies with mode = "
+                        f"'modules', but mode = {ac.mode!r}; set mode = 'modules' or "
+                        "full_blocks = 0")
     named = [(f"{key}.recompute_modules", n) for n in ac.recompute_modules
              if ac.mode == "modules"] + [(f"{key}.float8_storage", n) for n in ac.float8_storage]
     if not named or skip & {"model.name", "model.flavor", f"{key}.recompute_modules",
