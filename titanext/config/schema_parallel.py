@@ -191,10 +191,11 @@ class ActivationCheckpoint:
     default: expensive to recompute, cheap to store)."""
     keep_all_to_all: bool = _field(False)
     """Recompute without re-dispatch, for blocks that are fully checkpointed (mode = 'full', a
-    layer-level selective_ac_option, or full_blocks with mode = 'modules'): also keep what their expert-parallel collectives
-    received (dispatched token rows, expert outputs before the combine, split sizes) and replay
-    it in the recompute, so no all-to-all runs twice (4 per MoE layer and micro-batch instead
-    of 6), for about 2 x top_k x dim more saved values per token and MoE layer."""
+    layer-level selective_ac_option, or full_blocks with mode = 'modules'): also keep what
+    their expert-parallel collectives received (dispatched token rows, expert outputs before
+    the combine, split sizes) and replay it in the recompute, so no all-to-all runs twice (4
+    per MoE layer and micro-batch instead of 6), for about 2 x top_k x dim more saved values
+    per token and MoE layer."""
     recompute_modules: list[str] = _field([], check=_any_of(RECOMPUTE_MODULES),
                                           rule="any of " + ", ".join(map(repr, RECOMPUTE_MODULES)))
     """With mode = 'modules': the parts of each block recomputed in backward (Megatron-Core's
