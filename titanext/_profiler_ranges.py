@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from titanext._compat import profiler_enabled
 
-__all__ = ["BACKWARD", "CP", "DATA", "EP_ALL_TO_ALL", "FORWARD", "LOG", "LOSS", "OPTIMIZER",
+__all__ = ["BACKWARD", "CP", "DATA", "EP_ALL_TO_ALL", "FORWARD", "GC", "LOG", "LOSS", "OPTIMIZER",
            "PHASES", "PIPELINE", "PP_CHUNK", "PP_WAIT", "PREFIX", "phase", "pp_chunk"]
 
 PREFIX = "titanext:"
@@ -30,6 +30,7 @@ PIPELINE = PREFIX + "pipeline"  # a pipeline schedule's step (torch names its ac
 LOSS = PREFIX + "loss"  # the token count and loss all-reduces
 OPTIMIZER = PREFIX + "optimizer"  # clipping, optimizer and LR steps, MoE bias, zero_grad
 LOG = PREFIX + "log"  # metrics, validation, checkpoint saving after the step
+GC = PREFIX + "gc"  # the scheduled garbage collection after a step ([training] gc_freq)
 EP_ALL_TO_ALL = PREFIX + "ep_all_to_all"  # EP dispatch/combine exchanges, forward and backward
 CP = PREFIX + "cp"  # a context-parallel attention's communication (ring step, all-to-all)
 
@@ -39,7 +40,7 @@ PP_CHUNK = PREFIX + "pp_{kind}/s{stage}"  # one pipeline stage's F, I, W or full
 PP_WAIT = PREFIX + "pp_wait"
 
 #: the top-level phases of one training step, in order; they do not nest in each other
-PHASES = (DATA, FORWARD, BACKWARD, PIPELINE, LOSS, OPTIMIZER, LOG)
+PHASES = (DATA, FORWARD, BACKWARD, PIPELINE, LOSS, OPTIMIZER, LOG, GC)
 
 _NULL = contextlib.nullcontext()
 _profiler_enabled = profiler_enabled  # one C call, no allocation

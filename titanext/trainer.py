@@ -32,6 +32,7 @@ from titanext._compat import inductor_cache_options
 from titanext._fake_backend import host_float, real_tensors
 from titanext._profiler_ranges import BACKWARD, DATA, FORWARD, LOG, LOSS, OPTIMIZER, PIPELINE, phase
 from titanext.components.checkpoint import CheckpointManager, manifest_info
+from titanext.components.garbage_collection import scheduled_collection
 from titanext.components.metrics import MetricsLogger
 from titanext.components.optim import build_lr_scheduler, build_optimizer
 from titanext.components.param_groups import (
@@ -114,8 +115,10 @@ class Trainer:
                          emulate=f8.emulate, device=self.device,
                          enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
         if f8.moe_experts:  # the routed experts' grouped GEMMs (the rules checked it has them)
+            # a dry run plans the float8 GPU's run: the kernels' own backward, not deferred
             apply_float8_experts(model, recipe=f8.moe_experts_recipe, emulate=f8.emulate,
-                                 device=self.device)
+                                 device=self.device,
+                                 target_kernels=cfg.comm.mode == "fake_backend")
         self.moe_balancing = MoEBalancing(model, device=self.device)  # the whole model's blocks
         self.moe_load = self.moe_balancing.load  # {block FQN: max/mean load} of the last step
         self.param_groups = self._param_groups(model)
@@ -367,7 +370,7 @@ class Trainer:
         losses = []
         profiler = self.profiler()
         try:
-            with profiler:
+            with profiler, scheduled_collection(t.gc_freq) as collect_garbage:
                 while self.step < last_step:
                     lr = self.lr_scheduler.get_last_lr()[0]  # the LR this step uses
                     with profiler.around_step(self.step + 1):
@@ -380,6 +383,7 @@ class Trainer:
                     losses.append(loss)
                     with phase(LOG):
                         self._after_step(metrics, tokens_per_step, loss, grad_norm, lr)
+                    collect_garbage(self.step)
                     profiler.step(self.step)
         finally:
             metrics.close()

@@ -256,16 +256,20 @@ def test_pp2_x_fsdp2_and_grad_accum_match_one_process(tmp_path):
     # once (consecutive W's summed in bf16 first would round differently), so both are bitwise
     # equal: the same bf16 GEMMs, summed in fp32 in micro-batch order.
     runs += [[*run, "--training.mixed_precision_param=bfloat16"] for run in runs[:2]]
+    runs.append([*runs[-1], "--parallelism.pipeline_parallel_split_backward=autograd"])
     results = run_distributed(_train_many, 4, args=(runs, str(tmp_path)), timeout_s=240)
     merged = _merge(results)
     for label, got in zip(["pp2xfsdp2 1F1B", "pp2xfsdp2 ZBH2", "pp2xfsdp2 grad-accum ZBH1"],
                           merged, strict=False):
         # Gradient accumulation adds one more fp32 summation order (as CP does in test_parity).
         _check(ref, got, label, param_rtol=3e-5 if "accum" in label else 1e-5)
-    (f_losses, f_params), (z_losses, z_params) = merged[3:]
-    assert f_losses == z_losses, f"bf16 params: ZBH2 losses {z_losses} vs 1F1B {f_losses}"
-    for name, p in f_params.items():
-        assert torch.equal(z_params[name], p), f"bf16 params: ZBH2's {name} differs from 1F1B's"
+    (f_losses, f_params), *split = merged[3:]
+    for how, (z_losses, z_params) in zip(("deferred", "autograd"), split, strict=True):
+        assert f_losses == z_losses, \
+            f"bf16 params: ZBH2 ({how}) losses {z_losses} vs 1F1B {f_losses}"
+        for name, p in f_params.items():
+            assert torch.equal(z_params[name], p), \
+                f"bf16 params: ZBH2's ({how}) {name} differs from 1F1B's"
 
 
 def _split_schedules_match_one_process(tmp_path, flavor, ref_batch, extra, what, *,

@@ -3,6 +3,7 @@ memory breakdown against the dry run's figures. One spawn runs every case."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 PROFILED = ["--profiling.enable_profiling", "--profiling.profile_freq=2",
             "--profiling.profiler_warmup=0", "--profiling.profiler_active=1",
-            "--profiling.enable_memory_snapshot"]
+            "--profiling.enable_memory_snapshot", "--training.gc_freq=2"]
 # name -> (layout overrides, the ranges each rank's trace must hold)
 CASES = {
     "fsdp": (["--parallelism.data_parallel_shard_degree=2"],
@@ -49,8 +50,9 @@ def _body(rank: int, world_size: int, folder: str) -> dict:
         # stayed on the schedule), and the next pipeline trainer's backward shape inference
         # failed on them
         profiled = Trainer(_cfg(f"{folder}/{name}", layout, PROFILED)).train()
+        gc_after = gc.isenabled()  # [training] gc_freq gives Python's setting back
         plain = Trainer(_cfg(f"{folder}/{name}-plain", layout, [])).train()
-        out[name] = {"profiled": profiled, "plain": plain}
+        out[name] = {"profiled": profiled, "plain": plain, "gc_after": gc_after}
     dist.barrier()
     dist.destroy_process_group()
     init_fake_process_group(rank, world_size)  # the same rank, now in a dry run
@@ -70,7 +72,9 @@ def spawned(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
     """Every rank writes a trace per window holding titanext's ranges and a step table whose
-    phases add up to the step within 10%; the losses equal an unprofiled run's bitwise; the
+    phases add up to the step within 10% (gc_freq = 2: Python's collector runs in the gc phase
+    of the traced steps, so no collection pauses a step outside the phases, and it is on again
+    after train()); the losses equal an unprofiled run's bitwise; the
     pipeline run reports its F/I/W chunks, its measured and simulated bubble, and its send/recv
     time as the time it blocked waiting (> 0, within the pipeline phase)."""
     tmp_path, results = spawned
@@ -78,6 +82,8 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
     for name, (_, ranges) in CASES.items():
         for rank in (0, 1):
             r = results[rank][name]
+            if not r["gc_after"]:
+                problems.append(f"{name} rank {rank}: Python's collector left off after train()")
             if r["profiled"] != r["plain"]:  # bitwise: profiling only observes
                 problems.append(f"{name} rank {rank}: losses {r['profiled']} != {r['plain']}")
             for step in (2, 4):
@@ -93,6 +99,10 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
                 if not 0.9 <= share <= 1.0 + 1e-9:
                     problems.append(f"{name} rank {rank} step {step}: phases are {share:.1%} "
                                     "of the step")
+                # gc_freq = 2: steps 2 and 4 collect, in their own range, and nothing else does
+                if not table["phases"].get("gc", 0) > 0:
+                    problems.append(f"{name} rank {rank} step {step}: no gc phase in "
+                                    f"{table['phases']}")
             if name == "fsdp" and not table["comm"].get("FSDP all-gather"):
                 problems.append(f"fsdp rank {rank}: no FSDP all-gather time in {table['comm']}")
             if name == "pp":

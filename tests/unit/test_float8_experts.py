@@ -106,6 +106,48 @@ def test_deferred_weight_grads_use_the_recipe(recipe):
         assert not torch.allclose(p.grad, dw_fp32[name], rtol=1e-3, atol=0)  # float8's dW
 
 
+def test_experts_on_kernels_keep_their_own_backward():
+    """torchao's kernels compute an expert's dx and dW in one autograd function, so
+    defer_weight_grads leaves those experts unconverted (as torchao's Float8Linear): their dW
+    comes at I, and nothing of theirs waits for W. Before 2026-11-29 they were converted and
+    the deferred path ran the recipe's halves emulated in fp32, on the GPU too. The emulated
+    experts still defer. On the CPU the kernels' stand-in (own_backward, emulated math) gives
+    the non-deferred gradients bitwise."""
+    from titanext.plugins.float8_experts import Float8GroupedMM
+
+    ref = _experts(64, 96)
+    ref.float8_grouped_mm = Float8GroupedMM("rowwise", emulate=True, own_backward=True)
+    kept = copy.deepcopy(ref)
+    assert defer_weight_grads(kept) == [] and type(kept) is GroupedExperts
+    x, dy = torch.randn(int(COUNTS.sum()), 64), torch.randn(int(COUNTS.sum()), 64)
+    _, dx_ref, dw_ref = _run(ref, x, dy)
+    queue = WeightGradQueue()
+    with weight_grad_deferral(queue):
+        _, dx, dw = _run(kept, x, dy)
+    assert len(queue) == 0
+    assert torch.equal(dx, dx_ref) and all(torch.equal(dw[n], dw_ref[n]) for n in dw_ref)
+    emulated = _experts(64, 96)
+    apply_float8_experts(emulated, recipe="rowwise", emulate=True)
+    assert not emulated.float8_grouped_mm.own_backward and defer_weight_grads(emulated) == [""]
+
+
+def test_a_dry_run_plans_the_kernels_structure():
+    """``target_kernels`` (the trainer's dry run): rowwise experts that are not forced to
+    emulate keep their own backward, as on a float8 GPU; forced emulation and blockwise (no
+    kernel anywhere) do not; emulate = false is accepted for the target."""
+    def mm(**kw):
+        experts = _experts(32, 32)
+        apply_float8_experts(experts, **kw)
+        return experts.float8_grouped_mm
+
+    assert mm(recipe="rowwise", emulate="auto", target_kernels=True).own_backward
+    assert mm(recipe="rowwise", emulate=False, target_kernels=True).own_backward
+    assert mm(recipe="rowwise", emulate="auto", target_kernels=True).emulate  # math on a CPU
+    assert not mm(recipe="rowwise", emulate=True, target_kernels=True).own_backward
+    assert not mm(recipe="blockwise", emulate="auto", target_kernels=True).own_backward
+    assert not mm(recipe="rowwise", emulate="auto").own_backward  # this CPU: emulated, deferred
+
+
 def test_emulated_experts_compile():
     """The emulation runs eagerly inside a compiled block (a graph break), so the recipe
     compiles such blocks with fullgraph=False (has_emulated_float8_experts)."""
@@ -166,6 +208,31 @@ def test_dry_run_fake_tensors(recipe):
         y = Float8GroupedMM(recipe, emulate=True)(x, w, offs)
         y.sum().backward()
         assert y.shape == (10, 96) and w.grad.shape == w.shape and x.grad.shape == x.shape
+
+
+def test_dry_run_stand_in_for_the_kernels_saves_what_torchao_saves():
+    """On fake tensors, experts that keep the kernels' structure run the kernels' stand-in:
+    like torchao's function it saves the padded bf16 input and the weight (no fp32 copy of the
+    rows, as the emulation's autograd function makes), and gives dx and dW their shapes."""
+    from titanext._fake_backend import fake_tensor_mode
+    from titanext.plugins.float8_experts import Float8GroupedMM
+
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with fake_tensor_mode():
+        x = torch.randn(10, 64, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(4, 96, 64, dtype=torch.bfloat16, requires_grad=True)
+        offs = torch.tensor([3, 3, 8, 10], dtype=torch.int32)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = Float8GroupedMM("rowwise", emulate=True, own_backward=True)(x, w, offs)
+        y.float().sum().backward()
+        assert y.shape == (10, 96) and w.grad.shape == w.shape and x.grad.shape == x.shape
+    assert ((80, 64), torch.bfloat16) in saved, saved  # the padded input: 16-row groups
+    assert not [s for s in saved if s[1] == torch.float32], saved
 
 
 @pytest.mark.parametrize("counts", [[70, 0, 200, 30], [1000, 0, 3001, 1191], [16, 32, 0, 48]])

@@ -109,6 +109,11 @@ class Training:
     does. Pipeline stages without FSDP keep float32."""
     mixed_precision_reduce: str = _field("float32", choices=("float32", "bfloat16"))
     """Gradient reduce-scatter / all-reduce dtype; float32 keeps the sum exact enough."""
+    gc_freq: int = _field(50, ge=0)
+    """Python's garbage collector: N > 0 turns its automatic collection off while training and
+    collects the young generations after every N-th step instead (the profiler's titanext:gc
+    range), on the same steps on every rank, so no collection pauses one rank mid-step while
+    the others wait at a collective; 0 leaves Python's automatic collection on."""
     seed: int = _field(0, ge=0)
     """Seed for initialisation and data order; the same seed gives the same model in any layout."""
     deterministic: bool = _field(False)

@@ -280,7 +280,7 @@ TORCHTITAN_KEYS.update({
         "float32", refuse="titanext keeps float32 parameters (mixed_precision_param casts)")),
     "training.debug_moe_force_load_balance": _ignore(_OFF, _ignore_if(
         False, refuse="titanext routes tokens by their router scores only")),
-    "training.gc_freq": _ignore("when Python's garbage collector runs; no effect on results"),
+    "training.gc_freq": _same(),
     "training.gc_debug": _ignore(_OFF, _ignore_if(False, refuse="a torchtitan debugging aid")),
     "training.dataloader.num_workers": _ignore("data loader worker processes; same batches"),
     "training.dataloader.persistent_workers": _ignore("data loader workers; same batches"),

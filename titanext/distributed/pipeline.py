@@ -37,7 +37,6 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from titanext._profiler_ranges import PP_WAIT, phase, pp_chunk
@@ -49,6 +48,7 @@ from titanext.distributed.parallelize import parallelize
 from titanext.distributed.split import StageModuleList, run_own_forward, split_model
 from titanext.plugins._blocks import block_container
 from titanext.plugins.weight_grad import (
+    AutogradSplitStage,
     DeferredPipelineStage,
     WeightGradQueue,
     defer_weight_grads,
@@ -155,7 +155,7 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     """
     # Deferred weight gradients: the stage runs one plain backward for I and hands that
     # micro-batch's queued weight GEMMs to W (PipelineStage's public dw_builder hook)
-    kind, extra = PipelineStage, {}
+    kind, extra = AutogradSplitStage, {}  # torch's split: its W folds as a deferred W does
     if weight_grad_queue is not None:
         kind, extra = DeferredPipelineStage, {"weight_grad_queue": weight_grad_queue}
     stages = [kind(mod, stage_index=i, num_stages=num_stages, device=device, group=pp_group,

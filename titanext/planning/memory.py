@@ -504,8 +504,11 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
       tensor, counted there); torch alone would hold ``2 m`` of them per stage all step;
     - **unsharded grads (pp)**: PP x FSDP accumulates the stage's unsharded gradients in the
       reduce dtype (``reduce_bytes`` a parameter, from the stage's first backward to its one
-      reduce-scatter after its last); torch's split W (``"autograd"``) leaves the param-dtype
-      gradient too (``a`` more, until the next I or the reduce), a deferred W does not;
+      reduce-scatter after its last); torch's split W (``"autograd"``) writes the stage's
+      param-dtype gradients all at once before
+      :class:`~titanext.plugins.weight_grad.AutogradSplitStage` folds them (``a`` more, counted
+      here from the first backward: an upper bound, since 2026-11-29 they live only to the end
+      of each W); a deferred W folds each one as it goes;
     - **grads (fp32)**: the sharded gradients appear at the stage's reduce-scatter (held all
       step by a step with gradient accumulation); without FSDP the gradients accumulate in
       place from the stage's first backward;

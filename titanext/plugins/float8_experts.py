@@ -194,19 +194,27 @@ class Float8GroupedMM:
     (always for ``blockwise``). The pieces :meth:`forward`, :meth:`input_grad` and
     :meth:`weight_grad` are what the deferred-W path of ``weight_grad`` runs."""
 
-    def __init__(self, recipe: str, emulate: bool):
+    def __init__(self, recipe: str, emulate: bool, *, own_backward: bool | None = None):
         if recipe not in FLOAT8_EXPERT_RECIPES:
             raise ValueError(f"float8 experts: recipe = {recipe!r}; allowed: "
                              f"{', '.join(FLOAT8_EXPERT_RECIPES)}")
         self.recipe, self.emulate = recipe, emulate or recipe != "rowwise"
+        #: torchao's kernels: one autograd function computes dx and dW in the same backward, so
+        #: the experts keep it (weight_grad does not defer them: their dW runs at I, as torchao's
+        #: Float8Linear's). The dry run sets it on emulated experts to plan a float8 GPU's run.
+        self.own_backward = not self.emulate if own_backward is None else own_backward
 
     def __repr__(self) -> str:
-        return f"Float8GroupedMM({self.recipe!r}, emulate={self.emulate})"
+        return (f"Float8GroupedMM({self.recipe!r}, emulate={self.emulate}, "
+                f"own_backward={self.own_backward})")
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        if (not self.emulate and x.is_cuda and x.dtype == torch.bfloat16
-                and x.shape[-1] % _KERNEL_ALIGN == 0 and w.shape[-2] % _KERNEL_ALIGN == 0):
+        aligned = (x.dtype == torch.bfloat16 and x.shape[-1] % _KERNEL_ALIGN == 0
+                   and w.shape[-2] % _KERNEL_ALIGN == 0)
+        if not self.emulate and x.is_cuda and aligned:
             return _kernel_grouped_mm(x, w, offs)  # else (fp32, odd dims): the emulation
+        if self.own_backward and aligned and is_fake(x):  # a dry run of a float8 GPU's run
+            return _kernel_grouped_mm(x, w, offs, scaled_grouped_mm=_fake_scaled_grouped_mm)
         return _emulated(x, w, offs, self)
 
     # y = x W^T
@@ -258,13 +266,43 @@ def _emulated(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, mm: Float8Gr
     return _EmulatedFn.apply(x, w, offs, mm)
 
 
-def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torchao's FP8 rowwise grouped GEMM. It needs each expert's rows to be a multiple of 16,
-    so the rows are padded per expert (zeros, which change no amax and no dW) and gathered back;
-    all with static shapes, no host sync."""
-    # optional dependency (torchao)
-    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+class _FakeKernelFn(torch.autograd.Function):
+    """The dry run's stand-in for torchao's float8 rowwise grouped GEMM on fake tensors: what
+    that function saves (the padded input and the weight) and allocates (a float8 copy of each
+    operand of each GEMM, products in ``out_dtype``); only shapes and bytes matter there."""
 
+    @staticmethod
+    def forward(ctx, a, b_t, offs, out_dtype):
+        ctx.save_for_backward(a, b_t, offs)
+        ctx.out_dtype = out_dtype
+        a8, b8 = a.to(_E4M3), b_t.to(_E4M3)  # noqa: F841 -- alive during the GEMM, as torchao's
+        return grouped_mm(a, b_t.to(a.dtype), offs=offs).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b_t, offs = ctx.saved_tensors
+        dy8, b8 = dy.to(_E4M3), b_t.to(_E4M3)  # noqa: F841
+        da = grouped_mm(dy.to(a.dtype), b_t.transpose(-2, -1).to(a.dtype), offs=offs)
+        del dy8, b8
+        dy8, a8 = dy.to(_E4M3), a.to(_E4M3)  # noqa: F841 -- per-group column scales
+        db = grouped_mm(dy.to(a.dtype).t(), a, offs=offs)
+        return da.to(ctx.out_dtype), db.transpose(-2, -1).to(b_t.dtype), None, None
+
+
+def _fake_scaled_grouped_mm(a, b_t, offs, *, out_dtype, pad_token_groups_for_grouped_mm):
+    return _FakeKernelFn.apply(a, b_t, offs, out_dtype)
+
+
+def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *,
+                       scaled_grouped_mm=None) -> torch.Tensor:
+    """torchao's FP8 rowwise grouped GEMM (``scaled_grouped_mm``: the dry run's stand-in). It
+    needs each expert's rows to be a multiple of 16, so the rows are padded per expert (zeros,
+    which change no amax and no dW) and gathered back; all with static shapes, no host sync."""
+    if scaled_grouped_mm is None:
+        # optional dependency (torchao)
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        scaled_grouped_mm = _to_fp8_rowwise_then_scaled_grouped_mm
     rows = x.shape[0]
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     padded = (counts + _KERNEL_ALIGN - 1) // _KERNEL_ALIGN * _KERNEL_ALIGN
@@ -278,9 +316,8 @@ def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     xp = x.new_zeros(bound, x.shape[1]).index_copy(0, dst, x)
     if stored_in_float8(x):  # the GEMM saves its padded copy: stored as x would have been
         store_in_float8(xp)
-    y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(-2, -1), padded_ends,
-                                               out_dtype=x.dtype,
-                                               pad_token_groups_for_grouped_mm=False)
+    y = scaled_grouped_mm(xp, w.transpose(-2, -1), padded_ends, out_dtype=x.dtype,
+                          pad_token_groups_for_grouped_mm=False)
     return y.index_select(0, dst)
 
 
@@ -288,7 +325,8 @@ def _kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
 
 def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
                          emulate: bool | str = "auto",
-                         device: torch.device | str | None = None) -> list[str]:
+                         device: torch.device | str | None = None,
+                         target_kernels: bool = False) -> list[str]:
     """Make every :class:`~titanext.models.moe.GroupedExperts` of ``model`` (the model itself
     included) run its grouped GEMMs in float8 with ``recipe`` (one of
     :data:`FLOAT8_EXPERT_RECIPES`), in place; parameters, names and state dict are unchanged.
@@ -297,6 +335,11 @@ def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
     ``emulate``: True, False or "auto" (emulate unless ``device`` -- default CUDA if available,
     else CPU -- runs torchao's float8 grouped GEMMs, :func:`float8_experts_kernels_usable`).
     ``blockwise`` is always emulated (torchao has no blockwise grouped GEMM).
+
+    With the kernels the experts keep their own backward (dW with dx, never deferred to a
+    split backward's W). ``target_kernels``: the dry run's plan of a float8 GPU's run on this
+    CPU: rowwise experts that are not forced to emulate behave as the kernels do (their own
+    backward; on fake tensors, the kernels' saved tensors and allocations), with emulated math.
 
     Returns the converted FQNs. Raises ``ValueError`` when ``model`` has no ``GroupedExperts``,
     or when ``emulate=False`` and this device cannot run the kernels.
@@ -309,13 +352,14 @@ def apply_float8_experts(model: nn.Module, *, recipe: str = "rowwise",
         raise ValueError(f"apply_float8_experts: emulate = {emulate!r}; allowed: true, false, "
                          "'auto'")
     kernels = recipe == "rowwise" and float8_experts_kernels_usable(device)
-    if emulate is False and not kernels:
+    planned = recipe == "rowwise" and emulate is not True and (kernels or target_kernels)
+    if emulate is False and not kernels and not planned:
         raise ValueError(
             f"apply_float8_experts: emulate = false, but recipe {recipe!r} has no float8 grouped "
             "GEMM here (rowwise needs a CUDA GPU of compute capability 9.0+ with triton and "
             "torchao's prototype.moe_training; blockwise is emulated everywhere); set emulate = "
             "'auto' or true")
-    mm = Float8GroupedMM(recipe, emulate=emulate is True or not kernels)
+    mm = Float8GroupedMM(recipe, emulate=emulate is True or not kernels, own_backward=planned)
     fqns = [fqn for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)]
     other = stacked_experts_line(
         "apply_float8_experts", stacked_experts(model, (GroupedExperts,)),

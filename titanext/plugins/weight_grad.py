@@ -58,8 +58,10 @@ Rules:
 - EP: grouped experts compute on the local expert shard; dW is wrapped back into the DTensor.
 - torch.compile: the deferring function is run eagerly (``torch.compiler.disable``), so each
   converted linear is a graph break inside a compiled block while deferral is on.
-- float8: torchao's ``Float8Linear`` keeps its own backward (its dW is computed during I); one
-  log line says how many.
+- float8: torchao's ``Float8Linear`` keeps its own backward (its dW is computed during I), and
+  so do float8 experts on torchao's grouped GEMM kernels (one autograd function for dx and dW:
+  ``Float8GroupedMM.own_backward``); one log line says how many. Emulated float8 experts defer
+  their recipe's dW half.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ from titanext.plugins._loud import (
     unconverted_line,
 )
 
-__all__ = ["DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads", "deferral_active",
-           "has_deferred_modules", "weight_grad_deferral"]
+__all__ = ["AutogradSplitStage", "DeferredPipelineStage", "WeightGradQueue", "defer_weight_grads",
+           "deferral_active", "has_deferred_modules", "weight_grad_deferral"]
 
 logger = logging.getLogger("titanext")
 
@@ -390,7 +392,7 @@ class _DeferredGroupedFn(torch.autograd.Function):
 @torch.compiler.disable
 def _deferred_experts(module: GroupedExperts, x, num_tokens_per_expert, row_weights=None):
     w1, w2, w3 = _local(module.w1), _local(module.w2), _local(module.w3)
-    mm = module.float8_grouped_mm  # float8 experts: their recipe's I and W halves (emulated)
+    mm = module.float8_grouped_mm  # emulated float8 experts: their recipe's I and W halves
     use = mm is not None or module.use_grouped_mm
     if use == "auto":
         use = grouped_mm_supported(x, w1, w2, w3)
@@ -455,11 +457,15 @@ def defer_weight_grads(model: nn.Module, *, module_filter_fn: ModuleFilter | Non
     outside: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
         kind = matmul_kind(module)
-        float8 += kind == "kept" and type(module).__name__.startswith("Float8")
+        # torchao's float8 kernels (Float8Linear, the experts' grouped GEMM function) compute dW
+        # in their own backward: nothing to defer
+        experts = type(module) is GroupedExperts and not _own_backward(module)
+        float8 += (kind == "kept" and type(module).__name__.startswith("Float8")) or (
+            type(module) is GroupedExperts and not experts)
         already += isinstance(module, _CONVERTED)
-        candidate = kind in ("linear", "own_forward", "conv1d") or type(module) is GroupedExperts
+        candidate = kind in ("linear", "own_forward", "conv1d") or experts
         wanted = module_filter_fn(module, fqn) if module_filter_fn and candidate else None
-        target = DeferredGroupedExperts if type(module) is GroupedExperts else None
+        target = DeferredGroupedExperts if experts else None
         if kind == "linear" or (kind == "own_forward" and wanted):
             target = _deferred_class(type(module))
         elif kind == "conv1d":
@@ -510,6 +516,12 @@ _EXPERTS_FIX = ("Only titanext's GroupedExperts defer their grouped GEMMs' weigh
                 "compute theirs in the input-gradient step (correct, not deferred)")
 
 
+def _own_backward(experts: GroupedExperts) -> bool:
+    """Whether float8 experts run torchao's kernels (or stand for them in a dry run): one
+    autograd function computes their dx and dW together (float8_experts.Float8GroupedMM)."""
+    return getattr(experts.float8_grouped_mm, "own_backward", False)
+
+
 def has_deferred_modules(model: nn.Module) -> bool:
     """Whether ``model`` holds modules converted by :func:`defer_weight_grads` (their forward
     inside a deferral context is a graph break: compile such blocks without ``fullgraph``)."""
@@ -532,12 +544,20 @@ class ReduceDtypeFolds:
         self.modules: list[nn.Module] = []
         self._accumulators: dict[int, object] | None = None
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def _owners(self) -> dict[int, object]:
         if self._accumulators is None:
             self._accumulators = {k: v for m in self.modules
                                   for k, v in fsdp_reduce_dtype_accumulators(m).items()}
-        owner = self._accumulators.get(id(param))
+        return self._accumulators
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self._owners().get(id(param))
         if owner is not None:
+            fold_into_reduce_dtype(owner)
+
+    def fold_all(self) -> None:
+        """Fold every managed parameter's param-dtype gradient (none: nothing to do)."""
+        for owner in self._owners().values():
             fold_into_reduce_dtype(owner)
 
 
@@ -566,3 +586,21 @@ class DeferredPipelineStage(PipelineStage):
     def backward_one_chunk(self, *args, **kwargs):
         with weight_grad_deferral(self.weight_grad_queue):
             return super().backward_one_chunk(*args, **kwargs)
+
+
+class AutogradSplitStage(PipelineStage):
+    """torch's ``PipelineStage`` for ``split_backward = "autograd"``: torch's W
+    (``stage_backward_weight``) writes each weight gradient after FSDP2's post-backward hook
+    has run for that micro-batch, so under FSDP2 mixed precision it would stay in bf16 and the
+    next W would add to it in bf16. Each W's gradients join FSDP2's fp32 accumulator at once
+    (:class:`ReduceDtypeFolds`), as a deferred W's do. Same arguments as ``PipelineStage``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._folds = ReduceDtypeFolds()
+        self._folds.modules.append(self.submod)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        self._folds.fold_all()
+        return out
