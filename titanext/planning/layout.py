@@ -103,6 +103,13 @@ class Layout:
         return self.shard * self.cp
 
     @property
+    def experts_defer(self) -> bool:
+        """Whether a split backward keeps the routed experts' rows from I to W: they defer
+        their dW unless float8 kernels compute it at I (``Linear.dw_at_i``)."""
+        return not any(lin.dw_at_i for lin in self.moe_linears
+                       if lin.name.startswith("moe.experts."))
+
+    @property
     def passes(self) -> int:
         """Micro-batches through a rank per optimizer step."""
         return self.accum * self.pp_microbatches
@@ -193,7 +200,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         float8_flags(cfg.model.name, job.model_args, f8.recipe, tuple(f8.filter_fqns),
                      _auto_filter(f8, float8_hardware), tuple(f8.force_fqns))
         if f8.enable else ((False,) * len(shape.linears), False, ()))
-    linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe)
+    # torchao's float8 linears keep their own backward: dW at I (Linear.dw_at_i)
+    linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe, dw_at_i=flag)
                for lin, flag in zip(shape.linears, f8_layer)]
     reshard = resolve_reshard_after_forward(recipe.reshard_after_forward,
                                             zero_stage=recipe.fsdp_zero_stage, pp_enabled=pp > 1)
@@ -210,9 +218,12 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         moe_linears = with_ep(moe.linears, moe.num_experts, ep)
         converted = dict(f8_moe)  # the block's own linears (attention, shared experts)
         moe_linears = [dataclasses.replace(lin, float8=converted.get(lin.name, lin.float8),
-                                           float8_recipe=f8.recipe) for lin in moe_linears]
+                                           float8_recipe=f8.recipe,
+                                           dw_at_i=converted.get(lin.name, lin.float8))
+                       for lin in moe_linears]
         if f8.moe_experts:
-            moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe)
+            moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe, kernels=(
+                f8.emulate is not True and bool(float8_hardware)))
     return Layout(
         cfg=cfg, shape=shape, rep=rep, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep, a=a,
         reduce_bytes=2 if recipe.reduce_dtype == "bfloat16" else 4,

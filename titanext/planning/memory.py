@@ -537,10 +537,13 @@ def _stage_terms(lo: Layout, rk, *, split: bool, sharded: bool, grads: float, pe
     # a MoE block: its attention and shared experts like a dense block's, and per routed row
     # (k per token, replicated over tp) the experts' inputs and output gradients (2 h) and
     # the SwiGLU product and two hidden gradients (3 f_e): the DeepSeek-V3 dry run's index_select
-    # / index_add rows of [k T, h] per block and micro-batch
+    # / index_add rows of [k T, h] per block and micro-batch; none where float8 kernels
+    # compute the experts' dW at I (Layout.experts_defer)
+    routed_rows = (a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp
+                   if moe and lo.experts_defer else 0.0)
     wgrad_moe = (weight_grad_inputs(lo, moe.shared_hidden)
                  - float8_not_kept(lo.moe_linears, a=a, tp=lo.tp, cp=lo.cp)
-                 + a * moe.top_k * (2 * shape.dim + 3 * moe.hidden) / lo.cp) if moe else 0.0
+                 + routed_rows) if moe else 0.0
     mtp_act = mtp_activation_bytes(lo, per_layer, per_moe_layer, head_act)
     act, wact, acc, grad, transient = {}, {}, {}, {}, {}
     psi_rank = sum(rank_params(lo, rk.layer_ids, rk.embedding, rk.head)[:2])

@@ -109,14 +109,17 @@ def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Line
             if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
 
-def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
+def float8_experts(linears: list[Linear], recipe: str, *, kernels: bool = True) -> list[Linear]:
     """``[float8] moe_experts``: the routed experts' GEMMs at the measured rowwise float8 speed
     with 1-byte operands and a cast of their input and weights per pass (the roofline's float8
     linear, :data:`~titanext.planning.roofline.FLOAT8_GEMM_SPEEDUP`), for
     the ``rowwise`` recipe, which runs torchao's float8 grouped GEMMs. ``blockwise`` has no
     float8 grouped GEMM (it is emulated: float8 numerics at high-precision speed), so it stays
     at the bf16 peak. No float8 copy or scale outlives a GEMM (the kernels and the emulation
-    cast per call and save the high-precision inputs), so memory is unchanged.
+    cast per call and save the high-precision inputs), so memory is unchanged. ``kernels``:
+    torchao's kernels run them (rowwise on a float8 GPU, not forced to emulate): they keep their
+    own backward, so a split backward computes their dW at I (``Linear.dw_at_i``); emulated
+    experts defer it to W.
 
     >>> from titanext.planning.roofline import Linear
     >>> [lin.float8 for lin in float8_experts([Linear("moe.experts.w1", 8, 8),
@@ -125,7 +128,7 @@ def float8_experts(linears: list[Linear], recipe: str) -> list[Linear]:
     """
     if recipe != "rowwise":
         return list(linears)
-    return [dataclasses.replace(lin, float8=True, float8_recipe="rowwise")
+    return [dataclasses.replace(lin, float8=True, float8_recipe="rowwise", dw_at_i=kernels)
             if lin.name.startswith("moe.experts.") else lin for lin in linears]
 
 

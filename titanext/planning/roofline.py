@@ -69,7 +69,9 @@ class Linear:
     MoE matmuls: ``tp_split=False`` for weights replicated over tp (the router, shared and
     routed experts); ``token_factor`` rows per token (``top_k`` for the routed experts) and
     ``weights`` weight matrices read (the rank's local experts). ``float8_recipe``: the
-    float8 linear's scaling recipe (:data:`FLOAT8_GEMM_SPEEDUP`)."""
+    float8 linear's scaling recipe (:data:`FLOAT8_GEMM_SPEEDUP`). ``dw_at_i``: its weight
+    gradient runs in the input-gradient pass of a split backward, not in W (torchao's float8
+    linears and float8 grouped GEMM kernels keep their own backward, nothing is deferred)."""
 
     name: str
     in_features: int
@@ -80,6 +82,7 @@ class Linear:
     tp_split: bool = True
     token_factor: float = 1.0
     weights: float = 1.0
+    dw_at_i: bool = False
 
 
 @dataclass
@@ -140,11 +143,12 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
     def fp8_rate(recipe: str) -> float:  # without float8 tensor cores: emulated, bf16 speed
         return bf16_rate * FLOAT8_GEMM_SPEEDUP[recipe] * fp8_scale if fp8_scale else bf16_rate
 
-    fwd_mm, w_mm, cast, autocast_cast = _linears_cost(linears, tokens, tp=tp, a=a, bw=bw,
-                                                      bf16_rate=bf16_rate, fp8_rate=fp8_rate,
-                                                      autocast=autocast)
+    fwd_mm, w_mm, w_at_i, cast, autocast_cast = _linears_cost(
+        linears, tokens, tp=tp, a=a, bw=bw, bf16_rate=bf16_rate, fp8_rate=fp8_rate,
+        autocast=autocast)
     fwd_mm *= layers
     w_mm *= layers
+    w_at_i *= layers
     cast *= layers
     autocast_cast *= layers
     bwd_mm = fwd_mm  # dgrad has the forward's shapes
@@ -154,7 +158,7 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
     # causal flash attention: 2 T S h FLOPs forward (QK^T and PV, half the square)
     attn_f = layers * 2 * tokens * seq_len * dim / tp / bf16_rate
     f = fwd_mm + attn_f + (elementwise + cast + autocast_cast) / bw
-    i = bwd_mm + 2.5 * attn_f + (2 * elementwise + cast) / bw
+    i = bwd_mm + w_at_i + 2.5 * attn_f + (2 * elementwise + cast) / bw
     w = w_mm + (cast + autocast_cast) / bw
     if ac == "selective":
         i += elementwise / bw
@@ -180,10 +184,10 @@ def microbatch_time(device: Device, *, tokens: float, seq_len: int, dim: int, kv
 
 def _linears_cost(linears: Sequence[Linear], tokens: float, *, tp: int, a: int, bw: float,
                   bf16_rate: float, fp8_rate, autocast: bool
-                  ) -> tuple[float, float, float, float]:
-    """One layer's matmuls: (forward (= dgrad) seconds, wgrad seconds, float8 cast bytes,
-    autocast's weight-cast bytes)."""
-    fwd_mm = w_mm = cast = autocast_cast = 0.0
+                  ) -> tuple[float, float, float, float, float]:
+    """One layer's matmuls: (forward (= dgrad) seconds, wgrad seconds in W, wgrad seconds in I
+    (``Linear.dw_at_i``), float8 cast bytes, autocast's weight-cast bytes)."""
+    fwd_mm = w_mm = w_at_i = cast = autocast_cast = 0.0
     for lin in linears:
         split = tp if lin.tp_split else 1
         k, n = (lin.in_features / split, lin.out_features) if lin.rowwise else (
@@ -195,14 +199,18 @@ def _linears_cost(linears: Sequence[Linear], tokens: float, *, tp: int, a: int, 
             mm = matmul_seconds(rows, k, n, rate=fp8_rate(lin.float8_recipe), bw=bw,
                                 weight_bytes=1, io_bytes=1, weights=lin.weights)
             fwd_mm += mm
-            w_mm += bf16_mm if lin.float8_recipe == "rowwise_with_gw_hp" else mm
+            dw = bf16_mm if lin.float8_recipe == "rowwise_with_gw_hp" else mm
+            if lin.dw_at_i:
+                w_at_i += dw
+            else:
+                w_mm += dw
             # casting the input and the weight: amax read, read, 1-byte write (per pass)
             cast += (2 * a + 1) * (rows * k + k * n * lin.weights)
         else:
             fwd_mm += bf16_mm
             w_mm += bf16_mm
             autocast_cast += AUTOCAST_CAST_BYTES * k * n * lin.weights if autocast else 0.0
-    return fwd_mm, w_mm, cast, autocast_cast
+    return fwd_mm, w_mm, w_at_i, cast, autocast_cast
 
 
 def optimizer_bytes_per_param(*, implementation: str = "fused", name: str = "AdamW",

@@ -4,9 +4,9 @@ weight-gradient pass (W), per token.
 titanext's deferred split (:mod:`titanext.plugins.weight_grad`) queues ``dW = dY^T X`` of every
 converted linear and of the routed experts at I, keeping X and dY until W. A float8 linear
 (torchao's ``Float8Linear``) keeps its own backward: its dW is computed at I, so it keeps nothing
-to W. A block's bytes are :func:`weight_grad_inputs` (every linear deferred) less
-:func:`float8_not_kept` (what its float8 linears would have kept, where no deferred linear
-shares the tensor).
+to W; so do float8 experts on torchao's grouped GEMM kernels. A block's bytes are
+:func:`weight_grad_inputs` (every linear deferred) less :func:`float8_not_kept` (what its float8
+linears would have kept, where no deferred linear shares the tensor).
 
 >>> from titanext.planning.roofline import Linear
 >>> lins = [Linear("feed_forward.w1", 8, 32, float8=True), Linear("feed_forward.w3", 8, 32),
@@ -42,7 +42,8 @@ def weight_grad_inputs(lo, ffn: float) -> float:
 
 
 def float8_not_kept(linears: list[Linear], *, a: int, tp: int, cp: int) -> float:
-    """Bytes per token that ``linears`` (one block's, routed experts aside: they always defer)
+    """Bytes per token that ``linears`` (one block's, routed experts aside: the caller counts
+    them, by ``Layout.experts_defer``)
     do not keep from I to W because their float8 ones compute dW at I: each one's output
     gradient, and its input unless a deferred linear reads the same tensor. Split by tp as in
     :func:`weight_grad_inputs` (a column-wise input and a row-wise output gradient are whole)."""
