@@ -63,14 +63,19 @@ def test_realistic_configs_are_rejected_at_the_wrong_world_size(monkeypatch, cap
 
 def test_the_671b_advice_over_every_layout_ranks_the_shipped_pipeline_first():
     """The advice's whole search for DeepSeek-V3 671B on 2048 H100s (every tp, pp, cp and ep;
-    about a minute of CPU, so here and not in the inner loop) ranks first the layouts that
-    tests/unit/test_plan.py's search, held to pp = 16 and tp = cp = 1, checks: ep = 16, 32 and
-    the shipped 64, with full recompute and the 120 micro-batches of one sequence."""
+    about a minute of CPU, so here and not in the inner loop), all on the shipped pp = 16: ep =
+    16 with full AC and the 120 micro-batches of one sequence first (the first of
+    tests/unit/test_plan.py's search held to tp = cp = 1), then cp = 2 and cp = 4 layouts. The
+    shipped config's per-stage full_blocks list is not among what the advice searches (one
+    count for every stage), so its 1,405 tokens/s is above the advice's best (1,313)."""
     path = os.path.join(CONFIGS, "deepseek_v3_671b.toml")
     plans = advise(path, [], 2048, top=3)
-    for plan, ep in zip(plans, (16, 32, 64), strict=True):
+    got = []
+    for plan in plans:
         lo = plan.layout
         load_config(path, lo["overrides"], world_size=2048)  # raises if invalid
         assert plan.fits and plan.memory_total <= 0.9 * DEVICES["h100"].hbm_bytes
-        assert (lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
-                lo["local_batch_size"]) == (1, 16, 1, ep, 128, "full", 120), lo
+        got.append((lo["tp"], lo["pp"], lo["cp"], lo["ep"], lo["dp_shard"], lo["ac"],
+                    lo["full_blocks"], lo["local_batch_size"]))
+    assert got == [(1, 16, 1, 16, 128, "full", 0, 120), (1, 16, 2, 16, 64, "full", 0, 240),
+                   (1, 16, 4, 32, 32, "none", 0, 120)], got

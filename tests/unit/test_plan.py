@@ -250,9 +250,10 @@ def test_advice_validates_and_fits():
 
 def test_advice_for_the_671b_names_a_layout_that_fits():
     """DeepSeek-V3 671B on 2048 H100s (DualPipe, 120 micro-batches), the search held to the
-    shipped pp = 16, tp = cp = 1 (the whole search, which ranks the same layouts first, is
-    tests/e2e/test_configs_realistic.py's): the advice's local batches under PP are the
-    micro-batch count x 1..8 sequences, so its layouts validate; the shipped one is among the
+    shipped pp = 16, tp = cp = 1 (the whole search, which ranks two cp = 2 layouts with
+    recompute by module ahead of these, is tests/e2e/test_configs_realistic.py's): the
+    advice's local batches under PP are the micro-batch count x 1..8 sequences, so its layouts
+    validate; the shipped one is among the
     first (before: local batches of 1-8 sequences, none of which the micro-batch count divides,
     and no advice at all). Since the stages hold receive buffers only for the micro-batches in
     flight (titanext.schedules.follow_in_flight), ep = 32 (twice the experts per rank) fits too;

@@ -138,25 +138,29 @@ REPORT = ["--training.global_batch_size=15360", "--training.local_batch_size=120
           "--parallelism.expert_parallel_ranks_per_node=8",
           "--parallelism.expert_parallel_float8_dispatch=true"]
 #: (device, recompute) -> tokens/s/GPU with expert_parallel_comm_overlap off, on (the table in
-#: docs/deepseek_v3.md), with the shipped config's float8 linears and routed experts: "full"
-#: re-runs each block's forward and its all-to-alls (the shipped config), "keep_all_to_all" keeps
-#: what crossed the network (no all-to-all runs twice, as in the report, but 94.5 GB: it does
-#: not fit), "none" is the what-if without any recompute (281 GB)
-#: "modules" recomputes only DeepSeek-V3's choice (norms, MLA up-projections, SwiGLU; 297 GB);
-#: "full_blocks" is the shipped config: modules with float8 storage and the first blocks of
-#: each stage whole (full_blocks = [3, 2 x 7, 1 x 7, 0]; 75.8 GB, the dry run 76.79 GiB on pp 8)
-CALIBRATION = {("h800", "full"): (870, 1110), ("h800", "keep_all_to_all"): (1014, 1355),
-               ("h800", "none"): (1214, 1683), ("h800", "modules"): (1189, 1651),
-               ("h800", "full_blocks"): (1045, 1412),
-               ("h100", "full"): (950, 1209), ("h100", "keep_all_to_all"): (1087, 1430),
-               ("h100", "none"): (1321, 1749), ("h100", "modules"): (1292, 1714),
-               ("h100", "full_blocks"): (1136, 1516)}
+#: docs/deepseek_v3.md), with float8 linears and routed experts (torchao's kernels: the
+#: experts' dW at I) and DeepSeek-V3's recompute choice for the rows other than the shipped
+#: one: "full" re-runs each block's forward and its all-to-alls, "keep_all_to_all" keeps what
+#: crossed the network (no all-to-all runs twice, as in the report, but 82.1 GB: it does not
+#: fit), "none" is the what-if without any recompute (192.5 GB), "modules" recomputes only
+#: DeepSeek-V3's choice (norms, MLA up-projections, SwiGLU; 129.6 GB); "full_blocks" is the
+#: shipped config: bf16 routed experts (their dW deferred to W), recompute by module with the
+#: attention core too, float8 storage, and the first blocks of each stage whole (full_blocks =
+#: [2, 1 x 14, 0]; 67.7 GB by the planner)
+CALIBRATION = {("h800", "full"): (861, 1096), ("h800", "keep_all_to_all"): (1002, 1334),
+               ("h800", "none"): (1198, 1663), ("h800", "modules"): (1173, 1628),
+               ("h800", "full_blocks"): (1083, 1472),
+               ("h100", "full"): (939, 1192), ("h100", "keep_all_to_all"): (1073, 1406),
+               ("h100", "none"): (1302, 1728), ("h100", "modules"): (1273, 1694),
+               ("h100", "full_blocks"): (1176, 1557)}
 #: the same with --comm-sms 20 (overlap on; off charges nothing)
-CHARGED = {("h800", "full"): 1011, ("h800", "keep_all_to_all"): 1209, ("h800", "none"): 1509,
-           ("h800", "modules"): 1480, ("h800", "full_blocks"): 1277, ("h100", "full"): 1093,
-           ("h100", "keep_all_to_all"): 1254, ("h100", "none"): 1562, ("h100", "modules"): 1532,
-           ("h100", "full_blocks"): 1373}
-_WHOLE = ["--activation_checkpoint.full_blocks=0"]  # the shipped list: none whole
+CHARGED = {("h800", "full"): 997, ("h800", "keep_all_to_all"): 1189, ("h800", "none"): 1495,
+           ("h800", "modules"): 1463, ("h800", "full_blocks"): 1333, ("h100", "full"): 1076,
+           ("h100", "keep_all_to_all"): 1233, ("h100", "none"): 1547, ("h100", "modules"): 1514,
+           ("h100", "full_blocks"): 1405}
+#: the other rows: none whole, float8 experts, DeepSeek-V3's recompute choice
+_WHOLE = ["--activation_checkpoint.full_blocks=0", "--float8.moe_experts=true",
+          "--activation_checkpoint.recompute_modules="]
 _FULL = ["--activation_checkpoint.mode=full", *_WHOLE, "--activation_checkpoint.float8_storage="]
 RECOMPUTE = {"full": _FULL,
              "keep_all_to_all": [*_FULL, "--activation_checkpoint.keep_all_to_all=true"],
@@ -178,7 +182,7 @@ def test_calibration_table_against_the_deepseek_v3_report(device, recompute):
     no SMs taken by communication, 0.6 of the peak for every kernel). With the report's 20 of 132
     SMs charged to communication while it overlaps compute (--comm-sms 20), every overlapped
     row loses 9-11%: recompute by module stays above the 80% target on both GPUs, and so does
-    the shipped mix of whole blocks and recompute by module (1,277 on H800, 1,373 on H100)."""
+    the shipped mix of whole blocks and recompute by module (1,333 on H800, 1,405 on H100)."""
     from pathlib import Path
 
     path = str(Path(__file__).parents[2] / "train_configs" / "deepseek_v3_671b.toml")
@@ -193,5 +197,5 @@ def test_calibration_table_against_the_deepseek_v3_report(device, recompute):
     if device == "h800":
         low, high = {"full": (0.7, 0.75), "keep_all_to_all": (0.85, 0.9),
                      "none": (1.05, 1.15), "modules": (1.05, 1.1),
-                     "full_blocks": (0.9, 0.95)}[recompute]
+                     "full_blocks": (0.95, 1.0)}[recompute]
         assert low < got[1] / REPORT_TOKENS_PER_GPU < high
