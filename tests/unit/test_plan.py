@@ -9,6 +9,7 @@ import json
 import resource
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -114,16 +115,18 @@ def measure_activation_bytes(step) -> int:
     # collector's generations, so the scan after the forward and any collection during it walk
     # only what the forward made (not the whole test session's heap)
     gc.freeze()
-    saved = {}
+    packed = []
 
     def pack(t):
-        ptr, nbytes = _storage(t)
-        saved[ptr] = nbytes
+        packed.append(weakref.ref(t))
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step()
+        # only what the graph still holds: a tensor saved by a node that died in the forward is
+        # freed, and its memory may come back as another tensor's
+        saved = dict(_storage(t) for t in (r() for r in packed) if t is not None)
         new = {**_live_storages(), **saved}
     finally:
         gc.unfreeze()

@@ -242,10 +242,11 @@ class Router(nn.Module):
         a = self.args
         logits = self.gate(x)  # fp32
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        biased = scores + self.expert_bias.float() if a.load_balance_coeff else scores
-        if a.num_limited_groups < a.num_expert_groups:
-            biased = self._limit_groups(biased)
-        ids = torch.topk(biased, a.top_k, dim=-1, sorted=False).indices
+        with torch.no_grad():  # selection only: no gradient reaches the ids, nothing is saved
+            biased = scores + self.expert_bias.float() if a.load_balance_coeff else scores
+            if a.num_limited_groups < a.num_expert_groups:
+                biased = self._limit_groups(biased)
+            ids = torch.topk(biased, a.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, ids)  # the bias never changes the weights
         if a.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

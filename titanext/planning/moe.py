@@ -10,16 +10,20 @@ expert parallelism splits the routed experts over ep, and FSDP shards them over 
 - ``experts``: the routed experts ``3 x num_experts x dim x hidden`` (split by ep, not by tp).
 
 Saved activations per token of a MoE block (``a`` bytes per value; measured with saved-tensor
-hooks on ``debugmoe``, see tests/unit/test_plan.py), on top of the block's attention part (the dense
+hooks on ``debugmoe`` and ``debugdeepseek``, counting what the graph still holds after the
+forward: tests/unit/test_moe.py), on top of the block's attention part (the dense
 formula with ``f = 0``)::
 
-    none:       a (k h + 3 k f_e + 4 f_s) + 4 E + 16 G + 44 k + 16
+    none:       a (k h + 3 k f_e + 4 f_s) + 4 E + 28 k (+ 4 k + 4 with route_norm)
                 # expert inputs (k h); the routed experts' weighted SwiGLU keeps gate and up
                 # and w2 its weighted output (3 k f_e), no expert output is kept (the routing
                 # weight multiplies SwiGLU's output before w2: titanext.models.moe.
-                # WeightedSwiGLU); the shared experts' SwiGLU (4 f_s); fp32 scores, routing
-                # indices and weights (the router keeps the block's 16-bit input, not an fp32
-                # copy: titanext.models.moe.RouterGate)
+                # WeightedSwiGLU); the shared experts' SwiGLU (4 f_s); the fp32 scores (4 E),
+                # the int64 expert ids the weights were gathered with (8 k), each row's fp32
+                # weight and its two int64 sort indices (20 k); route_norm keeps the gathered
+                # fp32 weights and their sum (4 k + 4). The router keeps the block's 16-bit
+                # input, not an fp32 copy (titanext.models.moe.RouterGate); the expert choice,
+                # group-limited routing included, runs without autograd and keeps nothing
     selective:  a 2 f_s + 4 E        # matmul outputs kept: shared w1/w3, the fp32 router scores
     full:       0                    # the block input only, already in the dense part
 
@@ -68,6 +72,7 @@ class MoEShape:
     tensors: int  # parameter tensors of the block
     linears: tuple[Linear, ...]  # attention from the TP plan; router, shared, routed experts
     limited: int = 0  # groups a token's experts may come from (group-limited routing; 0 = off)
+    route_norm: bool = True  # the top-k weights are normalized to sum to one
 
 
 def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
@@ -100,7 +105,7 @@ def moe_shape(model, dense_linears: tuple[Linear, ...]) -> MoEShape | None:
                     sharded=attention, replicated=total - attention - experts, experts=experts,
                     tensors=len(list(block.parameters())), linears=linears,
                     limited=args.num_limited_groups if args.num_limited_groups
-                    < args.num_expert_groups else 0)
+                    < args.num_expert_groups else 0, route_norm=args.route_norm)
 
 
 def with_ep(linears: tuple[Linear, ...], num_experts: int, ep: int) -> list[Linear]:
@@ -140,8 +145,8 @@ def moe_activation_extra(shape: MoEShape, mode: str, *, dim: int, a: int) -> flo
         return 0.0
     if mode == "selective":
         return a * 2 * h_s + 4 * e
-    groups = 16 * shape.groups if shape.groups > 1 else 0
-    return a * (k * dim + 3 * k * h_e + 4 * h_s) + 4 * e + groups + 44 * k + 16
+    norm = 4 * k + 4 if shape.route_norm else 0
+    return a * (k * dim + 3 * k * h_e + 4 * h_s) + 4 * e + 28 * k + norm
 
 
 def all_to_all_bytes(tokens: float, *, dim: int, top_k: int, ep: int, a: int) -> float:
