@@ -6,10 +6,11 @@ server that imported torch and the trainer once (:func:`fork_context`).
 to the ``world_size`` workers of that size's pool and returns the per-rank results, exactly as a
 fresh spawn would (tests reach it through ``tests.spawn.run_distributed``).
 
-Each case starts from the state a fresh process would have: torch's default seed, the
-environment, working directory, default dtype, grad mode, deterministic-algorithms flag and
-signal handlers as the worker had them before its first case, a reset torch.compile cache, and
-the default group's collective timeout set to the case's ``timeout_s``. A case that destroys or
+Each case starts from the state a fresh process would have, but for torch's seed (the fixed
+:data:`SEED`, where a fresh process draws one at random): the environment, working directory,
+default dtype, grad mode, deterministic-algorithms flag and signal handlers as the worker had them
+before its first case, a reset torch.compile cache, and the default group's collective timeout
+set to the case's ``timeout_s``. A case that destroys or
 replaces the default process group (the dry run's fake group) retires its pool: the next case
 gets a new one.
 
@@ -68,6 +69,9 @@ ERROR_GRACE_S = 1.0
 #: Imported once by the server that forks the workers (:func:`fork_context`): every case needs
 #: torch, and most build a Trainer.
 PRELOAD = ["torch", "torch.distributed", "titanext.trainer"]
+#: torch's seed at the start of every case, on every rank (and of every in-process test:
+#: tests/conftest.py), so that a run here and a run on CI draw the same numbers.
+SEED = 0
 #: The shortest time a case may run before it counts as hung.
 DEADLINE_FLOOR_S = 300.0
 
@@ -261,7 +265,6 @@ class _FreshState:
     """What a case may change and the next case must not see."""
 
     def __init__(self, torch) -> None:
-        self.seed = torch.initial_seed()
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.dtype = torch.get_default_dtype()
@@ -277,7 +280,7 @@ class _FreshState:
         torch.set_grad_enabled(True)
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(1)
-        torch.manual_seed(self.seed)
+        torch.manual_seed(SEED)
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
         if "torch._dynamo" in sys.modules:
