@@ -54,6 +54,7 @@ from titanext.plugins.rules import (
     DEFAULT_SAVE_OPS,
     FLOAT8_STORAGE,
     RECOMPUTE_MODULES,
+    any_full_blocks,
     resolved_recompute_modules,
 )
 
@@ -343,9 +344,9 @@ class Recipe:
     def for_stage(self, stage: int) -> Recipe:
         """The recipe of pipeline stage ``stage``: a per-stage ``ac_full_blocks`` resolved to
         its entry (the recipe itself otherwise)."""
-        full = self.ac_full_blocks
-        return dataclasses.replace(self, ac_full_blocks=full[stage]) if isinstance(
-            full, tuple) else self
+        if not isinstance(self.ac_full_blocks, tuple):
+            return self
+        return dataclasses.replace(self, ac_full_blocks=self.full_blocks_on(stage))
 
     def full_blocks_on(self, stage: int) -> int:
         """``ac_full_blocks`` of pipeline stage ``stage``."""
@@ -417,8 +418,7 @@ def _recompute_problems(r: Recipe) -> list[str]:
                 or any(n not in allowed for n in getattr(r, name))]
     if r.ac == "modules" and not r.recompute_modules:
         problems.append("ac = 'modules' needs recompute_modules, e.g. ('layernorm', 'moe_act')")
-    if r.ac != "modules" and any(r.ac_full_blocks if isinstance(r.ac_full_blocks, tuple)
-                                 else (r.ac_full_blocks,)):
+    if r.ac != "modules" and any_full_blocks(r.ac_full_blocks):
         problems.append(f"ac_full_blocks = {r.ac_full_blocks!r} needs ac = 'modules', not {r.ac!r}")
     if r.recompute_modules and r.ac != "modules":
         problems.append(f"recompute_modules = {r.recompute_modules!r} needs ac = 'modules', "
