@@ -90,13 +90,14 @@ def dry_run(config: str | None, *overrides: str, timeout: int = 240
 
 def test_a_large_config_dry_runs_fits_and_the_planner_is_within_15_percent():
     """The DeepSeek-V3 671B config at its real world size (rank 1024 of 2048, pp rank 8: PP 16
-    with DualPipe, EP 64, ZeRO-2 over 128, full AC, MLA; the middle ranks hold the most
-    deferred weight gradients, capped at 2; two-level float8 dispatch overlapped, float8
-    linears and experts) builds, steps, fits in 80 GiB and prints its summary line; the planner
-    is within 15% of the measured peak. At 32 micro-batches of its 120 (~30 s CPU; the
-    shipped 120 take ~3 minutes a rank: docs/deepseek_v3.md has those figures) and without
-    float8: the planner does not model the float8 inputs torchao's linears save for their
-    backward (it stays above the dry run: 17% at 32 micro-batches, 6% at 120)."""
+    with DualPipe, EP 64, ZeRO-2 over 128, MLA; recompute by module with one block of this
+    stage recomputed whole, three float8-stored inputs, bf16 Adam moments; the middle ranks
+    hold the most deferred weight gradients, capped at 2; two-level float8 dispatch
+    overlapped) builds, steps, fits in 80 GiB and prints its summary line; the planner is
+    within 15% of the measured peak. At 32 micro-batches of its 120 (DualPipe's floor at pp 16:
+    about 50 s of CPU, where the shipped 120 take about 70 s a rank: docs/deepseek_v3.md has
+    those figures) and without float8 linears: the planner does not model the float8 inputs
+    torchao's linears save for their backward (2026-11-29: dry run 67.95 GiB, planner 63.02)."""
     out = dry_run("deepseek_v3_671b.toml", "--checkpoint.enable=false", "--comm.fake_rank=1024",
                   "--training.local_batch_size=32", "--training.global_batch_size=4096",
                   "--parallelism.pipeline_parallel_microbatches=32", "--float8.enable=false",
