@@ -25,6 +25,7 @@ timeline draws the all-to-alls on their own lane under each rank (``comm_events`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ KIND_NAMES = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full 
 A2A_COLOUR = "#b279a2"  # the all-to-all lane
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     rank: int
     stage: int
@@ -176,31 +177,11 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
     events: list[Event] = []
     comm_events: list[Event] = []
     exposed = dict.fromkeys(program.ranks, 0.0)
-
-    def place(r: int, unit: tuple, start: float) -> float:
-        """Events of ``unit`` from ``start``; returns its end."""
-        if len(unit) == 1:
-            (k, s, j), t = unit[0], start
-            c, a = costs[k, s]
-            events.append(Event(r, s, k, j, t, t + c))
-            if a:
-                comm_events.append(Event(r, s, "A", j, t + c, t + c + a))
-            exposed[r] += a
-            return t + c + a
-        # an interleaved pair: each side's all-to-all runs while the other side computes
-        (kf, sf, jf), (kb, sb, jb) = unit
-        (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
-        hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
-        events.append(Event(r, sf, kf, jf, start, start + cf))
-        mid = start + cf + hide_b
-        events.append(Event(r, sb, kb, jb, mid, mid + cb))
-        if ab:
-            comm_events.append(Event(r, sb, "A", jb, start, start + ab))
-        if af:
-            comm_events.append(Event(r, sf, "A", jf, mid, mid + af))
-        exposed[r] += hide_b + hide_f
-        return mid + cb + hide_f
-
+    # each rank's first start, last end and busy seconds (its events' in order), for _result
+    first: dict[int, float] = {}  # ranks in the order of their first event
+    last = dict.fromkeys(program.ranks, -math.inf)
+    busy = dict.fromkeys(program.ranks, 0.0)
+    add, add_comm = events.append, comm_events.append
     for r, unit, needs, writes in program.steps:
         start = free[r]
         for need in needs:  # each chunk's inputs (compile_order's tags)
@@ -213,12 +194,46 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
                 t = done[need[1]] + (comm if need[2] else 0.0)
             else:  # _BACKWARD: its own F, and the next stage's input gradient
                 t = max(done[need[1]], done[need[2]] + (comm if need[3] else 0.0))
-            start = max(start, t)
-        end = place(r, unit, start)
+            if t > start:
+                start = t
+        if len(unit) == 1:  # one chunk, its all-to-all exposed after it
+            (k, s, j), = unit
+            c, a = costs[k, s]
+            end = start + c
+            add(Event(r, s, k, j, start, end))
+            busy[r] += end - start
+            last_end = end
+            if a:
+                add_comm(Event(r, s, "A", j, end, end + a))
+                end += a
+                exposed[r] += a
+        else:  # an interleaved pair: each side's all-to-all runs while the other computes
+            (kf, sf, jf), (kb, sb, jb) = unit
+            (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
+            hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
+            f_end = start + cf
+            add(Event(r, sf, kf, jf, start, f_end))
+            busy[r] += f_end - start
+            mid = start + cf + hide_b
+            last_end = mid + cb
+            add(Event(r, sb, kb, jb, mid, last_end))
+            busy[r] += last_end - mid
+            if ab:
+                add_comm(Event(r, sb, "A", jb, start, start + ab))
+            if af:
+                add_comm(Event(r, sf, "A", jf, mid, mid + af))
+            exposed[r] += hide_b + hide_f
+            end = mid + cb + hide_f
+            start, last_end = min(start, mid), max(f_end, last_end)  # the unit's span
+        if start < first.get(r, math.inf):
+            first[r] = start
+        if last_end > last[r]:
+            last[r] = last_end
         free[r] = end + overhead
         for slot in writes:
             done[slot] = end
-    return _result(events, comm_events, program.ranks, program.peak, exposed, stage_size)
+    return _result(events, comm_events, program.ranks, program.peak, exposed, stage_size,
+                   (first, last, busy))
 
 
 # what a chunk waits for, in a ReplayProgram's steps: nothing (the first stage's F), one slot
@@ -330,15 +345,12 @@ def _units(a, overlap: bool) -> list[tuple]:
     return [(x,) for x in xs]
 
 
-def _result(events, comm_events, ranks, peak, exposed, stage_size) -> SimResult:
-    makespan = max(e.end for e in events) - min(e.start for e in events)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    busy_by_rank: dict[int, float] = {}
-    for e in events:
-        first[e.rank] = min(first.get(e.rank, e.start), e.start)
-        last[e.rank] = max(last.get(e.rank, e.end), e.end)
-        busy_by_rank[e.rank] = busy_by_rank.get(e.rank, 0.0) + e.end - e.start
+def _result(events, comm_events, ranks, peak, exposed, stage_size, spans) -> SimResult:
+    """``spans``: each rank's first start (ranks in the order of their first event), last end
+    and busy seconds over its compute events, which replay keeps as it goes."""
+    first, last, busy_by_rank = spans
+    last = {r: last[r] for r in first}
+    makespan = max(last.values()) - min(first.values())
     for e in comm_events:  # an exposed all-to-all ends a rank's span too
         last[e.rank] = max(last[e.rank], e.end)
     makespan = max(makespan, max(last.values()) - min(first.values()))
