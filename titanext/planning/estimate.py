@@ -155,13 +155,17 @@ def stage_times(lo: Layout, device: Device, efficiency: float, *,
            for s, layer_ids in zip(rk.stages, rk.stage_layer_ids)}
     last = max(ids)
     out = []
+    seen: dict[tuple, MicrobatchTime] = {}  # stages alike (most of a deep pipeline's): once
     for s in range(last + 1):
         n_moe = len(moe.layer_ids & ids[s]) if moe else 0
         whole = lo.full_ac_ids(ids[s])
         full_moe = len(moe.layer_ids & whole) if moe else 0
-        mt = _blocks_time(lo, device, efficiency, dense=len(ids[s]) - n_moe, moe_blocks=n_moe,
-                          imbalance=imbalance, embedding=s == 0, head=s == last,
-                          full=(len(whole) - full_moe, full_moe))
+        key = (len(ids[s]) - n_moe, n_moe, s == 0, s == last, (len(whole) - full_moe, full_moe))
+        if key not in seen:
+            seen[key] = _blocks_time(lo, device, efficiency, dense=key[0], moe_blocks=n_moe,
+                                     imbalance=imbalance, embedding=key[2], head=key[3],
+                                     full=key[4])
+        mt = seen[key]
         out.append(mt + mtp_time(lo, device, efficiency, imbalance=imbalance) if s == last else mt)
     return out
 
@@ -171,7 +175,11 @@ def microbatch_times(lo: Layout, device: Device, efficiency: float, *,
     """Compute time (F, I, W) of one micro-batch through each of a pp rank's stages (summed
     over the rank's stages: DualPipe's two mirrored ones each see half the micro-batches), no
     comm (:func:`stage_times`)."""
-    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
+    return _rank_sums(lo, stage_times(lo, device, efficiency, imbalance=imbalance))
+
+
+def _rank_sums(lo: Layout, per_stage: list[MicrobatchTime]) -> list[MicrobatchTime]:
+    """Each pp rank's sum of ``per_stage`` over its stages (:func:`microbatch_times`)."""
     out = []
     for rank in lo.pipe.ranks:
         mt = MicrobatchTime(0.0, 0.0, 0.0, 0.0)
@@ -416,7 +424,7 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     """(comm rows, time, memory per pp rank, the pp rank with the most memory, whether an EP
     all-to-all row is among the rows) of ``lo``."""
     per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
-    per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
+    per_rank = _rank_sums(lo, per_stage)  # microbatch_times's
     # the rank with the most blocks (MoE blocks first) carries the most model-parallel
     # traffic: its rows are the per-step comm, its per-block rates every stage's
     busiest = max(range(lo.pp), key=lambda r: (lo.n_moe(lo.pipe.ranks[r]),

@@ -54,6 +54,7 @@ tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 from __future__ import annotations
 
 import bisect
+import math
 
 from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
@@ -350,10 +351,14 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     sharded = lo.fsdp
     memories, psis = [], []
     by_rank: dict[int, list] = {}  # each rank's events, in execution order
+    by_key = {}  # (stage, "F" or "IB", micro-batch): its event, the last of those alike
     for e in events or ():
-        by_rank.setdefault(e.rank, []).append(e)
-    by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
-              for e in events or () if e.kind != "W"}
+        rank_events = by_rank.get(e.rank)
+        if rank_events is None:
+            by_rank[e.rank] = rank_events = []
+        rank_events.append(e)
+        if e.kind != "W":
+            by_key[e.stage, "F" if e.kind == "F" else "IB", e.microbatch] = e
     for r, rk in enumerate(lo.pipe.ranks):
         mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
@@ -450,7 +455,8 @@ def static_memory_floor(lo: Layout) -> float:
     # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import forwards_in_flight
 
-    memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
+    # the static terms are _model_state's at every moment (memory_per_pp_rank changes others)
+    statics = [_model_state(lo, rk, lo.fsdp)[0] for rk in lo.pipe.ranks]
     saved = (*saved_bytes_per_token(lo), _full_blocks_saved(lo))
     pipe = lo.pipe
     counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
@@ -458,7 +464,7 @@ def static_memory_floor(lo: Layout) -> float:
               if lo.pp > 1 else None) or (1,) * lo.pp
     return max(sum(m.get(k, 0.0) for k in _STATIC) + max(1, n) * lo.tokens_mb
                * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
-               for m, rk, n in zip(memories, pipe.ranks, counts, strict=True))
+               for m, rk, n in zip(statics, pipe.ranks, counts, strict=True))
 
 
 def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
@@ -594,52 +600,74 @@ def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts
     def held() -> float:
         return sum([live[s] * act[s] + pending[s] * wact[s] for s in stages])
 
-    def buffers(now: float) -> float:  # those with posted <= now < freed (posted < freed)
-        return boundary * (bisect.bisect_right(posts, now) - bisect.bisect_right(frees, now))
-    grads_now, held_now, buffers_now = gradients(), held(), buffers(0.0)
-    best = (*grads_now, held_now, buffers_now, 0.0, 0.0)
+    # the buffers with posted <= now < freed (posted < freed): counted by two cursors, as the
+    # rank's events end in order (bisect where one ends earlier than the one before)
+    n_posts, n_frees = len(posts), len(frees)
+    i_post = i_free = 0
+    then = -math.inf
+    (g_dense, g_acc), held_now = gradients(), held()
+    buffers_now = boundary * (bisect.bisect_right(posts, 0.0) - bisect.bisect_right(frees, 0.0))
+    best = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
     best_total = sum(best)
-
-    def consider(extra: tuple[float, float] = (0.0, 0.0)) -> None:
-        nonlocal best, best_total
-        now_terms = (*grads_now, held_now, buffers_now, *extra)
-        total = sum(now_terms)
-        if total > best_total:
-            best, best_total = now_terms, total
-
-    for e in rank_events:  # in execution order
+    for e in rank_events:  # in execution order; each moment as (terms, their sum)
         s = e.stage
         if s not in live:
             continue
-        recompute, loss = transient[s]
-        buffers_now = buffers(e.end)
-        if e.kind == "F":
+        now = e.end
+        if now >= then:
+            while i_post < n_posts and posts[i_post] <= now:
+                i_post += 1
+            while i_free < n_frees and frees[i_free] <= now:
+                i_free += 1
+        else:
+            i_post, i_free = bisect.bisect_right(posts, now), bisect.bisect_right(frees, now)
+        then = now
+        buffers_now = boundary * (i_post - i_free)
+        kind = e.kind
+        if kind == "F":
             live[s] += 1
             held_now = held()
-            consider()
+            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
+            total = sum(terms)
+            if total > best_total:
+                best, best_total = terms, total
             continue
-        if e.kind in ("I", "B"):
-            acc_on[s] = True
-            grads_now = gradients()
-            consider((0.0, loss))  # the loss backward runs first, freed before the blocks'
-        if e.kind == "I":  # then its weight-gradient inputs build up
+        if kind != "W":  # I or B: the loss backward runs first, freed before the blocks'
+            if not acc_on[s]:
+                acc_on[s] = True
+                g_dense, g_acc = gradients()
+            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, transient[s][1])
+            total = sum(terms)
+            if total > best_total:
+                best, best_total = terms, total
+        if kind == "I":  # then its weight-gradient inputs build up
             live[s] -= 1
             pending[s] += 1
             held_now = held()
-            consider()
+            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
         else:  # B: one block's recompute on top; W: its inputs freed after
-            consider((recompute, 0.0) if e.kind == "B" else (0.0, 0.0))
-            live[s] -= e.kind == "B"
-            pending[s] -= e.kind == "W"
-            held_now = held()
-        if e.kind in ("B", "W"):
-            done[s] += 1
-            if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
-                reduced[s] = True
-                grads_now = gradients()
-                consider()
-                acc_on[s] = False
-                grads_now = gradients()
+            terms = (g_dense, g_acc, held_now, buffers_now,
+                     transient[s][0] if kind == "B" else 0.0, 0.0)
+        total = sum(terms)
+        if total > best_total:
+            best, best_total = terms, total
+        if kind == "I":
+            continue
+        if kind == "B":
+            live[s] -= 1
+        else:
+            pending[s] -= 1
+        held_now = held()
+        done[s] += 1
+        if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
+            reduced[s] = True
+            g_dense, g_acc = gradients()
+            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
+            total = sum(terms)
+            if total > best_total:
+                best, best_total = terms, total
+            acc_on[s] = False
+            g_dense, g_acc = gradients()
     return dict(zip(_PEAK_TERMS, best))
 
 

@@ -140,13 +140,11 @@ def recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float],
     every rank's F, I and B events by (stage, "F" or "IB", micro-batch)."""
     posts, frees = [], []
     for e in events_by_rank.get(r, ()):
-        if e.stage not in stages or e.kind not in ("I", "B"):
+        if (e.kind != "I" and e.kind != "B") or e.stage not in stages:
             continue
-        for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
-                       by_key.get((e.stage + 1, "IB", e.microbatch))):
-            if sender is not None and sender.rank != r:
-                freed = e.end + 1e-9 * max(1.0, e.end)
-                if sender.start < freed:
-                    posts.append(sender.start)
-                    frees.append(freed)
+        s, j, freed = e.stage, e.microbatch, e.end + 1e-9 * max(1.0, e.end)
+        for sender in (by_key.get((s - 1, "F", j)), by_key.get((s + 1, "IB", j))):
+            if sender is not None and sender.rank != r and sender.start < freed:
+                posts.append(sender.start)
+                frees.append(freed)
     return sorted(posts), sorted(frees)
