@@ -92,8 +92,10 @@ def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, m
     mt = microbatch_time(device, ffn=shape.ffn, linears=lo.linears, layers=dense,
                          embedding=embedding, head=head, head_float8=lo.head_float8, **common)
     if moe_blocks:
+        # (at 1: the same rows, top_k x tokens, whether top_k is an int or a float)
         linears = [dataclasses.replace(lin, token_factor=lin.token_factor * imbalance)
-                   if lin.name.startswith("moe.experts.") else lin for lin in lo.moe_linears]
+                   if lin.name.startswith("moe.experts.") else lin
+                   for lin in lo.moe_linears] if imbalance != 1.0 else lo.moe_linears
         routed = moe.top_k * moe.hidden * imbalance
         mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=moe_blocks,
                                   ffn_replicated=routed + moe.shared_hidden, **common)

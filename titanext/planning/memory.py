@@ -53,8 +53,6 @@ tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 from __future__ import annotations
 
-import bisect
-import math
 
 from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
@@ -67,6 +65,7 @@ from titanext.planning.recompute import (
     mla_saved_bytes,
 )
 from titanext.planning.shapes import ModelShape
+from titanext.planning.peak_replay import replay_peak
 from titanext.planning.stages import recv_intervals
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
@@ -524,7 +523,7 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
                              head_act=head_act, loss_backward=loss_backward, boundary=boundary,
                              full=full)
     posts, frees = recv_intervals(r, rk.stages, events_by_rank, by_key)
-    return _replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
+    return replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
                         sharded=sharded, boundary=boundary)
 
 
@@ -577,99 +576,3 @@ def _reruns(lo: Layout, ids) -> list[float]:
             if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
                                                                  modules) if modules else 0.0
             for block in sorted(ids) for routed in [bool(moe) and block in moe.layer_ids]]
-
-
-def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
-                 frees: list, *, sharded: bool, boundary: float) -> dict[str, float]:
-    """Replay a pp rank's events in execution order, keeping the moment with the most memory
-    (:data:`_PEAK_TERMS`, see :func:`_pipeline_peak`)."""
-    act, wact, acc, grad, transient = per_stage
-    m = lo.pipe.microbatches
-    stages = rk.stages
-    live, pending, done = (dict.fromkeys(stages, 0) for _ in range(3))  # pending: I done, W not
-    acc_on = dict.fromkeys(stages, False)
-    reduced = dict.fromkeys(stages, lo.accum > 1)  # earlier rounds' sharded gradients
-
-    # The terms (in the order of _PEAK_TERMS), each summed again only when what it reads
-    # changes: gradients at a backward's start and a reduce, activations and buffers per event.
-    def gradients() -> tuple[float, float]:
-        return (sum([grad[s] for s in stages  # without FSDP: param.grad
-                     if reduced[s] or (acc_on[s] and not sharded)]),
-                sum([acc[s] for s in stages if acc_on[s]]))
-
-    def held() -> float:
-        return sum([live[s] * act[s] + pending[s] * wact[s] for s in stages])
-
-    # the buffers with posted <= now < freed (posted < freed): counted by two cursors, as the
-    # rank's events end in order (bisect where one ends earlier than the one before)
-    n_posts, n_frees = len(posts), len(frees)
-    i_post = i_free = 0
-    then = -math.inf
-    (g_dense, g_acc), held_now = gradients(), held()
-    buffers_now = boundary * (bisect.bisect_right(posts, 0.0) - bisect.bisect_right(frees, 0.0))
-    best = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
-    best_total = sum(best)
-    for e in rank_events:  # in execution order; each moment as (terms, their sum)
-        s = e.stage
-        if s not in live:
-            continue
-        now = e.end
-        if now >= then:
-            while i_post < n_posts and posts[i_post] <= now:
-                i_post += 1
-            while i_free < n_frees and frees[i_free] <= now:
-                i_free += 1
-        else:
-            i_post, i_free = bisect.bisect_right(posts, now), bisect.bisect_right(frees, now)
-        then = now
-        buffers_now = boundary * (i_post - i_free)
-        kind = e.kind
-        if kind == "F":
-            live[s] += 1
-            held_now = held()
-            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
-            total = sum(terms)
-            if total > best_total:
-                best, best_total = terms, total
-            continue
-        if kind != "W":  # I or B: the loss backward runs first, freed before the blocks'
-            if not acc_on[s]:
-                acc_on[s] = True
-                g_dense, g_acc = gradients()
-            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, transient[s][1])
-            total = sum(terms)
-            if total > best_total:
-                best, best_total = terms, total
-        if kind == "I":  # then its weight-gradient inputs build up
-            live[s] -= 1
-            pending[s] += 1
-            held_now = held()
-            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
-        else:  # B: one block's recompute on top; W: its inputs freed after
-            terms = (g_dense, g_acc, held_now, buffers_now,
-                     transient[s][0] if kind == "B" else 0.0, 0.0)
-        total = sum(terms)
-        if total > best_total:
-            best, best_total = terms, total
-        if kind == "I":
-            continue
-        if kind == "B":
-            live[s] -= 1
-        else:
-            pending[s] -= 1
-        held_now = held()
-        done[s] += 1
-        if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
-            reduced[s] = True
-            g_dense, g_acc = gradients()
-            terms = (g_dense, g_acc, held_now, buffers_now, 0.0, 0.0)
-            total = sum(terms)
-            if total > best_total:
-                best, best_total = terms, total
-            acc_on[s] = False
-            g_dense, g_acc = gradients()
-    return dict(zip(_PEAK_TERMS, best))
-
-
-_PEAK_TERMS = ("grads (fp32)", "unsharded grads (pp)", "activations", "pipeline buffers",
-               "backward transients", "loss backward")
