@@ -57,9 +57,11 @@ class PipelineLayout:
         return getattr(self.schedule, "max_pending_weight_grads", 0)
 
 
+@functools.lru_cache(maxsize=1024)
 def pipeline_layout(plan: PipelinePlan) -> PipelineLayout:
     """Stages, blocks and sends of every pp rank of the job's resolved pipeline ``plan``
-    (:func:`titanext.config.layout.pipeline_plan`: the trainer's placement and split)."""
+    (:func:`titanext.config.layout.pipeline_plan`: the trainer's placement and split); cached
+    (a frozen plan, its frozen layout: the advice resolves many layouts of one pipeline)."""
     n_stages, owner, pp = plan.num_stages, plan.stage_owners, plan.pp
     counts = plan.layers_per_stage
     # DualPipe: a copy's neighbouring stages always live on other ranks
