@@ -92,14 +92,15 @@ def simulate_schedule(schedule: str | type, *, pp: int, microbatches: int, stage
     """:func:`titanext.schedules.simulate` of the action lists the trainer runs (a generated
     schedule's for equal costs, as the trainer builds it, unless it measures its own; capped
     at ``max_pending_weight_grads`` pending W's), with these costs; cached (the advice asks
-    for the same ones often)."""
+    for the same ones often). The all-to-alls' lane (``comm_events``) is left out: the
+    planner reads only the figures and the compute events."""
     # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import simulate
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
                     stages_per_rank=stages_per_rank, runtime_order=True,
                     max_pending_weight_grads=max_pending_weight_grads, a2a=a2a, a2a_b=a2a_b,
-                    overlap=overlap)
+                    overlap=overlap, comm_events=False)
 
 
 def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a_i=0.0,

@@ -131,7 +131,8 @@ Cost = float | Mapping[int, float] | Sequence[float]
 def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
            w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
            overhead: float = 0.0, stage_size: float = 1.0, a2a: Cost = 0.0,
-           a2a_b: Cost | None = None, overlap: bool = False) -> SimResult:
+           a2a_b: Cost | None = None, overlap: bool = False,
+           comm_events: bool = True) -> SimResult:
     """Simulate per-rank compute lists; raises ValueError if they deadlock. ``order`` may be
     compiled already (:func:`compile_order`: the same lists replayed with other costs).
 
@@ -146,7 +147,9 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
     (issuing the chunk's sends and receives, bookkeeping), which occupies the rank but is not
     counted as busy in ``bubble_ratio``. ``a2a`` is one F chunk's expert-parallel all-to-all
     time and ``a2a_b`` one I or B chunk's (default ``a2a``; more under full AC, whose backward
-    recomputes the forward's), each one figure or one per stage.
+    recomputes the forward's), each one figure or one per stage. ``comm_events=False`` leaves
+    the all-to-all lane (``SimResult.comm_events``) empty, every figure as it is (the planner
+    replays thousands of schedules and draws none).
 
     >>> from titanext.schedules import schedule_order
     >>> order = schedule_order("1F1B", pp=2, microbatches=4)
@@ -175,13 +178,15 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
     done = [0.0] * program.slots  # the end of each F and I (a B's too) the others wait for
     free = dict.fromkeys(program.ranks, 0.0)
     events: list[Event] = []
-    comm_events: list[Event] = []
+    lane: list[Event] = []  # the all-to-alls (comm_events)
     exposed = dict.fromkeys(program.ranks, 0.0)
     # each rank's first start, last end and busy seconds (its events' in order), for _result
     first: dict[int, float] = {}  # ranks in the order of their first event
     last = dict.fromkeys(program.ranks, -math.inf)
     busy = dict.fromkeys(program.ranks, 0.0)
-    add, add_comm = events.append, comm_events.append
+    comm_last = dict.fromkeys(program.ranks, -math.inf)  # the last all-to-all's end
+    add = events.append
+    add_comm = lane.append if comm_events else _skip
     for r, unit, needs, writes in program.steps:
         start = free[r]
         for need in needs:  # each chunk's inputs (compile_order's tags)
@@ -207,6 +212,7 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
                 add_comm(Event(r, s, "A", j, end, end + a))
                 end += a
                 exposed[r] += a
+                comm_last[r] = max(comm_last[r], end)
         else:  # an interleaved pair: each side's all-to-all runs while the other computes
             (kf, sf, jf), (kb, sb, jb) = unit
             (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
@@ -220,8 +226,10 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
             busy[r] += last_end - mid
             if ab:
                 add_comm(Event(r, sb, "A", jb, start, start + ab))
+                comm_last[r] = max(comm_last[r], start + ab)
             if af:
                 add_comm(Event(r, sf, "A", jf, mid, mid + af))
+                comm_last[r] = max(comm_last[r], mid + af)
             exposed[r] += hide_b + hide_f
             end = mid + cb + hide_f
             start, last_end = min(start, mid), max(f_end, last_end)  # the unit's span
@@ -232,8 +240,12 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
         free[r] = end + overhead
         for slot in writes:
             done[slot] = end
-    return _result(events, comm_events, program.ranks, program.peak, exposed, stage_size,
-                   (first, last, busy))
+    return _result(events, lane, program.ranks, program.peak, exposed, stage_size,
+                   (first, last, busy, comm_last))
+
+
+def _skip(_event) -> None:
+    """Where no all-to-all lane is kept."""
 
 
 # what a chunk waits for, in a ReplayProgram's steps: nothing (the first stage's F), one slot
@@ -347,12 +359,13 @@ def _units(a, overlap: bool) -> list[tuple]:
 
 def _result(events, comm_events, ranks, peak, exposed, stage_size, spans) -> SimResult:
     """``spans``: each rank's first start (ranks in the order of their first event), last end
-    and busy seconds over its compute events, which replay keeps as it goes."""
-    first, last, busy_by_rank = spans
+    and busy seconds over its compute events, and its last all-to-all's end, which replay
+    keeps as it goes."""
+    first, last, busy_by_rank, comm_last = spans
     last = {r: last[r] for r in first}
     makespan = max(last.values()) - min(first.values())
-    for e in comm_events:  # an exposed all-to-all ends a rank's span too
-        last[e.rank] = max(last[e.rank], e.end)
+    for r in last:  # an exposed all-to-all ends a rank's span too
+        last[r] = max(last[r], comm_last[r])
     makespan = max(makespan, max(last.values()) - min(first.values()))
     widest = max(first, key=lambda r: last[r] - first[r])
     span, busy = last[widest] - first[widest], busy_by_rank[widest]
