@@ -226,6 +226,15 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
     the all-to-all seconds the busiest rank waits per pass). Each stage costs its own
     ``costs``; with ``overlap`` the schedule's paired chunks hide the all-to-all behind each
     other (``a2a=False``: none)."""
+    pass_time, bubble, peak, sim, exposed = _pipeline_pass(lo, costs, p2p, overlap=overlap,
+                                                           a2a=a2a)
+    return pass_time, bubble, peak, sim.events if sim is not None else None, exposed
+
+
+def _pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool, a2a: bool
+                   ) -> tuple[float, float, list[int], object, float]:
+    """:func:`pipeline_pass` with the whole simulation (None without pp) in place of its
+    events."""
     zero = tuple(0.0 for _ in costs.f)
     af, ai = (costs.a2a_f, costs.a2a_i) if a2a else (zero, zero)
     if lo.pp == 1:
@@ -241,7 +250,7 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
         work[e.rank] += e.end - e.start
     busy = [a + unit * t for a, t in zip(sim.a2a_exposed, work, strict=True)]
     bubble = max(0.0, 1.0 - max(busy) / pass_time)
-    return pass_time, bubble, sim.peak_activations, sim.events, exposed
+    return pass_time, bubble, sim.peak_activations, sim, exposed
 
 
 def busy_compute(lo: Layout, per_stage: list[MicrobatchTime], events: list | None) -> float:
@@ -445,9 +454,12 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     costs = {on: stage_costs(lo, charged[on], rank, per_rank[busiest], mt, a2a)
              for on in (False, True)}
     mine = lo.recipe.ep_comm_overlap
-    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, costs[mine], p2p, overlap=mine)
+    pass_time, bubble, in_flight, sim, _ = _pipeline_pass(lo, costs[mine], p2p, overlap=mine,
+                                                          a2a=True)
+    events = sim.events if sim is not None else None
     compute = lo.accum * busy_compute(lo, charged[mine], events)
-    memories, psis = memory_per_pp_rank(lo, in_flight, events)
+    memories, psis = memory_per_pp_rank(lo, in_flight, events,
+                                        program=sim.program if sim is not None else None)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
     psi_dense, psi_experts = psis[busiest]
     comm += data_parallel_comm(lo, rank, psi_dense, psi_experts)

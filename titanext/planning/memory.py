@@ -66,7 +66,7 @@ from titanext.planning.recompute import (
 )
 from titanext.planning.shapes import ModelShape
 from titanext.planning.peak_replay import replay_peak
-from titanext.planning.stages import recv_intervals
+from titanext.planning.stages import events_by_rank
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
@@ -316,8 +316,8 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     return mem, psi_dense, psi_experts, state
 
 
-def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
-                       ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
+def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak",
+                       program=None) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
     """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
 
     Two moments compete: the forward and backward (activations, the loss backward; the
@@ -328,7 +328,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
     ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
     which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`;
-    without it, every term at its own maximum).
+    without it, every term at its own maximum); ``program``: the simulation's
+    ``SimResult.program``, if known (the same figures, sooner:
+    :func:`~titanext.planning.stages.events_by_rank`).
     """
     if moment not in MOMENTS:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
@@ -349,20 +351,13 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
     sharded = lo.fsdp
     memories, psis = [], []
-    by_rank: dict[int, list] = {}  # each rank's events, in execution order
-    by_key = {}  # (stage, "F" or "IB", micro-batch): its event, the last of those alike
-    for e in events or ():
-        rank_events = by_rank.get(e.rank)
-        if rank_events is None:
-            by_rank[e.rank] = rank_events = []
-        rank_events.append(e)
-        if e.kind != "W":
-            by_key[e.stage, "F" if e.kind == "F" else "IB", e.microbatch] = e
+    # each rank's events in execution order, and its receive buffers
+    by_rank, recv = events_by_rank(events or (), program)
     for r, rk in enumerate(lo.pipe.ranks):
         mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
-            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
+            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, recv, sharded=sharded,
                                       grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward, full=full))
@@ -478,7 +473,7 @@ def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
     return (len(layer_ids) - n_m) * dense + n_m * moe
 
 
-def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
+def _pipeline_peak(lo: Layout, r: int, rk, events, by_rank, recv, *, sharded: bool,
                    grads: float, per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float, full: tuple[float, float] | None = None
                    ) -> dict[str, float]:
@@ -522,8 +517,8 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
                              per_layer=per_layer, per_moe_layer=per_moe_layer,
                              head_act=head_act, loss_backward=loss_backward, boundary=boundary,
                              full=full)
-    posts, frees = recv_intervals(r, rk.stages, events_by_rank, by_key)
-    return replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
+    posts, frees = recv(r, rk.stages)  # its receive buffers (recv_intervals)
+    return replay_peak(lo, rk, by_rank.get(r, ()), per_stage, posts, frees,
                         sharded=sharded, boundary=boundary)
 
 

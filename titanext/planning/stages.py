@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanext.config.layout import PipelinePlan, pipeline_plan
@@ -151,3 +152,80 @@ def recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float],
                 posts.append(sender.start)
                 frees.append(freed)
     return sorted(posts), sorted(frees)
+
+
+def events_by_rank(events, program=None) -> tuple[dict, Callable]:
+    """(each rank's events in execution order, ``recv(r, stages)``: :func:`recv_intervals` of
+    rank ``r``) of a simulated schedule. With the ``program`` it was replayed from
+    (``SimResult.program``), which fixes the events' order whatever the costs, who sends
+    what to whom is looked up once per program instead of once per simulation."""
+    if program is None:
+        by_rank: dict[int, list] = {}
+        by_key = {}  # (stage, "F" or "IB", micro-batch): its event, the last of those alike
+        for e in events:
+            rank_events = by_rank.get(e.rank)
+            if rank_events is None:
+                by_rank[e.rank] = rank_events = []
+            rank_events.append(e)
+            if e.kind != "W":
+                by_key[e.stage, "F" if e.kind == "F" else "IB", e.microbatch] = e
+        return by_rank, lambda r, stages: recv_intervals(r, stages, by_rank, by_key)
+    index = _program_index(program, events)
+    if len(index.events) != len(events):  # not this program's events after all
+        return events_by_rank(events)
+
+    def recv(r: int, stages) -> tuple[list[float], list[float]]:
+        posts, frees = [], []
+        for sent, got in index.pairs(r, stages):
+            start, end = events[sent].start, events[got].end
+            freed = end + 1e-9 * max(1.0, end)  # recv_intervals's
+            if start < freed:
+                posts.append(start)
+                frees.append(freed)
+        return sorted(posts), sorted(frees)
+
+    return {r: [events[i] for i in at] for r, at in index.by_rank.items()}, recv
+
+
+class _ProgramIndex:
+    """Positions in a program's event list: each rank's, and each receive's sender."""
+
+    def __init__(self, events):
+        self.by_rank: dict[int, list[int]] = {}
+        self.by_key: dict[tuple, int] = {}  # as events_by_rank's, by position
+        self.events = [(e.rank, e.stage, e.kind, e.microbatch) for e in events]
+        for n, (r, s, kind, j) in enumerate(self.events):
+            self.by_rank.setdefault(r, []).append(n)
+            if kind != "W":
+                self.by_key[s, "F" if kind == "F" else "IB", j] = n
+        self._pairs: dict[tuple, list[tuple[int, int]]] = {}
+
+    def pairs(self, r: int, stages) -> list[tuple[int, int]]:
+        """(sender, receiver) positions of rank ``r``'s receives for ``stages``, in
+        :func:`recv_intervals`'s order."""
+        key = (r, tuple(stages))
+        if key not in self._pairs:
+            out = []
+            for n in self.by_rank.get(r, ()):
+                _, s, kind, j = self.events[n]
+                if (kind != "I" and kind != "B") or s not in stages:
+                    continue
+                for sender in (self.by_key.get((s - 1, "F", j)),
+                               self.by_key.get((s + 1, "IB", j))):
+                    if sender is not None and self.events[sender][0] != r:
+                        out.append((sender, n))
+            self._pairs[key] = out
+        return self._pairs[key]
+
+
+#: id(program) -> (program, its index); the program is kept so that its id stays its own
+_INDEXES: dict[int, tuple] = {}
+
+
+def _program_index(program, events) -> _ProgramIndex:
+    hit = _INDEXES.get(id(program))
+    if hit is None or hit[0] is not program:
+        if len(_INDEXES) >= 64:  # bounded: the oldest goes
+            del _INDEXES[next(iter(_INDEXES))]
+        hit = _INDEXES[id(program)] = (program, _ProgramIndex(events))
+    return hit[1]

@@ -25,6 +25,7 @@ timeline draws the all-to-alls on their own lane under each rank (``comm_events`
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class SimResult:
     comm_events: list[Event] = field(default_factory=list, repr=False)
     #: per rank: all-to-all time the rank waited for (not hidden behind compute)
     a2a_exposed: list[float] = field(default_factory=list)
+    #: the compiled lists replayed: ``events`` come in its steps' order whatever the costs, so
+    #: what depends only on that order can be worked out once per program (the planner does)
+    program: ReplayProgram | None = field(default=None, repr=False, compare=False)
 
     def timeline(self, width: int = 96) -> str:
         """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there; a
@@ -175,6 +179,25 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
 
     # (compute, all-to-all) seconds of each (kind, stage)
     costs = {(k, s): (cost(k, s), a2a_of(k, s)) for k, s in program.kind_stages}
+    # Events refer to nothing that refers back: reference counting frees them, and with the
+    # cyclic collector paused it does not walk a long replay's thousands of them again and
+    # again (half the time of the planner's advice, which replays hundreds of schedules)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        events, lane, exposed, spans = _place_all(program, costs, comm, overhead, comm_events)
+    finally:
+        if paused:
+            gc.enable()
+    result = _result(events, lane, program.ranks, program.peak, exposed, stage_size, spans)
+    result.program = program
+    return result
+
+
+def _place_all(program: ReplayProgram, costs: dict, comm: float, overhead: float,
+               comm_events: bool) -> tuple[list, list, dict, tuple]:
+    """:func:`replay`'s events: each step at the earliest its rank and inputs allow, in the
+    program's order; (events, all-to-all lane, exposed all-to-all per rank, _result's spans)."""
     done = [0.0] * program.slots  # the end of each F and I (a B's too) the others wait for
     free = dict.fromkeys(program.ranks, 0.0)
     events: list[Event] = []
@@ -240,8 +263,7 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
         free[r] = end + overhead
         for slot in writes:
             done[slot] = end
-    return _result(events, lane, program.ranks, program.peak, exposed, stage_size,
-                   (first, last, busy, comm_last))
+    return events, lane, exposed, (first, last, busy, comm_last)
 
 
 def _skip(_event) -> None:
