@@ -6,7 +6,9 @@ batch, then rank by estimated throughput (TP inside a node is cheap, across node
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -106,6 +108,21 @@ def _recompute_lists(base, ac: str, full_blocks: int = 0) -> dict[str, list[str]
             "full_blocks": full_blocks if ac == "modules" else 0}
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off, as it was after: the search makes millions of
+    short-lived objects and no cycles of its own (reference counting frees them), and each
+    full collection would walk every object the process holds (torch's too) again."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
+@_collector_paused()
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
            efficiency: float = 0.6, comm_sms: int = COMM_SMS,

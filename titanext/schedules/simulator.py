@@ -210,33 +210,15 @@ def _place_all(program: ReplayProgram, costs: dict, comm: float, overhead: float
     comm_last = dict.fromkeys(program.ranks, -math.inf)  # the last all-to-all's end
     add = events.append
     add_comm = lane.append if comm_events else _skip
-    for r, unit, needs, writes in program.steps:
+    for r, k, s, j, key, tag, a_slot, b_slot, cross, write in _flat_steps(program):
         start = free[r]
-        for need in needs:  # each chunk's inputs (compile_order's tags)
-            tag = need[0]
-            if tag == _FIRST:
-                t = 0.0
-            elif tag == _AFTER:
-                t = done[need[1]]
-            elif tag == _SENT:
-                t = done[need[1]] + (comm if need[2] else 0.0)
-            else:  # _BACKWARD: its own F, and the next stage's input gradient
-                t = max(done[need[1]], done[need[2]] + (comm if need[3] else 0.0))
-            if t > start:
-                start = t
-        if len(unit) == 1:  # one chunk, its all-to-all exposed after it
-            (k, s, j), = unit
-            c, a = costs[k, s]
-            end = start + c
-            add(Event(r, s, k, j, start, end))
-            busy[r] += end - start
-            last_end = end
-            if a:
-                add_comm(Event(r, s, "A", j, end, end + a))
-                end += a
-                exposed[r] += a
-                comm_last[r] = max(comm_last[r], end)
-        else:  # an interleaved pair: each side's all-to-all runs while the other computes
+        if k is None:  # an interleaved pair: s, j, key are its unit, needs and writes
+            unit, needs, write = s, j, key
+            for need in needs:  # each chunk's inputs (compile_order's tags)
+                t = _ready(need[0], done, need[1:], comm)
+                if t > start:
+                    start = t
+            # each side's all-to-all runs while the other side computes
             (kf, sf, jf), (kb, sb, jb) = unit
             (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
             hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
@@ -256,14 +238,81 @@ def _place_all(program: ReplayProgram, costs: dict, comm: float, overhead: float
             exposed[r] += hide_b + hide_f
             end = mid + cb + hide_f
             start, last_end = min(start, mid), max(f_end, last_end)  # the unit's span
+        else:  # one chunk (kind k, stage s, micro-batch j), its all-to-all exposed after it
+            if tag == _SENT:
+                t = done[a_slot] + (comm if cross else 0.0)
+            elif tag == _BACKWARD:
+                t = max(done[a_slot], done[b_slot] + (comm if cross else 0.0))
+            else:
+                t = done[a_slot] if tag == _AFTER else 0.0
+            if t > start:
+                start = t
+            c, a = costs[key]
+            end = start + c
+            add(Event(r, s, k, j, start, end))
+            busy[r] += end - start
+            last_end = end
+            if a:
+                add_comm(Event(r, s, "A", j, end, end + a))
+                end += a
+                exposed[r] += a
+                comm_last[r] = max(comm_last[r], end)
         if start < first.get(r, math.inf):
             first[r] = start
         if last_end > last[r]:
             last[r] = last_end
         free[r] = end + overhead
-        for slot in writes:
-            done[slot] = end
+        if isinstance(write, int):
+            if write >= 0:
+                done[write] = end
+        else:
+            for slot in write:
+                done[slot] = end
     return events, lane, exposed, (first, last, busy, comm_last)
+
+
+def _ready(tag: int, done: list[float], slots: tuple, comm: float) -> float:
+    """When a chunk's input (compile_order's tagged ``slots``) is there."""
+    if tag == _FIRST:
+        return 0.0
+    if tag == _AFTER:
+        return done[slots[0]]
+    if tag == _SENT:
+        return done[slots[0]] + (comm if slots[1] else 0.0)
+    # _BACKWARD: its own F, and the next stage's input gradient
+    return max(done[slots[0]], done[slots[1]] + (comm if slots[2] else 0.0))
+
+
+def _flat_steps(program: ReplayProgram) -> list[tuple]:
+    """``program``'s steps, a one-chunk step as (rank, kind, stage, micro-batch, (kind, stage),
+    its input's tag, slot, second slot, cross-rank, the slot it ends or -1), read the fastest;
+    any other as (rank, None, unit, needs, writes, ...). Made once per program."""
+    flat = _FLAT.get(id(program))
+    if flat is not None and flat[0] is program:
+        return flat[1]
+    out = []
+    for r, unit, needs, writes in program.steps:
+        if len(unit) == 1 and len(needs) == 1 and len(writes) <= 1:
+            (k, s, j), (need,) = unit[0], needs
+            tag = need[0]
+            if tag == _BACKWARD:
+                a_slot, b_slot, cross = need[1], need[2], bool(need[3])
+            elif tag == _SENT:
+                a_slot, b_slot, cross = need[1], 0, bool(need[2])
+            else:
+                a_slot, b_slot, cross = (need[1] if tag == _AFTER else 0), 0, False
+            out.append((r, k, s, j, (k, s), tag, a_slot, b_slot, cross,
+                        writes[0] if writes else -1))
+        else:
+            out.append((r, None, unit, needs, writes, None, 0, 0, False, ()))
+    if len(_FLAT) >= 64:  # bounded: the oldest goes
+        del _FLAT[next(iter(_FLAT))]
+    _FLAT[id(program)] = (program, out)
+    return out
+
+
+#: id(program) -> (program, its flat steps); the program is kept so that its id stays its own
+_FLAT: dict[int, tuple] = {}
 
 
 def _skip(_event) -> None:
