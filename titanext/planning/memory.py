@@ -353,11 +353,12 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     memories, psis = [], []
     # each rank's events in execution order, and its receive buffers
     by_rank, recv = events_by_rank(events or (), program)
+    split = any(e.kind == "W" for e in events or ())  # a split backward: its Ws on their own
     for r, rk in enumerate(lo.pipe.ranks):
         mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
-            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, recv, sharded=sharded,
+            mem.update(_pipeline_peak(lo, r, rk, split, by_rank, recv, sharded=sharded,
                                       grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward, full=full))
@@ -473,12 +474,13 @@ def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
     return (len(layer_ids) - n_m) * dense + n_m * moe
 
 
-def _pipeline_peak(lo: Layout, r: int, rk, events, by_rank, recv, *, sharded: bool,
+def _pipeline_peak(lo: Layout, r: int, rk, split: bool, by_rank, recv, *, sharded: bool,
                    grads: float, per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float, full: tuple[float, float] | None = None
                    ) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
-    trainer runs them (``events``, :func:`titanext.planning.stages.simulate_times`).
+    trainer runs them (``by_rank``, ``recv``: :func:`titanext.planning.stages.events_by_rank`
+    of the simulation, :func:`titanext.planning.stages.simulate_times`; ``split``: it has Ws).
 
     Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
 
@@ -511,7 +513,6 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, by_rank, recv, *, sharded: bo
     in its later stage's second backward, the 70B's (ZBV) in a W, the middle ranks of ZBV and
     DualPipe in the cooldown where the deferred Ws' inputs pile up.
     """
-    split = any(e.kind == "W" for e in events)
     boundary = lo.tokens_mb * lo.a * lo.shape.dim / (lo.tp if lo.sp else 1) / lo.cp
     per_stage = _stage_terms(lo, rk, split=split, sharded=sharded, grads=grads,
                              per_layer=per_layer, per_moe_layer=per_moe_layer,
