@@ -245,10 +245,7 @@ def _pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool, 
     exposed = max(sim.a2a_exposed)
     # the bubble is the idle time of the rank with the most work (stages differ: the others
     # wait more); an exposed all-to-all is communication, not bubble
-    work = [0.0] * len(sim.a2a_exposed)
-    for e in sim.events:
-        work[e.rank] += e.end - e.start
-    busy = [a + unit * t for a, t in zip(sim.a2a_exposed, work, strict=True)]
+    busy = [a + unit * t for a, t in zip(sim.a2a_exposed, sim.busy, strict=True)]
     bubble = max(0.0, 1.0 - max(busy) / pass_time)
     return pass_time, bubble, sim.peak_activations, sim, exposed
 

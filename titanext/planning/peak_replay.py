@@ -9,6 +9,7 @@ ranks, so each term is summed again only when what it reads changes.
 from __future__ import annotations
 
 import bisect
+import math
 
 __all__ = ["PEAK_TERMS", "replay_peak"]
 
@@ -45,8 +46,20 @@ def replay_peak(lo, rk, rank_events, per_stage: tuple[dict, ...], posts: list, f
     (g_dense, g_acc), held_now = gradients(), sum(held_by_stage.values())
     best = (g_dense, g_acc, held_now, _buffers(posts, frees, 0.0, boundary), 0.0, 0.0)
     best_total = sum(best)
-    for e, buffers_now in zip(events, _buffers_at(events, posts, frees, boundary), strict=True):
-        s, kind = e.stage, e.kind  # each moment as (terms, their sum)
+    # the receive buffers at each event's end: two cursors while the events end in order (a
+    # rank's do), bisection where one ends before the one before
+    n_posts, n_frees, i_post, i_free, then = len(posts), len(frees), 0, 0, -math.inf
+    for e in events:
+        s, kind, now = e.stage, e.kind, e.end  # each moment as (terms, their sum)
+        if now >= then:
+            while i_post < n_posts and posts[i_post] <= now:
+                i_post += 1
+            while i_free < n_frees and frees[i_free] <= now:
+                i_free += 1
+        else:
+            i_post, i_free = bisect.bisect_right(posts, now), bisect.bisect_right(frees, now)
+        then = now
+        buffers_now = boundary * (i_post - i_free)
         if kind == "F":
             live[s] += 1
             held_now = held(s)
@@ -97,24 +110,3 @@ def replay_peak(lo, rk, rank_events, per_stage: tuple[dict, ...], posts: list, f
 def _buffers(posts: list, frees: list, now: float, boundary: float) -> float:
     """Bytes of the receive buffers with posted <= ``now`` < freed (posted < freed)."""
     return boundary * (bisect.bisect_right(posts, now) - bisect.bisect_right(frees, now))
-
-
-def _buffers_at(events, posts: list, frees: list, boundary: float) -> list[float]:
-    """:func:`_buffers` at the end of each of ``events``: counted by two cursors while the
-    events end in order (a rank's do), by bisection where one ends before the one before."""
-    out = []
-    n_posts, n_frees = len(posts), len(frees)
-    i_post = i_free = 0
-    then = None
-    for e in events:
-        now = e.end
-        if then is None or now >= then:
-            while i_post < n_posts and posts[i_post] <= now:
-                i_post += 1
-            while i_free < n_frees and frees[i_free] <= now:
-                i_free += 1
-        else:
-            i_post, i_free = bisect.bisect_right(posts, now), bisect.bisect_right(frees, now)
-        then = now
-        out.append(boundary * (i_post - i_free))
-    return out

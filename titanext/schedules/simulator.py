@@ -65,6 +65,8 @@ class SimResult:
     #: the compiled lists replayed: ``events`` come in its steps' order whatever the costs, so
     #: what depends only on that order can be worked out once per program (the planner does)
     program: ReplayProgram | None = field(default=None, repr=False, compare=False)
+    #: per rank: seconds of compute (its events' ``end - start``, summed in their order)
+    busy: list[float] = field(default_factory=list)
 
     def timeline(self, width: int = 96) -> str:
         """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there; a
@@ -444,4 +446,5 @@ def _result(events, comm_events, ranks, peak, exposed, stage_size, spans) -> Sim
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
                      peak_activations=[peak[r] for r in ranks], events=events,
                      peak_memory=[peak[r] * stage_size for r in ranks],
-                     comm_events=comm_events, a2a_exposed=[exposed[r] for r in ranks])
+                     comm_events=comm_events, a2a_exposed=[exposed[r] for r in ranks],
+                     busy=[busy_by_rank.get(r, 0.0) for r in ranks])
