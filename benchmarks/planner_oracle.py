@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tomllib
 from pathlib import Path
 
 from titanext.config import ConfigError, load_config
@@ -29,6 +28,11 @@ from titanext.planning.advice import advise
 from titanext.planning.estimate import plan_config
 from titanext.planning.hardware import DEVICES
 from titanext.planning.shapes import model_shape
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10, as titanext.config.loader
+    import tomli as tomllib
 
 CONFIGS = Path(__file__).resolve().parent.parent / "train_configs"
 BIG = "deepseek_v3_671b.toml"

@@ -53,11 +53,11 @@ tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 from __future__ import annotations
 
-
 from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
 from titanext.planning.muon import step_bytes
+from titanext.planning.peak_replay import replay_peak
 from titanext.planning.recompute import (
     backward_walk,
     drop_bytes,
@@ -65,7 +65,6 @@ from titanext.planning.recompute import (
     mla_saved_bytes,
 )
 from titanext.planning.shapes import ModelShape
-from titanext.planning.peak_replay import replay_peak
 from titanext.planning.stages import events_by_rank
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
