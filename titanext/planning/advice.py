@@ -173,12 +173,18 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                                          base)
         return valid[id(plan)]
 
+    rounded: list[float] = []  # each candidate's tokens/s to 10, as ranked
+    order: list = [0, []]  # the ranking of the first n candidates (n, the ranked list)
+
     def ranked() -> list[Plan]:
         # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less
-        # memory.
-        return sorted(candidates, key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
-                                                  pl.layout["tp"] * pl.layout["cp"]
-                                                  * pl.layout["pp"], pl.memory_total))
+        # memory. Sorted again only when a candidate came.
+        if order[0] != len(candidates):
+            order[:] = len(candidates), sorted(
+                candidates, key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
+                                            pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
+                                            pl.memory_total))
+        return order[1]
 
     def best(limit: int) -> list[Plan]:
         out = []
@@ -191,7 +197,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
 
     for ceiling, _, cfg, key, level in specs:
         # done once the top-th valid layout is ahead of anything an unplanned one can reach
-        ahead = [pl for pl in candidates if round(pl.time["tokens_per_s"], -1) > ceiling + 10]
+        ahead = [x for x in rounded if x > ceiling + 10]
         if len(ahead) >= top:  # enough ahead, if enough of them validate
             chosen = best(top)
             if len(chosen) == top and round(chosen[-1].time["tokens_per_s"], -1) > ceiling + 10:
@@ -205,6 +211,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
             continue
         if plan.fits:
             candidates.append(plan)
+            rounded.append(round(plan.time["tokens_per_s"], -1))
         else:
             too_big[key] = min(too_big.get(key, level), level)
     chosen = best(top)
