@@ -199,3 +199,58 @@ def test_calibration_table_against_the_deepseek_v3_report(device, recompute):
                      "none": (1.05, 1.15), "modules": (1.05, 1.1),
                      "full_blocks": (0.95, 1.0)}[recompute]
         assert low < got[1] / REPORT_TOKENS_PER_GPU < high
+
+
+@pytest.mark.parametrize("name,world", [("deepseek_v3_671b.toml", 2048),
+                                        ("llama3_405b.toml", 512),
+                                        ("llama3_70b_multinode.toml", 64)])
+def test_memory_read_through_the_replay_program_is_the_memory_of_the_events(name, world):
+    """The planner looks up each rank's events and receive buffers once per replay program
+    (SimResult.program: the events come in its order whatever the costs); with other costs
+    on the same program, every figure is the one the events alone give."""
+    from tests import REPO_ROOT
+    from titanext.planning.memory import memory_per_pp_rank
+    from titanext.planning.stages import simulate_times
+
+    lo = resolve_layout(load_config(str(REPO_ROOT / "train_configs" / name), [],
+                                    world_size=world), world)
+    n = max(s for rk in lo.pipe.ranks for s in rk.stages) + 1
+    programs = set()
+    for scale in (1.0, 1.7):  # the second replay reuses the first one's program
+        f = tuple(scale * (1.0 + 0.13 * s) for s in range(n))
+        _, sim, _ = simulate_times(lo.pipe, f=f, i=tuple(2 * x for x in f), w=f, comm=0.07,
+                                   a2a=tuple(0.3 * x for x in f), a2a_i=0.2)
+        programs.add(id(sim.program))
+        indexed = memory_per_pp_rank(lo, sim.peak_activations, sim.events,
+                                     program=sim.program)
+        assert indexed == memory_per_pp_rank(lo, sim.peak_activations, list(sim.events))
+    assert len(programs) == 1
+
+
+@pytest.mark.parametrize("schedule,overlap", [("DualPipeV", False), ("DualPipeV", True),
+                                              ("1F1B", True), ("ZBV", False)])
+def test_a_replay_without_its_all_to_all_lane_has_the_same_figures(schedule, overlap):
+    """The planner's replays keep no all-to-all lane (comm_events=False) and pause the cyclic
+    collector: the figures and compute events are those of a full replay, and the collector
+    is left as it was."""
+    import gc
+
+    from titanext.schedules import simulate
+
+    def run(lane: bool):
+        return simulate(schedule, pp=4, microbatches=16, f=(1.0, 1.2, 0.9, 1.1) * 2, b=2.0,
+                        w=(0.7, 0.8, 0.9, 1.0) * 2, comm=0.05, a2a=0.4, overlap=overlap,
+                        comm_events=lane)
+
+    full, bare = run(True), run(False)
+    assert full.comm_events and not bare.comm_events
+    assert (bare.makespan, bare.bubble_ratio, bare.peak_activations, bare.a2a_exposed) == (
+        full.makespan, full.bubble_ratio, full.peak_activations, full.a2a_exposed)
+    assert bare.events == full.events
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        run(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

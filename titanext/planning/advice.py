@@ -6,7 +6,9 @@ batch, then rank by estimated throughput (TP inside a node is cheap, across node
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -106,6 +108,21 @@ def _recompute_lists(base, ac: str, full_blocks: int = 0) -> dict[str, list[str]
             "full_blocks": full_blocks if ac == "modules" else 0}
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off, as it was after: the search makes millions of
+    short-lived objects and no cycles of its own (reference counting frees them), and each
+    full collection would walk every object the process holds (torch's too) again."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
+@_collector_paused()
 def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
            device: Device = DEVICES["h100"], gpus_per_node: int = 8, top: int = 5,
            efficiency: float = 0.6, comm_sms: int = COMM_SMS,
@@ -156,12 +173,18 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
                                          base)
         return valid[id(plan)]
 
+    rounded: list[float] = []  # each candidate's tokens/s to 10, as ranked
+    order: list = [0, []]  # the ranking of the first n candidates (n, the ranked list)
+
     def ranked() -> list[Plan]:
         # Ties (the roofline cannot tell them apart) go to the simpler layout, then to less
-        # memory.
-        return sorted(candidates, key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
-                                                  pl.layout["tp"] * pl.layout["cp"]
-                                                  * pl.layout["pp"], pl.memory_total))
+        # memory. Sorted again only when a candidate came.
+        if order[0] != len(candidates):
+            order[:] = len(candidates), sorted(
+                candidates, key=lambda pl: (-round(pl.time["tokens_per_s"], -1),
+                                            pl.layout["tp"] * pl.layout["cp"] * pl.layout["pp"],
+                                            pl.memory_total))
+        return order[1]
 
     def best(limit: int) -> list[Plan]:
         out = []
@@ -174,7 +197,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
 
     for ceiling, _, cfg, key, level in specs:
         # done once the top-th valid layout is ahead of anything an unplanned one can reach
-        ahead = [pl for pl in candidates if round(pl.time["tokens_per_s"], -1) > ceiling + 10]
+        ahead = [x for x in rounded if x > ceiling + 10]
         if len(ahead) >= top:  # enough ahead, if enough of them validate
             chosen = best(top)
             if len(chosen) == top and round(chosen[-1].time["tokens_per_s"], -1) > ceiling + 10:
@@ -188,6 +211,7 @@ def advise(path: str | None, overrides: Sequence[str], world_size: int, *,
             continue
         if plan.fits:
             candidates.append(plan)
+            rounded.append(round(plan.time["tokens_per_s"], -1))
         else:
             too_big[key] = min(too_big.get(key, level), level)
     chosen = best(top)

@@ -92,8 +92,10 @@ def _blocks_time(lo: Layout, device: Device, efficiency: float, *, dense: int, m
     mt = microbatch_time(device, ffn=shape.ffn, linears=lo.linears, layers=dense,
                          embedding=embedding, head=head, head_float8=lo.head_float8, **common)
     if moe_blocks:
+        # (at 1: the same rows, top_k x tokens, whether top_k is an int or a float)
         linears = [dataclasses.replace(lin, token_factor=lin.token_factor * imbalance)
-                   if lin.name.startswith("moe.experts.") else lin for lin in lo.moe_linears]
+                   if lin.name.startswith("moe.experts.") else lin
+                   for lin in lo.moe_linears] if imbalance != 1.0 else lo.moe_linears
         routed = moe.top_k * moe.hidden * imbalance
         mt = mt + microbatch_time(device, ffn=0, linears=linears, layers=moe_blocks,
                                   ffn_replicated=routed + moe.shared_hidden, **common)
@@ -155,13 +157,17 @@ def stage_times(lo: Layout, device: Device, efficiency: float, *,
            for s, layer_ids in zip(rk.stages, rk.stage_layer_ids)}
     last = max(ids)
     out = []
+    seen: dict[tuple, MicrobatchTime] = {}  # stages alike (most of a deep pipeline's): once
     for s in range(last + 1):
         n_moe = len(moe.layer_ids & ids[s]) if moe else 0
         whole = lo.full_ac_ids(ids[s])
         full_moe = len(moe.layer_ids & whole) if moe else 0
-        mt = _blocks_time(lo, device, efficiency, dense=len(ids[s]) - n_moe, moe_blocks=n_moe,
-                          imbalance=imbalance, embedding=s == 0, head=s == last,
-                          full=(len(whole) - full_moe, full_moe))
+        key = (len(ids[s]) - n_moe, n_moe, s == 0, s == last, (len(whole) - full_moe, full_moe))
+        if key not in seen:
+            seen[key] = _blocks_time(lo, device, efficiency, dense=key[0], moe_blocks=n_moe,
+                                     imbalance=imbalance, embedding=key[2], head=key[3],
+                                     full=key[4])
+        mt = seen[key]
         out.append(mt + mtp_time(lo, device, efficiency, imbalance=imbalance) if s == last else mt)
     return out
 
@@ -171,7 +177,11 @@ def microbatch_times(lo: Layout, device: Device, efficiency: float, *,
     """Compute time (F, I, W) of one micro-batch through each of a pp rank's stages (summed
     over the rank's stages: DualPipe's two mirrored ones each see half the micro-batches), no
     comm (:func:`stage_times`)."""
-    per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
+    return _rank_sums(lo, stage_times(lo, device, efficiency, imbalance=imbalance))
+
+
+def _rank_sums(lo: Layout, per_stage: list[MicrobatchTime]) -> list[MicrobatchTime]:
+    """Each pp rank's sum of ``per_stage`` over its stages (:func:`microbatch_times`)."""
     out = []
     for rank in lo.pipe.ranks:
         mt = MicrobatchTime(0.0, 0.0, 0.0, 0.0)
@@ -216,6 +226,15 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
     the all-to-all seconds the busiest rank waits per pass). Each stage costs its own
     ``costs``; with ``overlap`` the schedule's paired chunks hide the all-to-all behind each
     other (``a2a=False``: none)."""
+    pass_time, bubble, peak, sim, exposed = _pipeline_pass(lo, costs, p2p, overlap=overlap,
+                                                           a2a=a2a)
+    return pass_time, bubble, peak, sim.events if sim is not None else None, exposed
+
+
+def _pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool, a2a: bool
+                   ) -> tuple[float, float, list[int], object, float]:
+    """:func:`pipeline_pass` with the whole simulation (None without pp) in place of its
+    events."""
     zero = tuple(0.0 for _ in costs.f)
     af, ai = (costs.a2a_f, costs.a2a_i) if a2a else (zero, zero)
     if lo.pp == 1:
@@ -226,12 +245,9 @@ def pipeline_pass(lo: Layout, costs: StageCosts, p2p: float, *, overlap: bool = 
     exposed = max(sim.a2a_exposed)
     # the bubble is the idle time of the rank with the most work (stages differ: the others
     # wait more); an exposed all-to-all is communication, not bubble
-    work = [0.0] * len(sim.a2a_exposed)
-    for e in sim.events:
-        work[e.rank] += e.end - e.start
-    busy = [a + unit * t for a, t in zip(sim.a2a_exposed, work, strict=True)]
+    busy = [a + unit * t for a, t in zip(sim.a2a_exposed, sim.busy, strict=True)]
     bubble = max(0.0, 1.0 - max(busy) / pass_time)
-    return pass_time, bubble, sim.peak_activations, sim.events, exposed
+    return pass_time, bubble, sim.peak_activations, sim, exposed
 
 
 def busy_compute(lo: Layout, per_stage: list[MicrobatchTime], events: list | None) -> float:
@@ -416,7 +432,7 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     """(comm rows, time, memory per pp rank, the pp rank with the most memory, whether an EP
     all-to-all row is among the rows) of ``lo``."""
     per_stage = stage_times(lo, device, efficiency, imbalance=imbalance)
-    per_rank = microbatch_times(lo, device, efficiency, imbalance=imbalance)
+    per_rank = _rank_sums(lo, per_stage)  # microbatch_times's
     # the rank with the most blocks (MoE blocks first) carries the most model-parallel
     # traffic: its rows are the per-step comm, its per-block rates every stage's
     busiest = max(range(lo.pp), key=lambda r: (lo.n_moe(lo.pipe.ranks[r]),
@@ -435,9 +451,12 @@ def _plan_step(lo: Layout, device: Device, world_size: int, efficiency: float,
     costs = {on: stage_costs(lo, charged[on], rank, per_rank[busiest], mt, a2a)
              for on in (False, True)}
     mine = lo.recipe.ep_comm_overlap
-    pass_time, bubble, in_flight, events, _ = pipeline_pass(lo, costs[mine], p2p, overlap=mine)
+    pass_time, bubble, in_flight, sim, _ = _pipeline_pass(lo, costs[mine], p2p, overlap=mine,
+                                                          a2a=True)
+    events = sim.events if sim is not None else None
     compute = lo.accum * busy_compute(lo, charged[mine], events)
-    memories, psis = memory_per_pp_rank(lo, in_flight, events)
+    memories, psis = memory_per_pp_rank(lo, in_flight, events,
+                                        program=sim.program if sim is not None else None)
     top = max(range(lo.pp), key=lambda r: sum(memories[r].values()))
     psi_dense, psi_experts = psis[busiest]
     comm += data_parallel_comm(lo, rank, psi_dense, psi_experts)

@@ -17,6 +17,7 @@ pieces (:mod:`~titanext.planning.memory`, :mod:`~titanext.planning.comm`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from titanext.config import JobConfig, JobLayout, Recipe, resolve_job_layout
@@ -136,6 +137,11 @@ class Layout:
     def with_full_ac(self) -> Layout:
         """This layout with every block fully checkpointed (``keep_all_to_all`` as set): the
         per-block terms of ``full_blocks``' blocks under ``ac = "modules"``."""
+        return self._full_ac
+
+    @functools.cached_property
+    def _full_ac(self) -> Layout:
+        # made once per layout (the stage times and memory ask for it per block kind)
         recipe = dataclasses.replace(self.recipe, ac="full", recompute_modules=(),
                                      float8_storage=(), ac_full_blocks=0)
         return dataclasses.replace(self, ac="full", job=dataclasses.replace(self.job,
@@ -201,8 +207,7 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
                      _auto_filter(f8, float8_hardware), tuple(f8.force_fqns))
         if f8.enable else ((False,) * len(shape.linears), False, ()))
     # torchao's float8 linears keep their own backward: dW at I (Linear.dw_at_i)
-    linears = [dataclasses.replace(lin, float8=flag, float8_recipe=f8.recipe, dw_at_i=flag)
-               for lin, flag in zip(shape.linears, f8_layer)]
+    linears = [_converted(lin, flag, f8.recipe, flag) for lin, flag in zip(shape.linears, f8_layer)]
     reshard = resolve_reshard_after_forward(recipe.reshard_after_forward,
                                             zero_stage=recipe.fsdp_zero_stage, pp_enabled=pp > 1)
     f8_weights = sum(lin.in_features * lin.out_features for lin in linears if lin.float8)
@@ -217,10 +222,8 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         gathered_layer = max(gathered_by_kind)
         moe_linears = with_ep(moe.linears, moe.num_experts, ep)
         converted = dict(f8_moe)  # the block's own linears (attention, shared experts)
-        moe_linears = [dataclasses.replace(lin, float8=converted.get(lin.name, lin.float8),
-                                           float8_recipe=f8.recipe,
-                                           dw_at_i=converted.get(lin.name, lin.float8))
-                       for lin in moe_linears]
+        moe_linears = [_converted(lin, converted.get(lin.name, lin.float8), f8.recipe,
+                                  converted.get(lin.name, lin.float8)) for lin in moe_linears]
         if f8.moe_experts:
             moe_linears = float8_experts(moe_linears, f8.moe_experts_recipe, kernels=(
                 f8.emulate is not True and bool(float8_hardware)))
@@ -234,6 +237,13 @@ def resolve_layout(cfg: JobConfig, world_size: int, *, gpus_per_node: int = 8,
         gathered_layer=gathered_layer, gathered_per_element=gathered_per_element,
         gpus_per_node=gpus_per_node, ulysses=job.cp_ulysses if cp > 1 else 1, job=job,
         autocast=recipe.autocast(job, "cuda") is not None, gathered_by_kind=gathered_by_kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _converted(lin: Linear, float8: bool, recipe: str, dw_at_i: bool) -> Linear:
+    """``lin`` as a float8 linear or not (frozen, so shared: the advice resolves thousands of
+    layouts of one model)."""
+    return dataclasses.replace(lin, float8=float8, float8_recipe=recipe, dw_at_i=dw_at_i)
 
 
 def _auto_filter(f8, float8_hardware: bool | None) -> bool:

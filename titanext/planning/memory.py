@@ -53,12 +53,11 @@ tensor by tensor in the dry run of the shipped configs (docs/dry_run.md).
 
 from __future__ import annotations
 
-import bisect
-
 from titanext.planning.closed_forms import gpt_activation_bytes, zero_bytes_per_rank
 from titanext.planning.layout import Layout
 from titanext.planning.moe import moe_activation_extra
 from titanext.planning.muon import step_bytes
+from titanext.planning.peak_replay import replay_peak
 from titanext.planning.recompute import (
     backward_walk,
     drop_bytes,
@@ -66,7 +65,7 @@ from titanext.planning.recompute import (
     mla_saved_bytes,
 )
 from titanext.planning.shapes import ModelShape
-from titanext.planning.stages import recv_intervals
+from titanext.planning.stages import events_by_rank
 from titanext.planning.weight_grads import float8_not_kept, weight_grad_inputs
 
 __all__ = ["activation_bytes_per_token_layer", "gpt_activation_bytes", "memory_per_pp_rank",
@@ -316,8 +315,8 @@ def _model_state(lo: Layout, rk, sharded: bool) -> tuple[dict[str, float], float
     return mem, psi_dense, psi_experts, state
 
 
-def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak"
-                       ) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
+def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment: str = "peak",
+                       program=None) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
     """(bytes by category, (dense, expert) parameters) of each pp rank at its peak.
 
     Two moments compete: the forward and backward (activations, the loss backward; the
@@ -328,7 +327,9 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     ``in_flight``: micro-batches whose activations a pp rank holds at its peak (the schedule's);
     ``events``: the simulated schedule (:class:`titanext.schedules.simulator.Event` list), from
     which a pipeline rank's peak is found by replaying its memory (:func:`_pipeline_peak`;
-    without it, every term at its own maximum).
+    without it, every term at its own maximum); ``program``: the simulation's
+    ``SimResult.program``, if known (the same figures, sooner:
+    :func:`~titanext.planning.stages.events_by_rank`).
     """
     if moment not in MOMENTS:
         raise ValueError(f"moment = {moment!r}; allowed: {', '.join(MOMENTS)}")
@@ -349,16 +350,14 @@ def memory_per_pp_rank(lo: Layout, in_flight: list[int], events=None, *, moment:
     loss_backward = lo.tokens * (a + (12 if loss_parallel else 8)) * shape.vocab / tp
     sharded = lo.fsdp
     memories, psis = [], []
-    by_rank: dict[int, list] = {}  # each rank's events, in execution order
-    for e in events or ():
-        by_rank.setdefault(e.rank, []).append(e)
-    by_key = {(e.stage, "F" if e.kind == "F" else "IB", e.microbatch): e
-              for e in events or () if e.kind != "W"}
+    # each rank's events in execution order, and its receive buffers
+    by_rank, recv = events_by_rank(events or (), program)
+    split = any(e.kind == "W" for e in events or ())  # a split backward: its Ws on their own
     for r, rk in enumerate(lo.pipe.ranks):
         mem, psi_dense, psi_experts, state = _model_state(lo, rk, sharded)
         if lo.pp > 1 and events is not None:
             grads = mem["grads (fp32)"]
-            mem.update(_pipeline_peak(lo, r, rk, events, by_rank, by_key, sharded=sharded,
+            mem.update(_pipeline_peak(lo, r, rk, split, by_rank, recv, sharded=sharded,
                                       grads=grads, per_layer=per_layer,
                                       per_moe_layer=per_moe_layer, head_act=head_act,
                                       loss_backward=loss_backward, full=full))
@@ -450,7 +449,8 @@ def static_memory_floor(lo: Layout) -> float:
     # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import forwards_in_flight
 
-    memories, _ = memory_per_pp_rank(lo, [0] * lo.pp)
+    # the static terms are _model_state's at every moment (memory_per_pp_rank changes others)
+    statics = [_model_state(lo, rk, lo.fsdp)[0] for rk in lo.pipe.ranks]
     saved = (*saved_bytes_per_token(lo), _full_blocks_saved(lo))
     pipe = lo.pipe
     counts = (forwards_in_flight(pipe.schedule, pp=pipe.pp, microbatches=pipe.microbatches,
@@ -458,7 +458,7 @@ def static_memory_floor(lo: Layout) -> float:
               if lo.pp > 1 else None) or (1,) * lo.pp
     return max(sum(m.get(k, 0.0) for k in _STATIC) + max(1, n) * lo.tokens_mb
                * min(_over_blocks(lo, ids, *saved) for ids in rk.stage_layer_ids)
-               for m, rk, n in zip(memories, pipe.ranks, counts, strict=True))
+               for m, rk, n in zip(statics, pipe.ranks, counts, strict=True))
 
 
 def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
@@ -473,12 +473,13 @@ def _over_blocks(lo: Layout, layer_ids, dense: float, moe: float,
     return (len(layer_ids) - n_m) * dense + n_m * moe
 
 
-def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sharded: bool,
+def _pipeline_peak(lo: Layout, r: int, rk, split: bool, by_rank, recv, *, sharded: bool,
                    grads: float, per_layer: float, per_moe_layer: float, head_act: float,
                    loss_backward: float, full: tuple[float, float] | None = None
                    ) -> dict[str, float]:
     """The step's memory peak of pipeline rank ``r``, replaying its actions in the order the
-    trainer runs them (``events``, :func:`titanext.planning.stages.simulate_times`).
+    trainer runs them (``by_rank``, ``recv``: :func:`titanext.planning.stages.events_by_rank`
+    of the simulation, :func:`titanext.planning.stages.simulate_times`; ``split``: it has Ws).
 
     Per stage ``s`` of the rank (``m`` micro-batches, ``T`` tokens of one):
 
@@ -511,14 +512,13 @@ def _pipeline_peak(lo: Layout, r: int, rk, events, events_by_rank, by_key, *, sh
     in its later stage's second backward, the 70B's (ZBV) in a W, the middle ranks of ZBV and
     DualPipe in the cooldown where the deferred Ws' inputs pile up.
     """
-    split = any(e.kind == "W" for e in events)
     boundary = lo.tokens_mb * lo.a * lo.shape.dim / (lo.tp if lo.sp else 1) / lo.cp
     per_stage = _stage_terms(lo, rk, split=split, sharded=sharded, grads=grads,
                              per_layer=per_layer, per_moe_layer=per_moe_layer,
                              head_act=head_act, loss_backward=loss_backward, boundary=boundary,
                              full=full)
-    posts, frees = recv_intervals(r, rk.stages, events_by_rank, by_key)
-    return _replay_peak(lo, rk, events_by_rank.get(r, ()), per_stage, posts, frees,
+    posts, frees = recv(r, rk.stages)  # its receive buffers (recv_intervals)
+    return replay_peak(lo, rk, by_rank.get(r, ()), per_stage, posts, frees,
                         sharded=sharded, boundary=boundary)
 
 
@@ -571,77 +571,3 @@ def _reruns(lo: Layout, ids) -> list[float]:
             if block in whole else tokens / lo.cp * _block_terms(shape, lo.a, lo.tp, routed,
                                                                  modules) if modules else 0.0
             for block in sorted(ids) for routed in [bool(moe) and block in moe.layer_ids]]
-
-
-def _replay_peak(lo: Layout, rk, rank_events, per_stage: tuple[dict, ...], posts: list,
-                 frees: list, *, sharded: bool, boundary: float) -> dict[str, float]:
-    """Replay a pp rank's events in execution order, keeping the moment with the most memory
-    (:data:`_PEAK_TERMS`, see :func:`_pipeline_peak`)."""
-    act, wact, acc, grad, transient = per_stage
-    m = lo.pipe.microbatches
-    stages = rk.stages
-    live, pending, done = (dict.fromkeys(stages, 0) for _ in range(3))  # pending: I done, W not
-    acc_on = dict.fromkeys(stages, False)
-    reduced = dict.fromkeys(stages, lo.accum > 1)  # earlier rounds' sharded gradients
-
-    # The terms (in the order of _PEAK_TERMS), each summed again only when what it reads
-    # changes: gradients at a backward's start and a reduce, activations and buffers per event.
-    def gradients() -> tuple[float, float]:
-        return (sum([grad[s] for s in stages  # without FSDP: param.grad
-                     if reduced[s] or (acc_on[s] and not sharded)]),
-                sum([acc[s] for s in stages if acc_on[s]]))
-
-    def held() -> float:
-        return sum([live[s] * act[s] + pending[s] * wact[s] for s in stages])
-
-    def buffers(now: float) -> float:  # those with posted <= now < freed (posted < freed)
-        return boundary * (bisect.bisect_right(posts, now) - bisect.bisect_right(frees, now))
-    grads_now, held_now, buffers_now = gradients(), held(), buffers(0.0)
-    best = (*grads_now, held_now, buffers_now, 0.0, 0.0)
-    best_total = sum(best)
-
-    def consider(extra: tuple[float, float] = (0.0, 0.0)) -> None:
-        nonlocal best, best_total
-        now_terms = (*grads_now, held_now, buffers_now, *extra)
-        total = sum(now_terms)
-        if total > best_total:
-            best, best_total = now_terms, total
-
-    for e in rank_events:  # in execution order
-        s = e.stage
-        if s not in live:
-            continue
-        recompute, loss = transient[s]
-        buffers_now = buffers(e.end)
-        if e.kind == "F":
-            live[s] += 1
-            held_now = held()
-            consider()
-            continue
-        if e.kind in ("I", "B"):
-            acc_on[s] = True
-            grads_now = gradients()
-            consider((0.0, loss))  # the loss backward runs first, freed before the blocks'
-        if e.kind == "I":  # then its weight-gradient inputs build up
-            live[s] -= 1
-            pending[s] += 1
-            held_now = held()
-            consider()
-        else:  # B: one block's recompute on top; W: its inputs freed after
-            consider((recompute, 0.0) if e.kind == "B" else (0.0, 0.0))
-            live[s] -= e.kind == "B"
-            pending[s] -= e.kind == "W"
-            held_now = held()
-        if e.kind in ("B", "W"):
-            done[s] += 1
-            if done[s] == m:  # the reduce-scatter: sharded gradients next to the accumulators
-                reduced[s] = True
-                grads_now = gradients()
-                consider()
-                acc_on[s] = False
-                grads_now = gradients()
-    return dict(zip(_PEAK_TERMS, best))
-
-
-_PEAK_TERMS = ("grads (fp32)", "unsharded grads (pp)", "activations", "pipeline buffers",
-               "backward transients", "loss backward")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanext.config.layout import PipelinePlan, pipeline_plan
@@ -57,9 +58,11 @@ class PipelineLayout:
         return getattr(self.schedule, "max_pending_weight_grads", 0)
 
 
+@functools.lru_cache(maxsize=1024)
 def pipeline_layout(plan: PipelinePlan) -> PipelineLayout:
     """Stages, blocks and sends of every pp rank of the job's resolved pipeline ``plan``
-    (:func:`titanext.config.layout.pipeline_plan`: the trainer's placement and split)."""
+    (:func:`titanext.config.layout.pipeline_plan`: the trainer's placement and split); cached
+    (a frozen plan, its frozen layout: the advice resolves many layouts of one pipeline)."""
     n_stages, owner, pp = plan.num_stages, plan.stage_owners, plan.pp
     counts = plan.layers_per_stage
     # DualPipe: a copy's neighbouring stages always live on other ranks
@@ -90,14 +93,15 @@ def simulate_schedule(schedule: str | type, *, pp: int, microbatches: int, stage
     """:func:`titanext.schedules.simulate` of the action lists the trainer runs (a generated
     schedule's for equal costs, as the trainer builds it, unless it measures its own; capped
     at ``max_pending_weight_grads`` pending W's), with these costs; cached (the advice asks
-    for the same ones often)."""
+    for the same ones often). The all-to-alls' lane (``comm_events``) is left out: the
+    planner reads only the figures and the compute events."""
     # the planner loads without torch and the training runtime until it needs them
     from titanext.schedules import simulate
 
     return simulate(schedule, pp=pp, microbatches=microbatches, f=f, b=b, w=w, comm=comm,
                     stages_per_rank=stages_per_rank, runtime_order=True,
                     max_pending_weight_grads=max_pending_weight_grads, a2a=a2a, a2a_b=a2a_b,
-                    overlap=overlap)
+                    overlap=overlap, comm_events=False)
 
 
 def simulate_times(layout: PipelineLayout, *, f, i, w, comm: float, a2a=0.0, a2a_i=0.0,
@@ -140,13 +144,88 @@ def recv_intervals(r: int, stages, events_by_rank, by_key) -> tuple[list[float],
     every rank's F, I and B events by (stage, "F" or "IB", micro-batch)."""
     posts, frees = [], []
     for e in events_by_rank.get(r, ()):
-        if e.stage not in stages or e.kind not in ("I", "B"):
+        if (e.kind != "I" and e.kind != "B") or e.stage not in stages:
             continue
-        for sender in (by_key.get((e.stage - 1, "F", e.microbatch)),
-                       by_key.get((e.stage + 1, "IB", e.microbatch))):
-            if sender is not None and sender.rank != r:
-                freed = e.end + 1e-9 * max(1.0, e.end)
-                if sender.start < freed:
-                    posts.append(sender.start)
-                    frees.append(freed)
+        s, j, freed = e.stage, e.microbatch, e.end + 1e-9 * max(1.0, e.end)
+        for sender in (by_key.get((s - 1, "F", j)), by_key.get((s + 1, "IB", j))):
+            if sender is not None and sender.rank != r and sender.start < freed:
+                posts.append(sender.start)
+                frees.append(freed)
     return sorted(posts), sorted(frees)
+
+
+def events_by_rank(events, program=None) -> tuple[dict, Callable]:
+    """(each rank's events in execution order, ``recv(r, stages)``: :func:`recv_intervals` of
+    rank ``r``) of a simulated schedule. With the ``program`` it was replayed from
+    (``SimResult.program``), which fixes the events' order whatever the costs, who sends
+    what to whom is looked up once per program instead of once per simulation."""
+    if program is None:
+        by_rank: dict[int, list] = {}
+        by_key = {}  # (stage, "F" or "IB", micro-batch): its event, the last of those alike
+        for e in events:
+            rank_events = by_rank.get(e.rank)
+            if rank_events is None:
+                by_rank[e.rank] = rank_events = []
+            rank_events.append(e)
+            if e.kind != "W":
+                by_key[e.stage, "F" if e.kind == "F" else "IB", e.microbatch] = e
+        return by_rank, lambda r, stages: recv_intervals(r, stages, by_rank, by_key)
+    index = _program_index(program, events)
+    if len(index.events) != len(events):  # not this program's events after all
+        return events_by_rank(events)
+
+    def recv(r: int, stages) -> tuple[list[float], list[float]]:
+        posts, frees = [], []
+        for sent, got in index.pairs(r, stages):
+            start, end = events[sent].start, events[got].end
+            freed = end + 1e-9 * max(1.0, end)  # recv_intervals's
+            if start < freed:
+                posts.append(start)
+                frees.append(freed)
+        return sorted(posts), sorted(frees)
+
+    return {r: [events[i] for i in at] for r, at in index.by_rank.items()}, recv
+
+
+class _ProgramIndex:
+    """Positions in a program's event list: each rank's, and each receive's sender."""
+
+    def __init__(self, events):
+        self.by_rank: dict[int, list[int]] = {}
+        self.by_key: dict[tuple, int] = {}  # as events_by_rank's, by position
+        self.events = [(e.rank, e.stage, e.kind, e.microbatch) for e in events]
+        for n, (r, s, kind, j) in enumerate(self.events):
+            self.by_rank.setdefault(r, []).append(n)
+            if kind != "W":
+                self.by_key[s, "F" if kind == "F" else "IB", j] = n
+        self._pairs: dict[tuple, list[tuple[int, int]]] = {}
+
+    def pairs(self, r: int, stages) -> list[tuple[int, int]]:
+        """(sender, receiver) positions of rank ``r``'s receives for ``stages``, in
+        :func:`recv_intervals`'s order."""
+        key = (r, tuple(stages))
+        if key not in self._pairs:
+            out = []
+            for n in self.by_rank.get(r, ()):
+                _, s, kind, j = self.events[n]
+                if (kind != "I" and kind != "B") or s not in stages:
+                    continue
+                for sender in (self.by_key.get((s - 1, "F", j)),
+                               self.by_key.get((s + 1, "IB", j))):
+                    if sender is not None and self.events[sender][0] != r:
+                        out.append((sender, n))
+            self._pairs[key] = out
+        return self._pairs[key]
+
+
+#: id(program) -> (program, its index); the program is kept so that its id stays its own
+_INDEXES: dict[int, tuple] = {}
+
+
+def _program_index(program, events) -> _ProgramIndex:
+    hit = _INDEXES.get(id(program))
+    if hit is None or hit[0] is not program:
+        if len(_INDEXES) >= 64:  # bounded: the oldest goes
+            del _INDEXES[next(iter(_INDEXES))]
+        hit = _INDEXES[id(program)] = (program, _ProgramIndex(events))
+    return hit[1]

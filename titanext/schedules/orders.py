@@ -208,7 +208,8 @@ def fewest_repeating_microbatches(name: str, *, pp: int, rank: int, microbatches
 def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b: float = 1.0,
              w: float = 1.0, comm: float = 0.0, stages_per_rank: int | None = None,
              runtime_order: bool = False, max_pending_weight_grads: int = 0,
-             a2a: float = 0.0, a2a_b: float | None = None, overlap: bool = False) -> SimResult:
+             a2a: float = 0.0, a2a_b: float | None = None, overlap: bool = False,
+             comm_events: bool = True) -> SimResult:
     """Replay schedule ``name``'s action lists (a name, or a resolved class such as a
     :class:`~titanext.config.layout.PipelinePlan`'s) with these costs.
 
@@ -227,7 +228,8 @@ def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b:
     default ``a2a``) through 1/pp of the model, exposed unless ``overlap`` runs the schedule as
     ``expert_parallel_comm_overlap`` does: the paired chunks interleaved (1F1B and
     Interleaved1F1B as their combined lists, :mod:`titanext.schedules.overlap`; a ValueError
-    for a schedule without paired chunks). ``a2a_exposed`` says what each rank waited.
+    for a schedule without paired chunks). ``a2a_exposed`` says what each rank waited;
+    ``comm_events=False``: no all-to-all lane (:func:`~titanext.schedules.simulator.replay`).
 
     >>> [round(sum(simulate("DualPipeV", pp=4, microbatches=16, a2a=0.5, overlap=o).a2a_exposed)
     ...        / 4, 2) for o in (False, True)]
@@ -253,7 +255,8 @@ def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b:
     else:
         program = _compile(cls, pp, microbatches, spr, max_pending_weight_grads, overlap,
                            dict(f=_mean(f), b=_mean(b), w=_mean(w), comm=comm))
-    return replay(program, num_stages=chain, stage_size=share, overlap=overlap, **costs)
+    return replay(program, num_stages=chain, stage_size=share, overlap=overlap,
+                  comm_events=comm_events, **costs)
 
 
 def _compile(cls, pp: int, microbatches: int, spr: int, max_pending_weight_grads: int,

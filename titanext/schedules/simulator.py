@@ -25,6 +25,8 @@ timeline draws the all-to-alls on their own lane under each rank (``comm_events`
 
 from __future__ import annotations
 
+import gc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +38,7 @@ KIND_NAMES = {"F": "forward", "I": "input grad", "W": "weight grad", "B": "full 
 A2A_COLOUR = "#b279a2"  # the all-to-all lane
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     rank: int
     stage: int
@@ -60,6 +62,11 @@ class SimResult:
     comm_events: list[Event] = field(default_factory=list, repr=False)
     #: per rank: all-to-all time the rank waited for (not hidden behind compute)
     a2a_exposed: list[float] = field(default_factory=list)
+    #: the compiled lists replayed: ``events`` come in its steps' order whatever the costs, so
+    #: what depends only on that order can be worked out once per program (the planner does)
+    program: ReplayProgram | None = field(default=None, repr=False, compare=False)
+    #: per rank: seconds of compute (its events' ``end - start``, summed in their order)
+    busy: list[float] = field(default_factory=list)
 
     def timeline(self, width: int = 96) -> str:
         """One text row per rank: each slot shows the kind (F, I, W, B) of what runs there; a
@@ -130,7 +137,8 @@ Cost = float | Mapping[int, float] | Sequence[float]
 def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
            w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
            overhead: float = 0.0, stage_size: float = 1.0, a2a: Cost = 0.0,
-           a2a_b: Cost | None = None, overlap: bool = False) -> SimResult:
+           a2a_b: Cost | None = None, overlap: bool = False,
+           comm_events: bool = True) -> SimResult:
     """Simulate per-rank compute lists; raises ValueError if they deadlock. ``order`` may be
     compiled already (:func:`compile_order`: the same lists replayed with other costs).
 
@@ -145,7 +153,9 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
     (issuing the chunk's sends and receives, bookkeeping), which occupies the rank but is not
     counted as busy in ``bubble_ratio``. ``a2a`` is one F chunk's expert-parallel all-to-all
     time and ``a2a_b`` one I or B chunk's (default ``a2a``; more under full AC, whose backward
-    recomputes the forward's), each one figure or one per stage.
+    recomputes the forward's), each one figure or one per stage. ``comm_events=False`` leaves
+    the all-to-all lane (``SimResult.comm_events``) empty, every figure as it is (the planner
+    replays thousands of schedules and draws none).
 
     >>> from titanext.schedules import schedule_order
     >>> order = schedule_order("1F1B", pp=2, microbatches=4)
@@ -171,54 +181,144 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
 
     # (compute, all-to-all) seconds of each (kind, stage)
     costs = {(k, s): (cost(k, s), a2a_of(k, s)) for k, s in program.kind_stages}
+    # Events refer to nothing that refers back: reference counting frees them, and with the
+    # cyclic collector paused it does not walk a long replay's thousands of them again and
+    # again (half the time of the planner's advice, which replays hundreds of schedules)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        events, lane, exposed, spans = _place_all(program, costs, comm, overhead, comm_events)
+    finally:
+        if paused:
+            gc.enable()
+    result = _result(events, lane, program.ranks, program.peak, exposed, stage_size, spans)
+    result.program = program
+    return result
+
+
+def _place_all(program: ReplayProgram, costs: dict, comm: float, overhead: float,
+               comm_events: bool) -> tuple[list, list, dict, tuple]:
+    """:func:`replay`'s events: each step at the earliest its rank and inputs allow, in the
+    program's order; (events, all-to-all lane, exposed all-to-all per rank, _result's spans)."""
     done = [0.0] * program.slots  # the end of each F and I (a B's too) the others wait for
     free = dict.fromkeys(program.ranks, 0.0)
     events: list[Event] = []
-    comm_events: list[Event] = []
+    lane: list[Event] = []  # the all-to-alls (comm_events)
     exposed = dict.fromkeys(program.ranks, 0.0)
-
-    def place(r: int, unit: tuple, start: float) -> float:
-        """Events of ``unit`` from ``start``; returns its end."""
-        if len(unit) == 1:
-            (k, s, j), t = unit[0], start
-            c, a = costs[k, s]
-            events.append(Event(r, s, k, j, t, t + c))
-            if a:
-                comm_events.append(Event(r, s, "A", j, t + c, t + c + a))
-            exposed[r] += a
-            return t + c + a
-        # an interleaved pair: each side's all-to-all runs while the other side computes
-        (kf, sf, jf), (kb, sb, jb) = unit
-        (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
-        hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
-        events.append(Event(r, sf, kf, jf, start, start + cf))
-        mid = start + cf + hide_b
-        events.append(Event(r, sb, kb, jb, mid, mid + cb))
-        if ab:
-            comm_events.append(Event(r, sb, "A", jb, start, start + ab))
-        if af:
-            comm_events.append(Event(r, sf, "A", jf, mid, mid + af))
-        exposed[r] += hide_b + hide_f
-        return mid + cb + hide_f
-
-    for r, unit, needs, writes in program.steps:
+    # each rank's first start, last end and busy seconds (its events' in order), for _result
+    first: dict[int, float] = {}  # ranks in the order of their first event
+    last = dict.fromkeys(program.ranks, -math.inf)
+    busy = dict.fromkeys(program.ranks, 0.0)
+    comm_last = dict.fromkeys(program.ranks, -math.inf)  # the last all-to-all's end
+    add = events.append
+    add_comm = lane.append if comm_events else _skip
+    for r, k, s, j, key, tag, a_slot, b_slot, cross, write in _flat_steps(program):
         start = free[r]
-        for need in needs:  # each chunk's inputs (compile_order's tags)
-            tag = need[0]
-            if tag == _FIRST:
-                t = 0.0
-            elif tag == _AFTER:
-                t = done[need[1]]
-            elif tag == _SENT:
-                t = done[need[1]] + (comm if need[2] else 0.0)
-            else:  # _BACKWARD: its own F, and the next stage's input gradient
-                t = max(done[need[1]], done[need[2]] + (comm if need[3] else 0.0))
-            start = max(start, t)
-        end = place(r, unit, start)
+        if k is None:  # an interleaved pair: s, j, key are its unit, needs and writes
+            unit, needs, write = s, j, key
+            for need in needs:  # each chunk's inputs (compile_order's tags)
+                t = _ready(need[0], done, need[1:], comm)
+                if t > start:
+                    start = t
+            # each side's all-to-all runs while the other side computes
+            (kf, sf, jf), (kb, sb, jb) = unit
+            (cf, af), (cb, ab) = costs[kf, sf], costs[kb, sb]
+            hide_b, hide_f = max(0.0, ab - cf), max(0.0, af - cb)
+            f_end = start + cf
+            add(Event(r, sf, kf, jf, start, f_end))
+            busy[r] += f_end - start
+            mid = start + cf + hide_b
+            last_end = mid + cb
+            add(Event(r, sb, kb, jb, mid, last_end))
+            busy[r] += last_end - mid
+            if ab:
+                add_comm(Event(r, sb, "A", jb, start, start + ab))
+                comm_last[r] = max(comm_last[r], start + ab)
+            if af:
+                add_comm(Event(r, sf, "A", jf, mid, mid + af))
+                comm_last[r] = max(comm_last[r], mid + af)
+            exposed[r] += hide_b + hide_f
+            end = mid + cb + hide_f
+            start, last_end = min(start, mid), max(f_end, last_end)  # the unit's span
+        else:  # one chunk (kind k, stage s, micro-batch j), its all-to-all exposed after it
+            if tag == _SENT:
+                t = done[a_slot] + (comm if cross else 0.0)
+            elif tag == _BACKWARD:
+                t = max(done[a_slot], done[b_slot] + (comm if cross else 0.0))
+            else:
+                t = done[a_slot] if tag == _AFTER else 0.0
+            if t > start:
+                start = t
+            c, a = costs[key]
+            end = start + c
+            add(Event(r, s, k, j, start, end))
+            busy[r] += end - start
+            last_end = end
+            if a:
+                add_comm(Event(r, s, "A", j, end, end + a))
+                end += a
+                exposed[r] += a
+                comm_last[r] = max(comm_last[r], end)
+        if start < first.get(r, math.inf):
+            first[r] = start
+        if last_end > last[r]:
+            last[r] = last_end
         free[r] = end + overhead
-        for slot in writes:
-            done[slot] = end
-    return _result(events, comm_events, program.ranks, program.peak, exposed, stage_size)
+        if isinstance(write, int):
+            if write >= 0:
+                done[write] = end
+        else:
+            for slot in write:
+                done[slot] = end
+    return events, lane, exposed, (first, last, busy, comm_last)
+
+
+def _ready(tag: int, done: list[float], slots: tuple, comm: float) -> float:
+    """When a chunk's input (compile_order's tagged ``slots``) is there."""
+    if tag == _FIRST:
+        return 0.0
+    if tag == _AFTER:
+        return done[slots[0]]
+    if tag == _SENT:
+        return done[slots[0]] + (comm if slots[1] else 0.0)
+    # _BACKWARD: its own F, and the next stage's input gradient
+    return max(done[slots[0]], done[slots[1]] + (comm if slots[2] else 0.0))
+
+
+def _flat_steps(program: ReplayProgram) -> list[tuple]:
+    """``program``'s steps, a one-chunk step as (rank, kind, stage, micro-batch, (kind, stage),
+    its input's tag, slot, second slot, cross-rank, the slot it ends or -1), read the fastest;
+    any other as (rank, None, unit, needs, writes, ...). Made once per program."""
+    flat = _FLAT.get(id(program))
+    if flat is not None and flat[0] is program:
+        return flat[1]
+    out = []
+    for r, unit, needs, writes in program.steps:
+        if len(unit) == 1 and len(needs) == 1 and len(writes) <= 1:
+            (k, s, j), (need,) = unit[0], needs
+            tag = need[0]
+            if tag == _BACKWARD:
+                a_slot, b_slot, cross = need[1], need[2], bool(need[3])
+            elif tag == _SENT:
+                a_slot, b_slot, cross = need[1], 0, bool(need[2])
+            else:
+                a_slot, b_slot, cross = (need[1] if tag == _AFTER else 0), 0, False
+            out.append((r, k, s, j, (k, s), tag, a_slot, b_slot, cross,
+                        writes[0] if writes else -1))
+        else:
+            out.append((r, None, unit, needs, writes, None, 0, 0, False, ()))
+    if len(_FLAT) >= 64:  # bounded: the oldest goes
+        del _FLAT[next(iter(_FLAT))]
+    _FLAT[id(program)] = (program, out)
+    return out
+
+
+#: id(program) -> (program, its flat steps); the program is kept so that its id stays its own
+_FLAT: dict[int, tuple] = {}
+
+
+def _skip(_event) -> None:
+    """Where no all-to-all lane is kept."""
 
 
 # what a chunk waits for, in a ReplayProgram's steps: nothing (the first stage's F), one slot
@@ -330,17 +430,15 @@ def _units(a, overlap: bool) -> list[tuple]:
     return [(x,) for x in xs]
 
 
-def _result(events, comm_events, ranks, peak, exposed, stage_size) -> SimResult:
-    makespan = max(e.end for e in events) - min(e.start for e in events)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    busy_by_rank: dict[int, float] = {}
-    for e in events:
-        first[e.rank] = min(first.get(e.rank, e.start), e.start)
-        last[e.rank] = max(last.get(e.rank, e.end), e.end)
-        busy_by_rank[e.rank] = busy_by_rank.get(e.rank, 0.0) + e.end - e.start
-    for e in comm_events:  # an exposed all-to-all ends a rank's span too
-        last[e.rank] = max(last[e.rank], e.end)
+def _result(events, comm_events, ranks, peak, exposed, stage_size, spans) -> SimResult:
+    """``spans``: each rank's first start (ranks in the order of their first event), last end
+    and busy seconds over its compute events, and its last all-to-all's end, which replay
+    keeps as it goes."""
+    first, last, busy_by_rank, comm_last = spans
+    last = {r: last[r] for r in first}
+    makespan = max(last.values()) - min(first.values())
+    for r in last:  # an exposed all-to-all ends a rank's span too
+        last[r] = max(last[r], comm_last[r])
     makespan = max(makespan, max(last.values()) - min(first.values()))
     widest = max(first, key=lambda r: last[r] - first[r])
     span, busy = last[widest] - first[widest], busy_by_rank[widest]
@@ -348,4 +446,5 @@ def _result(events, comm_events, ranks, peak, exposed, stage_size) -> SimResult:
     return SimResult(makespan=makespan, bubble_ratio=1 - busy / span,
                      peak_activations=[peak[r] for r in ranks], events=events,
                      peak_memory=[peak[r] * stage_size for r in ranks],
-                     comm_events=comm_events, a2a_exposed=[exposed[r] for r in ranks])
+                     comm_events=comm_events, a2a_exposed=[exposed[r] for r in ranks],
+                     busy=[busy_by_rank.get(r, 0.0) for r in ranks])
