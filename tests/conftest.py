@@ -7,6 +7,8 @@ CI failed on a test whose random routing hit an edge for about one seed in three
 seed, a run here and a run on CI draw the same numbers (each multi-process case starts from the
 same seed: tests/pool.py)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -16,6 +18,13 @@ from tests import pool
 @pytest.fixture(autouse=True)
 def _fixed_seed():
     torch.manual_seed(pool.SEED)
+
+
+def pytest_collection_finish(session):
+    """Every module the tests import is in by now and lives as long as the session: frozen, the
+    collector's full passes (after many small tests' garbage) walk only what tests make."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -43,22 +44,53 @@ def _main(argv: tuple[str, ...], environ: dict, out_path: str, err_path: str) ->
     exit_process(main(list(argv)))
 
 
-def _run(argv: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
+def _start(argv: tuple[str, ...], *, daemon: bool = False):
+    """``python -m titanext.train argv`` started (:func:`_main`); :func:`_finish` collects it."""
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # an ordinary process, no torchrun
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-        process = pool.fork_context().Process(target=_main, args=(argv, env, out, err))
-        process.start()
+    folder = tempfile.mkdtemp()
+    out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+    process = pool.fork_context().Process(target=_main, args=(argv, env, out, err), daemon=daemon)
+    process.start()
+    return argv, process, folder
+
+
+def _finish(started, timeout: float) -> subprocess.CompletedProcess:
+    argv, process, folder = started
+    try:
         process.join(timeout)
         if process.is_alive():
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(["titanext.train", *argv], timeout)
-        with open(out) as o, open(err) as e:
+        with open(os.path.join(folder, "out")) as o, open(os.path.join(folder, "err")) as e:
             return subprocess.CompletedProcess(["titanext.train", *argv], process.exitcode,
                                                o.read(), e.read())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(argv: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
+    if argv in _EARLY:
+        return _finish(_EARLY.pop(argv), timeout)
+    return _finish(_start(argv), timeout)
+
+
+#: dry runs started when the session's tests were collected (:func:`start_early`), by command line
+_EARLY: dict[tuple[str, ...], tuple] = {}
+
+
+def start_early(*runs: tuple[str | None, tuple[str, ...]]) -> None:
+    """Start these dry runs now, in the background, for the tests that will ask for them: a dry
+    run steps fake tensors in Python on one core, and the tests before it (tests/docs, the
+    planner's advice) mostly keep one core busy. tests/e2e/conftest.py calls it for LARGE when
+    the session will run its test. A daemon: a session that ends before the test asks does not
+    wait for it."""
+    for config, overrides in runs:
+        argv = _argv(config, tuple(overrides))
+        if argv not in _EARLY and argv not in _DONE:
+            _EARLY[argv] = _start(argv, daemon=True)
 
 
 #: every dry run of this module by its command line: one asked for again (the DualPipe case at 32
@@ -88,6 +120,13 @@ def dry_run(config: str | None, *overrides: str, timeout: int = 240
     return dry_runs((config, overrides), timeout=timeout)[0]
 
 
+#: the 671B dry run (about 50 s of CPU on one core): started at collection (tests/e2e/conftest.py)
+LARGE = ("deepseek_v3_671b.toml", (
+    "--checkpoint.enable=false", "--comm.fake_rank=1024", "--training.local_batch_size=32",
+    "--training.global_batch_size=4096", "--parallelism.pipeline_parallel_microbatches=32",
+    "--float8.enable=false", "--float8.moe_experts=false"))
+
+
 def test_a_large_config_dry_runs_fits_and_the_planner_is_within_15_percent():
     """The DeepSeek-V3 671B config at its real world size (rank 1024 of 2048, pp rank 8: PP 16
     with DualPipe, EP 64, ZeRO-2 over 128, MLA; recompute by module with one block of this
@@ -98,10 +137,7 @@ def test_a_large_config_dry_runs_fits_and_the_planner_is_within_15_percent():
     about 50 s of CPU, where the shipped 120 take about 70 s a rank: docs/deepseek_v3.md has
     those figures) and without float8 linears: the planner does not model the float8 inputs
     torchao's linears save for their backward (2026-11-29: dry run 67.95 GiB, planner 63.02)."""
-    out = dry_run("deepseek_v3_671b.toml", "--checkpoint.enable=false", "--comm.fake_rank=1024",
-                  "--training.local_batch_size=32", "--training.global_batch_size=4096",
-                  "--parallelism.pipeline_parallel_microbatches=32", "--float8.enable=false",
-                  "--float8.moe_experts=false", timeout=600)
+    out = dry_run(LARGE[0], *LARGE[1], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     m = SUMMARY.match(out.stdout.strip().splitlines()[-1])
     assert m and (int(m[1]), int(m[2])) == (1024, 2048), out.stdout[-2000:]

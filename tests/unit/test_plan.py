@@ -114,6 +114,7 @@ def measure_activation_bytes(step) -> int:
     # every object alive now is old (its storage is in ``before``): frozen, they leave the
     # collector's generations, so the scan after the forward and any collection during it walk
     # only what the forward made (not the whole test session's heap)
+    frozen_before = gc.get_freeze_count()  # the session's own (tests/conftest.py)
     gc.freeze()
     packed = []
 
@@ -130,6 +131,8 @@ def measure_activation_bytes(step) -> int:
         new = {**_live_storages(), **saved}
     finally:
         gc.unfreeze()
+        if frozen_before:  # frozen again as the session left it (what lives now is old)
+            gc.freeze()
     del loss
     return sum(n for ptr, n in new.items() if ptr and ptr not in before)
 
