@@ -67,8 +67,11 @@ START_TIMEOUT_S = 180.0
 #: How long to wait, after the first failed rank, for the others' errors (shown beside it).
 ERROR_GRACE_S = 1.0
 #: Imported once by the server that forks the workers (:func:`fork_context`): every case needs
-#: torch, and most build a Trainer.
-PRELOAD = ["torch", "torch.distributed", "titanext.trainer"]
+#: torch, and most build a Trainer. torchao (float8) and transformers with its Llama (the
+#: adapters, the zoo, the HF cases) were imported again by every pool that used them: about 4%
+#: of tests/multiprocess's CPU (py-spy, 2026-11-29), where the server pays some 2.5 s once.
+PRELOAD = ["torch", "torch.distributed", "titanext.trainer", "torchao",
+           "transformers.models.llama.modeling_llama"]
 #: torch's seed at the start of every case, on every rank (and of every in-process test:
 #: tests/conftest.py), so that a run here and a run on CI draw the same numbers.
 SEED = 0
