@@ -7,8 +7,6 @@ CI failed on a test whose random routing hit an edge for about one seed in three
 seed, a run here and a run on CI draw the same numbers (each multi-process case starts from the
 same seed: tests/pool.py)."""
 
-import gc
-
 import pytest
 import torch
 
@@ -21,10 +19,10 @@ def _fixed_seed():
 
 
 def pytest_collection_finish(session):
-    """Every module the tests import is in by now and lives as long as the session: frozen, the
-    collector's full passes (after many small tests' garbage) walk only what tests make."""
-    gc.collect()
-    gc.freeze()
+    """Every module the tests import is in by now and lives as long as the session: frozen
+    (:func:`tests.pool.freeze_what_lives`), the collector's full passes walk only what tests
+    make."""
+    pool.freeze_what_lives()
 
 
 def pytest_terminal_summary(terminalreporter):

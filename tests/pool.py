@@ -50,7 +50,7 @@ import traceback
 import warnings
 from multiprocessing.connection import wait
 
-__all__ = ["fork_context", "forget_meshes", "run", "shutdown"]
+__all__ = ["fork_context", "forget_meshes", "freeze_what_lives", "run", "shutdown"]
 
 #: At most this many idle workers stay alive (1 + 2 + 3 + 4 + 8 fit); the least recently used pool
 #: is closed first when a new one would pass it.
@@ -77,6 +77,17 @@ PRELOAD = ["torch", "torch.distributed", "titanext.trainer", "torchao",
 SEED = 0
 #: The shortest time a case may run before it counts as hung.
 DEADLINE_FLOOR_S = 300.0
+
+
+def freeze_what_lives() -> None:
+    """Collect, then move every object alive now out of the collector's generations
+    (``gc.freeze``): for what lives as long as its process (torch, the trainer, a worker's own
+    state), a full collection then walks only what was made after. Each case ends with up to
+    five (:func:`forget_meshes`), which walked the whole heap: 11% of the CPU that
+    tests/multiprocess and tests/e2e spent (py-spy, 2026-11-29). A cycle made later is collected
+    as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def case_deadline_s(timeout_s: float) -> float:
@@ -125,12 +136,7 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str, environ
         raise
     home = dist.group.WORLD  # a case may replace it (the dry run's fake group): retire then
     fresh = _FreshState(torch)
-    # What exists now (torch, the trainer, the worker's own state) lives as long as the worker:
-    # out of the collector's sight, a full collection walks only what cases made. Each case ends
-    # with up to five (forget_meshes), which walked the whole heap: 11% of the CPU that
-    # tests/multiprocess and tests/e2e spent (py-spy, 2026-11-29).
-    gc.collect()
-    gc.freeze()
+    freeze_what_lives()  # torch, the trainer and the worker's own state: as long as the worker
     base_store, cases = dist.distributed_c10d._world.pg_map[home][1], 0
     conn.send_bytes(pickle.dumps(("ready", None, "")))
     while True:

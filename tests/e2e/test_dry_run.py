@@ -81,16 +81,15 @@ def _run(argv: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
 _EARLY: dict[tuple[str, ...], tuple] = {}
 
 
-def start_early(*runs: tuple[str | None, tuple[str, ...]]) -> None:
-    """Start these dry runs now, in the background, for the tests that will ask for them: a dry
-    run steps fake tensors in Python on one core, and the tests before it (tests/docs, the
+def start_early(config: str | None, overrides: tuple[str, ...]) -> None:
+    """Start this dry run now, in the background, for the test that will ask for it: a dry run
+    steps fake tensors in Python on one core, and the tests before it (tests/docs, the
     planner's advice) mostly keep one core busy. tests/e2e/conftest.py calls it for LARGE when
     the session will run its test. A daemon: a session that ends before the test asks does not
     wait for it."""
-    for config, overrides in runs:
-        argv = _argv(config, tuple(overrides))
-        if argv not in _EARLY and argv not in _DONE:
-            _EARLY[argv] = _start(argv, daemon=True)
+    argv = _argv(config, tuple(overrides))
+    if argv not in _EARLY:
+        _EARLY[argv] = _start(argv, daemon=True)
 
 
 #: every dry run of this module by its command line: one asked for again (the DualPipe case at 32
