@@ -96,11 +96,11 @@ def spawned(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
     """Every rank writes a trace per window holding titanext's ranges and a step table whose
-    phases add up to the step within 10% (gc_freq = 2: Python's collector runs in the gc phase
-    of the traced steps, so no collection pauses a step outside the phases, and it is on again
-    after train()); the losses equal an unprofiled run's bitwise; the
-    pipeline run reports its F/I/W chunks, its measured and simulated bubble, and its send/recv
-    time as the time it blocked waiting (> 0, within the pipeline phase)."""
+    phases add up to the step within 10% (in the better of its two traced steps; gc_freq = 2:
+    Python's collector runs in the gc phase of the traced steps, so no collection pauses a step
+    outside the phases, and it is on again after train()); the losses equal an unprofiled run's
+    bitwise; the pipeline run reports its F/I/W chunks, its measured and simulated bubble, and its
+    send/recv time as the time it blocked waiting (> 0, within the pipeline phase)."""
     tmp_path, results = spawned
     problems = []
     for name, (_, ranges) in CASES.items():
@@ -115,6 +115,7 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
                                 "reference cycles after 4 steps with the collector off")
             if r["profiled"] != r["plain"]:  # bitwise: profiling only observes
                 problems.append(f"{name} rank {rank}: losses {r['profiled']} != {r['plain']}")
+            shares = []
             for step in (2, 4):
                 trace = tmp_path / name / "profile_traces" / f"iteration_{step}" / \
                     f"rank{rank}_trace.json"
@@ -124,14 +125,20 @@ def test_profiled_runs_write_traces_and_tables_and_keep_the_numerics(spawned):
                 table = json.loads((trace.parent / f"rank{rank}_step_table.json").read_text())
                 if table["steps"] != [step]:
                     problems.append(f"{name} rank {rank}: table of steps {table['steps']}")
-                share = sum(table["phases"].values()) / table["step_ms"]
-                if not 0.9 <= share <= 1.0 + 1e-9:
-                    problems.append(f"{name} rank {rank} step {step}: phases are {share:.1%} "
-                                    "of the step")
+                shares.append(sum(table["phases"].values()) / table["step_ms"])
+                if shares[-1] > 1.0 + 1e-9:
+                    problems.append(f"{name} rank {rank} step {step}: phases are "
+                                    f"{shares[-1]:.1%} of the step")
                 # gc_freq = 2: steps 2 and 4 collect, in their own range, and nothing else does
                 if not table["phases"].get("gc", 0) > 0:
                     problems.append(f"{name} rank {rank} step {step}: no gc phase in "
                                     f"{table['phases']}")
+            # Code outside every phase shows in both traced steps; another process taking the
+            # core between two phases (the README's command runs two test streams) in one: a
+            # 27 ms step has shown 86% where it shows 99% alone. So the better step must reach 90%.
+            if max(shares) < 0.9:
+                problems.append(f"{name} rank {rank}: phases are "
+                                f"{', '.join(f'{x:.1%}' for x in shares)} of steps 2 and 4")
             if name == "fsdp" and not table["comm"].get("FSDP all-gather"):
                 problems.append(f"fsdp rank {rank}: no FSDP all-gather time in {table['comm']}")
             if name == "pp":

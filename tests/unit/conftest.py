@@ -1,5 +1,5 @@
 """tests/unit/ starts no process group: each unit test is checked for it (the inner loop,
-``pytest tests/unit tests/docs``, stays in one process)."""
+``pytest tests/unit tests/docs``, stays in pytest's own processes)."""
 
 import pytest
 import torch.distributed as dist
