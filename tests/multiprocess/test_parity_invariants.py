@@ -53,9 +53,14 @@ def wire_tp_deferred(model, ctx):
 def _checks():
     from titanext.parity import ParityCheck
 
+    # The parity check's own tolerance (1e-4, what a user runs) on the parameters after 2 SGD
+    # steps; the gradients of step 1 and the losses are held to 1e-5 below. An RMSNorm weight's
+    # gradient sums over every token, and its update is the worst tensor of every run here:
+    # 1.3e-5 (attention_norm) on an AMD EPYC's default kernel path, 4.0e-5 (ffn_norm) under its
+    # AVX2 and SSE paths, 3.1e-5 at seq 16 on the default path, with every matrix within 4e-6
+    # (2026-11-29). 3e-5 sat inside that spread.
     def c(build, wire, names, **kw):
-        return ParityCheck(build=build, wiring=wire, world_size=2, mesh_names=names, seq=8,
-                           tol=3e-5, **kw)  # params after 2 steps; gradients: 1e-5 below
+        return ParityCheck(build=build, wiring=wire, world_size=2, mesh_names=names, seq=8, **kw)
 
     return {
         "fused_fsdp": c(fused_qkv_lm, wire_fsdp, ("dp_shard",)),
