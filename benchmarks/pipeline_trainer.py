@@ -203,8 +203,8 @@ def trainer_table(schedules, rounds: int, per_turn: int, autograd_split: bool = 
         med = statistics.median(t for r in times[v] for t in r)
         per_round = [statistics.median(r) / b for r, b in zip(times[v], base_rounds, strict=True)]
         rows.append({"schedule": _label(v), "step (s)": f"{med:.3f}",
-                     "tokens/s": f"{BATCH * SEQ / med:,.0f}", "vs 1F1B": f"{med / base:.2f}x",
-                     "per-round range": f"{min(per_round):.2f}-{max(per_round):.2f}x"})
+                     "tokens/s": f"{BATCH * SEQ / med:,.0f}", "vs 1F1B": f"{med / base:.3f}x",
+                     "per-round range": f"{min(per_round):.3f}-{max(per_round):.3f}x"})
     return rows, info
 
 

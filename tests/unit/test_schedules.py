@@ -120,6 +120,89 @@ def test_auto_is_never_worse_than_zbh1_at_1f1b_memory(costs):
         assert max(auto.peak_memory) <= pp
 
 
+# the debug model at pp 2 as the trainer measured it (ms per micro-batch; stages of 2, 2, 1 and 1
+# blocks, the last with the head and the loss)
+DEBUG_STAGES = dict(f=(49.41, 49.40, 25.08, 27.59), b=(70.15, 69.87, 35.25, 38.14),
+                    w=(30.89, 31.10, 15.60, 18.01))
+
+
+def test_auto_searches_each_stages_own_cost():
+    """Auto given each stage's cost beats Auto given their means (what the trainer passed
+    before) when both are replayed at the stages' real costs, at the same 1F1B memory; the
+    lists are the same when every stage costs the same (a tuple of equal figures = one
+    figure for every stage)."""
+    from titanext.schedules.simulator import replay
+    from titanext.schedules.zero_bubble import auto
+
+    stages = DEBUG_STAGES
+    mean = {k: sum(v) / len(v) for k, v in stages.items()}
+    by_stage, by_mean = auto(2, 8, **stages), auto(2, 8, **mean)
+    assert by_stage != by_mean
+    spans = [replay(o, num_stages=4, **stages) for o in (by_stage, by_mean)]
+    assert spans[0].makespan < spans[1].makespan - 10  # 1,883 against 1,897 ms
+    assert max(spans[0].peak_activations) <= 4
+    assert auto(2, 8, f=(1.0,) * 4, b=(1.5,) * 4, w=(0.5,) * 4) == auto(2, 8, f=1, b=1.5, w=0.5)
+    # simulate passes a schedule that measures its costs each stage's own, as the trainer does
+    assert simulate("Auto", pp=2, microbatches=8, **stages).makespan == \
+        pytest.approx(spans[0].makespan)
+
+
+def test_step_tables_simulated_idle_replays_autos_lists_for_the_measured_costs():
+    """The step table's and the trace's simulated idle replays the lists Auto runs: searched
+    for the stages' measured costs (as the trainer searches them after step 1), not Auto's
+    lists for equal costs."""
+    from titanext.components.step_table import simulated_idle
+    from titanext.config.layout import pipeline_plan
+    from titanext.schedules.simulator import replay
+    from titanext.schedules.zero_bubble import auto
+
+    plan = pipeline_plan("Auto", pp=2, microbatches=8, n_layers=6)
+    chunks = {s: {k: {"ms": DEBUG_STAGES[key][s]} for k, key in (("F", "f"), ("I", "b"),
+                                                                  ("W", "w"))}
+              for s in range(4)}
+    for rank in (0, 1):
+        ran = replay(auto(2, 8, **DEBUG_STAGES), num_stages=4, **DEBUG_STAGES)
+        busy = sum(e.end - e.start for e in ran.events if e.rank == rank)
+        assert simulated_idle(plan, pp_rank=rank, chunks=chunks) == \
+            pytest.approx(1 - busy / ran.makespan)
+
+
+def test_stage_timer_measures_each_stage():
+    """The trainer's Auto timer keeps each stage's F, I, W apart (a full B splits in halves),
+    relative to the stages' mean F."""
+    import time
+
+    from titanext.distributed.pipeline import StageTimer
+
+    class Stage:
+        def __init__(self, index, seconds):
+            self.stage_index, self.seconds = index, seconds
+
+        def forward_one_chunk(self, *a, **k):
+            time.sleep(self.seconds)
+
+        def backward_one_chunk(self, mb, loss=None, full_backward=True, **k):
+            time.sleep(self.seconds * (2 if full_backward else 1.5))
+
+        def backward_weight_one_chunk(self, *a, **k):
+            time.sleep(self.seconds / 2)
+
+    stages = [Stage(0, 0.02), Stage(3, 0.01)]
+    timer = StageTimer(stages)
+    for st in stages:
+        st.forward_one_chunk(0)
+        st.backward_one_chunk(0, full_backward=False)
+        st.backward_weight_one_chunk(0)
+    costs = timer.costs(None, 4)
+    timer.detach()
+    assert stages[0].forward_one_chunk.__func__ is Stage.forward_one_chunk
+    f, b, w = costs["f"], costs["b"], costs["w"]
+    assert f[1] < 1e-6 and f[2] < 1e-6  # held by another rank: its figures come by all_reduce
+    assert f[0] / f[3] == pytest.approx(2, rel=0.2) and b[0] / f[0] == pytest.approx(1.5, rel=0.2)
+    assert w[3] / f[3] == pytest.approx(0.5, rel=0.3)
+    assert sum(f) / 4 == pytest.approx(1.0)
+
+
 def test_zbh1_golden_order_p4():
     """Rank r runs 1F1B's order with I for B and defers the W of micro-batch k until after the
     I of micro-batch k + r (a snapshot of the generated lists; see zero_bubble.zbh1)."""

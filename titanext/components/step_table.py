@@ -207,7 +207,8 @@ def simulated_idle(plan: PipelinePlan, *, pp_rank: int,
     """This pp rank's idle fraction of one schedule step as the simulator predicts it from the
     measured per-stage chunk costs (``chunks``: every stage's, as :func:`step_breakdown`
     gives them; a full B stands for I + W where the schedule does not split), on the lists of
-    the job's resolved pipeline ``plan`` (capped as the trainer ran them)."""
+    the job's resolved pipeline ``plan`` (capped as the trainer ran them; Auto's generated for
+    these costs, as the trainer generates them for the costs it measured on step 1)."""
 
     chain = plan.num_stages
 
@@ -220,8 +221,11 @@ def simulated_idle(plan: PipelinePlan, *, pp_rank: int,
         return c["I"]["ms"] + c.get("W", {"ms": 0.0})["ms"] if kind == "B" and "I" in c else 0.0
 
     costs = {k: [cost(s, k) for s in range(chain)] for k in "FIWB"}
+    # a schedule that measures its costs (Auto) runs lists made for them: these stand in
+    measured = {key: tuple(costs[k]) for key, k in (("f", "F"), ("b", "I"), ("w", "W"))} \
+        if getattr(plan.schedule, "measures_costs", False) else {}
     order = schedule_order(plan.schedule, pp=plan.pp, microbatches=plan.microbatches,
-                           stages_per_rank=plan.stages_per_rank)
+                           stages_per_rank=plan.stages_per_rank, **measured)
     sim = replay(order, num_stages=chain, f=costs["F"], b=costs["I"], w=costs["W"],
                  full_b=costs["B"])
     busy = sum(e.end - e.start for e in sim.events if e.rank == pp_rank)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -121,14 +122,15 @@ def pass_position_ids(stage_module: nn.Module, position_ids: torch.Tensor | None
 def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], *,
                    num_stages: int, pp_group: dist.ProcessGroup, device: torch.device,
                    schedule: str | type, microbatches: int, loss_fn: Callable,
-                   costs: dict[str, float] | None = None,
+                   costs: dict[str, float | tuple[float, ...]] | None = None,
                    schedule_kwargs: dict | None = None, weight_grad_queue=None,
                    recv_buffers_in_flight: bool = True):
     """``PipelineStage`` objects for this rank's stage modules and the schedule that runs them.
 
     ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
     schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
-    ``costs`` (f, b, w, comm) go to schedules that use them (Auto); ``schedule_kwargs`` to the
+    ``costs`` (f, b, w: one figure, or each stage's by stage index; comm) go to schedules that
+    use them (Auto); ``schedule_kwargs`` to the
     schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). With a
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
@@ -221,27 +223,29 @@ class StageTimer:
     """Times each stage's F, I (input grad), W (weight grad) and full B per micro-batch.
 
     Wraps the stage objects' chunk methods (public methods of torch's PipelineStage) for as
-    long as it is attached; ``costs(pp_group)`` returns mean times, max over the pp ranks, as
-    the ``f``, ``b``, ``w`` of the Auto schedule (a full B is split as I = W = B / 2).
+    long as it is attached; ``costs(pp_group, num_stages)`` returns every stage's mean times (a
+    full B is split as I = W = B / 2), gathered over the pp ranks, as the per-stage ``f``,
+    ``b``, ``w`` of the Auto schedule: a model's stages are not alike (the debug model's 6
+    blocks make V stages of 2, 2, 1 and 1 blocks; the ends hold the embedding, head and loss).
     """
 
     def __init__(self, stages: Sequence):
-        self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
+        self.times: dict[tuple[str, int], list[float]] = defaultdict(list)
         self._orig = []
         for st in stages:
             for meth, key in (("forward_one_chunk", "f"), ("backward_one_chunk", None),
                               ("backward_weight_one_chunk", "w")):
                 fn = getattr(st, meth)
                 self._orig.append((st, meth, fn))
-                setattr(st, meth, self._wrap(fn, key))
+                setattr(st, meth, self._wrap(fn, key, st.stage_index))
 
-    def _wrap(self, fn, key):
+    def _wrap(self, fn, key, stage: int):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             k = key or ("full" if kwargs.get("full_backward", args[2] if len(args) > 2 else True)
                         else "b")
-            self.times[k].append(time.perf_counter() - t0)
+            self.times[(k, stage)].append(time.perf_counter() - t0)
             return out
         return timed
 
@@ -250,16 +254,22 @@ class StageTimer:
             setattr(st, meth, fn)
         self._orig = []
 
-    def costs(self, pp_group: dist.ProcessGroup | None) -> dict[str, float]:
+    def costs(self, pp_group: dist.ProcessGroup | None, num_stages: int
+              ) -> dict[str, tuple[float, ...]]:
+        """Every stage's mean F, I, W seconds per micro-batch (each stage measured by the rank
+        that holds it), relative to the stages' mean F."""
         def mean(xs): return sum(xs) / len(xs) if xs else 0.0
-        f, b, w, full = (mean(self.times[k]) for k in ("f", "b", "w", "full"))
-        if not self.times["b"]:
-            b = w = full / 2
-        t = torch.tensor([f, b, w], dtype=torch.float64)
-        if pp_group is not None:
+        t = torch.zeros(3, num_stages, dtype=torch.float64)
+        for s in {s for _, s in self.times}:
+            f, b, w = (mean(self.times[(k, s)]) for k in ("f", "b", "w"))
+            if not self.times[("b", s)]:
+                b = w = mean(self.times[("full", s)]) / 2
+            t[:, s] = torch.tensor([f, b, w], dtype=torch.float64)
+        if pp_group is not None:  # each stage lives on one pp rank: the others hold zeros
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
-        f, b, w = (max(float(x), 1e-6) for x in t)
-        return {"f": 1.0, "b": b / f, "w": w / f}
+        t = t.clamp_min(1e-9) / max(float(t[0].mean()), 1e-9)
+        f, b, w = (tuple(float(x) for x in row) for row in t)
+        return {"f": f, "b": b, "w": w}
 
 
 def _first_input_name(model: nn.Module) -> str:
@@ -373,7 +383,8 @@ class PipelineRunner:
         self._token_loss, self._loss_context, self._reset = loss_fn, loss_context, reset_stage_state
         self._scale = 1.0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.costs: dict[str, float] | None = None  # Auto's measured f, b, w
+        #: Auto's measured f, b, w: each stage's, by stage index
+        self.costs: dict[str, tuple[float, ...]] | None = None
         self._build()
         # Auto: time F, I and W on the first step, then switch to the schedule made for them.
         self._timer = StageTimer(self.stages) if getattr(cls, "measures_costs", False) else None
@@ -462,7 +473,7 @@ class PipelineRunner:
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 self._loss_sum += loss.detach().to(torch.float64) / self._scale
         if self._timer is not None:  # Auto's measuring step is done: switch schedules
-            self.costs = self._timer.costs(self.pp_group)
+            self.costs = self._timer.costs(self.pp_group, self.num_stages)
             self._timer.detach()
             self._timer = None
             self._build()

@@ -254,7 +254,7 @@ def simulate(name: str | type, *, pp: int, microbatches: int, f: float = 1.0, b:
                                   overlap)  # costs: worked out once (the planner asks often)
     else:
         program = _compile(cls, pp, microbatches, spr, max_pending_weight_grads, overlap,
-                           dict(f=_mean(f), b=_mean(b), w=_mean(w), comm=comm))
+                           dict(f=f, b=b, w=w, comm=comm))  # Auto: per-stage tuples as measured
     return replay(program, num_stages=chain, stage_size=share, overlap=overlap,
                   comm_events=comm_events, **costs)
 
@@ -284,10 +284,6 @@ def _action_lists(cls, pp: int, microbatches: int, spr: int, max_pending_weight_
 @functools.lru_cache(maxsize=256)
 def _compiled_order(cls, pp, microbatches, spr, max_pending_weight_grads, overlap):
     return _compile(cls, pp, microbatches, spr, max_pending_weight_grads, overlap, {})
-
-
-def _mean(c) -> float:
-    return sum(c) / len(c) if isinstance(c, tuple) else c
 
 
 def schedule_problems(name: str, *, pp: int, microbatches: int,

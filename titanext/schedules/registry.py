@@ -86,11 +86,12 @@ def get_schedule_class(name: str) -> type:
 
 
 def build_schedule(schedule: str | type, stages: list, n_microbatches: int, loss_fn=None, *,
-                   costs: dict[str, float] | None = None, **kwargs):
+                   costs: dict[str, float | tuple[float, ...]] | None = None, **kwargs):
     """The schedule ``schedule`` (a name or class) over this rank's ``PipelineStage`` objects.
 
     torch's single-stage GPipe / 1F1B take the one stage object, every other class the list.
-    ``costs`` (f, b, w, comm) regenerate a schedule that uses them (Auto) for measured times;
+    ``costs`` (f, b, w: one figure or each stage's; comm) regenerate a schedule that uses them
+    (Auto) for measured times;
     ``kwargs`` go to the constructor (e.g. ``scale_grads=False``). The one schedule factory:
     :func:`titanext.distributed.pipeline.build_pipeline` and the trainer's pipeline call it.
 

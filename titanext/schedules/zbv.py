@@ -34,6 +34,14 @@ from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import F, I, W, action
 
+#: one chunk's cost: one figure for every stage, or one per stage index
+StageCost = float | Sequence[float]
+
+
+def stage_cost(c: StageCost, stage: int) -> float:
+    """Stage ``stage``'s figure of ``c`` (one figure for all stages, or one per stage)."""
+    return float(c) if isinstance(c, (int, float)) else float(c[stage])
+
 
 def zbv_construction(pp: int, microbatches: int, *, warmup: Sequence[int] | None = None
                      ) -> dict[int, list]:
@@ -77,9 +85,10 @@ def _zbv_rank(r: int, p: int, m: int, first: int) -> list:
 
 
 def fill_gaps(order: dict[int, list], *, num_stages: int, owner: dict[int, int],
-              limits: Sequence[int], f: float = 1.0, b: float = 1.0, w: float = 1.0,
-              comm: float = 0.0, slack: float = 1.0) -> dict[int, list]:
-    """Keep each rank's F and I order from ``order`` and re-place its W's for these costs.
+              limits: Sequence[int], f: StageCost = 1.0, b: StageCost = 1.0,
+              w: StageCost = 1.0, comm: float = 0.0, slack: float = 1.0) -> dict[int, list]:
+    """Keep each rank's F and I order from ``order`` and re-place its W's for these costs (one
+    figure for every stage, or one per stage index).
 
     ``owner`` maps stage -> rank, ``limits[r]`` caps rank r's live stage activations (a W frees
     one). Raises RuntimeError if the F/I order cannot run within the limits.
@@ -89,7 +98,7 @@ def fill_gaps(order: dict[int, list], *, num_stages: int, owner: dict[int, int],
 
 
 def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits: Sequence[int],
-          f: float, b: float, w: float, comm: float, slack: float):
+          f: StageCost, b: StageCost, w: StageCost, comm: float, slack: float):
     """fill_gaps on F/I lists: (full lists, makespan, [(rank, index) of F/I that waited])."""
     pp = len(skel)
     done: dict[tuple, float] = {}
@@ -99,7 +108,8 @@ def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits:
     pending: list[deque] = [deque() for _ in range(pp)]
     out: dict[int, list] = {r: [] for r in range(pp)}
     waited: list[tuple[int, int]] = []
-    cost = {F: f, I: b, W: w}
+    cost = {k: [stage_cost(c, s) for s in range(num_stages)] for k, c in ((F, f), (I, b), (W, w))}
+    quickest = min(min(cost[F]), min(cost[I]))
     hop = {s: comm if owner[s] != owner.get(s + 1, owner[s]) else 0.0 for s in owner}
 
     def ready(a) -> float | None:
@@ -129,8 +139,9 @@ def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits:
                 else:
                     t = ready(a)
                     # an input not here yet cannot arrive before another rank computes it
-                    soon = free[r] + min(f, b) + comm if t is None else max(t, free[r])
-                    if pending[r] and soon > free[r] and soon - free[r] >= slack * w - 1e-12:
+                    soon = free[r] + quickest + comm if t is None else max(t, free[r])
+                    if pending[r] and soon > free[r] and \
+                            soon - free[r] >= slack * cost[W][pending[r][0][0]] - 1e-12:
                         cand = (free[r], 1, r, None)  # a W fills the gap
                     else:
                         cand = None if t is None else (soon, 0, r, a)
@@ -152,15 +163,15 @@ def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits:
                 live[r] += 1
             else:
                 pending[r].append((a.stage_index, a.microbatch_index))
-        free[r] = start + cost[a.computation_type]
+        free[r] = start + cost[a.computation_type][a.stage_index]
         done[(a.computation_type, a.stage_index, a.microbatch_index)] = free[r]
         out[r].append(a)
     return out, max(free), waited
 
 
 def improve(skel: dict[int, list], *, budget: int, num_stages: int, owner: dict[int, int],
-            limits: Sequence[int], f: float, b: float, w: float, comm: float, slack: float,
-            reach: int = 4):
+            limits: Sequence[int], f: StageCost, b: StageCost, w: StageCost, comm: float,
+            slack: float, reach: int = 4):
     """Local search on F/I lists (first improvement, at most ``budget`` simulations, so every
     rank derives the same lists). Moves, in this order: where a rank waited before an action,
     run one of the next ``reach`` actions there instead; then swap any two neighbouring
@@ -203,8 +214,9 @@ def v_owner(pp: int) -> dict[int, int]:
     return {s: min(s, 2 * pp - 1 - s) for s in range(2 * pp)}
 
 
-def zbv_candidates(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0,
-                   w: float = 1.0, comm: float = 0.0, budget: int = 0) -> list[dict[int, list]]:
+def zbv_candidates(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
+                   w: StageCost = 1.0, comm: float = 0.0, budget: int = 0
+                   ) -> list[dict[int, list]]:
     """The paper's order, then the same F/I order with W's re-placed for these costs (three
     gap-filling policies), then (``budget`` > 0) a local search on top; all within 2p stage
     activations per rank."""

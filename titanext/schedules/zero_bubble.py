@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import B, F, I, ListRuntime, W, action
 from titanext.schedules.simulator import replay
-from titanext.schedules.zbv import zbv_candidates
+from titanext.schedules.zbv import StageCost, stage_cost, zbv_candidates
 
 
 def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -41,13 +41,14 @@ def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[
 
 
 def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backward: bool = True,
-             placement: str = "loop", stages_per_rank: int = 1, f: float = 1.0, b: float = 1.0,
-             w: float = 1.0, comm: float = 0.0, prefer: str = "backward",
-             admission: bool = False) -> dict[int, list]:
+             placement: str = "loop", stages_per_rank: int = 1, f: StageCost = 1.0,
+             b: StageCost = 1.0, w: StageCost = 1.0, comm: float = 0.0,
+             prefer: str = "backward", admission: bool = False) -> dict[int, list]:
     """Per-rank compute action lists (torch pipelining actions) for the list-scheduling heuristic.
 
     ``limits[r]`` caps rank r's live stage activations (at least 1). ``split_backward=False``
-    runs B = I + W as one action (1F1B-style).
+    runs B = I + W as one action (1F1B-style). ``f``, ``b``, ``w``: one figure for every
+    stage, or one per stage index.
     """
     m = microbatches
     n_stages = pp * stages_per_rank
@@ -58,7 +59,10 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
     live = [0] * pp
     inflight = [0] * pp  # micro-batches admitted on each rank and not yet done there
     order: dict[int, list] = {r: [] for r in range(pp)}
-    bw_cost = b if split_backward else b + w
+
+    def cost(kind: str, s: int) -> float:
+        c = stage_cost({"F": f, "I": b, "W": w}[kind], s)
+        return c + stage_cost(w, s) if kind == "I" and not split_backward else c
     total = n_stages * m * (3 if split_backward else 2)
     finished = 0
 
@@ -117,7 +121,8 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
                     start = min(o[0] for o in urgent)
                     choice = min((o for o in urgent if o[0] <= start + 1e-12),
                                  key=lambda o: (o[1], o[2]))
-                if fill and (choice is None or fill[0][0] + w <= choice[0] + 1e-12):
+                if fill and (choice is None
+                             or fill[0][0] + cost("W", fill[0][5]) <= choice[0] + 1e-12):
                     choice = min(fill, key=lambda o: (o[0], o[2]))
                 if best is None or choice[0] < best[0] - 1e-12:
                     best = choice
@@ -125,9 +130,8 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
             raise RuntimeError(f"schedule generation stalled (limits {list(limits)} too small for "
                                f"pp={pp}, stages_per_rank={stages_per_rank})")
         start, _, _, r, kind, s, j = best
-        cost = {"F": f, "I": bw_cost, "W": w}[kind]
-        free_at[r] = start + cost
-        done[(kind, s, j)] = start + cost
+        free_at[r] = start + cost(kind, s)
+        done[(kind, s, j)] = free_at[r]
         next_mb[(kind, s)] += 1
         finished += 1
         if kind == "F":
@@ -198,8 +202,8 @@ def _fastest(orders, pp: int, **costs: float) -> dict[int, list]:
     return best
 
 
-def zbv(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-        comm: float = 0.0) -> dict[int, list]:
+def zbv(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
+        w: StageCost = 1.0, comm: float = 0.0) -> dict[int, list]:
     """ZB-V: the zero-bubble paper's V order (two stages per rank, at most 2pp stage
     activations: 1F1B's memory), zero bubble at F = I = W with m >= 2pp. For unequal costs
     the W's are re-placed into the gaps by simulation (:func:`titanext.schedules.zbv.fill_gaps`)
@@ -208,17 +212,33 @@ def zbv(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float 
     return _fastest(zbv_candidates(pp, microbatches, **costs), pp, **costs)
 
 
-def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-         comm: float = 0.0, mem_limit: int | None = None, budget: int = 40) -> dict[int, list]:
+def search_budget(pp: int, microbatches: int) -> int:
+    """Simulations :func:`auto`'s local search may spend per gap-filling policy: about the same
+    time whatever the size (one simulation costs time in proportion to pp x microbatches), and
+    at least 40. At pp 2 and 8 micro-batches the search needs 120-200 to reach its best for
+    the debug model's measured stage costs (1,902 -> 1,883 ms simulated, 0.05 s); at pp 8 and
+    32 micro-batches it stops improving within 40 (1.7 s).
+
+    >>> search_budget(2, 8), search_budget(8, 32)
+    (256, 40)
+    """
+    return max(40, 4096 // (pp * microbatches))
+
+
+def auto(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
+         w: StageCost = 1.0, comm: float = 0.0, mem_limit: int | None = None,
+         budget: int | None = None) -> dict[int, list]:
     """The V-placed schedule with the smallest simulated makespan for these costs.
 
-    Costs are per stage (one V stage is half a rank's layers). ``mem_limit`` caps every rank's
+    Costs are per stage: one figure for every V stage (half a rank's layers), or one per stage
+    index (a real model's stages differ: 6 blocks on 4 stages are 2, 2, 1, 1, and the ends
+    carry the embedding, the head and the loss). ``mem_limit`` caps every rank's
     live activations in units of a rank's share of the model, i.e. 2 V stages (default: pp,
     1F1B's peak). Candidates:
 
     - when the limit allows 2pp stage activations, ZB-V's order with its W's re-placed for
-      the costs, plus a local search (``budget`` simulations per gap-filling policy) that runs
-      a later F or I where a rank would wait;
+      the costs, plus a local search (``budget`` simulations per gap-filling policy; default
+      :func:`search_budget`) that runs a later F or I where a rank would wait;
     - the zero-bubble paper's heuristic as a list scheduler: warm up as far as the limit
       allows, then 1F1B-like with W in the gaps; every warm-up depth per rank (uniform, and
       tapering by rank like 1F1B), backward-first and forward-first priorities.
@@ -228,6 +248,7 @@ def auto(pp: int, microbatches: int, *, f: float = 1.0, b: float = 1.0, w: float
     """
 
     cap = 2 * (pp if mem_limit is None else mem_limit)
+    budget = search_budget(pp, microbatches) if budget is None else budget
     if cap < 2:
         raise ValueError(f"mem_limit = {mem_limit} must be >= 1 micro-batch")
     costs = dict(f=f, b=b, w=w, comm=comm)
@@ -279,19 +300,22 @@ class GeneratedSchedule(ListRuntime):
         raise NotImplementedError
 
     @classmethod
-    def with_costs(cls, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
-                   **extra) -> type:
+    def with_costs(cls, *, f: StageCost = 1.0, b: StageCost = 1.0, w: StageCost = 1.0,
+                   comm: float = 0.0, **extra) -> type:
         """This schedule generated for measured costs: ``f``, ``b`` (input grad I), ``w``
-        (weight grad W) per micro-batch through a rank's share of the model (1/pp of it),
-        ``comm`` per send; Auto also takes ``mem_limit`` (micro-batches of a rank's share)."""
+        (weight grad W) per micro-batch through a rank's share of the model (1/pp of it), or
+        a tuple of each stage's own, by stage index; ``comm`` per send; Auto also takes
+        ``mem_limit`` (micro-batches of a rank's share)."""
         return type(cls.__name__, (cls,), {"costs": dict(f=f, b=b, w=w, comm=comm, **extra)})
 
     @classmethod
     def order(cls, pp: int, microbatches: int) -> dict[int, list]:
-        """The compute lists every rank runs (a stage costs 1/stages_per_rank of a share)."""
+        """The compute lists every rank runs: one figure of ``f``, ``b``, ``w`` is a rank's
+        share, so a stage costs 1/stages_per_rank of it; a tuple is each stage's own cost."""
         share = 1.0 / cls.stages_per_rank
         c = {"f": 1.0, "b": 1.0, "w": 1.0, "comm": 0.0, **cls.costs}
-        stage_costs = {k: (v * share if k in "fbw" else v) for k, v in c.items()}
+        stage_costs = {k: (v * share if k in "fbw" and not isinstance(v, tuple) else v)
+                       for k, v in c.items()}
         return cls.generate(pp, microbatches, **stage_costs)
 
     def __init__(self, stages, n_microbatches: int, loss_fn=None, **kwargs):
@@ -315,12 +339,13 @@ class Auto(GeneratedSchedule):
         return auto(pp, microbatches, **stage_costs)
 
 
-def auto_schedule_class(*, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0,
-                        mem_limit: int | None = None) -> type:
+def auto_schedule_class(*, f: StageCost = 1.0, b: StageCost = 1.0, w: StageCost = 1.0,
+                        comm: float = 0.0, mem_limit: int | None = None) -> type:
     """An "Auto" schedule class whose lists are searched for these measured costs.
 
     ``f``, ``b`` (input grad) and ``w`` (weight grad) are the times of one micro-batch through
-    1/pp of the model (a rank's share, as in :func:`titanext.schedules.simulate`), ``comm`` the
+    1/pp of the model (a rank's share, as in :func:`titanext.schedules.simulate`), or tuples of
+    each of the 2pp stages' own times by stage index (what the trainer measures), ``comm`` the
     latency of one send, ``mem_limit`` the activations a rank may hold, in micro-batches of
     its share (default pp, 1F1B's peak). Placement is V with 2 stages per rank.
 
