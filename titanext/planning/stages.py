@@ -218,14 +218,10 @@ class _ProgramIndex:
         return self._pairs[key]
 
 
-#: id(program) -> (program, its index); the program is kept so that its id stays its own
-_INDEXES: dict[int, tuple] = {}
-
-
 def _program_index(program, events) -> _ProgramIndex:
-    hit = _INDEXES.get(id(program))
-    if hit is None or hit[0] is not program:
-        if len(_INDEXES) >= 64:  # bounded: the oldest goes
-            del _INDEXES[next(iter(_INDEXES))]
-        hit = _INDEXES[id(program)] = (program, _ProgramIndex(events))
-    return hit[1]
+    """``program``'s index, made from the first events replayed from it (their order is the
+    program's, whatever the costs) and kept in its ``derived``."""
+    index = program.derived.get("planner index")
+    if index is None:
+        index = program.derived["planner index"] = _ProgramIndex(events)
+    return index

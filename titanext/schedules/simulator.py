@@ -288,10 +288,11 @@ def _ready(tag: int, done: list[float], slots: tuple, comm: float) -> float:
 def _flat_steps(program: ReplayProgram) -> list[tuple]:
     """``program``'s steps, a one-chunk step as (rank, kind, stage, micro-batch, (kind, stage),
     its input's tag, slot, second slot, cross-rank, the slot it ends or -1), read the fastest;
-    any other as (rank, None, unit, needs, writes, ...). Made once per program."""
-    flat = _FLAT.get(id(program))
-    if flat is not None and flat[0] is program:
-        return flat[1]
+    any other as (rank, None, unit, needs, writes, ...). Made once per program, kept in its
+    ``derived``."""
+    flat = program.derived.get("flat steps")
+    if flat is not None:
+        return flat
     out = []
     for r, unit, needs, writes in program.steps:
         if len(unit) == 1 and len(needs) == 1 and len(writes) <= 1:
@@ -307,14 +308,8 @@ def _flat_steps(program: ReplayProgram) -> list[tuple]:
                         writes[0] if writes else -1))
         else:
             out.append((r, None, unit, needs, writes, None, 0, 0, False, ()))
-    if len(_FLAT) >= 64:  # bounded: the oldest goes
-        del _FLAT[next(iter(_FLAT))]
-    _FLAT[id(program)] = (program, out)
+    program.derived["flat steps"] = out
     return out
-
-
-#: id(program) -> (program, its flat steps); the program is kept so that its id stays its own
-_FLAT: dict[int, tuple] = {}
 
 
 def _skip(_event) -> None:
@@ -341,6 +336,9 @@ class ReplayProgram:
     slots: int
     kind_stages: frozenset
     peak: dict[int, int]
+    #: what a reader works out of the program once, whatever the costs, by name (the replay's
+    #: flat steps, the planner's event index): it lives and dies with the program
+    derived: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
 
 def compile_order(order: dict[int, list], *, num_stages: int,
