@@ -152,10 +152,28 @@ def trainer_runs(base, runs, dump_folder: str, world_size: int, collect=None) ->
     return out
 
 
+def check_one_schedule_everywhere(trainer) -> None:
+    """Inside a spawned rank, after training: a schedule that measures its costs (Auto) must
+    have searched its lists from the same figures on every rank; data-parallel replicas that
+    searched from their own timings would run their stages' FSDP collectives in different
+    orders. A collective: every rank of the run calls it."""
+    import torch.distributed as dist
+
+    costs = trainer.pipeline.costs if trainer.pipeline is not None else None
+    if costs is None:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, costs)
+    assert all(c == everyone[0] for c in everyone), \
+        f"Auto's measured costs differ between ranks: {everyone}"
+
+
 def stage_runs(base, runs, dump_folder: str, world_size: int) -> list[tuple]:
     """:func:`trainer_runs` keeping the parameters only on each pipeline stage's first rank (its
-    other mesh coordinates 0): per run, (per-step losses, full parameters or {})."""
+    other mesh coordinates 0): per run, (per-step losses, full parameters or {}). Checks
+    :func:`check_one_schedule_everywhere` on every run."""
     def first_of_stage(trainer) -> bool:
+        check_one_schedule_everywhere(trainer)
         mesh = trainer.dims.world_mesh
         coords = zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True)
         return all(c == 0 for name, c in coords if name != "pp")

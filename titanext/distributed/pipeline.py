@@ -223,10 +223,10 @@ class StageTimer:
     """Times each stage's F, I (input grad), W (weight grad) and full B per micro-batch.
 
     Wraps the stage objects' chunk methods (public methods of torch's PipelineStage) for as
-    long as it is attached; ``costs(pp_group, num_stages)`` returns every stage's mean times (a
-    full B is split as I = W = B / 2), gathered over the pp ranks, as the per-stage ``f``,
-    ``b``, ``w`` of the Auto schedule: a model's stages are not alike (the debug model's 6
-    blocks make V stages of 2, 2, 1 and 1 blocks; the ends hold the embedding, head and loss).
+    long as it is attached; ``costs(group, num_stages)`` returns every stage's mean times (a
+    full B is split as I = W = B / 2), gathered over ``group``, as the per-stage ``f``, ``b``,
+    ``w`` of the Auto schedule: a model's stages are not alike (the debug model's 6 blocks make
+    V stages of 2, 2, 1 and 1 blocks; the ends hold the embedding, head and loss).
     """
 
     def __init__(self, stages: Sequence):
@@ -254,10 +254,14 @@ class StageTimer:
             setattr(st, meth, fn)
         self._orig = []
 
-    def costs(self, pp_group: dist.ProcessGroup | None, num_stages: int
-              ) -> dict[str, tuple[float, ...]]:
-        """Every stage's mean F, I, W seconds per micro-batch (each stage measured by the rank
-        that holds it), relative to the stages' mean F."""
+    def costs(self, group: dist.ProcessGroup | None, num_stages: int,
+              device: torch.device | str = "cpu") -> dict[str, tuple[float, ...]]:
+        """Every stage's mean F, I, W seconds per micro-batch, relative to the stages' mean F:
+        each stage timed by the ranks that hold it, the slowest of them over ``group`` (None:
+        this rank's figures only). Give the group of every rank that runs the schedule: the
+        lists are searched from these figures, and data-parallel replicas that searched from
+        their own would run their stages' FSDP collectives in different orders. ``device``:
+        where the group's backend reduces (the stages' device: NCCL reduces CUDA tensors)."""
         def mean(xs): return sum(xs) / len(xs) if xs else 0.0
         t = torch.zeros(3, num_stages, dtype=torch.float64)
         for s in {s for _, s in self.times}:
@@ -265,8 +269,10 @@ class StageTimer:
             if not self.times[("b", s)]:
                 b = w = mean(self.times[("full", s)]) / 2
             t[:, s] = torch.tensor([f, b, w], dtype=torch.float64)
-        if pp_group is not None:  # each stage lives on one pp rank: the others hold zeros
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pp_group)
+        if group is not None:  # a rank holds zeros for the stages it does not hold
+            t = t.to(device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            t = t.cpu()
         t = t.clamp_min(1e-9) / max(float(t[0].mean()), 1e-9)
         f, b, w = (tuple(float(x) for x in row) for row in t)
         return {"f": f, "b": b, "w": w}
@@ -473,7 +479,8 @@ class PipelineRunner:
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 self._loss_sum += loss.detach().to(torch.float64) / self._scale
         if self._timer is not None:  # Auto's measuring step is done: switch schedules
-            self.costs = self._timer.costs(self.pp_group, self.num_stages)
+            # every rank the same figures (all of them run this step): one set of lists
+            self.costs = self._timer.costs(dist.group.WORLD, self.num_stages, self.device)
             self._timer.detach()
             self._timer = None
             self._build()
