@@ -160,8 +160,8 @@ def test_step_tables_simulated_idle_replays_autos_lists_for_the_measured_costs()
     chunks = {s: {k: {"ms": DEBUG_STAGES[key][s]} for k, key in (("F", "f"), ("I", "b"),
                                                                   ("W", "w"))}
               for s in range(4)}
+    ran = replay(auto(2, 8, **DEBUG_STAGES), num_stages=4, **DEBUG_STAGES)
     for rank in (0, 1):
-        ran = replay(auto(2, 8, **DEBUG_STAGES), num_stages=4, **DEBUG_STAGES)
         busy = sum(e.end - e.start for e in ran.events if e.rank == rank)
         assert simulated_idle(plan, pp_rank=rank, chunks=chunks) == \
             pytest.approx(1 - busy / ran.makespan)

@@ -130,8 +130,8 @@ def build_pipeline(stage_modules: Sequence[nn.Module], stage_indices: Sequence[i
     ``loss_fn(output, target)`` must return what to backpropagate for one micro-batch; the
     schedule does not rescale gradients (``scale_grads=False``), so normalise in ``loss_fn``.
     ``costs`` (f, b, w: one figure, or each stage's by stage index; comm) go to schedules that
-    use them (Auto); ``schedule_kwargs`` to the
-    schedule's constructor (e.g. DualPipe's ``sum_mirrored_grads=False``). With a
+    use them (Auto); ``schedule_kwargs`` to the schedule's constructor (e.g. DualPipe's
+    ``sum_mirrored_grads=False``). With a
     ``weight_grad_queue`` (:class:`titanext.plugins.weight_grad.WeightGradQueue`, the modules
     converted by ``defer_weight_grads``) the stages are
     :class:`~titanext.plugins.weight_grad.DeferredPipelineStage`: they defer weight gradients.

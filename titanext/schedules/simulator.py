@@ -134,6 +134,11 @@ _KIND = {F: "F", I: "I", W: "W", B: "B"}
 Cost = float | Mapping[int, float] | Sequence[float]
 
 
+def stage_cost(c: Cost, stage: int) -> float:
+    """Stage ``stage``'s figure of ``c`` (one figure for all stages, or one per stage)."""
+    return float(c) if isinstance(c, (int, float)) else float(c[stage])
+
+
 def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost = 1.0, b: Cost = 1.0,
            w: Cost = 1.0, full_b: Cost | None = None, comm: float = 0.0,
            overhead: float = 0.0, stage_size: float = 1.0, a2a: Cost = 0.0,
@@ -166,18 +171,15 @@ def replay(order: dict[int, list] | ReplayProgram, *, num_stages: int, f: Cost =
         order, num_stages=num_stages, overlap=overlap)
     by_kind = {"F": f, "I": b, "W": w, "B": full_b}
 
-    def pick(c: Cost, stage: int) -> float:
-        return float(c) if isinstance(c, (int, float)) else float(c[stage])
-
     def cost(kind: str, stage: int) -> float:
         if kind == "B" and full_b is None:
             return cost("I", stage) + cost("W", stage)
-        return pick(by_kind[kind], stage)
+        return stage_cost(by_kind[kind], stage)
 
     def a2a_of(kind: str, stage: int) -> float:
         if kind == "W":
             return 0.0
-        return pick(a2a if kind == "F" or a2a_b is None else a2a_b, stage)
+        return stage_cost(a2a if kind == "F" or a2a_b is None else a2a_b, stage)
 
     # (compute, all-to-all) seconds of each (kind, stage)
     costs = {(k, s): (cost(k, s), a2a_of(k, s)) for k, s in program.kind_stages}

@@ -33,14 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import F, I, W, action
-
-#: one chunk's cost: one figure for every stage, or one per stage index
-StageCost = float | Sequence[float]
-
-
-def stage_cost(c: StageCost, stage: int) -> float:
-    """Stage ``stage``'s figure of ``c`` (one figure for all stages, or one per stage)."""
-    return float(c) if isinstance(c, (int, float)) else float(c[stage])
+from titanext.schedules.simulator import Cost, stage_cost
 
 
 def zbv_construction(pp: int, microbatches: int, *, warmup: Sequence[int] | None = None
@@ -85,8 +78,8 @@ def _zbv_rank(r: int, p: int, m: int, first: int) -> list:
 
 
 def fill_gaps(order: dict[int, list], *, num_stages: int, owner: dict[int, int],
-              limits: Sequence[int], f: StageCost = 1.0, b: StageCost = 1.0,
-              w: StageCost = 1.0, comm: float = 0.0, slack: float = 1.0) -> dict[int, list]:
+              limits: Sequence[int], f: Cost = 1.0, b: Cost = 1.0,
+              w: Cost = 1.0, comm: float = 0.0, slack: float = 1.0) -> dict[int, list]:
     """Keep each rank's F and I order from ``order`` and re-place its W's for these costs (one
     figure for every stage, or one per stage index).
 
@@ -98,7 +91,7 @@ def fill_gaps(order: dict[int, list], *, num_stages: int, owner: dict[int, int],
 
 
 def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits: Sequence[int],
-          f: StageCost, b: StageCost, w: StageCost, comm: float, slack: float):
+          f: Cost, b: Cost, w: Cost, comm: float, slack: float):
     """fill_gaps on F/I lists: (full lists, makespan, [(rank, index) of F/I that waited])."""
     pp = len(skel)
     done: dict[tuple, float] = {}
@@ -170,7 +163,7 @@ def _fill(skel: dict[int, list], num_stages: int, owner: dict[int, int], limits:
 
 
 def improve(skel: dict[int, list], *, budget: int, num_stages: int, owner: dict[int, int],
-            limits: Sequence[int], f: StageCost, b: StageCost, w: StageCost, comm: float,
+            limits: Sequence[int], f: Cost, b: Cost, w: Cost, comm: float,
             slack: float, reach: int = 4):
     """Local search on F/I lists (first improvement, at most ``budget`` simulations, so every
     rank derives the same lists). Moves, in this order: where a rank waited before an action,
@@ -214,8 +207,8 @@ def v_owner(pp: int) -> dict[int, int]:
     return {s: min(s, 2 * pp - 1 - s) for s in range(2 * pp)}
 
 
-def zbv_candidates(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
-                   w: StageCost = 1.0, comm: float = 0.0, budget: int = 0
+def zbv_candidates(pp: int, microbatches: int, *, f: Cost = 1.0, b: Cost = 1.0,
+                   w: Cost = 1.0, comm: float = 0.0, budget: int = 0
                    ) -> list[dict[int, list]]:
     """The paper's order, then the same F/I order with W's re-placed for these costs (three
     gap-filling policies), then (``budget`` > 0) a local search on top; all within 2p stage

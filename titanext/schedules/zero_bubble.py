@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from titanext.schedules._torch_ir import B, F, I, ListRuntime, W, action
-from titanext.schedules.simulator import replay
-from titanext.schedules.zbv import StageCost, stage_cost, zbv_candidates
+from titanext.schedules.simulator import Cost, replay, stage_cost
+from titanext.schedules.zbv import zbv_candidates
 
 
 def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -41,8 +41,8 @@ def stage_ids(placement: str, rank: int, pp: int, stages_per_rank: int) -> list[
 
 
 def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backward: bool = True,
-             placement: str = "loop", stages_per_rank: int = 1, f: StageCost = 1.0,
-             b: StageCost = 1.0, w: StageCost = 1.0, comm: float = 0.0,
+             placement: str = "loop", stages_per_rank: int = 1, f: Cost = 1.0,
+             b: Cost = 1.0, w: Cost = 1.0, comm: float = 0.0,
              prefer: str = "backward", admission: bool = False) -> dict[int, list]:
     """Per-rank compute action lists (torch pipelining actions) for the list-scheduling heuristic.
 
@@ -59,10 +59,11 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
     live = [0] * pp
     inflight = [0] * pp  # micro-batches admitted on each rank and not yet done there
     order: dict[int, list] = {r: [] for r in range(pp)}
-
-    def cost(kind: str, s: int) -> float:
-        c = stage_cost({"F": f, "I": b, "W": w}[kind], s)
-        return c + stage_cost(w, s) if kind == "I" and not split_backward else c
+    # each stage's cost of each kind; without the split an "I" is the whole backward B = I + W
+    cost = {k: [stage_cost(c, s) for s in range(n_stages)] for k, c in (("F", f), ("I", b),
+                                                                        ("W", w))}
+    if not split_backward:
+        cost["I"] = [i + x for i, x in zip(cost["I"], cost["W"], strict=True)]
     total = n_stages * m * (3 if split_backward else 2)
     finished = 0
 
@@ -122,7 +123,7 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
                     choice = min((o for o in urgent if o[0] <= start + 1e-12),
                                  key=lambda o: (o[1], o[2]))
                 if fill and (choice is None
-                             or fill[0][0] + cost("W", fill[0][5]) <= choice[0] + 1e-12):
+                             or fill[0][0] + cost["W"][fill[0][5]] <= choice[0] + 1e-12):
                     choice = min(fill, key=lambda o: (o[0], o[2]))
                 if best is None or choice[0] < best[0] - 1e-12:
                     best = choice
@@ -130,7 +131,7 @@ def generate(*, pp: int, microbatches: int, limits: Sequence[int], split_backwar
             raise RuntimeError(f"schedule generation stalled (limits {list(limits)} too small for "
                                f"pp={pp}, stages_per_rank={stages_per_rank})")
         start, _, _, r, kind, s, j = best
-        free_at[r] = start + cost(kind, s)
+        free_at[r] = start + cost[kind][s]
         done[(kind, s, j)] = free_at[r]
         next_mb[(kind, s)] += 1
         finished += 1
@@ -202,8 +203,8 @@ def _fastest(orders, pp: int, **costs: float) -> dict[int, list]:
     return best
 
 
-def zbv(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
-        w: StageCost = 1.0, comm: float = 0.0) -> dict[int, list]:
+def zbv(pp: int, microbatches: int, *, f: Cost = 1.0, b: Cost = 1.0,
+        w: Cost = 1.0, comm: float = 0.0) -> dict[int, list]:
     """ZB-V: the zero-bubble paper's V order (two stages per rank, at most 2pp stage
     activations: 1F1B's memory), zero bubble at F = I = W with m >= 2pp. For unequal costs
     the W's are re-placed into the gaps by simulation (:func:`titanext.schedules.zbv.fill_gaps`)
@@ -225,8 +226,8 @@ def search_budget(pp: int, microbatches: int) -> int:
     return max(40, 4096 // (pp * microbatches))
 
 
-def auto(pp: int, microbatches: int, *, f: StageCost = 1.0, b: StageCost = 1.0,
-         w: StageCost = 1.0, comm: float = 0.0, mem_limit: int | None = None,
+def auto(pp: int, microbatches: int, *, f: Cost = 1.0, b: Cost = 1.0,
+         w: Cost = 1.0, comm: float = 0.0, mem_limit: int | None = None,
          budget: int | None = None) -> dict[int, list]:
     """The V-placed schedule with the smallest simulated makespan for these costs.
 
@@ -300,7 +301,7 @@ class GeneratedSchedule(ListRuntime):
         raise NotImplementedError
 
     @classmethod
-    def with_costs(cls, *, f: StageCost = 1.0, b: StageCost = 1.0, w: StageCost = 1.0,
+    def with_costs(cls, *, f: Cost = 1.0, b: Cost = 1.0, w: Cost = 1.0,
                    comm: float = 0.0, **extra) -> type:
         """This schedule generated for measured costs: ``f``, ``b`` (input grad I), ``w``
         (weight grad W) per micro-batch through a rank's share of the model (1/pp of it), or
@@ -339,7 +340,7 @@ class Auto(GeneratedSchedule):
         return auto(pp, microbatches, **stage_costs)
 
 
-def auto_schedule_class(*, f: StageCost = 1.0, b: StageCost = 1.0, w: StageCost = 1.0,
+def auto_schedule_class(*, f: Cost = 1.0, b: Cost = 1.0, w: Cost = 1.0,
                         comm: float = 0.0, mem_limit: int | None = None) -> type:
     """An "Auto" schedule class whose lists are searched for these measured costs.
 
